@@ -1,0 +1,120 @@
+"""Block keys: 64-bit hashes chained over a prompt's full blocks.
+
+::
+
+    root      = H(namespace fields, tenant salt)          # key_{-1}
+    key_0     = H(root,      tokens[0:B])
+    key_1     = H(key_0,     tokens[B:2B])
+    key_i     = H(key_{i-1}, tokens[i*B:(i+1)*B])        # partial tail blocks get no key
+
+H is XXH3-64 over little-endian bytes: the parent key as u64, then each token id as u32. The
+result depends only on those bytes, never on PYTHONHASHSEED or the process. Everything that
+changes what a block's bytes mean (model weights, KV dtype, block size, the tensor-parallel
+shard) is folded into the root, so two workers agree on a key only when they agree on the bytes.
+
+This module must not import torch: the router imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+KEY_SPEC_VERSION = 1
+"""Bumped whenever the byte encoding below changes; part of every namespace."""
+
+KV_DTYPES = ("fp32", "bf16", "fp8_e4m3")
+
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+class NamespaceMismatchError(ValueError):
+    """Two parties hash blocks in different namespaces; the message lists every field that differs."""
+
+    def __init__(self, differing: dict[str, tuple[object, object]], ours: str, theirs: str) -> None:
+        parts = ", ".join(f"{name}: {ours}={a!r} vs {theirs}={b!r}" for name, (a, b) in differing.items())
+        super().__init__(f"KV key namespaces differ ({parts})")
+        self.differing = differing
+
+
+@dataclass(frozen=True)
+class KeyNamespace:
+    """Everything that must match for two blocks with the same tokens to hold the same bytes."""
+
+    model_name: str
+    """Model identity as served (the bundled name or the checkpoint's name)."""
+    weights_fingerprint: str
+    """Hex digest of the weights (see engine.loader); different weights never share blocks."""
+    kv_dtype: str
+    """Storage dtype of the block: one of KV_DTYPES."""
+    block_size: int
+    """Tokens per block."""
+    tp_size: int = 1
+    """Tensor-parallel degree of the shard that holds the block."""
+    tp_rank: int = 0
+    """Which shard (range of KV heads) of that degree the block holds."""
+    key_spec_version: int = KEY_SPEC_VERSION
+    """Version of this module's encoding."""
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("model_name: must not be empty")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {KV_DTYPES}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank: {self.tp_rank} is not a rank of tp_size {self.tp_size}")
+
+    def _canonical_bytes(self) -> bytes:
+        fields = dataclasses.astuple(self)
+        return b"splitserve-kv\x00" + "\x1f".join(str(f) for f in fields).encode()
+
+    def root_key(self, tenant_salt: str | bytes | None = None) -> int:
+        """key_{-1} for this namespace; a tenant salt gives each tenant its own key space."""
+        salt = tenant_salt.encode() if isinstance(tenant_salt, str) else (tenant_salt or b"")
+        return xxhash.xxh3_64_intdigest(self._canonical_bytes() + b"\x00salt\x00" + salt)
+
+    def differences(self, other: KeyNamespace) -> dict[str, tuple[object, object]]:
+        """Fields whose values differ, as ``{name: (ours, theirs)}``."""
+        return {
+            f.name: (getattr(self, f.name), getattr(other, f.name))
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        }
+
+    def require_same(self, other: KeyNamespace, ours: str = "local", theirs: str = "peer") -> None:
+        """Raise NamespaceMismatchError naming each differing field, unless the namespaces match."""
+        differing = self.differences(other)
+        if differing:
+            raise NamespaceMismatchError(differing, ours, theirs)
+
+
+def hash_block(parent_key: int, token_ids: Sequence[int]) -> int:
+    """H(parent, tokens): the key of one block given the key of the block before it."""
+    try:
+        data = struct.pack(f"<Q{len(token_ids)}I", parent_key, *token_ids)
+    except struct.error as e:
+        bad = next((t for t in token_ids if not 0 <= t <= _MAX_TOKEN_ID), None)
+        raise ValueError(f"token_ids: {bad!r} is not a u32 token id") from e
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def block_keys(
+    token_ids: Sequence[int], block_size: int, parent_key: int, start_block: int = 0
+) -> list[int]:
+    """Keys of the full blocks of ``token_ids`` from block ``start_block`` on.
+
+    ``parent_key`` is the key of block ``start_block - 1`` (the namespace root when 0), so a
+    caller that already holds the keys of a prefix extends the chain without rehashing it.
+    """
+    keys: list[int] = []
+    num_full_blocks = len(token_ids) // block_size
+    for i in range(start_block, num_full_blocks):
+        parent_key = hash_block(parent_key, token_ids[i * block_size : (i + 1) * block_size])
+        keys.append(parent_key)
+    return keys

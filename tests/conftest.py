@@ -1,0 +1,66 @@
+"""Session-wide test set-up: offline hubs, loopback-only Ray, the gpu marker, tiny checkpoints."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.tiny_models import TINY_CONFIGS, make_tiny_checkpoint, make_tiny_tokenizer  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir):
+    """``tiny_checkpoint(name)``: the directory of a tiny random checkpoint, made once per session."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = make_tiny_checkpoint(name, tmp_path_factory.mktemp(name), tiny_tokenizer_dir)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tiny_checkpoint):
+    return tiny_checkpoint("mixtral")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The bundled SmolLM2-135M, converted once into the user's model cache (shared across runs)."""
+    from engine.bundled import resolve_model
+
+    return resolve_model("smollm2-135m")
+
+
+__all__ = ["TINY_CONFIGS"]
