@@ -56,11 +56,17 @@ def tiny_mixtral_dir(tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory: pytest.TempPathFactory):
-    """The bundled SmolLM2-135M, converted once into the user's model cache (shared across runs)."""
+def smollm2_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A model cache private to this test session, so conversion itself is exercised every run."""
+    return tmp_path_factory.getbasetemp() / "splitserve-cache"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_cache_dir):
+    """The bundled SmolLM2-135M, converted from its GGUF once per session."""
     from engine.bundled import resolve_model
 
-    return resolve_model("smollm2-135m")
+    return resolve_model("smollm2-135m", cache_dir=smollm2_cache_dir)
 
 
 __all__ = ["TINY_CONFIGS"]

@@ -1,0 +1,53 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kv_store.keys import KV_DTYPES
+
+MODEL_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What to load and how to size the KV pool and the batch."""
+
+    model: str = "smollm2-135m"
+    """A bundled model name or a path to a Hugging Face checkpoint directory."""
+    dtype: str = "float32"
+    """Weights and activations: float32 or bfloat16."""
+    kv_dtype: str = "fp8_e4m3"
+    """KV pool storage: fp32, bf16 or fp8_e4m3 (dequantized inside attention)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_bytes: int = 1 << 30
+    """Bytes of KV pool to allocate when num_kv_blocks is not set."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks; overrides kv_cache_bytes."""
+    max_num_seqs: int = 64
+    """Most sequences in the running batch."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step; longer prompts are prefilled in chunks of at most this."""
+    max_model_len: int | None = None
+    """Longest prompt plus output; None takes the model's context length."""
+    enable_prefix_caching: bool = True
+    """Reuse cached full blocks of a prompt's prefix."""
+    seed: int = 0
+    """Seeds sampling for requests that do not bring their own seed."""
+    cache_dir: Path | None = None
+    """Where bundled models are converted to; None is $SPLITSERVE_CACHE_DIR or ~/.cache/splitserve."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {MODEL_DTYPES}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {KV_DTYPES}")
+        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks: must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")

@@ -1,0 +1,84 @@
+"""The KV pool as tensors: one byte buffer of ``num_blocks`` blocks laid out as kv_store.layout.
+
+Attention writes new K/V into slots ``(block_id, offset)`` and reads a sequence's context back by
+gathering its block table. FP8 blocks are requantized on write: a block's scale is the amax of
+the tokens it holds so far, so the last, partly filled block may be re-rounded as it grows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kv_store.fp8 import FP8_DTYPE, dequantize_fp8, fp8_scales, quantize_fp8
+from kv_store.layout import KVBlockLayout
+
+STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": FP8_DTYPE}
+
+
+class PagedKVCache:
+    """All KV blocks of one model shard in one contiguous ``uint8`` buffer ``[num_blocks, block_bytes]``."""
+
+    def __init__(self, layout: KVBlockLayout, num_blocks: int, compute_dtype: torch.dtype) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.compute_dtype = compute_dtype
+        # numpy's zeros come from calloc: pages are zeroed lazily by the kernel as they are first
+        # touched, so a large pool costs nothing until it is used. Zero, not garbage: attention
+        # reads (masked) slots that were never written, and NaN * 0 would still be NaN.
+        self.buffer = torch.from_numpy(np.zeros((num_blocks, layout.block_bytes), dtype=np.uint8))
+        storage = STORAGE_DTYPES[layout.kv_dtype]
+        payload = self.buffer[:, : layout.payload_bytes].view(storage)
+        self.payload = payload.view(num_blocks, *layout.payload_shape)
+        self.scales: torch.Tensor | None = None
+        if layout.has_scales:
+            trailer = self.buffer[:, layout.scales_offset : layout.scales_offset + layout.scale_bytes]
+            self.scales = trailer.view(torch.float32).view(num_blocks, *layout.scale_shape)
+            self.scales.fill_(1.0)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Store ``k``, ``v`` (``[num_tokens, kv_heads, head_dim]``) at slots ``(block_ids[i], offsets[i])``.
+
+        Within one call, slots of one block must be written in offset order from the block's
+        current fill level (how sequences grow), so that the block's valid prefix is known.
+        """
+        layer_view = self.payload[:, :, layer]
+        if self.scales is None:
+            layer_view[block_ids, :, 0, offsets] = k.to(layer_view.dtype)
+            layer_view[block_ids, :, 1, offsets] = v.to(layer_view.dtype)
+            return
+        unique_ids, inverse = torch.unique(block_ids, return_inverse=True)
+        blocks = dequantize_fp8(layer_view[unique_ids], self.scales[unique_ids, :, layer])
+        blocks[inverse, :, 0, offsets] = k.float()
+        blocks[inverse, :, 1, offsets] = v.float()
+        fill = torch.zeros(len(unique_ids), dtype=torch.long).scatter_reduce_(0, inverse, offsets + 1, "amax")
+        valid = torch.arange(self.layout.block_size) < fill[:, None]
+        blocks *= valid[:, None, None, :, None]
+        scales = fp8_scales(blocks, num_group_dims=3)
+        layer_view[unique_ids] = quantize_fp8(blocks, scales)
+        self.scales[unique_ids, :, layer] = scales
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``block_tables`` (``[batch, num_blocks]``) as ``[batch, kv_heads, num_blocks * block_size, head_dim]``.
+
+        One copy per tensor: index_select on the head-major view lands blocks already in
+        ``[kv_heads, batch * num_blocks, block_size, head_dim]`` order, which views as the result.
+        """
+        batch, width = block_tables.shape
+        flat_ids = block_tables.reshape(-1)
+        out = []
+        for kv in (0, 1):
+            rows = self.payload[:, :, layer, kv].transpose(0, 1)
+            picked = torch.index_select(rows, 1, flat_ids)
+            if self.scales is not None:
+                scales = self.scales[:, :, layer, kv].index_select(0, flat_ids).t()
+                picked = picked.to(self.compute_dtype).mul_(scales[:, :, None, None].to(self.compute_dtype))
+            elif picked.dtype != self.compute_dtype:
+                picked = picked.to(self.compute_dtype)
+            heads = picked.shape[0]
+            out.append(picked.view(heads, batch, width * self.layout.block_size, -1).transpose(0, 1))
+        return out[0], out[1]
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """The raw bytes of one block (a view)."""
+        return self.buffer[block_id]

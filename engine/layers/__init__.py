@@ -1,0 +1,1 @@
+"""Model building blocks: norms, rotary embeddings, paged attention, dense and MoE MLPs."""

@@ -1,0 +1,77 @@
+"""Feed-forward blocks: the gated SiLU MLP and the sparse mixture of experts built from it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.model_config import MoEConfig
+
+
+class GatedMLP(torch.nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoE(torch.nn.Module):
+    """Top-k routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE), plus Qwen2-MoE's gated shared expert.
+
+    Expert weights are stacked: ``w13[e]`` is expert e's ``[gate; up]`` and ``w2[e]`` its down
+    projection, so one expert's work is two matmuls over the tokens routed to it.
+    """
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.top_k = moe.num_experts_per_tok
+        self.norm_topk_prob = moe.norm_topk_prob
+        size = moe.expert_intermediate_size
+        self.gate = torch.nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.w13 = torch.nn.Parameter(torch.empty(moe.num_experts, 2 * size, hidden_size))
+        self.w2 = torch.nn.Parameter(torch.empty(moe.num_experts, hidden_size, size))
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: torch.nn.Linear | None = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = torch.nn.Linear(hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights, expert_ids)``, each ``[num_tokens, top_k]``."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), expert_ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.route(x)
+        out = self.experts(x, weights, expert_ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of each token's routed experts; tokens are grouped per expert first."""
+        flat_experts = expert_ids.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        token_of = order // self.top_k
+        weight_of = weights.reshape(-1)[order]
+        counts = torch.bincount(flat_experts, minlength=self.w13.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = token_of[start : start + count]
+            gate, up = F.linear(x[tokens], self.w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert]) * weight_of[start : start + count, None]
+            out.index_add_(0, tokens, y)
+            start += count
+        return out

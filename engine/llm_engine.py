@@ -1,0 +1,227 @@
+"""LLMEngine: requests in, tokens and text out, one scheduler step at a time.
+
+This is the object both worker roles wrap. It is synchronous and single-threaded: callers add
+and abort requests between ``step()`` calls.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.bundled import bundled_model_names, resolve_model
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.kv_cache import PagedKVCache
+from engine.loader.weights import load_weights, weights_fingerprint
+from engine.model_config import ModelConfig
+from engine.models.decoder import DecoderModel
+from engine.params import SamplingParams
+from engine.request import FinishReason, Request, RequestOutput
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kv_store.block_pool import BlockPool
+from kv_store.keys import KeyNamespace
+from kv_store.layout import KVBlockLayout
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's queues and KV pool."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_cached_kv_blocks: int
+    num_preemptions: int
+    num_computed_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request, as returned by ``LLMEngine.generate``."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+    num_cached_tokens: int
+
+
+class LLMEngine:
+    """Loads one model, owns its KV pool, and runs continuous batching over submitted requests."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.checkpoint_dir: Path = resolve_model(config.model, config.cache_dir)
+        self.model_name = config.model if config.model in bundled_model_names() else self.checkpoint_dir.name
+        self.model_config = ModelConfig.from_dir(self.checkpoint_dir)
+        self.tokenizer = Tokenizer.from_dir(self.checkpoint_dir)
+        mc = self.model_config
+        limits = [config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings]
+        self.max_model_len = min(limits + ([mc.sliding_window] if mc.sliding_window else []))
+        model = DecoderModel.empty(mc, self.max_model_len, _TORCH_DTYPES[config.dtype])
+        load_weights(model, self.checkpoint_dir)
+        layout = KVBlockLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
+        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} holds no block of {layout.block_bytes} bytes")
+        self.kv_cache = PagedKVCache(layout, num_blocks, _TORCH_DTYPES[config.dtype])
+        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.namespace = KeyNamespace(
+            model_name=self.model_name,
+            weights_fingerprint=weights_fingerprint(self.checkpoint_dir),
+            kv_dtype=config.kv_dtype,
+            block_size=config.block_size,
+        )
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
+        self._requests: dict[str, Request] = {}
+        self._seeds = random.Random(config.seed)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Sequence[dict[str, str]] | None = None,
+        tenant_salt: str | None = None,
+    ) -> None:
+        """Queue a request: a text prompt, token ids, or chat ``messages`` (exactly one).
+
+        Raises InvalidRequestError naming the field when the request cannot be served; nothing
+        is allocated before every check has passed.
+        """
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        prompt_token_ids = self._prompt_token_ids(prompt, messages)
+        self._check_fits(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            root_key=self.namespace.root_key(tenant_salt),
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request)
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return the requests that produced tokens."""
+        chunks = self.scheduler.schedule()
+        sampled = self.runner.execute(chunks) if chunks else {}
+        outputs = []
+        for request in self.scheduler.update(chunks, sampled):
+            outputs.append(request.take_output())
+            if request.finished:
+                del self._requests[request.request_id]
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=self.pool.num_blocks,
+            num_free_kv_blocks=self.pool.num_free_blocks,
+            num_cached_kv_blocks=self.pool.num_cached_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
+        )
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[Completion]:
+        """Run prompts to completion together; results in prompt order."""
+        per_prompt = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        ids = [f"generate-{id(self)}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, per_prompt):
+            self.add_request(request_id, prompt, p)
+        return self.run_to_completion(ids)
+
+    def run_to_completion(self, request_ids: Sequence[str]) -> list[Completion]:
+        """Step until every listed request has finished; results in the listed order."""
+        requests = {rid: self._requests[rid] for rid in request_ids}
+        texts = {rid: [] for rid in request_ids}
+        pending = set(request_ids)
+        while pending:
+            for out in self.step():
+                if out.request_id in texts:
+                    texts[out.request_id].append(out.text_delta)
+                    if out.finished:
+                        pending.discard(out.request_id)
+        return [
+            Completion(
+                request_id=rid,
+                prompt_token_ids=tuple(r.prompt_token_ids),
+                output_token_ids=tuple(r.output_token_ids),
+                text="".join(texts[rid]),
+                finish_reason=r.finish_reason,
+                num_cached_tokens=r.num_cached_tokens,
+            )
+            for rid, r in requests.items()
+        ]
+
+    def _prompt_token_ids(self, prompt: str | Sequence[int] | None, messages: Sequence[dict[str, str]] | None) -> list[int]:
+        if prompt is not None and messages is not None:
+            raise InvalidRequestError("prompt", "give either prompt or messages, not both")
+        if messages is not None:
+            if not messages:
+                raise InvalidRequestError("messages", "must not be empty")
+            if not self.tokenizer.has_chat_template:
+                raise InvalidRequestError("messages", f"model {self.model_name!r} has no chat template")
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if prompt is None:
+            raise InvalidRequestError("prompt", "give a prompt or messages")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            return self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt", f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        return token_ids
+
+    def _check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_token_ids)} tokens do not fit the context of {self.max_model_len} tokens"
+            )
+        max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        needed = -(-max_len // self.config.block_size)
+        if needed > self.pool.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt plus max_tokens needs {needed} KV blocks but the pool holds {self.pool.num_blocks}",
+            )

@@ -1,0 +1,1 @@
+"""Checkpoint loading: HF safetensors directories and the GGUF converter for bundled models."""

@@ -1,0 +1,147 @@
+"""Load a Hugging Face safetensors checkpoint into a DecoderModel, and fingerprint its weights.
+
+Checkpoint names are mapped onto our fused parameters (q/k/v -> qkv_proj, gate/up ->
+gate_up_proj, per-expert tensors -> stacked w13/w2). Every parameter must be filled completely;
+a missing or unexpected tensor is an error that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from safetensors import safe_open
+
+from engine.errors import CheckpointError, UnsupportedModelError
+from engine.models.decoder import DecoderModel
+
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_SAMPLES_PER_FILE = 16
+_SAMPLE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor lands: a parameter, and the slice of it along dim 0 (or of an expert)."""
+
+    param: str
+    expert: int | None = None
+    row_start: int = 0
+    num_rows: int | None = None
+    """Rows of a fused parameter this tensor fills; None for the whole parameter."""
+
+
+def safetensors_files(checkpoint_dir: Path) -> list[Path]:
+    """The checkpoint's weight files, from the index when there is one."""
+    index = checkpoint_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [checkpoint_dir / n for n in names]
+    else:
+        files = sorted(checkpoint_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{checkpoint_dir}: no *.safetensors weight files")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{checkpoint_dir}: weight file {f.name} listed in the index is missing")
+    return files
+
+
+def iter_checkpoint(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(checkpoint_dir):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
+
+
+def weights_fingerprint(checkpoint_dir: Path) -> str:
+    """A 128-bit hex digest of the weights: headers, sizes and evenly spaced samples of every file.
+
+    Reads about 1 MiB per file, so it is cheap for large checkpoints while still telling apart
+    two checkpoints of the same shape (fine-tunes, quantizations).
+    """
+    h = xxhash.xxh3_128()
+    for path in safetensors_files(checkpoint_dir):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}\n".encode())
+        with path.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            h.update(f.read(header_len))
+            for i in range(_SAMPLES_PER_FILE):
+                f.seek(max(0, (size - _SAMPLE_BYTES) * i // max(1, _SAMPLES_PER_FILE - 1)))
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def load_weights(model: DecoderModel, checkpoint_dir: Path) -> None:
+    """Fill every parameter of ``model`` from the checkpoint (cast to the model's dtype)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled = {name: 0 for name in params}
+    unexpected: list[str] = []
+    for name, tensor in iter_checkpoint(checkpoint_dir):
+        if _IGNORED.match(name):
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        target = _target(name, model)
+        if target is None or target.param not in params:
+            unexpected.append(name)
+            continue
+        dest = params[target.param].data
+        if target.expert is not None:
+            dest = dest[target.expert]
+        view = dest if target.num_rows is None else dest[target.row_start : target.row_start + target.num_rows]
+        if view.shape != tensor.shape:
+            raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} does not fit {target.param} slice {tuple(view.shape)}")
+        view.copy_(tensor)
+        filled[target.param] += tensor.numel()
+    if unexpected:
+        raise UnsupportedModelError(f"{checkpoint_dir}: unexpected tensors {unexpected[:5]} (+{max(0, len(unexpected) - 5)} more)")
+    if model.config.tie_word_embeddings:
+        filled["lm_head.weight"] = params["lm_head.weight"].numel()
+    missing = [n for n, count in filled.items() if count != params[n].numel()]
+    if missing:
+        raise CheckpointError(f"{checkpoint_dir}: tensors missing or incomplete for {missing[:5]} (+{max(0, len(missing) - 5)} more)")
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def _target(name: str, model: DecoderModel) -> _Target | None:
+    m = _LAYER.match(name)
+    if m is None:
+        return _Target(name.removeprefix("model."))
+    prefix, rest = f"layers.{m.group(1)}.", m.group(2)
+    config = model.config
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    attn = re.match(r"^self_attn\.([qkv])_proj\.(weight|bias)$", rest)
+    if attn:
+        start, rows = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[attn.group(1)]
+        return _Target(f"{prefix}self_attn.qkv_proj.{attn.group(2)}", row_start=start, num_rows=rows)
+    expert = _EXPERT.match(rest)
+    if expert and config.moe is not None:
+        e, proj = int(expert.group(1)), expert.group(2)
+        size = config.moe.expert_intermediate_size
+        slot = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", size), "up_proj": ("w13", size)}.get(proj)
+        if slot is not None:
+            return _Target(f"{prefix}mlp.{slot[0]}", expert=e, row_start=slot[1], num_rows=size)
+        return _Target(f"{prefix}mlp.w2", expert=e) if proj in ("w2", "down_proj") else None
+    fused = {"mlp.experts.gate_up_proj": "mlp.w13", "mlp.experts.down_proj": "mlp.w2"}.get(rest)
+    if fused:
+        return _Target(prefix + fused)
+    rest = rest.replace("block_sparse_moe.gate.", "mlp.gate.")
+    dense = re.match(r"^(mlp(?:\.shared_expert)?)\.(gate|up)_proj\.weight$", rest)
+    if dense:
+        size = config.intermediate_size if dense.group(1) == "mlp" else config.moe.shared_expert_intermediate_size
+        start = 0 if dense.group(2) == "gate" else size
+        return _Target(f"{prefix}{dense.group(1)}.gate_up_proj.weight", row_start=start, num_rows=size)
+    return _Target(prefix + rest)

@@ -1,0 +1,141 @@
+"""A request's state inside the engine, and what the engine reports about it each step."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.params import SamplingParams
+from engine.stop import StopStringMatcher
+from engine.tokenizer import IncrementalDetokenizer
+from kv_store.keys import block_keys
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended."""
+
+    STOP = "stop"
+    """EOS, a stop token or a stop string."""
+    LENGTH = "length"
+    """max_tokens or the model's context length."""
+    ABORT = "abort"
+    """Cancelled by the caller."""
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    finished: bool
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None
+    """The stop string or stop token id that ended the request, if any."""
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens served from the prefix cache at admission."""
+    num_output_tokens: int
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence: its tokens, its blocks, how far its KV is computed, and its stop state."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    root_key: int
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)
+    """Prompt followed by output: the sequence whose KV is being computed."""
+    block_ids: list[int] = field(default_factory=list)
+    block_keys: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Leading tokens whose K/V is in the cache."""
+    num_registered_blocks: int = 0
+    """Leading blocks already offered to the prefix cache."""
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self._stop_strings = StopStringMatcher(self.params.stop)
+        self._pending_tokens: list[int] = []
+        self._pending_text: list[str] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def keys_of_full_blocks(self, block_size: int, num_blocks: int) -> list[int]:
+        """The first ``num_blocks`` block keys, hashing only blocks not hashed before."""
+        if len(self.block_keys) < num_blocks:
+            parent = self.block_keys[-1] if self.block_keys else self.root_key
+            tokens = self.token_ids[: num_blocks * block_size]
+            self.block_keys += block_keys(tokens, block_size, parent, start_block=len(self.block_keys))
+        return self.block_keys[:num_blocks]
+
+    def append_token(self, token_id: int) -> None:
+        """Add a sampled token and decide whether the request is finished."""
+        self.token_ids.append(token_id)
+        self._pending_tokens.append(token_id)
+        params = self.params
+        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
+            self._finish(FinishReason.STOP, token_id)
+            return
+        text, matched = self._stop_strings.add(self.detokenizer.add_tokens([token_id]))
+        self._pending_text.append(text)
+        if matched is not None:
+            self._finish(FinishReason.STOP, matched, flush=False)
+        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
+            self._finish(FinishReason.LENGTH)
+
+    def abort(self) -> None:
+        self._finish(FinishReason.ABORT)
+
+    def take_output(self) -> RequestOutput:
+        """The tokens and text produced since the last call."""
+        out = RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=tuple(self._pending_tokens),
+            text_delta="".join(self._pending_text),
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_output_tokens=self.num_output_tokens,
+        )
+        self._pending_tokens, self._pending_text = [], []
+        return out
+
+    def _finish(self, reason: FinishReason, stop_reason: str | int | None = None, flush: bool = True) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        if flush:
+            tail, _ = self._stop_strings.add(self.detokenizer.flush())
+            self._pending_text.append(tail + self._stop_strings.flush())

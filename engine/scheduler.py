@@ -1,0 +1,160 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+Every step spends a token budget: running sequences first (one token each in decode, the next
+chunk of a prompt still being prefilled), then waiting ones in arrival order while blocks and
+batch slots last. There is no separate prefill phase: a request just has ``num_tokens`` and
+``num_computed_tokens``, and each step closes some of the gap::
+
+    token_ids:  [ p0 p1 ... p40 | o0 o1 o2 ]          num_tokens = 44
+    computed:   [ ==== cached ====|== computed ==|    ]  num_computed_tokens = 41
+    this step:                                  [o1 o2]  num_new_tokens = 2 (after a preemption)
+
+When a running sequence needs a block and none is free, the most recently admitted running
+sequence is preempted: its blocks are freed and it goes back to the front of the queue with its
+output so far, to be recomputed (its full blocks are usually still in the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.request import Request
+from kv_store.block_pool import BlockPool
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``num_new_tokens`` tokens of ``request`` from position ``start`` to compute this step."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the end of the sequence, so a next token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    """Decides which tokens of which requests run each step, and owns their blocks."""
+
+    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.num_computed_prompt_tokens = 0
+        """Prompt tokens whose K/V the engine computed (cache hits excluded); grows with recompute."""
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self._grow(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+                budget -= num_new
+                index += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            hits = self._match_prefix(request)
+            self.pool.acquire(hits)
+            request.block_ids = list(hits)
+            request.num_registered_blocks = len(hits)
+            request.num_computed_tokens = len(hits) * self.block_size
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._grow(request, num_new):
+                self._release(request)
+                break
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            self.waiting.popleft()
+            self.running.append(request)
+            chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+        return chunks
+
+    def update(self, chunks: list[ScheduledChunk], sampled: dict[Request, int]) -> list[Request]:
+        """Advance the scheduled requests, append sampled tokens; return the requests with new output."""
+        touched = []
+        for chunk in chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_new_tokens
+            prompt_end = min(chunk.start + chunk.num_new_tokens, request.num_prompt_tokens)
+            self.num_computed_prompt_tokens += max(0, prompt_end - chunk.start)
+            self._register_full_blocks(request)
+            token = sampled.get(request)
+            if token is None:
+                continue
+            request.append_token(token)
+            touched.append(request)
+            if request.finished:
+                self.running.remove(request)
+                self._release(request)
+        return touched
+
+    def abort(self, request: Request) -> None:
+        """Drop a request wherever it is and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.abort()
+
+    def _match_prefix(self, request: Request) -> list[int]:
+        # At least one token is always computed, so that there are logits to sample from.
+        num_full_blocks = (request.num_tokens - 1) // self.block_size
+        return self.pool.match_prefix(request.keys_of_full_blocks(self.block_size, num_full_blocks))
+
+    def _grow(self, request: Request, num_new_tokens: int) -> bool:
+        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(request.block_ids)
+        if needed <= 0:
+            return True
+        block_ids = self.pool.allocate(needed)
+        if block_ids is None:
+            return False
+        request.block_ids += block_ids
+        return True
+
+    def _register_full_blocks(self, request: Request) -> None:
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_registered_blocks:
+            return
+        keys = request.keys_of_full_blocks(self.block_size, num_full)
+        for i in range(request.num_registered_blocks, num_full):
+            self.pool.cache(request.block_ids[i], keys[i])
+        request.num_registered_blocks = num_full
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        self.pool.release(reversed(request.block_ids))
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_registered_blocks = 0

@@ -1,0 +1,53 @@
+"""Sampler filters and per-request seeds, on crafted logits and through the engine."""
+
+import math
+
+import torch
+
+from engine.params import SamplingParams
+from engine.sampler import sample
+from tests.unit.engine.helpers import make_engine, random_prompts, run_staggered
+
+LOGITS = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+
+
+def _draw(params: SamplingParams, n: int = 2000) -> list[int]:
+    g = torch.Generator().manual_seed(0)
+    return [sample(LOGITS, [params], [g])[0] for _ in range(n)]
+
+
+def test_greedy_and_top_k_one_take_the_argmax():
+    assert set(_draw(SamplingParams(temperature=0), 50)) == {0}
+    assert set(_draw(SamplingParams(top_k=1), 50)) == {0}
+
+
+def test_top_k_keeps_only_the_k_best():
+    assert set(_draw(SamplingParams(top_k=2))) == {0, 1}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    assert set(_draw(SamplingParams(top_p=0.5))) == {0, 1}  # 0.4 < 0.5 <= 0.4 + 0.3
+    assert set(_draw(SamplingParams(top_p=0.75))) == {0, 1, 2}
+    assert set(_draw(SamplingParams(top_p=1e-6), 50)) == {0}
+
+
+def test_temperature_reshapes_the_distribution():
+    draws = _draw(SamplingParams(temperature=2.0), 4000)
+    probs = torch.softmax(LOGITS[0] / 2.0, dim=-1).tolist()
+    for token, p in enumerate(probs):
+        freq = draws.count(token) / len(draws)
+        assert abs(freq - p) < 4 * math.sqrt(p * (1 - p) / len(draws))
+
+
+def test_seeded_request_is_reproducible_whatever_the_batch(tiny_llama_dir):
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=42, ignore_eos=True)
+    prompts = random_prompts([10, 20, 30])
+    engine = make_engine(tiny_llama_dir)
+    engine.add_request("alone", prompts[0], seeded)
+    [alone] = engine.run_to_completion(["alone"])
+    batched = run_staggered(make_engine(tiny_llama_dir), prompts, seeded, every=1)
+    assert batched[0] == alone.output_token_ids
+    other_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=43, ignore_eos=True)
+    engine.add_request("other", prompts[0], other_seed)
+    [other] = engine.run_to_completion(["other"])
+    assert other.output_token_ids != alone.output_token_ids
