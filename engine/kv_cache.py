@@ -36,48 +36,45 @@ class PagedKVCache:
             self.scales = trailer.view(torch.float32).view(num_blocks, *layout.scale_shape)
             self.scales.fill_(1.0)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
-        """Store ``k``, ``v`` (``[num_tokens, kv_heads, head_dim]``) at slots ``(block_ids[i], offsets[i])``.
+    def write(self, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Store ``k``, ``v`` (``[num_tokens, num_layers, kv_heads, head_dim]``) at slots ``(block_ids[i], offsets[i])``.
 
-        Within one call, slots of one block must be written in offset order from the block's
-        current fill level (how sequences grow), so that the block's valid prefix is known.
+        Every layer at once. Slots of one block must continue the block from its current fill
+        level (how sequences grow), so that the block's valid prefix is known.
         """
-        layer_view = self.payload[:, :, layer]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [tokens, kv_heads, layers, head_dim]
         if self.scales is None:
-            layer_view[block_ids, :, 0, offsets] = k.to(layer_view.dtype)
-            layer_view[block_ids, :, 1, offsets] = v.to(layer_view.dtype)
+            self.payload[block_ids, :, :, 0, offsets] = k.to(self.payload.dtype)
+            self.payload[block_ids, :, :, 1, offsets] = v.to(self.payload.dtype)
             return
         unique_ids, inverse = torch.unique(block_ids, return_inverse=True)
-        blocks = dequantize_fp8(layer_view[unique_ids], self.scales[unique_ids, :, layer])
-        blocks[inverse, :, 0, offsets] = k.float()
-        blocks[inverse, :, 1, offsets] = v.float()
+        blocks = dequantize_fp8(self.payload[unique_ids], self.scales[unique_ids])
+        blocks[inverse, :, :, 0, offsets] = k.float()
+        blocks[inverse, :, :, 1, offsets] = v.float()
         fill = torch.zeros(len(unique_ids), dtype=torch.long).scatter_reduce_(0, inverse, offsets + 1, "amax")
         valid = torch.arange(self.layout.block_size) < fill[:, None]
-        blocks *= valid[:, None, None, :, None]
-        scales = fp8_scales(blocks, num_group_dims=3)
-        layer_view[unique_ids] = quantize_fp8(blocks, scales)
-        self.scales[unique_ids, :, layer] = scales
+        blocks *= valid[:, None, None, None, :, None]
+        scales = fp8_scales(blocks, num_group_dims=4)
+        self.payload[unique_ids] = quantize_fp8(blocks, scales)
+        self.scales[unique_ids] = scales
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``block_tables`` (``[batch, num_blocks]``) as ``[batch, kv_heads, num_blocks * block_size, head_dim]``.
 
-        One copy per tensor: index_select on the head-major view lands blocks already in
-        ``[kv_heads, batch * num_blocks, block_size, head_dim]`` order, which views as the result.
+        One copy for both: indexing the view ``[kv_heads, 2, blocks, block_size, head_dim]``
+        along its block axis lands the blocks in ``[kv_heads, 2, batch, num_blocks, block_size,
+        head_dim]`` order, which K and V view as the result without another copy.
+        (``index_select`` would first make the whole strided view contiguous: the entire pool.)
         """
         batch, width = block_tables.shape
-        flat_ids = block_tables.reshape(-1)
-        out = []
-        for kv in (0, 1):
-            rows = self.payload[:, :, layer, kv].transpose(0, 1)
-            picked = torch.index_select(rows, 1, flat_ids)
-            if self.scales is not None:
-                scales = self.scales[:, :, layer, kv].index_select(0, flat_ids).t()
-                picked = picked.to(self.compute_dtype).mul_(scales[:, :, None, None].to(self.compute_dtype))
-            elif picked.dtype != self.compute_dtype:
-                picked = picked.to(self.compute_dtype)
-            heads = picked.shape[0]
-            out.append(picked.view(heads, batch, width * self.layout.block_size, -1).transpose(0, 1))
-        return out[0], out[1]
+        picked = self.payload[:, :, layer].permute(1, 2, 0, 3, 4)[:, :, block_tables]
+        if self.scales is not None:
+            scales = self.scales[:, :, layer].permute(1, 2, 0)[:, :, block_tables]
+            picked = dequantize_fp8(picked, scales, self.compute_dtype)
+        elif picked.dtype != self.compute_dtype:
+            picked = picked.to(self.compute_dtype)
+        kv = picked.view(self.layout.num_kv_heads, 2, batch, width * self.layout.block_size, self.layout.head_dim)
+        return kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)
 
     def read_block(self, block_id: int) -> torch.Tensor:
         """The raw bytes of one block (a view)."""

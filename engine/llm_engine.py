@@ -42,6 +42,7 @@ class EngineStats:
     num_free_kv_blocks: int
     num_cached_kv_blocks: int
     num_preemptions: int
+    num_aborted_requests: int
     num_computed_prompt_tokens: int
 
 
@@ -141,6 +142,10 @@ class LLMEngine:
                 del self._requests[request.request_id]
         return outputs
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block key, e.g. between benchmark runs over the same prompts."""
+        self.pool.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -152,6 +157,7 @@ class LLMEngine:
             num_free_kv_blocks=self.pool.num_free_blocks,
             num_cached_kv_blocks=self.pool.num_cached_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_aborted_requests=self.scheduler.num_aborted,
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
         )
 

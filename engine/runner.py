@@ -27,6 +27,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.layout.block_size
+        self.dtype = model.embed_tokens.weight.dtype
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> dict[Request, int]:
@@ -42,14 +43,21 @@ class ModelRunner:
             positions += range(start, end)
             slot_block_ids += (request.block_ids[p // self.block_size] for p in range(start, end))
         position_t = torch.tensor(positions, dtype=torch.long)
+        cos, sin = self.model.rotary.tables(position_t, self.dtype)
+        config = self.model.config
+        new_kv_shape = (len(positions), config.num_layers, config.num_kv_heads, config.head_dim)
         batch = AttentionBatch(
             kv_cache=self.kv_cache,
-            slot_block_ids=torch.tensor(slot_block_ids, dtype=torch.long),
-            slot_offsets=position_t % self.block_size,
+            rope_cos=cos,
+            rope_sin=sin,
             decode_groups=self._decode_groups(decodes),
             prefill_chunks=self._prefill_chunks(prefills, first_token=len(decodes)),
+            new_k=torch.empty(new_kv_shape, dtype=self.dtype),
+            new_v=torch.empty(new_kv_shape, dtype=self.dtype),
         )
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long), position_t, batch)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long), batch)
+        block_ids = torch.tensor(slot_block_ids, dtype=torch.long)
+        self.kv_cache.write(batch.new_k, batch.new_v, block_ids, position_t % self.block_size)
 
         sampling: list[ScheduledChunk] = []
         rows: list[int] = []
@@ -77,15 +85,14 @@ class ModelRunner:
     def _decode_group(self, members: list[tuple[int, ScheduledChunk]]) -> DecodeGroup:
         width = members[-1][1].start // self.block_size + 1
         tables = torch.empty(len(members), width, dtype=torch.long)
-        context_lens = torch.empty(len(members), dtype=torch.long)
         for row, (_, chunk) in enumerate(members):
             blocks = chunk.request.block_ids[: chunk.start // self.block_size + 1]
             tables[row] = torch.tensor(blocks + [blocks[0]] * (width - len(blocks)))
-            context_lens[row] = chunk.start + 1
+        positions = torch.tensor([chunk.start for _, chunk in members], dtype=torch.long)
         key_positions = torch.arange(width * self.block_size)
-        mask = (key_positions[None, :] < context_lens[:, None])[:, None, None, :]
-        token_index = torch.tensor([index for index, _ in members], dtype=torch.long)
-        return DecodeGroup(token_index=token_index, block_tables=tables, mask=mask)
+        mask = (key_positions[None, :] <= positions[:, None])[:, None, None, :]
+        tokens = slice(members[0][0], members[-1][0] + 1)
+        return DecodeGroup(tokens=tokens, rows=torch.arange(len(members)), positions=positions, block_tables=tables, mask=mask)
 
     def _prefill_chunks(self, prefills: list[ScheduledChunk], first_token: int) -> tuple[PrefillChunk, ...]:
         out = []
@@ -97,6 +104,6 @@ class ModelRunner:
             query_positions = torch.arange(chunk.start, end)
             key_positions = torch.arange(num_blocks * self.block_size)
             mask = key_positions[None, :] <= query_positions[:, None]
-            out.append(PrefillChunk(token_start, chunk.num_new_tokens, table, mask))
+            out.append(PrefillChunk(token_start, chunk.num_new_tokens, chunk.start, table, mask))
             token_start += chunk.num_new_tokens
         return tuple(out)

@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_aborted = 0
         self.num_computed_prompt_tokens = 0
         """Prompt tokens whose K/V the engine computed (cache hits excluded); grows with recompute."""
 
@@ -122,6 +123,7 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request)
         request.abort()
+        self.num_aborted += 1
 
     def _match_prefix(self, request: Request) -> list[int]:
         # At least one token is always computed, so that there are logits to sample from.

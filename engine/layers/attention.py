@@ -3,8 +3,12 @@
 One forward step mixes sequences in decode (one new token each) with chunks of prompts being
 prefilled. All tokens of the step go through the projections together; attention then runs per
 decode group (sequences of similar context length, padded within the group) and per prefill
-chunk. New K/V are written to the cache first, so every query reads its whole context from the
-cache (including its own chunk), which keeps prefill and decode on one code path.
+chunk.
+
+The cache holds the K/V of tokens computed in earlier steps. This step's own K/V are patched
+into the gathered context at their positions and stashed in ``AttentionBatch.new_k/new_v``; the
+model runner writes them to the cache once, for every layer together, after the forward pass.
+For FP8 that turns thirty requantizations of the touched blocks into one.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch.nn.functional as F
 
 from engine.kv_cache import PagedKVCache
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import apply_rotary
 from engine.model_config import ModelConfig
 
 
@@ -24,8 +28,12 @@ from engine.model_config import ModelConfig
 class DecodeGroup:
     """Decode sequences attended together; tables padded to the group's longest context."""
 
-    token_index: torch.Tensor
-    """[batch] positions of the group's tokens in the step's flat token batch."""
+    tokens: slice
+    """Where the group's tokens sit in the step's flat token batch (always a contiguous run)."""
+    rows: torch.Tensor
+    """[batch] 0 .. batch-1, for indexing the gathered context row by row."""
+    positions: torch.Tensor
+    """[batch] each token's position in its sequence (= its slot in the gathered context)."""
     block_tables: torch.Tensor
     """[batch, num_blocks] block ids, padded with any valid id."""
     mask: torch.Tensor
@@ -39,6 +47,8 @@ class PrefillChunk:
     token_start: int
     """First position of the chunk in the step's flat token batch."""
     num_tokens: int
+    start: int
+    """Position in the sequence of the chunk's first token."""
     block_table: torch.Tensor
     """[1, num_blocks] every block of the sequence up to the chunk's end."""
     mask: torch.Tensor
@@ -50,18 +60,20 @@ class AttentionBatch:
     """Everything attention needs for one step, built once per step by the model runner."""
 
     kv_cache: PagedKVCache
-    slot_block_ids: torch.Tensor
-    """[num_tokens] block each new token's K/V goes to."""
-    slot_offsets: torch.Tensor
-    """[num_tokens] offset within that block."""
+    rope_cos: torch.Tensor
+    """[num_tokens, 1, head_dim] rotary tables at each token's position."""
+    rope_sin: torch.Tensor
     decode_groups: tuple[DecodeGroup, ...]
     prefill_chunks: tuple[PrefillChunk, ...]
+    new_k: torch.Tensor
+    """[num_tokens, num_layers, kv_heads, head_dim] filled by each layer, written to the cache after the step."""
+    new_v: torch.Tensor
 
 
 class PagedAttention(torch.nn.Module):
     """QKV projection, optional per-head q/k norm (Qwen3), RoPE, paged attention, output projection."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.num_heads = config.num_heads
@@ -73,37 +85,43 @@ class PagedAttention(torch.nn.Module):
         self.o_proj = torch.nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary = rotary
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        # q and k are adjacent in the projection: rotate them together as one run of heads.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        batch.kv_cache.write(self.layer_index, k, v, batch.slot_block_ids, batch.slot_offsets)
-        out = torch.empty_like(q)
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+        qk = apply_rotary(qk, batch.rope_cos, batch.rope_sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        batch.new_k[:, self.layer_index] = k
+        batch.new_v[:, self.layer_index] = v
+        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype)
         for group in batch.decode_groups:
-            out[group.token_index] = self._decode(q[group.token_index], group, batch.kv_cache)
+            out[group.tokens] = self._decode(q[group.tokens], k[group.tokens], v[group.tokens], group, batch.kv_cache)
         for chunk in batch.prefill_chunks:
             span = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[span] = self._prefill(q[span], chunk, batch.kv_cache)
+            out[span] = self._prefill(q[span], k[span], v[span], chunk, batch.kv_cache)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
-    def _decode(self, q: torch.Tensor, group: DecodeGroup, kv_cache: PagedKVCache) -> torch.Tensor:
+    def _decode(self, q, k, v, group: DecodeGroup, kv_cache: PagedKVCache) -> torch.Tensor:
+        keys, values = kv_cache.gather(self.layer_index, group.block_tables)
+        keys[group.rows, :, group.positions] = k
+        values[group.rows, :, group.positions] = v
         # One query per sequence: fold the query heads of each KV head into the "query length"
         # axis, so GQA needs neither repeated K/V nor enable_gqa.
-        k, v = kv_cache.gather(self.layer_index, group.block_tables)
-        grouped = q.view(q.shape[0], self.num_kv_heads, -1, self.head_dim)
-        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=group.mask)
+        grouped = q.reshape(q.shape[0], self.num_kv_heads, -1, self.head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=group.mask)
         return out.reshape(q.shape)
 
-    def _prefill(self, q: torch.Tensor, chunk: PrefillChunk, kv_cache: PagedKVCache) -> torch.Tensor:
-        k, v = kv_cache.gather(self.layer_index, chunk.block_table)
+    def _prefill(self, q, k, v, chunk: PrefillChunk, kv_cache: PagedKVCache) -> torch.Tensor:
+        keys, values = kv_cache.gather(self.layer_index, chunk.block_table)
+        span = slice(chunk.start, chunk.start + chunk.num_tokens)
+        keys[0, :, span] = k.transpose(0, 1)
+        values[0, :, span] = v.transpose(0, 1)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=chunk.mask, enable_gqa=True
+            q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=chunk.mask, enable_gqa=True
         )
         return out.squeeze(0).transpose(0, 1)

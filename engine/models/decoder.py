@@ -19,18 +19,18 @@ from engine.model_config import ModelConfig
 class DecoderLayer(torch.nn.Module):
     """Pre-norm attention then pre-norm MLP, each with a residual connection."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = PagedAttention(config, layer_index, rotary)
+        self.self_attn = PagedAttention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.moe is None:
             self.mlp: torch.nn.Module = GatedMLP(config.hidden_size, config.intermediate_size)
         else:
             self.mlp = SparseMoE(config.hidden_size, config.moe)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), batch)
+    def forward(self, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -53,7 +53,7 @@ class DecoderModel(torch.nn.Module):
         self.config = config
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, config.max_position_embeddings)
-        self.layers = torch.nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_layers))
+        self.layers = torch.nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -71,11 +71,11 @@ class DecoderModel(torch.nn.Module):
         model.rotary.reset_tables()
         return model.eval()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]`` of a flat batch of tokens."""
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
-            hidden = layer(positions, hidden, batch)
+            hidden = layer(hidden, batch)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,22 +15,22 @@ def test_pool_write_then_gather_round_trips_and_grows_scales():
     layout = KVBlockLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, kv_dtype="fp8_e4m3")
     cache = PagedKVCache(layout, num_blocks=3, compute_dtype=torch.float32)
     torch.manual_seed(0)
-    k, v = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    k, v = torch.randn(6, 2, 2, 8), torch.randn(6, 2, 2, 8)  # [tokens, layers, heads, dim]
+    k[3] *= 100  # a later token with a larger amax must grow its block's scale, not saturate
     block_ids, offsets = torch.tensor([2, 2, 2, 2, 0, 0]), torch.tensor([0, 1, 2, 3, 0, 1])
-    cache.write(1, k[:3], v[:3], block_ids[:3], offsets[:3])
-    first_scale = cache.scales[2, :, 1].clone()
-    big = k[3:4] * 100  # a later token with a larger amax must grow the block's scale, not saturate
-    cache.write(1, big, v[3:4], block_ids[3:4], offsets[3:4])
-    cache.write(1, k[4:], v[4:], block_ids[4:], offsets[4:])
-    assert torch.all(cache.scales[2, :, 1, 0] > first_scale[:, 0])
-    gk, gv = cache.gather(1, torch.tensor([[2, 0]]))
-    expected_k = torch.cat([k[:3], big, k[4:]])  # [6, heads, dim]
-    got_k = torch.cat([gk[0, :, :4], gk[0, :, 4:6]], dim=1).transpose(0, 1)
-    assert torch.allclose(got_k[3], expected_k[3], rtol=2**-4, atol=0)
-    # the re-rounded earlier tokens keep e4m3 error relative to the block's new amax
-    assert (got_k[:3] - expected_k[:3]).abs().max() <= big.abs().max() * 2**-4
-    got_v = torch.cat([gv[0, :, :4], gv[0, :, 4:6]], dim=1).transpose(0, 1)
-    assert torch.allclose(got_v[4:], v[4:], rtol=2**-4, atol=2**-9)
+    cache.write(k[:3], v[:3], block_ids[:3], offsets[:3])
+    first_scale = cache.scales[2].clone()
+    cache.write(k[3:], v[3:], block_ids[3:], offsets[3:])
+    assert torch.all(cache.scales[2, :, :, 0] > first_scale[:, :, 0])
+    for layer in (0, 1):
+        gk, gv = cache.gather(layer, torch.tensor([[2, 0]]))  # [1, heads, 8 slots, dim]
+        got_k = gk[0, :, [0, 1, 2, 3, 4, 5]].transpose(0, 1)
+        got_v = gv[0, :, [0, 1, 2, 3, 4, 5]].transpose(0, 1)
+        assert torch.allclose(got_k[3], k[3, layer], rtol=2**-4, atol=0)
+        # re-rounded earlier tokens keep e4m3 error relative to the block's new amax
+        assert (got_k[:3] - k[:3, layer]).abs().max() <= k[3, layer].abs().max() * 2**-4
+        assert torch.allclose(got_v[4:], v[4:, layer], rtol=2**-4, atol=2**-9)
+        assert torch.count_nonzero(gk[0, :, 6:]) == 0  # never-written slots stay zero
     assert cache.buffer.shape == (3, layout.block_bytes)
 
 

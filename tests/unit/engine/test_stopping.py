@@ -66,6 +66,7 @@ def test_abort_frees_blocks_and_forgets_the_request(tiny_llama_dir):
     assert not engine.abort_request("x")
     stats = engine.stats()
     assert (stats.num_free_kv_blocks, stats.num_running, stats.num_waiting) == (stats.num_kv_blocks, 0, 0)
+    assert stats.num_aborted_requests == 1
     assert engine.step() == []
 
 

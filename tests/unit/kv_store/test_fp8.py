@@ -44,3 +44,21 @@ def test_layout_bytes_and_head_slices():
     assert bf16.block_bytes == 3 * 30 * 2 * 16 * 64 * 2 and bf16.scale_bytes == 0
     # fp8 is half of bf16 on the wire, trailer included
     assert layout.block_bytes / bf16.block_bytes < 0.51
+
+
+def test_bit_moving_conversion_equals_torch_cast_for_every_code():
+    from kv_store.fp8 import fp8_to_float
+
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)
+    finite = ~torch.isnan(codes.float())
+    assert torch.equal(fp8_to_float(codes)[finite], codes.float()[finite])
+    assert torch.equal(fp8_to_float(codes, torch.bfloat16)[finite], codes.float()[finite].bfloat16())
+
+
+def test_dequantize_with_huge_scales_does_not_overflow():
+    x = torch.tensor([[1.0e6, -3.0e5, 0.5]])
+    scales = fp8_scales(x, 1)
+    assert scales.item() > 2**8
+    y = dequantize_fp8(quantize_fp8(x, scales), scales)
+    assert torch.isfinite(y).all()
+    assert torch.allclose(y[0, :2], x[0, :2], rtol=2**-4)
