@@ -1,0 +1,27 @@
+"""Configuration of one worker process (the engine has its own EngineConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How a worker replica admits requests and exposes itself."""
+
+    max_waiting_requests: int = 256
+    """Requests waiting for a batch slot beyond which new ones get RESOURCE_EXHAUSTED."""
+    num_threads: int | None = None
+    """torch intra-op threads; None keeps torch's default (one per core)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds to."""
+    metrics_port: int = 0
+    """Port of the Prometheus endpoint; 0 picks a free one."""
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests: must be >= 0, got {self.max_waiting_requests}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: {self.metrics_port} is not a port")

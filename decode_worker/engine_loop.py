@@ -1,0 +1,162 @@
+"""An LLMEngine on its own thread, fed and drained from asyncio.
+
+The engine is single-threaded and its ``step()`` blocks for the whole forward pass, so it lives
+on a dedicated thread. Callers on the event loop talk to it only through a command queue, and
+the thread hands outputs back with ``call_soon_threadsafe``; no engine method is ever called
+from the event loop, and the event loop never waits on the engine.
+
+::
+
+    event loop                        engine thread
+    ----------                        -------------
+    submit()  --(ADD, future)-->      add_request()  --> future result / InvalidRequestError
+    abort()   --(ABORT)-------->      abort_request()
+    stream queue <--outputs----       step()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from decode_worker.requests import EngineRequest
+from engine.errors import InvalidRequestError
+from engine.llm_engine import EngineStats, LLMEngine
+from engine.request import RequestOutput
+
+
+class AdmissionQueueFull(Exception):
+    """More requests are waiting than the worker admits; the caller should back off."""
+
+
+class EngineLoopFailed(RuntimeError):
+    """The engine thread died; every request it held fails with this."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: EngineRequest
+    admitted: Future
+    outputs: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+class EngineLoop:
+    """Runs ``engine`` on a background thread; ``generate`` streams one request's outputs."""
+
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._failure: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._commands.put(_Stop())
+        self._thread.join()
+
+    @property
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the latest step."""
+        return self._stats
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._failure is None
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Outputs of ``request`` until it finishes. Leaving early (cancel, close) aborts it.
+
+        Raises InvalidRequestError or AdmissionQueueFull before the first output.
+        """
+        loop = asyncio.get_running_loop()
+        admitted: Future = Future()
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._commands.put(_Add(request, admitted, outputs, loop))
+        await asyncio.wrap_future(admitted)
+        finished = False
+        try:
+            while not finished:
+                output = await outputs.get()
+                if isinstance(output, EngineLoopFailed):
+                    raise output
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self._commands.put(_Abort(request.request_id))
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._drain_commands(block):
+                    return
+                if self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        self._deliver(output)
+                    self._stats = self.engine.stats()
+        except BaseException as e:  # the loop is dead: fail every stream instead of hanging it
+            self._failure = e
+            for outputs, loop in self._streams.values():
+                loop.call_soon_threadsafe(outputs.put_nowait, EngineLoopFailed(f"engine loop failed: {e!r}"))
+            raise
+
+    def _drain_commands(self, block: bool) -> bool:
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Abort):
+                if self.engine.abort_request(command.request_id):
+                    self._streams.pop(command.request_id, None)
+                    self._stats = self.engine.stats()
+                continue
+            self._add(command)
+
+    def _add(self, command: _Add) -> None:
+        request = command.request
+        stats = self._stats
+        free_slots = max(0, self.engine.config.max_num_seqs - stats.num_running)
+        if stats.num_waiting - free_slots >= self.max_waiting_requests:
+            command.admitted.set_exception(AdmissionQueueFull(f"{stats.num_waiting} requests already waiting"))
+            return
+        try:
+            self.engine.add_request(
+                request.request_id, request.prompt, request.params, messages=request.messages, tenant_salt=request.tenant_salt
+            )
+        except InvalidRequestError as e:
+            command.admitted.set_exception(e)
+            return
+        self._streams[request.request_id] = (command.outputs, command.loop)
+        self._stats = self.engine.stats()
+        command.admitted.set_result(None)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        outputs, loop = self._streams[output.request_id]
+        if output.finished:
+            del self._streams[output.request_id]
+        loop.call_soon_threadsafe(outputs.put_nowait, output)

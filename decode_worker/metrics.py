@@ -1,0 +1,52 @@
+"""Prometheus metrics of a worker, read from the engine's latest stats at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.llm_engine import EngineStats
+
+
+class EngineStatsCollector(Collector):
+    """Exposes an EngineStats snapshot as gauges and counters labelled with the replica."""
+
+    def __init__(self, stats: Callable[[], EngineStats], labels: dict[str, str]) -> None:
+        self._stats = stats
+        self._labels = labels
+
+    def collect(self) -> Iterator:
+        s = self._stats()
+        names, values = list(self._labels), list(self._labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        yield gauge("splitserve_worker_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("splitserve_worker_requests_waiting", "Requests queued for a batch slot.", s.num_waiting)
+        yield gauge("splitserve_kv_blocks_total", "KV blocks in the pool.", s.num_kv_blocks)
+        yield gauge("splitserve_kv_blocks_free", "KV blocks no request holds (cached or empty).", s.num_free_kv_blocks)
+        yield gauge("splitserve_kv_blocks_used", "KV blocks held by requests.", s.num_kv_blocks - s.num_free_kv_blocks)
+        yield gauge("splitserve_kv_blocks_cached", "KV blocks findable in the prefix cache.", s.num_cached_kv_blocks)
+        preemptions = CounterMetricFamily("splitserve_worker_preemptions", "Requests preempted for blocks.", labels=names)
+        preemptions.add_metric(values, s.num_preemptions)
+        yield preemptions
+        aborted = CounterMetricFamily("splitserve_worker_requests_aborted", "Requests cancelled before finishing.", labels=names)
+        aborted.add_metric(values, s.num_aborted_requests)
+        yield aborted
+        computed = CounterMetricFamily(
+            "splitserve_worker_prompt_tokens_computed", "Prompt tokens computed (cache hits excluded).", labels=names
+        )
+        computed.add_metric(values, s.num_computed_prompt_tokens)
+        yield computed
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> str:
+    """Start the Prometheus HTTP endpoint on a daemon thread; returns its URL."""
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return f"http://{host}:{server.server_port}/metrics"

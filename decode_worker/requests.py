@@ -1,0 +1,73 @@
+"""From the wire to the engine: a GenerateRequest proto becomes engine arguments, and engine
+outputs become GenerateResponse protos."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+from engine.params import SamplingParams
+from engine.request import FinishReason, RequestOutput
+from proto import splitserve_pb2 as pb
+
+_FINISH_REASONS = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """Arguments for ``LLMEngine.add_request``, validated."""
+
+    request_id: str
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+    params: SamplingParams
+    tenant_salt: str | None
+
+
+def to_engine_request(request: pb.GenerateRequest) -> EngineRequest:
+    """Raises InvalidRequestError naming the field when a value is out of range."""
+    sampling, stop = request.sampling, request.stop
+    params = SamplingParams(
+        max_tokens=stop.max_tokens if stop.HasField("max_tokens") else 16,
+        temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
+        top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+        top_k=sampling.top_k if sampling.HasField("top_k") else 0,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        stop=tuple(stop.stop),
+        stop_token_ids=tuple(stop.stop_token_ids),
+        ignore_eos=stop.ignore_eos,
+    )
+    sources = [name for name, present in (
+        ("prompt", request.HasField("prompt")),
+        ("prompt_token_ids", len(request.prompt_token_ids) > 0),
+        ("messages", len(request.messages) > 0),
+    ) if present]
+    if len(sources) > 1:
+        raise InvalidRequestError(sources[0], f"give exactly one of prompt, prompt_token_ids and messages (got {', '.join(sources)})")
+    if not sources:
+        raise InvalidRequestError("prompt", "give one of prompt, prompt_token_ids and messages")
+    prompt: str | list[int] | None = None
+    messages = None
+    if request.HasField("prompt"):
+        prompt = request.prompt
+    elif request.prompt_token_ids:
+        prompt = list(request.prompt_token_ids)
+    else:
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+    return EngineRequest(request.request_id, prompt, messages, params, request.tenant_salt or None)
+
+
+def to_response(output: RequestOutput) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(request_id=output.request_id, text=output.text_delta, token_ids=output.new_token_ids)
+    if output.finished:
+        response.finish_reason = _FINISH_REASONS[output.finish_reason]
+        if output.stop_reason is not None:
+            response.stop_reason = str(output.stop_reason)
+        response.usage.prompt_tokens = output.num_prompt_tokens
+        response.usage.completion_tokens = output.num_output_tokens
+        response.usage.cached_prompt_tokens = output.num_cached_tokens
+    return response

@@ -1,0 +1,45 @@
+# DO NOT EDIT: generated from proto/worker.proto by grpcio-tools 1.85.1 (python -m proto.generate).
+from proto import splitserve_pb2 as _splitserve_pb2
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RequestError(_message.Message):
+    __slots__ = ("code", "message")
+    class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CODE_UNSPECIFIED: _ClassVar[RequestError.Code]
+        INVALID_ARGUMENT: _ClassVar[RequestError.Code]
+        RESOURCE_EXHAUSTED: _ClassVar[RequestError.Code]
+        UNAVAILABLE: _ClassVar[RequestError.Code]
+        INTERNAL: _ClassVar[RequestError.Code]
+    CODE_UNSPECIFIED: RequestError.Code
+    INVALID_ARGUMENT: RequestError.Code
+    RESOURCE_EXHAUSTED: RequestError.Code
+    UNAVAILABLE: RequestError.Code
+    INTERNAL: RequestError.Code
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: RequestError.Code
+    message: str
+    def __init__(self, code: _Optional[_Union[RequestError.Code, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class WorkerEvent(_message.Message):
+    __slots__ = ("response", "error")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    response: _splitserve_pb2.GenerateResponse
+    error: RequestError
+    def __init__(self, response: _Optional[_Union[_splitserve_pb2.GenerateResponse, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+
+class TokenizeResult(_message.Message):
+    __slots__ = ("response", "error")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    response: _splitserve_pb2.TokenizeResponse
+    error: RequestError
+    def __init__(self, response: _Optional[_Union[_splitserve_pb2.TokenizeResponse, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...

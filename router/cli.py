@@ -1,0 +1,162 @@
+"""``splitserve``: up (start a cluster), generate (stream an answer), status (pools and replicas)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+EXIT_REJECTED = 4
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_up(commands.add_parser("up", help="start a cluster (local Ray by default) and serve gRPC until Ctrl-C"))
+    _add_generate(commands.add_parser("generate", help="stream the answer to a prompt"))
+    _add_status(commands.add_parser("status", help="print the pools, replicas, their load and KV use"))
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def _add_client_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--addr", default="localhost:50051", help="router address HOST:PORT (default: %(default)s)")
+    parser.add_argument("--tls-ca", type=Path, help="CA certificate to verify the router with (enables TLS)")
+    parser.add_argument("--tls-cert", type=Path, help="client certificate, for mutual TLS")
+    parser.add_argument("--tls-key", type=Path, help="client private key, for mutual TLS")
+    parser.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
+
+
+def _client(args: argparse.Namespace):
+    from router.client import SplitServeClient
+
+    token = args.token_file.read_text().strip() if args.token_file else None
+    return SplitServeClient(args.addr, tls_ca_file=args.tls_ca, client_cert_file=args.tls_cert, client_key_file=args.tls_key, token=token)
+
+
+def _add_generate(parser: argparse.ArgumentParser) -> None:
+    _add_client_options(parser)
+    parser.add_argument("prompt", help="the prompt (sent as one user chat message unless --raw)")
+    parser.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--model", default="")
+    parser.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        kwargs = dict(prompt=args.prompt) if args.raw else dict(messages=[{"role": "user", "content": args.prompt}])
+        try:
+            for response in client.generate(
+                **kwargs, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=args.stop, model=args.model, timeout_s=args.timeout,
+            ):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+        except grpc.RpcError as e:
+            print(f"\nsplitserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return EXIT_UNAVAILABLE if e.code() == grpc.StatusCode.UNAVAILABLE else EXIT_REJECTED
+    sys.stdout.write("\n")
+    return 0
+
+
+def _add_status(parser: argparse.ArgumentParser) -> None:
+    _add_client_options(parser)
+    parser.set_defaults(run=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        try:
+            status = client.cluster_status()
+        except grpc.RpcError as e:
+            print(f"splitserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+    print(f"{'POOL':8} {'REPLICA':12} {'MODEL':24} {'HEALTHY':8} {'RUNNING':>8} {'WAITING':>8} {'KV USED':>14}")
+    for r in sorted(status.replicas, key=lambda r: (r.pool, r.replica_id)):
+        used = r.num_kv_blocks - r.num_free_kv_blocks
+        kv = f"{used}/{r.num_kv_blocks} ({used / max(1, r.num_kv_blocks):.0%})"
+        print(f"{r.pool:8} {r.replica_id:12} {r.model:24} {str(r.healthy).lower():8} {r.num_running:>8} {r.num_waiting:>8} {kv:>14}")
+    for router in status.routers:
+        print(f"router {router.router_id} at {router.grpc_address}: {router.num_inflight} in flight, metrics {router.metrics_url}")
+    return 0
+
+
+def _add_up(parser: argparse.ArgumentParser) -> None:
+    from decode_worker.config import WorkerConfig
+    from engine.config import EngineConfig
+    from router.cli_args import add_dataclass_args
+    from router.config import RouterConfig
+    from router.controller import ControllerConfig
+
+    parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    parser.add_argument("--decode", type=int, default=1, help="decode replicas (default: %(default)s)")
+    parser.add_argument("--tls-cert", type=Path, help="server certificate (enables TLS)")
+    parser.add_argument("--tls-key", type=Path, help="server private key")
+    parser.add_argument("--tls-client-ca", type=Path, help="CA of client certificates (enables mutual TLS)")
+    add_dataclass_args(parser, EngineConfig)
+    add_dataclass_args(parser, RouterConfig, skip=("tls",))
+    add_dataclass_args(parser, WorkerConfig, prefix="worker")
+    add_dataclass_args(parser, ControllerConfig)
+    parser.set_defaults(run=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from decode_worker.config import WorkerConfig
+    from engine.config import EngineConfig
+    from router.cli_args import dataclass_from_args
+    from router.config import RouterConfig, TLSConfig
+    from router.controller import ControllerConfig
+    from router.launch import Cluster, ClusterConfig
+
+    try:
+        tls = None
+        if args.tls_cert or args.tls_key:
+            tls = TLSConfig(cert_file=args.tls_cert, key_file=args.tls_key, client_ca_file=args.tls_client_ca)
+        config = ClusterConfig(
+            engine=dataclass_from_args(EngineConfig, args),
+            worker=dataclass_from_args(WorkerConfig, args, prefix="worker"),
+            router=dataclass_from_args(RouterConfig, args, tls=tls),
+            controller=dataclass_from_args(ControllerConfig, args),
+            num_decode=args.decode,
+            ray_address=args.address,
+        )
+    except (ValueError, TypeError) as e:
+        print(f"splitserve up: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = Cluster(config)
+    print(f"splitserve: starting {config.num_decode} decode replica(s) of {config.engine.model} ...", flush=True)
+    try:
+        status = cluster.start()
+        print(f"splitserve: serving gRPC on {status.grpc_address} (metrics {status.metrics_url})", flush=True)
+        tls_flag = " --tls-ca CA.pem" if tls else ""
+        print(f"try: splitserve generate --addr {status.grpc_address}{tls_flag} \"What is the capital of France?\"", flush=True)
+        stop.wait()
+        print("splitserve: shutting down", flush=True)
+    finally:
+        cluster.stop()
+        import ray
+
+        ray.shutdown()
+    print("splitserve: stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Router configuration: one frozen dataclass per concern, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """Server-side TLS; with ``client_ca_file`` set, clients must present a certificate it signed."""
+
+    cert_file: Path
+    """PEM server certificate chain."""
+    key_file: Path
+    """PEM private key of the server certificate."""
+    client_ca_file: Path | None = None
+    """PEM CA bundle for mutual TLS; None accepts any client."""
+
+    def __post_init__(self) -> None:
+        for name in ("cert_file", "key_file", "client_ca_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: {path} is not a file")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """One router replica: where it listens, whom it lets in, how much it admits."""
+
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds to."""
+    port: int = 50051
+    """gRPC port; 0 picks a free one."""
+    tls: TLSConfig | None = None
+    """TLS settings; None serves plaintext."""
+    token_file: Path | None = None
+    """File holding the bearer token every call must carry; None disables token auth."""
+    max_inflight_requests: int = 512
+    """Generate calls in flight on this router beyond which new ones get RESOURCE_EXHAUSTED."""
+    max_prompt_chars: int = 1_000_000
+    """Longest text prompt (or chat messages, summed) accepted."""
+    max_prompt_token_ids: int = 262_144
+    """Most prompt token ids accepted."""
+    worker_refresh_interval_s: float = 0.5
+    """How often the router refreshes its view of the worker pools from the controller."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the Prometheus endpoint."""
+    metrics_port: int = 0
+    """Port of the Prometheus endpoint; 0 picks a free one."""
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name}: {getattr(self, name)} is not a port")
+        for name in ("max_inflight_requests", "max_prompt_chars", "max_prompt_token_ids"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.worker_refresh_interval_s <= 0:
+            raise ValueError(f"worker_refresh_interval_s: must be > 0, got {self.worker_refresh_interval_s}")
+        if self.token_file is not None and not Path(self.token_file).is_file():
+            raise ValueError(f"token_file: {self.token_file} is not a file")

@@ -1,0 +1,165 @@
+"""ClusterController: the named actor that owns the cluster map.
+
+It starts and stops worker replicas (by the import path of their actor class, so this module
+never imports worker code), checks their health, and answers the routers' and operators'
+questions about the pools. Plain asyncio inside; Ray only creates and calls actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+from proto import splitserve_pb2 as pb
+
+CONTROLLER_NAME = "splitserve-controller"
+NAMESPACE = "splitserve"
+POOLS = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """Health checking of worker replicas."""
+
+    health_check_interval_s: float = 2.0
+    """Seconds between two status probes of a replica."""
+    health_check_timeout_s: float = 10.0
+    """A probe that takes longer counts as failed."""
+    max_failed_health_checks: int = 3
+    """Consecutive failed probes after which a replica is dropped from the map and killed."""
+
+    def __post_init__(self) -> None:
+        if self.health_check_interval_s <= 0 or self.health_check_timeout_s <= 0:
+            raise ValueError("health_check_interval_s and health_check_timeout_s: must be > 0")
+        if self.max_failed_health_checks < 1:
+            raise ValueError(f"max_failed_health_checks: must be >= 1, got {self.max_failed_health_checks}")
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """How to start one worker replica of a pool."""
+
+    pool: str
+    """"prefill" or "decode"."""
+    actor_class: str
+    """``module:Class`` of the worker actor."""
+    init_args: tuple
+    """Arguments after the replica id, e.g. (EngineConfig, WorkerConfig)."""
+    num_cpus: float = 1.0
+    """Logical CPUs the actor reserves."""
+
+    def __post_init__(self) -> None:
+        if self.pool not in POOLS:
+            raise ValueError(f"pool: {self.pool!r} is not one of {POOLS}")
+        if ":" not in self.actor_class:
+            raise ValueError(f"actor_class: {self.actor_class!r} is not module:Class")
+
+
+@dataclass
+class _Replica:
+    handle: object
+    model: pb.ModelInfo
+    status: pb.ReplicaStatus
+    failed_checks: int = 0
+
+
+@dataclass
+class _State:
+    replicas: dict[str, _Replica] = field(default_factory=dict)
+    routers: dict[str, pb.RouterStatus] = field(default_factory=dict)
+
+
+def pool_resource(pool: str) -> str:
+    """The custom Ray resource a node offers per replica slot of ``pool``."""
+    return f"splitserve_{pool}"
+
+
+class ClusterController:
+    """Pools, replicas, routers and health. Run as a named async Ray actor."""
+
+    def __init__(self, config: ControllerConfig) -> None:
+        self.config = config
+        self._state = _State()
+        self._ids = itertools.count()
+        self._health_task: asyncio.Task | None = None
+
+    async def add_replica(self, spec: ReplicaSpec) -> pb.ReplicaStatus:
+        """Start a replica and wait until its model is loaded; returns its first status."""
+        if self._health_task is None:
+            self._health_task = asyncio.get_running_loop().create_task(self._check_health_forever())
+        module, _, name = spec.actor_class.partition(":")
+        actor_class = ray.remote(getattr(importlib.import_module(module), name))
+        replica_id = f"{spec.pool}-{next(self._ids)}"
+        handle = actor_class.options(
+            name=f"splitserve-{replica_id}",
+            namespace=NAMESPACE,
+            num_cpus=spec.num_cpus,
+            resources={pool_resource(spec.pool): 1},
+            max_concurrency=10_000,
+            max_restarts=0,
+        ).remote(replica_id, *spec.init_args)
+        model = await handle.model_info.remote()
+        status = await handle.status.remote()
+        self._state.replicas[replica_id] = _Replica(handle, model, status)
+        return status
+
+    async def remove_replica(self, replica_id: str) -> bool:
+        replica = self._state.replicas.pop(replica_id, None)
+        if replica is None:
+            return False
+        try:
+            await asyncio.wait_for(replica.handle.shutdown.remote(), self.config.health_check_timeout_s)
+        except (RayActorError, ActorUnavailableError, asyncio.TimeoutError):
+            pass  # already gone or stuck; killed below either way
+        ray.kill(replica.handle)
+        return True
+
+    async def replicas(self) -> list[tuple[pb.ReplicaStatus, pb.ModelInfo, object]]:
+        return [(r.status, r.model, r.handle) for r in self._state.replicas.values()]
+
+    async def register_router(self, status: pb.RouterStatus) -> None:
+        self._state.routers[status.router_id] = status
+
+    async def unregister_router(self, router_id: str) -> None:
+        self._state.routers.pop(router_id, None)
+
+    async def cluster_status(self) -> pb.ClusterStatus:
+        """Every replica probed now (not the last health check), and the registered routers."""
+        await asyncio.gather(*(self._check(rid) for rid in list(self._state.replicas)))
+        return pb.ClusterStatus(
+            replicas=[r.status for r in self._state.replicas.values()],
+            routers=list(self._state.routers.values()),
+        )
+
+    async def shutdown(self) -> None:
+        """Stop every replica (routers are stopped by whoever started them)."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+        for replica_id in list(self._state.replicas):
+            await self.remove_replica(replica_id)
+
+    async def _check_health_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_check_interval_s)
+            await asyncio.gather(*(self._check(rid) for rid in list(self._state.replicas)))
+
+    async def _check(self, replica_id: str) -> None:
+        replica = self._state.replicas.get(replica_id)
+        if replica is None:
+            return
+        try:
+            status = await asyncio.wait_for(replica.handle.status.remote(), self.config.health_check_timeout_s)
+        except (RayActorError, ActorUnavailableError, GetTimeoutError, asyncio.TimeoutError):
+            status = None
+        if status is not None and status.healthy:
+            replica.status, replica.failed_checks = status, 0
+            return
+        replica.failed_checks += 1
+        replica.status.healthy = False
+        if replica.failed_checks >= self.config.max_failed_health_checks:
+            await self.remove_replica(replica_id)

@@ -1,0 +1,31 @@
+"""Every way a call can be refused, and its gRPC status: mapped here and nowhere else."""
+
+from __future__ import annotations
+
+import grpc
+
+from proto import worker_pb2 as wpb
+
+_WORKER_CODES = {
+    wpb.RequestError.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    wpb.RequestError.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    wpb.RequestError.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    wpb.RequestError.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+class CallRejected(Exception):
+    """A call the router refuses; ``code`` is the gRPC status it becomes."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(field: str, message: str) -> CallRejected:
+    return CallRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}")
+
+
+def from_worker(error: wpb.RequestError) -> CallRejected:
+    return CallRejected(_WORKER_CODES.get(error.code, grpc.StatusCode.INTERNAL), error.message)

@@ -1,0 +1,104 @@
+"""Start a splitserve cluster on Ray: the controller, worker replicas and one router.
+
+This is the composition root: the one place outside the workers that names worker code, and
+only by import path (``decode_worker.actor:DecodeWorker``) and config dataclass.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import ray
+
+from decode_worker.config import WorkerConfig
+from engine.config import EngineConfig
+from proto import splitserve_pb2 as pb
+from router.config import RouterConfig
+from router.controller import CONTROLLER_NAME, NAMESPACE, POOLS, ClusterController, ControllerConfig, ReplicaSpec, pool_resource
+from router.replica import RouterReplica
+
+DECODE_WORKER_CLASS = "decode_worker.actor:DecodeWorker"
+_LOCAL_POOL_SLOTS = 64
+"""Replica slots per pool that a local single-node cluster offers (logical, not CPUs)."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A whole cluster: what each part runs with and how many decode replicas there are."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    num_decode: int = 1
+    """Decode replicas to start."""
+    ray_address: str | None = None
+    """Join this Ray cluster; None starts a local one on 127.0.0.1."""
+
+    def __post_init__(self) -> None:
+        if self.num_decode < 1:
+            raise ValueError(f"num_decode: must be >= 1, got {self.num_decode}")
+
+
+def init_ray(address: str | None) -> None:
+    """Join ``address``, or start a local Ray that stays on loopback, with the pool resources."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if ray.is_initialized():
+        return
+    if address is not None:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        return
+    ray.init(
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        log_to_driver=False,
+        num_cpus=os.cpu_count(),
+        resources={pool_resource(p): _LOCAL_POOL_SLOTS for p in POOLS},
+    )
+
+
+class Cluster:
+    """Handles on a running cluster's controller and router; ``stop`` tears down what it started."""
+
+    def __init__(self, config: ClusterConfig, router_id: str = "router-0") -> None:
+        self.config = config
+        self.router_id = router_id
+        self.controller = None
+        self.router = None
+        self.router_status: pb.RouterStatus | None = None
+
+    def start(self) -> pb.RouterStatus:
+        init_ray(self.config.ray_address)
+        self.controller = (
+            ray.remote(ClusterController)
+            .options(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000)
+            .remote(self.config.controller)
+        )
+        spec = ReplicaSpec("decode", DECODE_WORKER_CLASS, (self.config.engine, self.config.worker))
+        ray.get([self.controller.add_replica.remote(spec) for _ in range(self.config.num_decode)])
+        self.router = self.start_router(self.router_id, self.config.router)
+        self.router_status = ray.get(self.router.start.remote())
+        return self.router_status
+
+    @staticmethod
+    def start_router(router_id: str, config: RouterConfig):
+        """A RouterReplica actor (not yet started: call ``start`` on it)."""
+        return (
+            ray.remote(RouterReplica)
+            .options(name=f"splitserve-{router_id}", namespace=NAMESPACE, num_cpus=0, max_concurrency=10_000)
+            .remote(router_id, config)
+        )
+
+    def stop(self) -> None:
+        """Stop the router and every replica, then the controller."""
+        if self.router is not None:
+            ray.get(self.router.stop.remote())
+            ray.kill(self.router)
+            self.router = None
+        if self.controller is not None:
+            ray.get(self.controller.shutdown.remote())
+            ray.kill(self.controller)
+            self.controller = None

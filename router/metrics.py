@@ -1,0 +1,28 @@
+"""Prometheus metrics of a router replica, each labelled with the router's id."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RouterMetrics:
+    """Requests by status, TTFT / inter-token / end-to-end latency, requests in flight."""
+
+    def __init__(self, router_id: str) -> None:
+        self.registry = CollectorRegistry()
+        self.router_id = router_id
+
+        def histogram(name: str, doc: str) -> Histogram:
+            h = Histogram(name, doc, ["router"], buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+            return h.labels(router_id)
+
+        self._requests = Counter("splitserve_requests", "Generate calls by final gRPC status.", ["router", "status"], registry=self.registry)
+        self.ttft = histogram("splitserve_time_to_first_token_seconds", "Call start to first token.")
+        self.inter_token = histogram("splitserve_inter_token_latency_seconds", "Time between tokens of one stream.")
+        self.e2e = histogram("splitserve_e2e_latency_seconds", "Call start to last response.")
+        self.inflight = Gauge("splitserve_requests_inflight", "Generate calls in flight.", ["router"], registry=self.registry).labels(router_id)
+
+    def finished(self, status: str) -> None:
+        self._requests.labels(self.router_id, status).inc()

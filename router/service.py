@@ -1,0 +1,126 @@
+"""The gRPC services of a router replica: Generation and Admin.
+
+Every refusal is a CallRejected turned into a status in one place (``_abort``). A Generate call
+holds a worker stream; when the client cancels, disconnects or runs out of deadline, grpc
+cancels this coroutine and the worker stream is cancelled with it, which aborts the request on
+the worker and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from proto import splitserve_pb2 as pb
+from proto import splitserve_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+from router.errors import CallRejected, from_worker
+from router.metrics import RouterMetrics
+from router.validation import check_generate, check_model, check_prompt_size
+from router.worker_calls import WorkerDied, stream_generate, tokenize
+from router.workers import WorkerDirectory
+
+
+async def _abort(context: grpc.aio.ServicerContext, rejected: CallRejected) -> None:
+    await context.abort(rejected.code, rejected.message)
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    """Generate, Tokenize and ListModels over the decode pool (aggregated mode)."""
+
+    def __init__(self, config: RouterConfig, directory: WorkerDirectory, metrics: RouterMetrics) -> None:
+        self.config = config
+        self.directory = directory
+        self.metrics = metrics
+        self.num_inflight = 0
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        start = time.perf_counter()
+        status = "OK"
+        self.num_inflight += 1
+        self.metrics.inflight.inc()
+        try:
+            if self.num_inflight > self.config.max_inflight_requests:
+                raise CallRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"router has {self.config.max_inflight_requests} calls in flight")
+            async for response in self._generate(request, start):
+                yield response
+        except CallRejected as rejected:
+            status = rejected.code.name
+            await _abort(context, rejected)
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            raise
+        finally:
+            self.num_inflight -= 1
+            self.metrics.inflight.dec()
+            self.metrics.finished(status)
+
+    async def _generate(self, request: pb.GenerateRequest, start: float) -> AsyncIterator[pb.GenerateResponse]:
+        check_generate(request, self.config, self.directory.served_models())
+        replica = self.directory.pick("decode", request.model)
+        if replica is None:
+            raise CallRejected(grpc.StatusCode.UNAVAILABLE, "no live decode worker")
+        forwarded = pb.GenerateRequest()
+        forwarded.CopyFrom(request)
+        forwarded.request_id = request.request_id or uuid.uuid4().hex
+        last = None
+        replica.num_inflight += 1
+        try:
+            async for event in stream_generate(replica.handle, forwarded):
+                if event.HasField("error"):
+                    raise from_worker(event.error)
+                now = time.perf_counter()
+                if last is None:
+                    self.metrics.ttft.observe(now - start)
+                elif event.response.token_ids:
+                    self.metrics.inter_token.observe((now - last) / len(event.response.token_ids))
+                last = now
+                yield event.response
+            self.metrics.e2e.observe(time.perf_counter() - start)
+        except WorkerDied as e:
+            raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"decode worker {replica.replica_id} died: {e}") from e
+        finally:
+            replica.num_inflight -= 1
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        return await _unary(context, self._tokenize, request)
+
+    async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        check_model(request.model, self.directory.served_models())
+        if request.HasField("prompt") == bool(request.messages):
+            raise CallRejected(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give exactly one of prompt and messages")
+        check_prompt_size(request.prompt, request.messages, self.config)
+        replica = self.directory.pick("decode", request.model)
+        if replica is None:
+            raise CallRejected(grpc.StatusCode.UNAVAILABLE, "no live decode worker")
+        try:
+            result = await tokenize(replica.handle, request)
+        except WorkerDied as e:
+            raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"decode worker {replica.replica_id} died: {e}") from e
+        if result.HasField("error"):
+            raise from_worker(result.error)
+        return result.response
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=self.directory.model_infos())
+
+
+class AdminService(pb_grpc.AdminServicer):
+    """Cluster status for operators, as the controller sees it."""
+
+    def __init__(self, cluster_status: Callable[[], Awaitable[pb.ClusterStatus]]) -> None:
+        self._cluster_status = cluster_status
+
+    async def GetClusterStatus(self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
+        return await self._cluster_status()
+
+
+async def _unary(context, method, request):
+    try:
+        return await method(request)
+    except CallRejected as rejected:
+        await _abort(context, rejected)

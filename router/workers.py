@@ -1,0 +1,65 @@
+"""The router's view of the worker pools, and how it picks a replica.
+
+The view is refreshed from the controller in the background; between refreshes the router
+counts the requests it sent to each replica itself, so a burst does not all land on the replica
+that looked idlest at the last refresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from proto import splitserve_pb2 as pb
+
+
+@dataclass
+class Replica:
+    """A worker replica as one router sees it."""
+
+    replica_id: str
+    handle: object
+    """The Ray actor handle."""
+    model: pb.ModelInfo
+    status: pb.ReplicaStatus
+    num_inflight: int = 0
+    """Requests this router has running on the replica right now."""
+
+
+@dataclass
+class WorkerDirectory:
+    """Replicas per pool, keyed by replica id."""
+
+    replicas: dict[str, Replica] = field(default_factory=dict)
+
+    def update(self, entries: list[tuple[pb.ReplicaStatus, pb.ModelInfo, object]]) -> None:
+        """Replace the view with the controller's list, keeping this router's in-flight counts."""
+        fresh = {}
+        for status, model, handle in entries:
+            old = self.replicas.get(status.replica_id)
+            replica = Replica(status.replica_id, handle, model, status, old.num_inflight if old else 0)
+            fresh[status.replica_id] = replica
+        self.replicas = fresh
+
+    def served_models(self) -> list[str]:
+        return sorted({r.model.id for r in self.replicas.values() if r.status.healthy})
+
+    def model_infos(self) -> list[pb.ModelInfo]:
+        infos = {r.model.id: r.model for r in self.replicas.values() if r.status.healthy}
+        return [infos[k] for k in sorted(infos)]
+
+    def pick(self, pool: str, model: str) -> Replica | None:
+        """The least loaded healthy replica of ``pool`` serving ``model`` (any model when empty)."""
+        candidates = [
+            r for r in self.replicas.values()
+            if r.status.pool == pool and r.status.healthy and (not model or r.model.id == model)
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=_load)
+
+
+def _load(replica: Replica) -> tuple[float, str]:
+    s = replica.status
+    queued = max(s.num_waiting + s.num_running, replica.num_inflight)
+    used = 1 - s.num_free_kv_blocks / s.num_kv_blocks if s.num_kv_blocks else 1.0
+    return (queued + used, replica.replica_id)

@@ -1,0 +1,44 @@
+"""Real Ray (one local instance per test session) and real clusters on it."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    from router.launch import init_ray
+
+    init_ray(None)
+    yield
+    ray.shutdown()
+
+
+@contextlib.contextmanager
+def running_cluster(config):
+    """A started Cluster (controller, replicas, router-0) that is stopped afterwards."""
+    from router.launch import Cluster
+
+    cluster = Cluster(config)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.05):
+    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(interval_s)

@@ -1,0 +1,95 @@
+"""`splitserve up` / `generate` / `status` as a user runs them, with the bundled SmolLM2."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+CLI = [sys.executable, "-m", "router.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lines(stream) -> queue.Queue:
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [q.put(line) for line in stream], daemon=True).start()
+    return q
+
+
+def _wait_for(lines: queue.Queue, needle: str, timeout_s: float) -> list[str]:
+    seen = []
+    while True:
+        try:
+            line = lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"no line containing {needle!r} within {timeout_s} s; got {seen}") from None
+        seen.append(line)
+        if needle in line:
+            return seen
+
+
+def test_up_serves_the_bundled_model_and_stops_cleanly_on_sigint(smollm2_dir, smollm2_cache_dir):
+    port = _free_port()
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    up = subprocess.Popen(
+        CLI + ["up", "--port", str(port), "--cache-dir", str(smollm2_cache_dir), "--kv-cache-bytes", str(128 << 20)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        lines = _lines(up.stdout)
+        seen = _wait_for(lines, "try: splitserve generate", timeout_s=180)
+        assert any(f"serving gRPC on 127.0.0.1:{port}" in s for s in seen)
+        assert f'splitserve generate --addr 127.0.0.1:{port} "What is the capital of France?"' in seen[-1]
+
+        answer = subprocess.run(
+            CLI + ["generate", "--addr", f"127.0.0.1:{port}", "What is the capital of France?"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert answer.returncode == 0, answer.stderr
+        assert "Paris" in answer.stdout
+
+        status = subprocess.run(CLI + ["status", "--addr", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        [replica_line] = [line for line in status.stdout.splitlines() if line.startswith("decode")]
+        assert "smollm2-135m" in replica_line and " true " in replica_line
+
+        processes = psutil.Process(up.pid).children(recursive=True)
+        assert processes, "up should run Ray and worker processes"
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=120) == 0
+        _wait_for(lines, "splitserve: stopped", timeout_s=5)
+        _, alive = psutil.wait_procs(processes, timeout=60)
+        assert alive == []
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_generate_against_nothing_fails_with_a_sentence():
+    result = subprocess.run(
+        CLI + ["generate", "--addr", f"127.0.0.1:{_free_port()}", "--timeout", "5", "hello"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 3
+    assert result.stderr.strip().startswith("splitserve: UNAVAILABLE")
+
+
+def test_up_refuses_a_bad_option_with_a_sentence():
+    result = subprocess.run(CLI + ["up", "--kv-dtype", "int3"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "kv_dtype: 'int3' is not one of" in result.stderr

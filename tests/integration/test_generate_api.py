@@ -1,0 +1,265 @@
+"""The gRPC API on a real local cluster: real Ray actors, real gRPC on loopback, a real model."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from decode_worker.config import WorkerConfig
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.params import SamplingParams
+from proto import splitserve_pb2 as pb
+from router.client import SplitServeClient, build_generate_request
+from router.config import RouterConfig
+from router.launch import ClusterConfig
+from tests.integration.conftest import running_cluster, wait_until
+from tests.unit.engine.helpers import random_prompts
+
+pytestmark = pytest.mark.integration
+
+NUM_BLOCKS = 128
+MAX_PROMPT_CHARS = 5000
+
+
+@pytest.fixture(scope="module")
+def engine_config(tiny_llama_dir):
+    return EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=NUM_BLOCKS, max_num_seqs=8, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, engine_config):
+    config = ClusterConfig(
+        engine=engine_config,
+        worker=WorkerConfig(max_waiting_requests=8),
+        router=RouterConfig(port=0, max_prompt_chars=MAX_PROMPT_CHARS, worker_refresh_interval_s=0.1),
+    )
+    with running_cluster(config) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with SplitServeClient(cluster.router_status.grpc_address) as c:
+        yield c
+
+
+def replica_status(client) -> pb.ReplicaStatus:
+    [replica] = client.cluster_status().replicas
+    return replica
+
+
+def pool_is_idle(client) -> bool:
+    r = replica_status(client)
+    return r.num_running == 0 and r.num_waiting == 0 and r.num_free_kv_blocks == r.num_kv_blocks
+
+
+def aborted_and_idle(client, num_aborted_before: int):
+    """The request was aborted (not finished) and the pool holds no block."""
+    return pool_is_idle(client) and replica_status(client).num_aborted_requests == num_aborted_before + 1
+
+
+def collect(responses) -> tuple[list[int], str, pb.GenerateResponse]:
+    ids, text, last = [], [], None
+    for r in responses:
+        ids += r.token_ids
+        text.append(r.text)
+        last = r
+    return ids, "".join(text), last
+
+
+def test_sixteen_concurrent_streams_match_the_engine(client, engine_config):
+    prompts = random_prompts([3 + 7 * i for i in range(16)], seed=21)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine = LLMEngine(engine_config)
+    expected = engine.generate(prompts, params)
+
+    def call(prompt):
+        return collect(client.generate(prompt, max_tokens=20, temperature=0, ignore_eos=True))
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(call, prompts))
+    for (ids, text, last), want in zip(got, expected):
+        assert ids == list(want.output_token_ids)
+        assert text == want.text
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(want.prompt_token_ids), 20)
+    wait_until(lambda: pool_is_idle(client))
+
+
+def test_usage_reports_cached_prompt_tokens(client):
+    [prompt] = random_prompts([40], seed=22)
+    _, _, first = collect(client.generate(prompt, max_tokens=4, temperature=0))
+    _, _, second = collect(client.generate(prompt + [7, 8], max_tokens=4, temperature=0))
+    assert (first.usage.cached_prompt_tokens, second.usage.cached_prompt_tokens) == (0, 32)
+
+
+def test_chat_messages_and_stop_strings(client):
+    ids, text, last = collect(client.generate(messages=[{"role": "user", "content": "Paris is the capital"}], max_tokens=8, temperature=0))
+    assert len(ids) >= 1 and last.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
+    full_ids, full_text, _ = collect(client.generate("The quick brown fox", max_tokens=12, temperature=0, ignore_eos=True))
+    stop = full_text[4:7]
+    _, cut_text, cut_last = collect(client.generate("The quick brown fox", max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]))
+    assert cut_text == full_text[: full_text.index(stop)]
+    assert (cut_last.finish_reason, cut_last.stop_reason) == (pb.FINISH_REASON_STOP, stop)
+
+
+LONG = dict(max_tokens=450, ignore_eos=True)  # runs for seconds: long enough to be cut short
+
+
+def test_cancel_frees_the_blocks(client):
+    before = replica_status(client).num_aborted_requests
+    stream = client.generate(random_prompts([50], seed=23)[0], **LONG)
+    next(stream)
+    stream.cancel()
+    wait_until(lambda: aborted_and_idle(client, before))
+
+
+def test_deadline_is_honoured_and_frees_the_blocks(client):
+    before = replica_status(client).num_aborted_requests
+    with pytest.raises(grpc.RpcError) as e:
+        collect(client.generate(random_prompts([50], seed=24)[0], **LONG, timeout_s=0.3))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: aborted_and_idle(client, before))
+
+
+def test_client_that_disappears_frees_the_blocks(client, cluster):
+    before = replica_status(client).num_aborted_requests
+    code = (
+        "import sys; from router.client import SplitServeClient;"
+        f"c = SplitServeClient({cluster.router_status.grpc_address!r});"
+        "s = c.generate(list(range(3, 60)), max_tokens=450, ignore_eos=True); next(s);"
+        "print('streaming', flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "streaming"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    wait_until(lambda: aborted_and_idle(client, before))
+
+
+BAD_REQUESTS = [
+    (dict(prompt="hi", messages=[{"role": "user", "content": "hi"}]), "prompt: give exactly one of prompt, prompt_token_ids and messages (got prompt, messages)"),
+    (dict(prompt=[5, 6], messages=[{"role": "user", "content": "hi"}]), "prompt_token_ids: give exactly one of"),
+    (dict(), "prompt: give one of prompt, prompt_token_ids and messages"),
+    (dict(prompt=""), "prompt: must not be empty"),
+    (dict(prompt="x" * (MAX_PROMPT_CHARS + 1)), f"prompt: {MAX_PROMPT_CHARS + 1} characters exceed the limit of {MAX_PROMPT_CHARS}"),
+    (dict(prompt=[5] * 597), "prompt: 597 tokens do not fit the context of 512 tokens"),
+    (dict(prompt=[5, 99999]), "prompt: token id 99999 is outside the vocabulary [0, 512)"),
+    (dict(prompt=[5, -4]), "prompt: token id -4 is outside the vocabulary"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens: must be an integer >= 1, got 0"),
+    (dict(prompt="hi", temperature=-1.0), "temperature: must be >= 0, got -1.0"),
+    (dict(prompt="hi", top_p=0.0), "top_p: must be in (0, 1], got 0.0"),
+    (dict(prompt="hi", top_p=1.5), "top_p: must be in (0, 1], got 1.5"),
+    (dict(prompt="hi", top_k=-1), "top_k: must be an integer >= 0 (0 disables it), got -1"),
+    (dict(prompt="hi", stop=[""]), "stop: stop strings must be non-empty strings"),
+    (dict(prompt="hi", model="no-such-model"), "model: 'no-such-model' is not served here"),
+    (dict(messages=[{"role": "", "content": "hi"}]), "messages[0].role: must not be empty"),
+    (dict(prompt="hi", stop_token_ids=[-1]), "stop_token_ids: stop token ids must be integers >= 0"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_REQUESTS, ids=[m.split(":")[0] + str(i) for i, (_, m) in enumerate(BAD_REQUESTS)])
+def test_bad_request_is_invalid_argument_naming_the_field(client, kwargs, message):
+    with pytest.raises(grpc.RpcError) as e:
+        collect(client.generate(**kwargs))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(message)
+
+
+def test_server_keeps_serving_after_bad_requests(client):
+    for kwargs, _ in BAD_REQUESTS:
+        with pytest.raises(grpc.RpcError):
+            collect(client.generate(**kwargs))
+    ids, _, last = collect(client.generate("hello", max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(ids) == 3 and last.finish_reason == pb.FINISH_REASON_LENGTH
+    wait_until(lambda: pool_is_idle(client))
+
+
+def test_full_admission_queue_is_resource_exhausted(client):
+    prompts = random_prompts([30] * 24, seed=25)
+
+    def call(prompt):
+        try:
+            collect(client.generate(prompt, max_tokens=60, ignore_eos=True))
+            return "OK"
+        except grpc.RpcError as e:
+            assert "requests already waiting" in e.details()
+            return e.code().name
+
+    with ThreadPoolExecutor(24) as pool:
+        outcomes = list(pool.map(call, prompts))
+    assert outcomes.count("RESOURCE_EXHAUSTED") > 0
+    assert outcomes.count("OK") >= 8 + 8  # the running batch and the waiting queue are served
+    wait_until(lambda: pool_is_idle(client))
+
+
+def test_tokenize_and_list_models(client, engine_config, tiny_llama_dir):
+    engine = LLMEngine(engine_config)
+    assert client.tokenize("The quick brown fox") == engine.tokenizer.encode("The quick brown fox")
+    [model] = client.list_models()
+    assert (model.id, model.max_model_len, model.vocab_size, model.kv_dtype, model.block_size) == (tiny_llama_dir.name, 512, 512, "fp32", 16)
+
+
+def test_health_and_reflection(cluster):
+    channel = grpc.insecure_channel(cluster.router_status.grpc_address)
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "splitserve.v1.Generation"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    [answer] = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for s in answer.list_services_response.service}
+    assert {"splitserve.v1.Generation", "splitserve.v1.Admin", "grpc.health.v1.Health"} <= names
+
+
+def test_prometheus_metrics_from_router_and_worker(client, cluster):
+    collect(client.generate("hello", max_tokens=2, temperature=0))
+    status = client.cluster_status()
+    router_text = urllib.request.urlopen(status.routers[0].metrics_url).read().decode()
+    assert 'splitserve_requests_total{router="router-0",status="OK"}' in router_text
+    assert "splitserve_time_to_first_token_seconds_bucket" in router_text
+    assert "splitserve_inter_token_latency_seconds_count" in router_text
+    assert "splitserve_e2e_latency_seconds_count" in router_text
+    assert 'splitserve_requests_total{router="router-0",status="INVALID_ARGUMENT"}' in router_text
+    worker_text = urllib.request.urlopen(status.replicas[0].metrics_url).read().decode()
+    assert f'splitserve_kv_blocks_total{{pool="decode",replica="decode-0"}} {float(NUM_BLOCKS)}' in worker_text
+    assert "splitserve_worker_requests_running" in worker_text and "splitserve_kv_blocks_used" in worker_text
+
+
+def test_no_live_worker_is_unavailable(client, cluster, engine_config):
+    from router.controller import ReplicaSpec
+    from router.launch import DECODE_WORKER_CLASS
+
+    [replica] = client.cluster_status().replicas
+    assert ray.get(cluster.controller.remove_replica.remote(replica.replica_id))
+    wait_until(lambda: not client.cluster_status().replicas)
+
+    def unavailable():
+        try:
+            collect(client.generate("hi", max_tokens=2))
+        except grpc.RpcError as e:
+            return e.code() == grpc.StatusCode.UNAVAILABLE and e.details() == "no live decode worker"
+        return False
+
+    wait_until(unavailable)
+    spec = ReplicaSpec("decode", DECODE_WORKER_CLASS, (engine_config, WorkerConfig(max_waiting_requests=8)))
+    ray.get(cluster.controller.add_replica.remote(spec))
+    wait_until(lambda: client.list_models())
+    ids, _, _ = collect(client.generate("hi", max_tokens=2, ignore_eos=True))
+    assert len(ids) == 2
+
+
+def test_build_request_leaves_unset_fields_to_server_defaults():
+    request = build_generate_request("hi")
+    assert not request.sampling.HasField("temperature") and not request.stop.HasField("max_tokens")
