@@ -93,3 +93,33 @@ def test_up_refuses_a_bad_option_with_a_sentence():
     result = subprocess.run(CLI + ["up", "--kv-dtype", "int3"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "kv_dtype: 'int3' is not one of" in result.stderr
+
+
+def test_up_joins_an_existing_ray_cluster_and_leaves_it_running(ray_session, tiny_llama_dir):
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    port = _free_port()
+    up = subprocess.Popen(
+        CLI + ["up", "--address", address, "--port", str(port), "--model", str(tiny_llama_dir), "--kv-dtype", "fp32", "--num-kv-blocks", "64"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        lines = _lines(up.stdout)
+        _wait_for(lines, "try: splitserve generate", timeout_s=120)
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+        assert {"splitserve-controller", "splitserve-router-0", "splitserve-decode-0"} <= names
+        answer = subprocess.run(
+            CLI + ["generate", "--addr", f"127.0.0.1:{port}", "--raw", "--max-tokens", "5", "hello"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert answer.returncode == 0, answer.stderr
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert ray.is_initialized() and ray.cluster_resources()  # the joined cluster is still up
+    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    assert not {n for n in names if n.startswith("splitserve-")}
