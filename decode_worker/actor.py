@@ -7,9 +7,9 @@ this module.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
-import torch
 from prometheus_client import CollectorRegistry
 
 from decode_worker.config import WorkerConfig
@@ -31,12 +31,11 @@ class DecodeWorker:
     """One engine replica behind Ray calls: generate (streaming), tokenize, status."""
 
     def __init__(self, replica_id: str, engine_config: EngineConfig, worker_config: WorkerConfig) -> None:
-        if worker_config.num_threads is not None:
-            torch.set_num_threads(worker_config.num_threads)
+        num_threads = worker_config.num_threads or len(os.sched_getaffinity(0))
         self.replica_id = replica_id
-        self.engine = LLMEngine(engine_config)
-        self.loop = EngineLoop(self.engine, worker_config.max_waiting_requests)
+        self.loop = EngineLoop(lambda: LLMEngine(engine_config), worker_config.max_waiting_requests, num_threads)
         self.loop.start()
+        self.engine = self.loop.engine
         registry = CollectorRegistry()
         registry.register(EngineStatsCollector(lambda: self.loop.stats, {"replica": replica_id, "pool": "decode"}))
         self.metrics_url = serve_metrics(registry, worker_config.metrics_host, worker_config.metrics_port)

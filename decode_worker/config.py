@@ -12,7 +12,7 @@ class WorkerConfig:
     max_waiting_requests: int = 256
     """Requests waiting for a batch slot beyond which new ones get RESOURCE_EXHAUSTED."""
     num_threads: int | None = None
-    """torch intra-op threads; None keeps torch's default (one per core)."""
+    """torch intra-op threads of the engine thread; None uses every core the process may run on."""
     metrics_host: str = "127.0.0.1"
     """Address the Prometheus endpoint binds to."""
     metrics_port: int = 0
