@@ -139,7 +139,7 @@ class EngineLoop:
         except BaseException as e:  # the loop is dead: fail every stream instead of hanging it
             self._failure = e
             for outputs, loop in self._streams.values():
-                loop.call_soon_threadsafe(outputs.put_nowait, EngineLoopFailed(f"engine loop failed: {e!r}"))
+                _post(loop, outputs.put_nowait, EngineLoopFailed(f"engine loop failed: {e!r}"))
             raise
 
     def _drain_commands(self, block: bool) -> bool:
@@ -180,4 +180,16 @@ class EngineLoop:
         outputs, loop = self._streams[output.request_id]
         if output.finished:
             del self._streams[output.request_id]
-        loop.call_soon_threadsafe(outputs.put_nowait, output)
+        if not _post(loop, outputs.put_nowait, output) and not output.finished:
+            # The caller's event loop is gone without an abort: nobody will read this stream.
+            del self._streams[output.request_id]
+            self.engine.abort_request(output.request_id)
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback, item) -> bool:
+    """Hand ``item`` to ``loop``; False if that loop has been closed."""
+    try:
+        loop.call_soon_threadsafe(callback, item)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True

@@ -1,0 +1,93 @@
+"""EngineLoop: the engine on its own thread, driven from asyncio (no Ray involved)."""
+
+import asyncio
+
+import pytest
+
+from decode_worker.engine_loop import AdmissionQueueFull, EngineLoop
+from decode_worker.requests import EngineRequest
+from engine.errors import CheckpointError, InvalidRequestError
+from engine.params import SamplingParams
+from tests.unit.engine.helpers import make_engine, random_prompts
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _request(request_id, prompt, params=PARAMS):
+    return EngineRequest(request_id, prompt, None, params, None)
+
+
+@pytest.fixture
+def loop(tiny_llama_dir):
+    engine_loop = EngineLoop(lambda: make_engine(tiny_llama_dir, max_num_seqs=2), max_waiting_requests=2, num_threads=1)
+    engine_loop.start()
+    yield engine_loop
+    engine_loop.stop()
+
+
+async def _collect(loop, request):
+    tokens = []
+    async for out in loop.generate(request):
+        tokens += out.new_token_ids
+        last = out
+    return tokens, last
+
+
+def test_concurrent_streams_equal_the_engine_alone(loop, tiny_llama_dir):
+    prompts = random_prompts([5, 17, 30], seed=31)
+    expected = [c.output_token_ids for c in make_engine(tiny_llama_dir).generate(prompts, PARAMS)]
+
+    async def main():
+        return await asyncio.gather(*(_collect(loop, _request(f"r{i}", p)) for i, p in enumerate(prompts)))
+
+    got = asyncio.run(main())
+    assert [tuple(tokens) for tokens, _ in got] == expected
+    assert all(last.finished for _, last in got)
+    assert loop.stats.num_free_kv_blocks == loop.stats.num_kv_blocks
+
+
+def test_invalid_request_fails_before_any_output_and_the_loop_goes_on(loop):
+    async def main():
+        with pytest.raises(InvalidRequestError, match="^prompt: must not be empty"):
+            await _collect(loop, _request("bad", []))
+        return await _collect(loop, _request("good", [5, 6, 7]))
+
+    tokens, last = asyncio.run(main())
+    assert len(tokens) == PARAMS.max_tokens and last.finished
+
+
+def test_leaving_a_stream_early_aborts_the_request(loop):
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def main():
+        stream = loop.generate(_request("long", random_prompts([20])[0], long))
+        await stream.__anext__()
+        await stream.aclose()
+        while loop.stats.num_aborted_requests == 0 or loop.stats.num_running:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    stats = loop.stats
+    assert (stats.num_aborted_requests, stats.num_free_kv_blocks) == (1, stats.num_kv_blocks)
+
+
+def test_full_admission_queue_is_refused(loop):
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def main():
+        streams = [loop.generate(_request(f"r{i}", [5, 6, 7], long)) for i in range(5)]
+        outcomes = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    refused = [o for o in outcomes if isinstance(o, AdmissionQueueFull)]
+    assert len(refused) == 1  # 2 running slots + 2 waiting admitted, the fifth refused
+    assert "requests already waiting" in str(refused[0])
+
+
+def test_engine_that_cannot_be_built_fails_start(tmp_path):
+    engine_loop = EngineLoop(lambda: make_engine(tmp_path), max_waiting_requests=1, num_threads=1)
+    with pytest.raises(CheckpointError, match="config.json"):
+        engine_loop.start()

@@ -1,0 +1,89 @@
+"""Router pieces that need no Ray: replica choice, request checks, generated CLI options."""
+
+import argparse
+
+import grpc
+import pytest
+
+from decode_worker.config import WorkerConfig
+from engine.config import EngineConfig
+from proto import splitserve_pb2 as pb
+from proto import worker_pb2 as wpb
+from router.cli_args import add_dataclass_args, dataclass_from_args, field_docs
+from router.config import RouterConfig
+from router.errors import CallRejected, from_worker
+from router.validation import check_generate
+from router.workers import WorkerDirectory
+
+
+def _entry(replica_id, *, pool="decode", model="m", healthy=True, running=0, waiting=0, free=100):
+    status = pb.ReplicaStatus(
+        replica_id=replica_id, pool=pool, model=model, healthy=healthy, num_running=running,
+        num_waiting=waiting, num_kv_blocks=100, num_free_kv_blocks=free,
+    )
+    return status, pb.ModelInfo(id=model), object()
+
+
+def test_pick_prefers_the_least_loaded_healthy_replica_of_the_model():
+    d = WorkerDirectory()
+    d.update([
+        _entry("a", running=3),
+        _entry("b", running=1),
+        _entry("c", running=0, healthy=False),
+        _entry("d", running=0, model="other"),
+        _entry("e", running=0, pool="prefill"),
+    ])
+    assert d.pick("decode", "m").replica_id == "b"
+    assert d.pick("decode", "").replica_id == "d"
+    assert d.pick("decode", "missing") is None
+    assert d.served_models() == ["m", "other"]
+
+
+def test_pick_counts_this_routers_own_inflight_requests_between_refreshes():
+    d = WorkerDirectory()
+    d.update([_entry("a"), _entry("b")])
+    first = d.pick("decode", "m")
+    first.num_inflight += 3
+    assert d.pick("decode", "m").replica_id != first.replica_id
+    d.update([_entry("a"), _entry("b")])  # a refresh keeps the in-flight counts
+    assert d.replicas[first.replica_id].num_inflight == 3
+
+
+def test_pick_breaks_load_ties_on_kv_use():
+    d = WorkerDirectory()
+    d.update([_entry("a", free=10), _entry("b", free=90)])
+    assert d.pick("decode", "m").replica_id == "b"
+
+
+def _rejected(request: pb.GenerateRequest, config=RouterConfig(max_prompt_chars=10)) -> CallRejected:
+    with pytest.raises(CallRejected) as e:
+        check_generate(request, config, ["m"])
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    return e.value
+
+
+def test_request_checks_name_the_field():
+    assert _rejected(pb.GenerateRequest(model="x", prompt="hi")).message.startswith("model: 'x' is not served here (served: m)")
+    assert _rejected(pb.GenerateRequest()).message == "prompt: give one of prompt, prompt_token_ids and messages"
+    assert _rejected(pb.GenerateRequest(prompt="0123456789A")).message == "prompt: 11 characters exceed the limit of 10"
+    both = pb.GenerateRequest(prompt_token_ids=[1], messages=[pb.ChatMessage(role="user", content="x")])
+    assert _rejected(both).message.startswith("prompt_token_ids: give exactly one of")
+    check_generate(pb.GenerateRequest(model="m", prompt="ok"), RouterConfig(), ["m"])
+
+
+def test_worker_errors_map_to_status_codes():
+    assert from_worker(wpb.RequestError(code=wpb.RequestError.RESOURCE_EXHAUSTED, message="full")).code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert from_worker(wpb.RequestError(code=wpb.RequestError.UNAVAILABLE, message="x")).code == grpc.StatusCode.UNAVAILABLE
+    assert from_worker(wpb.RequestError(message="?")).code == grpc.StatusCode.INTERNAL
+
+
+def test_cli_options_come_from_the_config_dataclasses():
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, EngineConfig)
+    add_dataclass_args(parser, WorkerConfig, prefix="worker")
+    args = parser.parse_args(["--kv-dtype", "fp32", "--num-kv-blocks", "7", "--no-enable-prefix-caching", "--worker-metrics-port", "9100"])
+    engine = dataclass_from_args(EngineConfig, args)
+    assert (engine.kv_dtype, engine.num_kv_blocks, engine.enable_prefix_caching, engine.block_size) == ("fp32", 7, False, 16)
+    assert dataclass_from_args(WorkerConfig, args, prefix="worker").metrics_port == 9100
+    assert "Tokens per KV block." in parser.format_help()
+    assert field_docs(EngineConfig)["kv_dtype"].startswith("KV pool storage")
