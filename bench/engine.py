@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.workload import BenchRequest, percentile, random_workload
+from bench.workload import BenchRequest, emit_report, percentile, random_workload
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
@@ -163,11 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "speedup": _speedups(results),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit_report(report, args.json)
     return 0
 
 

@@ -133,9 +133,10 @@ class EngineLoop:
                 if not self._drain_commands(block):
                     return
                 if self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
+                    outputs = self.engine.step()
+                    self._stats = self.engine.stats()  # before delivery: a caller that sees its last output sees its blocks freed
+                    for output in outputs:
                         self._deliver(output)
-                    self._stats = self.engine.stats()
         except BaseException as e:  # the loop is dead: fail every stream instead of hanging it
             self._failure = e
             for outputs, loop in self._streams.values():

@@ -109,7 +109,7 @@ def _add_up(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser, EngineConfig)
     add_dataclass_args(parser, RouterConfig, skip=("tls",))
     add_dataclass_args(parser, WorkerConfig, prefix="worker")
-    add_dataclass_args(parser, ControllerConfig)
+    add_dataclass_args(parser, ControllerConfig, prefix="controller")
     parser.set_defaults(run=_run_up)
 
 
@@ -129,7 +129,7 @@ def _run_up(args: argparse.Namespace) -> int:
             engine=dataclass_from_args(EngineConfig, args),
             worker=dataclass_from_args(WorkerConfig, args, prefix="worker"),
             router=dataclass_from_args(RouterConfig, args, tls=tls),
-            controller=dataclass_from_args(ControllerConfig, args),
+            controller=dataclass_from_args(ControllerConfig, args, prefix="controller"),
             num_decode=args.decode,
             ray_address=args.address,
         )

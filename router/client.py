@@ -52,30 +52,10 @@ class SplitServeClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def generate(
-        self,
-        prompt: str | Sequence[int] | None = None,
-        *,
-        messages: Sequence[dict[str, str]] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        model: str = "",
-        request_id: str = "",
-        tenant_salt: str = "",
-        timeout_s: float | None = None,
-    ) -> Iterator[pb.GenerateResponse]:
-        """Stream responses; raises grpc.RpcError with the server's status and message."""
-        request = build_generate_request(
-            prompt, messages=messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, model=model,
-            request_id=request_id, tenant_salt=tenant_salt,
-        )
+    def generate(self, prompt: str | Sequence[int] | None = None, *, timeout_s: float | None = None, **fields) -> Iterator[pb.GenerateResponse]:
+        """Stream responses; ``fields`` are ``build_generate_request``'s keywords (messages,
+        max_tokens, temperature, ...). Raises grpc.RpcError with the server's status and message."""
+        request = build_generate_request(prompt, **fields)
         return self.generation.Generate(request, timeout=timeout_s, metadata=self._metadata)
 
     def tokenize(self, prompt: str, model: str = "") -> list[int]:

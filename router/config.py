@@ -42,7 +42,7 @@ class RouterConfig:
     """Longest text prompt (or chat messages, summed) accepted."""
     max_prompt_token_ids: int = 262_144
     """Most prompt token ids accepted."""
-    worker_refresh_interval_s: float = 0.5
+    worker_refresh_interval_s: float = 2.0
     """How often the router refreshes its view of the worker pools from the controller."""
     metrics_host: str = "127.0.0.1"
     """Address of the Prometheus endpoint."""

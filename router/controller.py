@@ -13,6 +13,9 @@ import itertools
 from dataclasses import dataclass, field
 
 import ray
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from proto import splitserve_pb2 as pb
@@ -32,6 +35,10 @@ class ControllerConfig:
     """A probe that takes longer counts as failed."""
     max_failed_health_checks: int = 3
     """Consecutive failed probes after which a replica is dropped from the map and killed."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the controller's Prometheus endpoint."""
+    metrics_port: int = 0
+    """Port of the controller's Prometheus endpoint; 0 picks a free one."""
 
     def __post_init__(self) -> None:
         if self.health_check_interval_s <= 0 or self.health_check_timeout_s <= 0:
@@ -74,6 +81,21 @@ class _State:
     routers: dict[str, pb.RouterStatus] = field(default_factory=dict)
 
 
+class _ReplicaCollector(Collector):
+    """Replicas per pool and health, read from the cluster map at scrape time."""
+
+    def __init__(self, state: _State) -> None:
+        self._state = state
+
+    def collect(self):
+        gauge = GaugeMetricFamily("splitserve_replicas", "Worker replicas in the cluster map.", labels=["pool", "healthy"])
+        for pool in POOLS:
+            for healthy in (True, False):
+                count = sum(1 for r in self._state.replicas.values() if r.status.pool == pool and r.status.healthy == healthy)
+                gauge.add_metric([pool, str(healthy).lower()], count)
+        yield gauge
+
+
 def pool_resource(pool: str) -> str:
     """The custom Ray resource a node offers per replica slot of ``pool``."""
     return f"splitserve_{pool}"
@@ -87,6 +109,10 @@ class ClusterController:
         self._state = _State()
         self._ids = itertools.count()
         self._health_task: asyncio.Task | None = None
+        registry = CollectorRegistry()
+        registry.register(_ReplicaCollector(self._state))
+        server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
+        self.metrics_url = f"http://{config.metrics_host}:{server.server_port}/metrics"
 
     async def add_replica(self, spec: ReplicaSpec) -> pb.ReplicaStatus:
         """Start a replica and wait until its model is loaded; returns its first status."""
@@ -127,6 +153,9 @@ class ClusterController:
 
     async def unregister_router(self, router_id: str) -> None:
         self._state.routers.pop(router_id, None)
+
+    async def metrics_address(self) -> str:
+        return self.metrics_url
 
     async def cluster_status(self) -> pb.ClusterStatus:
         """Every replica probed now (not the last health check), and the registered routers."""

@@ -192,7 +192,7 @@ def test_full_admission_queue_is_resource_exhausted(client):
 
     def call(prompt):
         try:
-            collect(client.generate(prompt, max_tokens=60, ignore_eos=True))
+            collect(client.generate(prompt, max_tokens=400, ignore_eos=True))  # all 24 overlap
             return "OK"
         except grpc.RpcError as e:
             assert "requests already waiting" in e.details()
@@ -232,6 +232,8 @@ def test_prometheus_metrics_from_router_and_worker(client, cluster):
     assert "splitserve_inter_token_latency_seconds_count" in router_text
     assert "splitserve_e2e_latency_seconds_count" in router_text
     assert 'splitserve_requests_total{router="router-0",status="INVALID_ARGUMENT"}' in router_text
+    controller_text = urllib.request.urlopen(ray.get(cluster.controller.metrics_address.remote())).read().decode()
+    assert 'splitserve_replicas{healthy="true",pool="decode"} 1.0' in controller_text
     worker_text = urllib.request.urlopen(status.replicas[0].metrics_url).read().decode()
     assert f'splitserve_kv_blocks_total{{pool="decode",replica="decode-0"}} {float(NUM_BLOCKS)}' in worker_text
     assert "splitserve_worker_requests_running" in worker_text and "splitserve_kv_blocks_used" in worker_text
