@@ -75,7 +75,3 @@ class PagedKVCache:
             picked = picked.to(self.compute_dtype)
         kv = picked.view(self.layout.num_kv_heads, 2, batch, width * self.layout.block_size, self.layout.head_dim)
         return kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)
-
-    def read_block(self, block_id: int) -> torch.Tensor:
-        """The raw bytes of one block (a view)."""
-        return self.buffer[block_id]

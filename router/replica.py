@@ -60,9 +60,6 @@ class RouterReplica:
             await self._server.server.stop(grace_s)
         await self._controller.unregister_router.remote(self.router_id)
 
-    async def num_inflight(self) -> int:
-        return self._generation.num_inflight
-
     def _status(self) -> pb.RouterStatus:
         host = self.config.host if self.config.host not in ("0.0.0.0", "::") else socket.gethostname()
         return pb.RouterStatus(
