@@ -100,13 +100,15 @@ class EngineLoop:
 
         Raises InvalidRequestError or AdmissionQueueFull before the first output.
         """
+        if self._failure is not None:
+            raise EngineLoopFailed(f"engine loop failed: {self._failure!r}")
         loop = asyncio.get_running_loop()
         admitted: Future = Future()
         outputs: asyncio.Queue = asyncio.Queue()
         self._commands.put(_Add(request, admitted, outputs, loop))
-        await asyncio.wrap_future(admitted)
         finished = False
         try:
+            await asyncio.wrap_future(admitted)  # a cancel while waiting here still aborts below
             while not finished:
                 output = await outputs.get()
                 if isinstance(output, EngineLoopFailed):
@@ -160,6 +162,8 @@ class EngineLoop:
             self._add(command)
 
     def _add(self, command: _Add) -> None:
+        if not command.admitted.set_running_or_notify_cancel():
+            return  # the caller stopped waiting before admission: nothing to add
         request = command.request
         stats = self._stats
         free_slots = max(0, self.engine.config.max_num_seqs - stats.num_running)

@@ -91,3 +91,19 @@ def test_engine_that_cannot_be_built_fails_start(tmp_path):
     engine_loop = EngineLoop(lambda: make_engine(tmp_path), max_waiting_requests=1, num_threads=1)
     with pytest.raises(CheckpointError, match="config.json"):
         engine_loop.start()
+
+
+def test_cancel_while_waiting_for_admission_still_aborts(loop):
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def main():
+        task = asyncio.ensure_future(_collect(loop, _request("early", [5, 6, 7], long)))
+        await asyncio.sleep(0)  # the add command is queued, admission not yet awaited through
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        while loop.stats.num_running or loop.stats.num_waiting:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert loop.stats.num_free_kv_blocks == loop.stats.num_kv_blocks
