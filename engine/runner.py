@@ -37,11 +37,16 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_block_ids: list[int] = []
+        sampling: list[ScheduledChunk] = []
+        rows: list[int] = []
         for chunk in ordered:
             request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_new_tokens
             input_ids += request.token_ids[start:end]
             positions += range(start, end)
             slot_block_ids += (request.block_ids[p // self.block_size] for p in range(start, end))
+            if chunk.samples:
+                sampling.append(chunk)
+                rows.append(len(positions) - 1)
         position_t = torch.tensor(positions, dtype=torch.long)
         cos, sin = self.model.rotary.tables(position_t, self.dtype)
         config = self.model.config
@@ -59,14 +64,6 @@ class ModelRunner:
         block_ids = torch.tensor(slot_block_ids, dtype=torch.long)
         self.kv_cache.write(batch.new_k, batch.new_v, block_ids, position_t % self.block_size)
 
-        sampling: list[ScheduledChunk] = []
-        rows: list[int] = []
-        offset = 0
-        for chunk in ordered:
-            offset += chunk.num_new_tokens
-            if chunk.samples:
-                sampling.append(chunk)
-                rows.append(offset - 1)
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[rows])

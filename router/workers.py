@@ -16,13 +16,16 @@ from proto import splitserve_pb2 as pb
 class Replica:
     """A worker replica as one router sees it."""
 
-    replica_id: str
     handle: object
     """The Ray actor handle."""
     model: pb.ModelInfo
     status: pb.ReplicaStatus
     num_inflight: int = 0
     """Requests this router has running on the replica right now."""
+
+    @property
+    def replica_id(self) -> str:
+        return self.status.replica_id
 
 
 @dataclass
@@ -36,7 +39,7 @@ class WorkerDirectory:
         fresh = {}
         for status, model, handle in entries:
             old = self.replicas.get(status.replica_id)
-            replica = Replica(status.replica_id, handle, model, status, old.num_inflight if old else 0)
+            replica = Replica(handle, model, status, old.num_inflight if old else 0)
             fresh[status.replica_id] = replica
         self.replicas = fresh
 
