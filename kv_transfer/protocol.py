@@ -1,0 +1,222 @@
+"""The prefill-to-decode KV hand-off as plain frozen dataclasses: what crosses Ray between workers.
+
+::
+
+    decode worker                                       prefill worker
+    allocate blocks for the uncached prompt blocks
+    TransferRequest(decode endpoint, block_ids)  ---->  check_compatible(own endpoint, request.decode)
+                                                        compute, quantize, one WRITE per rank
+    pop_notifs(): request.notif from each rank   <----  (the write's notification)
+    add the sequence to the running batch        <----  TransferResult(status, first token)
+
+No torch here: the router and the controller handle endpoints too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from kv_store.keys import KeyNamespace
+from kv_store.layout import KVBlockLayout
+from kv_transfer.errors import HandOffError, KVTransferError
+
+PROTOCOL_VERSION = 1
+"""Bumped whenever a message below or the meaning of a notification changes."""
+
+_NOTIF_PREFIX = b"splitserve-kv/1/"
+
+_SHARD_FIELDS = ("tp_size", "tp_rank")
+"""Namespace fields that legitimately differ between a prefill rank and a decode worker."""
+
+
+@dataclass(frozen=True)
+class KVEndpoint:
+    """What a worker advertises so that peers can write KV blocks into its pool."""
+
+    agent_name: str
+    """Transport agent name, unique in the cluster."""
+    transport_metadata: bytes
+    """What a peer's transport needs to reach this pool: NixlTransport.metadata()."""
+    namespace: KeyNamespace
+    """Key namespace of the blocks in the pool; fixes model, weights, KV dtype and block size."""
+    layout: KVBlockLayout
+    """Byte layout of one block of the pool."""
+    num_blocks: int
+    """Blocks in the pool."""
+    head_start: int
+    """First KV head of the model that the pool's blocks hold."""
+    head_end: int
+    """One past the last KV head that the pool's blocks hold."""
+    protocol_version: int = PROTOCOL_VERSION
+    """Hand-off protocol spoken by the worker."""
+
+    def __post_init__(self) -> None:
+        if not self.agent_name:
+            raise ValueError("agent_name: must not be empty")
+        if not isinstance(self.transport_metadata, bytes) or not self.transport_metadata:
+            raise ValueError("transport_metadata: must be non-empty bytes")
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
+        if not 0 <= self.head_start < self.head_end:
+            raise ValueError(f"head_start, head_end: [{self.head_start}, {self.head_end}) is not a range of heads")
+        if self.head_end - self.head_start != self.layout.num_kv_heads:
+            raise ValueError(
+                f"head_start, head_end: [{self.head_start}, {self.head_end}) is not the layout's "
+                f"{self.layout.num_kv_heads} heads"
+            )
+        for name in ("kv_dtype", "block_size"):
+            if getattr(self.namespace, name) != getattr(self.layout, name):
+                raise ValueError(
+                    f"{name}: namespace says {getattr(self.namespace, name)!r}, layout {getattr(self.layout, name)!r}"
+                )
+
+    @property
+    def heads(self) -> range:
+        return range(self.head_start, self.head_end)
+
+
+def check_compatible(local: KVEndpoint, remote: KVEndpoint) -> None:
+    """Raise HandOffError naming every field that keeps ``local`` and ``remote`` from exchanging blocks.
+
+    They must agree on the protocol version, the namespace (except the TP shard fields), the
+    layers and head width of a block; and one's heads must contain the other's (a prefill rank's
+    heads lie within the decode worker's).
+    """
+    differing: dict[str, tuple[object, object]] = {}
+    if local.protocol_version != remote.protocol_version:
+        differing["protocol_version"] = (local.protocol_version, remote.protocol_version)
+    for name, pair in local.namespace.differences(remote.namespace).items():
+        if name not in _SHARD_FIELDS:
+            differing[name] = pair
+    for name in ("num_layers", "head_dim"):
+        if getattr(local.layout, name) != getattr(remote.layout, name):
+            differing[name] = (getattr(local.layout, name), getattr(remote.layout, name))
+    ours, theirs = local.heads, remote.heads
+    nested = (ours.start >= theirs.start and ours.stop <= theirs.stop) or (
+        theirs.start >= ours.start and theirs.stop <= ours.stop
+    )
+    if not nested:
+        differing["heads"] = (f"[{ours.start}, {ours.stop})", f"[{theirs.start}, {theirs.stop})")
+    if differing:
+        parts = ", ".join(f"{name}: local={a!r} vs remote={b!r}" for name, (a, b) in differing.items())
+        raise HandOffError(
+            f"KV hand-off between {local.agent_name!r} and {remote.agent_name!r} is impossible ({parts})", differing
+        )
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """A decode worker's ask to a prefill worker: fill these blocks of my pool with the prompt's KV.
+
+    The prompt's blocks before ``first_block_index`` are already in the decode worker's pool (its
+    own prefix-cache hit); ``block_ids[i]`` receives prompt block ``first_block_index + i``, up to
+    and including the last, partial one. The heads to fill are the decode endpoint's. The prompt's
+    tokens travel in the prefill call itself, not here.
+    """
+
+    request_id: str
+    """The request's id, unique among the requests in flight."""
+    decode: KVEndpoint
+    """The decode worker's endpoint (a prefill worker adds it as a peer if it does not know it)."""
+    block_ids: tuple[int, ...]
+    """Decode pool block ids to fill, in prompt order."""
+    num_prompt_tokens: int
+    """Tokens in the whole prompt."""
+    first_block_index: int = 0
+    """Index of the prompt block that block_ids[0] receives."""
+    timeout_s: float = 30.0
+    """Time allowed, from the prefill worker's receipt of the request, until the write completes."""
+    protocol_version: int = PROTOCOL_VERSION
+    """Hand-off protocol spoken by the decode worker."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
+        if not self.request_id:
+            raise ValueError("request_id: must not be empty")
+        if self.num_prompt_tokens < 1:
+            raise ValueError(f"num_prompt_tokens: must be >= 1, got {self.num_prompt_tokens}")
+        if not 0 <= self.first_block_index <= self.num_prompt_blocks:
+            raise ValueError(
+                f"first_block_index: {self.first_block_index} outside the prompt's {self.num_prompt_blocks} blocks"
+            )
+        expected = self.num_prompt_blocks - self.first_block_index
+        if len(self.block_ids) != expected:
+            raise ValueError(
+                f"block_ids: {len(self.block_ids)} given, prompt blocks [{self.first_block_index}, "
+                f"{self.num_prompt_blocks}) need {expected}"
+            )
+        bad = [b for b in self.block_ids if not 0 <= b < self.decode.num_blocks]
+        if bad:
+            raise ValueError(f"block_ids: {bad} outside the decode pool's blocks [0, {self.decode.num_blocks})")
+        if len(set(self.block_ids)) != len(self.block_ids):
+            raise ValueError(f"block_ids: a block appears twice in {list(self.block_ids)}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+
+    @property
+    def num_prompt_blocks(self) -> int:
+        """Blocks the whole prompt occupies, the last one possibly partial."""
+        return -(-self.num_prompt_tokens // self.decode.layout.block_size)
+
+    @property
+    def prompt_block_indices(self) -> range:
+        """Prompt block indices that ``block_ids`` receive, in the same order."""
+        return range(self.first_block_index, self.num_prompt_blocks)
+
+    @property
+    def heads(self) -> range:
+        return self.decode.heads
+
+    @property
+    def notif(self) -> bytes:
+        """The notification each prefill rank's write carries; the decode worker waits for it."""
+        return _NOTIF_PREFIX + self.request_id.encode()
+
+
+def request_id_of(notif: bytes) -> str:
+    """The request id a notification (TransferRequest.notif) belongs to; KVTransferError if it is not one."""
+    if not notif.startswith(_NOTIF_PREFIX) or len(notif) == len(_NOTIF_PREFIX):
+        raise KVTransferError(f"notification {notif[:64]!r} is not a splitserve KV hand-off notification")
+    return notif[len(_NOTIF_PREFIX) :].decode()
+
+
+class TransferStatus(str, Enum):
+    """How a hand-off ended."""
+
+    DONE = "done"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """A prefill worker's answer to a TransferRequest."""
+
+    request_id: str
+    """The request's id."""
+    status: TransferStatus
+    """DONE when every requested block was written; otherwise the decode worker applies its failure policy."""
+    block_ids: tuple[int, ...] = ()
+    """Decode block ids whose bytes are now valid (all of the request's when DONE)."""
+    first_token_id: int | None = None
+    """Token sampled after the prompt's last position; None when the prefill did not get that far."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the prefill worker found cached instead of computing."""
+    num_bytes: int = 0
+    """Bytes written into the decode pool."""
+    transfer_s: float = 0.0
+    """Seconds from posting the write to its completion."""
+    error: str = ""
+    """Why the hand-off did not complete; empty when DONE."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", TransferStatus(self.status))
+        object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
+        if (self.status is TransferStatus.DONE) == bool(self.error):
+            raise ValueError(f"error: must be empty exactly when status is done, got {self.status.value} / {self.error!r}")
+
+    @property
+    def ok(self) -> bool:
+        return self.status is TransferStatus.DONE
+
