@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from kv_store.fp8 import FP8_DTYPE, dequantize_fp8, fp8_scales, quantize_fp8
+from kv_store.fp8 import FP8_DTYPE, FP8_E4M3_MAX, dequantize_fp8, fp8_scales
 from kv_store.layout import KVBlockLayout
 
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": FP8_DTYPE}
 """Element dtype of a block's payload, by layout.kv_dtype."""
 
-_CHUNK_FLOAT_BYTES = 2 << 20
-"""Blocks are encoded a few at a time so that the float temporaries stay in cache."""
+_SERIAL_NUMEL = 32768
+"""torch runs an op over fewer elements than this (at::internal::GRAIN_SIZE) on the calling thread.
+
+The codec works in chunks below it, so it never starts an OpenMP team: where the other cores are
+busy (the engine), a team stalls at every op until its descheduled threads run, which made
+chunked encoding about 40x slower on 2 cores. Small chunks also keep the temporaries in cache.
+"""
 
 
 def quantize_blocks(kv: torch.Tensor, layout: KVBlockLayout, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,15 +45,19 @@ def quantize_blocks(kv: torch.Tensor, layout: KVBlockLayout, *, out: torch.Tenso
                 f"out: must hold kv's {num_blocks} blocks on {kv.device}, got {out.shape[0]} on {out.device}"
             )
     payload, scales = _views(out, layout)
-    chunk = max(1, _CHUNK_FLOAT_BYTES // (layout.payload_bytes // layout.element_bytes * 4))
-    for start in range(0, num_blocks, chunk):
-        part = kv[start : start + chunk]
-        if scales is None:
-            payload[start : start + chunk].copy_(part)
-        else:
-            part_scales = fp8_scales(part, num_group_dims=4)
-            payload[start : start + chunk].copy_(quantize_fp8(part, part_scales))
-            scales[start : start + chunk].copy_(part_scales)
+    temp = torch.empty((_rows_per_chunk(layout), layout.block_size * layout.head_dim), device=kv.device)
+    for block in range(num_blocks):
+        block_src, block_dst = _groups(kv[block]), _groups(payload[block])
+        for rows in _row_chunks(layout):
+            src, dst = block_src[rows], block_dst[rows]
+            if scales is None:
+                dst.copy_(src)
+                continue
+            group_scales = fp8_scales(src, num_group_dims=1)
+            # kv_store.fp8.quantize_fp8's math (divide, saturate, cast), into temp and dst, not new tensors
+            scaled = torch.div(src, group_scales[:, None], out=temp[: len(src)])
+            dst.copy_(scaled.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+            scales[block].view(-1)[rows] = group_scales
     for pad in _padding(layout):
         out[:, pad.start : pad.stop].zero_()
     return out
@@ -60,9 +69,29 @@ def dequantize_blocks(buf: torch.Tensor, layout: KVBlockLayout, dtype: torch.dty
     if not dtype.is_floating_point:
         raise ValueError(f"dtype: must be a floating dtype, got {dtype}")
     payload, scales = _views(buf, layout)
-    if scales is None:
-        return payload.to(dtype, copy=True)
-    return dequantize_fp8(payload, scales, dtype)
+    out = torch.empty((buf.shape[0], *layout.payload_shape), dtype=dtype, device=buf.device)
+    for block in range(buf.shape[0]):
+        block_src, block_dst = _groups(payload[block]), _groups(out[block])
+        block_scales = None if scales is None else scales[block].view(-1)
+        for rows in _row_chunks(layout):
+            src = block_src[rows]
+            block_dst[rows] = src if block_scales is None else dequantize_fp8(src, block_scales[rows], dtype)
+    return out
+
+
+def _rows_per_chunk(layout: KVBlockLayout) -> int:
+    return max(1, (_SERIAL_NUMEL - 1) // (layout.block_size * layout.head_dim))
+
+
+def _row_chunks(layout: KVBlockLayout) -> list[slice]:
+    """Slices of a block's scale groups, each below _SERIAL_NUMEL elements where a group allows."""
+    num_groups, step = layout.num_kv_heads * layout.num_layers * 2, _rows_per_chunk(layout)
+    return [slice(start, min(start + step, num_groups)) for start in range(0, num_groups, step)]
+
+
+def _groups(block: torch.Tensor) -> torch.Tensor:
+    """One block ``[kv_heads, layers, 2, block_size, head_dim]`` as ``[groups, block_size * head_dim]``: one row per scale."""
+    return block.reshape(-1, block.shape[-2] * block.shape[-1])
 
 
 def _views(buf: torch.Tensor, layout: KVBlockLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -88,7 +117,7 @@ def _check_kv(kv: torch.Tensor, layout: KVBlockLayout) -> None:
             f"kv: expected shape [n, {', '.join(map(str, layout.payload_shape))}] "
             f"([n, kv_heads, layers, 2, block_size, head_dim]), got {list(kv.shape)}"
         )
-    if not kv.is_floating_point() or kv.element_size() == 1:
+    if kv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"kv: must be float32, bfloat16 or float16, got {kv.dtype}")
 
 

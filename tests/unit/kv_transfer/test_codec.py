@@ -55,10 +55,11 @@ def test_bf16_round_trip_within_half_a_bf16_step_and_fp32_is_exact():
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
-def test_blocks_are_byte_identical_to_the_engine_pool(kv_dtype):
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_blocks_are_byte_identical_to_the_engine_pool(kv_dtype, compute_dtype):
     layout = KVBlockLayout(**ODD, kv_dtype=kv_dtype)
     cache = PagedKVCache(layout, num_blocks=8, compute_dtype=torch.float32)
-    kv = _random_kv(layout, 3, seed=1)
+    kv = _random_kv(layout, 3, seed=1).to(compute_dtype)
     block_ids = torch.tensor([6, 2, 3])
     # PagedKVCache.write takes tokens [num_tokens, layers, kv_heads, head_dim]: fill the three blocks at once
     tokens = kv.permute(0, 4, 2, 3, 1, 5).reshape(3 * layout.block_size, layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
@@ -126,8 +127,10 @@ def test_bad_arguments_name_the_problem():
     kv = _random_kv(layout, 2)
     with pytest.raises(ValueError, match=r"kv: expected shape \[n, 3, 3, 2, 5, 6\]"):
         quantize_blocks(kv[:, :2], layout)
-    with pytest.raises(ValueError, match="kv: must be float"):
+    with pytest.raises(ValueError, match="kv: must be float32, bfloat16 or float16, got torch.int32"):
         quantize_blocks(kv.to(torch.int32), layout)
+    with pytest.raises(ValueError, match="kv: must be float32, bfloat16 or float16, got torch.float64"):
+        quantize_blocks(kv.double(), layout)
     with pytest.raises(ValueError, match="out: expected uint8"):
         quantize_blocks(kv, layout, out=torch.empty(2, layout.block_bytes, dtype=torch.int8))
     with pytest.raises(ValueError, match="out: must hold kv's 2 blocks"):
