@@ -44,6 +44,38 @@ class EngineStats:
     num_preemptions: int
     num_aborted_requests: int
     num_computed_prompt_tokens: int
+    num_parked: int = 0
+    """Requests waiting for their prompt KV from a prefill worker."""
+    num_leases: int = 0
+    """KV transfers that may still touch this pool's blocks."""
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Where a parked request's prompt KV must be written (``add_remote_request``)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    first_block: int
+    """Index of the first prompt block to fill; the blocks before it are this pool's cached prefix."""
+    block_ids: tuple[int, ...]
+    """This pool's blocks for prompt blocks ``first_block, first_block + 1, ...``; leased."""
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefilledKV:
+    """A finished prefill-only request (``hold_kv``) whose prompt blocks stay leased until shipped."""
+
+    request_id: str
+    first_token: int
+    block_ids: tuple[int, ...]
+    """Every prompt block, in order (the last one may be partly filled)."""
+    rng_state: bytes
+    """The request's generator after sampling ``first_token``: the decode side continues from it."""
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens this engine found in its own prefix cache."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +120,7 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self._requests: dict[str, Request] = {}
+        self._prefilled: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
 
     def add_request(
@@ -98,30 +131,105 @@ class LLMEngine:
         *,
         messages: Sequence[dict[str, str]] | None = None,
         tenant_salt: str | None = None,
+        hold_kv: bool = False,
     ) -> None:
         """Queue a request: a text prompt, token ids, or chat ``messages`` (exactly one).
 
         Raises InvalidRequestError naming the field when the request cannot be served; nothing
-        is allocated before every check has passed.
+        is allocated before every check has passed. With ``hold_kv`` the prompt's blocks are
+        leased when the request finishes, for ``take_prefilled`` and ``release_lease``.
         """
-        params = params or SamplingParams()
-        if request_id in self._requests:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        prompt_token_ids = self._prompt_token_ids(prompt, messages)
-        self._check_fits(prompt_token_ids, params)
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            params=params,
-            root_key=self.namespace.root_key(tenant_salt),
-            eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
-            generator=torch.Generator().manual_seed(seed),
-        )
+        request = self._new_request(request_id, prompt, params, messages, tenant_salt)
+        request.hold_kv = hold_kv
         self._requests[request_id] = request
         self.scheduler.add(request)
+
+    def add_remote_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Sequence[dict[str, str]] | None = None,
+        tenant_salt: str | None = None,
+        max_local_prefill_tokens: int = 0,
+    ) -> RemotePrefill | None:
+        """Admit a request whose prompt KV another worker computes: park it with blocks for the
+        prompt and return where the KV must land, then ``join_remote`` or ``unpark_remote``.
+
+        Returns None, and queues the request for a local prefill instead, when at most
+        ``max_local_prefill_tokens`` of the prompt are not cached here or too few blocks are free.
+        Raises InvalidRequestError as ``add_request`` does.
+        """
+        request = self._new_request(request_id, prompt, params, messages, tenant_salt)
+        self._requests[request_id] = request
+        fresh = None
+        uncached = request.num_prompt_tokens - len(self.scheduler.peek_prefix(request)) * self.config.block_size
+        if uncached > max_local_prefill_tokens:
+            fresh = self.scheduler.park_remote(request)
+        if fresh is None:
+            self.scheduler.add(request)
+            return None
+        return RemotePrefill(
+            request_id=request_id,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            first_block=len(request.block_ids) - len(fresh),
+            block_ids=tuple(fresh),
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def join_remote(self, request_id: str, first_token: int, rng_state: bytes | None = None) -> RequestOutput | None:
+        """The parked request's prompt KV is in its blocks: start decoding after ``first_token``.
+
+        Returns the output carrying that token, or None if the request is no longer parked
+        (aborted meanwhile). The transfer's lease is the caller's to release.
+        """
+        request = self.scheduler.parked.get(request_id)
+        if request is None:
+            return None
+        vocab = self.model_config.vocab_size
+        if not 0 <= first_token < vocab:
+            raise InvalidRequestError("first_token", f"token id {first_token} is outside the vocabulary [0, {vocab})")
+        if rng_state is not None:
+            request.generator.set_state(torch.frombuffer(bytearray(rng_state), dtype=torch.uint8))
+        self.scheduler.join_remote(request, first_token)
+        if request.finished:
+            del self._requests[request_id]
+        return request.take_output()
+
+    def unpark_remote(self, request_id: str, recompute: bool) -> bool:
+        """The remote prefill failed: prefill locally (``recompute``) or drop the request.
+
+        False if the request is no longer parked. The transfer's lease is the caller's to release.
+        """
+        request = self.scheduler.parked.get(request_id)
+        if request is None:
+            return False
+        self.scheduler.unpark_remote(request, requeue=recompute)
+        if not recompute:
+            request.abort()
+            self.scheduler.num_aborted += 1
+            del self._requests[request_id]
+        return True
+
+    def take_prefilled(self, request_id: str) -> PrefilledKV:
+        """The result of a finished ``hold_kv`` request; its blocks stay leased."""
+        request = self._prefilled.pop(request_id, None)
+        if request is None:
+            raise KeyError(f"request {request_id!r} is not a finished hold_kv request")
+        return PrefilledKV(
+            request_id=request_id,
+            first_token=request.output_token_ids[0],
+            block_ids=tuple(self.scheduler.leases[request_id]),
+            rng_state=request.generator.get_state().numpy().tobytes(),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def release_lease(self, request_id: str) -> bool:
+        """A transfer into or out of ``request_id``'s blocks is over: let them go."""
+        self._prefilled.pop(request_id, None)
+        return self.scheduler.release_lease(request_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is unknown or already finished."""
@@ -140,6 +248,8 @@ class LLMEngine:
             outputs.append(request.take_output())
             if request.finished:
                 del self._requests[request.request_id]
+                if request.hold_kv:
+                    self._prefilled[request.request_id] = request
         return outputs
 
     def reset_prefix_cache(self) -> None:
@@ -159,6 +269,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_aborted_requests=self.scheduler.num_aborted,
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
+            num_parked=len(self.scheduler.parked),
+            num_leases=len(self.scheduler.leases),
         )
 
     def generate(
@@ -193,6 +305,24 @@ class LLMEngine:
             )
             for rid, r in requests.items()
         ]
+
+    def _new_request(self, request_id, prompt, params, messages, tenant_salt) -> Request:
+        params = params or SamplingParams()
+        if request_id in self._requests or request_id in self.scheduler.leases:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        prompt_token_ids = self._prompt_token_ids(prompt, messages)
+        self._check_fits(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            root_key=self.namespace.root_key(tenant_salt),
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+            generator=torch.Generator().manual_seed(seed),
+        )
 
     def _prompt_token_ids(self, prompt: str | Sequence[int] | None, messages: Sequence[dict[str, str]] | None) -> list[int]:
         if prompt is not None and messages is not None:

@@ -63,6 +63,8 @@ class Request:
     """Leading blocks already offered to the prefix cache."""
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    hold_kv: bool = False
+    """Lease the prompt's blocks when the request finishes (a prefill whose KV is shipped next)."""
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 

@@ -12,6 +12,13 @@ batch slots last. There is no separate prefill phase: a request just has ``num_t
 When a running sequence needs a block and none is free, the most recently admitted running
 sequence is preempted: its blocks are freed and it goes back to the front of the queue with its
 output so far, to be recomputed (its full blocks are usually still in the prefix cache).
+
+A request whose prompt KV is computed elsewhere (disaggregated prefill) skips the queue: it is
+*parked* with blocks for its whole prompt until the KV has been written into them, then joins the
+running batch with its prompt computed and its first token already sampled::
+
+    park_remote() -> parked (blocks held, nothing scheduled) -> join_remote(first_token) -> running
+                                                              -> unpark_remote()       -> waiting (recompute) / dropped
 """
 
 from __future__ import annotations
@@ -47,6 +54,11 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.parked: dict[str, Request] = {}
+        """Requests waiting for their prompt KV from a prefill worker, by id."""
+        self.leases: dict[str, list[int]] = {}
+        """Blocks a KV transfer may still read or write, by request id: each holds one extra
+        reference, so the block cannot be freed or reused until ``release_lease``."""
         self.num_preemptions = 0
         self.num_aborted = 0
         self.num_computed_prompt_tokens = 0
@@ -112,8 +124,68 @@ class Scheduler:
             touched.append(request)
             if request.finished:
                 self.running.remove(request)
+                if request.hold_kv:
+                    self.lease(request.request_id, request.block_ids)
                 self._release(request)
         return touched
+
+    def lease(self, request_id: str, block_ids: list[int]) -> None:
+        """Pin ``block_ids`` for a transfer until ``release_lease(request_id)``."""
+        if request_id in self.leases:
+            raise ValueError(f"request {request_id!r} already holds a lease")
+        self.pool.acquire(block_ids)
+        self.leases[request_id] = list(block_ids)
+
+    def release_lease(self, request_id: str) -> bool:
+        """End a transfer's lease; False if there was none."""
+        block_ids = self.leases.pop(request_id, None)
+        if block_ids is None:
+            return False
+        self.pool.release(reversed(block_ids))
+        return True
+
+    def park_remote(self, request: Request) -> list[int] | None:
+        """Hold blocks for ``request``'s whole prompt, reusing its cached prefix; return the ids of
+        the blocks the prompt's KV must be written into (those past the prefix), or None (and
+        hold nothing) when too few blocks are free. Those blocks are also leased under the
+        request's id: whatever becomes of the request, they stay out of the free queue until the
+        transfer's owner calls ``release_lease``."""
+        hits = self._match_prefix(request)
+        self.pool.acquire(hits)
+        request.block_ids = list(hits)
+        needed = -(-request.num_prompt_tokens // self.block_size) - len(hits)
+        fresh = self.pool.allocate(needed)
+        if fresh is None:
+            self._release(request)
+            return None
+        request.block_ids += fresh
+        request.num_registered_blocks = len(hits)
+        request.num_cached_tokens = len(hits) * self.block_size
+        self.parked[request.request_id] = request
+        self.lease(request.request_id, fresh)
+        return fresh
+
+    def join_remote(self, request: Request, first_token: int) -> None:
+        """The prompt's KV has landed: mark it computed, cache its full blocks, append the token
+        the prefill worker sampled and start decoding (or finish, if that token ends it)."""
+        del self.parked[request.request_id]
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.num_computed_prompt_tokens += request.num_prompt_tokens - request.num_cached_tokens
+        self._register_full_blocks(request)
+        request.append_token(first_token)
+        if request.finished:
+            self._release(request)
+        else:
+            self.running.append(request)
+
+    def unpark_remote(self, request: Request, requeue: bool) -> None:
+        """Give up waiting for remote KV: free the request's blocks and either queue it for a
+        local prefill (at the front: it has waited longest) or drop it."""
+        del self.parked[request.request_id]
+        self._release(request)
+        request.num_cached_tokens = 0
+        if requeue:
+            self.waiting.appendleft(request)
 
     def abort(self, request: Request) -> None:
         """Drop a request wherever it is and free its blocks."""
@@ -121,9 +193,15 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        else:
+            self.parked.pop(request.request_id, None)
         self._release(request)
         request.abort()
         self.num_aborted += 1
+
+    def peek_prefix(self, request: Request) -> list[int]:
+        """The cached blocks admission would reuse for ``request``; takes nothing."""
+        return self._match_prefix(request)
 
     def _match_prefix(self, request: Request) -> list[int]:
         # At least one token is always computed, so that there are logits to sample from.
