@@ -33,10 +33,14 @@ def _seeded_pool(num_blocks: int, block_bytes: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (num_blocks, block_bytes), dtype=torch.uint8, generator=g)
 
 
-def _receiver_main(conn) -> None:
-    """The decode side: a transport over a seeded pool, driven by (method, args) commands."""
+def _receiver_main(conn, progress_thread: bool) -> None:
+    """The decode side: a transport over a seeded pool, driven by (method, args) commands.
+
+    Without a progress thread it calls progress() while it waits for a command, as a decode
+    worker waiting for KV polls its notifications; with one it blocks on the pipe.
+    """
     pool = _seeded_pool(RECEIVER_BLOCKS, LAYOUT.block_bytes, seed=1)
-    transport = NixlTransport("receiver", pool)
+    transport = NixlTransport("receiver", pool, progress_thread=progress_thread)
     commands = {
         "metadata": transport.metadata,
         "wait_notif": transport.wait_notif,
@@ -45,6 +49,8 @@ def _receiver_main(conn) -> None:
         "close": lambda: (transport.num_open_handles(), transport.close()),
     }
     while True:
+        while not progress_thread and not conn.poll(0.001):
+            transport.progress()
         method, args = conn.recv()
         try:
             conn.send(("ok", commands[method](*args)))
@@ -55,12 +61,11 @@ def _receiver_main(conn) -> None:
 
 
 class Receiver:
-    def __init__(self) -> None:
+    def __init__(self, progress_thread: bool = False) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_receiver_main, args=(child,), daemon=True)
+        self.process = ctx.Process(target=_receiver_main, args=(child, progress_thread), daemon=True)
         self.process.start()
-        self.original_pool = _seeded_pool(RECEIVER_BLOCKS, LAYOUT.block_bytes, seed=1)
 
     def __call__(self, method: str, *args):
         self._conn.send((method, args))
@@ -71,14 +76,17 @@ class Receiver:
             raise AssertionError(f"receiver {method!r} failed: {value}")
         return value
 
+    def close(self) -> int:
+        num_open, _ = self("close")
+        self.process.join(10)
+        return num_open
+
 
 @pytest.fixture(scope="module")
 def receiver():
     peer = Receiver()
     yield peer
-    num_open, _ = peer("close")
-    peer.process.join(10)
-    assert num_open == 0
+    assert peer.close() == 0
 
 
 @pytest.fixture(scope="module")
@@ -244,3 +252,14 @@ def test_a_closed_transport_refuses_work_and_releases_its_handles(receiver):
     with pytest.raises(KVTransferError, match="transport 'short-lived' is closed"):
         transport.write_blocks("receiver", [0], [0], b"x")
     transport.close()
+
+
+def test_a_receiver_with_a_progress_thread_needs_no_polling(writer_pool):
+    receiver = Receiver(progress_thread=True)  # blocks on its pipe between commands
+    with NixlTransport("writer-2", writer_pool) as writer:
+        writer.add_peer(receiver("metadata"))
+        with writer.write_blocks("receiver", [0, 1], [5, 6], b"unpolled") as handle:
+            handle.wait(TIMEOUT_S)
+        assert torch.equal(receiver("pool")[5:7], writer_pool[:2])
+        assert receiver("pop_notifs") == {"writer-2": [b"unpolled"]}
+    assert receiver.close() == 0
