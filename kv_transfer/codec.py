@@ -107,7 +107,8 @@ def _views(buf: torch.Tensor, layout: KVBlockLayout) -> tuple[torch.Tensor, torc
 
 def _padding(layout: KVBlockLayout) -> list[range]:
     """Byte ranges of a block that hold neither payload nor scales."""
-    gaps = [range(layout.payload_bytes, layout.scales_offset), range(layout.scales_offset + layout.scale_bytes, layout.block_bytes)]
+    end_of_scales = layout.scales_offset + layout.scale_bytes
+    gaps = [range(layout.payload_bytes, layout.scales_offset), range(end_of_scales, layout.block_bytes)]
     return [gap for gap in gaps if len(gap)]
 
 

@@ -62,7 +62,8 @@ def test_blocks_are_byte_identical_to_the_engine_pool(kv_dtype, compute_dtype):
     kv = _random_kv(layout, 3, seed=1).to(compute_dtype)
     block_ids = torch.tensor([6, 2, 3])
     # PagedKVCache.write takes tokens [num_tokens, layers, kv_heads, head_dim]: fill the three blocks at once
-    tokens = kv.permute(0, 4, 2, 3, 1, 5).reshape(3 * layout.block_size, layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
+    tokens = kv.permute(0, 4, 2, 3, 1, 5)  # [blocks, block_size, layers, 2, kv_heads, head_dim]
+    tokens = tokens.reshape(3 * layout.block_size, layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
     cache.write(
         tokens[:, :, 0],
         tokens[:, :, 1],

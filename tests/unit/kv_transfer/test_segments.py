@@ -62,7 +62,8 @@ def test_head_slice_ranges_of_an_fp8_block():
 
 def test_head_slice_ranges_without_scales():
     layout = KVBlockLayout(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4, kv_dtype="bf16")
-    assert head_slice_ranges(layout, 2, 3) == ([range(0, layout.head_bytes)], [range(2 * layout.head_bytes, 3 * layout.head_bytes)])
+    head = layout.head_bytes
+    assert head_slice_ranges(layout, 2, 3) == ([range(0, head)], [range(2 * head, 3 * head)])
 
 
 @pytest.mark.parametrize(
