@@ -1,50 +1,126 @@
 """DecodeWorker: the Ray actor of one decode replica.
 
-In aggregated mode it prefills its own requests. The controller creates it from its import path
-(`decode_worker.actor:DecodeWorker`) with the pool's custom resource, so the router never imports
-this module.
+Without a prefill worker it prefills its own requests (aggregated). Given one, it parks the
+request with blocks for the part of the prompt its pool lacks, asks the prefill worker to write
+exactly those blocks over NIXL, and joins the request to its running batch with the first token
+the prefill worker sampled::
+
+    router ──generate(request, prefill)──> DecodeWorker
+                                           park: lease blocks for prompt blocks [cached, end)
+                                           ──prefill(TransferRequest, tokens)──> PrefillWorker
+                                           <──── NIXL WRITE into the leased blocks + notif ────
+                                           <──── TransferResult(first token, generator) ───────
+                                           join the batch, release the lease, stream
+
+A hand-off that fails, times out or loses its prefill worker falls back to the failure policy:
+``recompute`` prefills here, ``fail`` ends the request with an error. Either way the blocks the
+write targeted stay leased until the prefill side can no longer touch them.
+
+The controller creates it from its import path (`decode_worker.actor:DecodeWorker`) with the
+pool's custom resource, so the router never imports this module.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 
+import ray
 from prometheus_client import CollectorRegistry
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, TaskCancelledError
 
 from decode_worker.config import WorkerConfig
-from decode_worker.engine_loop import AdmissionQueueFull, EngineLoop, EngineLoopFailed
-from decode_worker.metrics import EngineStatsCollector, serve_metrics
+from decode_worker.kv_receiver import KVReceiver
 from decode_worker.requests import to_engine_request, to_response
 from engine.config import EngineConfig
+from engine.engine_loop import AdmissionQueueFull, EngineLoop, EngineLoopFailed
 from engine.errors import InvalidRequestError
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, RemotePrefill
+from engine.metrics import CountersCollector, EngineStatsCollector, serve_metrics
+from engine.params import SamplingParams
+from engine.request import EngineRequest
+from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult
+from kv_transfer.registry import transport_class
 from proto import splitserve_pb2 as pb
 from proto import worker_pb2 as wpb
+
+logger = logging.getLogger(__name__)
+
+_DEAD = (RayActorError, ActorUnavailableError)
+_GAUGES = frozenset({"num_open_leases", "num_open_handles"})
+_NOTIF_GRACE_S = 5.0
+"""How long the write's notification may trail the prefill worker's answer."""
 
 
 def _error(code: int, message: str) -> wpb.WorkerEvent:
     return wpb.WorkerEvent(error=wpb.RequestError(code=code, message=message))
 
 
+class RemotePrefillFailed(Exception):
+    """A remote prefill failed under the ``fail`` policy; ``code`` is a RequestError code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class TransferStats:
+    """Counters of this worker's KV hand-offs (the receiving side)."""
+
+    num_remote_prefills: int = 0
+    """Hand-offs asked of a prefill worker."""
+    num_failed: int = 0
+    """Hand-offs that failed, timed out or lost their prefill worker."""
+    num_recomputed: int = 0
+    """Failed hand-offs whose request was prefilled here instead."""
+    num_blocks_received: int = 0
+    num_bytes_received: int = 0
+    num_local_prefills: int = 0
+    """Requests sent with a prefill worker that were prefilled here (prompt mostly cached)."""
+    num_open_leases: int = 0
+    """Hand-offs whose blocks may still be written (filled in when read)."""
+    num_open_handles: int = 0
+    """NIXL transfer handles this worker's agent holds (filled in when read)."""
+
+
 class DecodeWorker:
-    """One engine replica behind Ray calls: generate (streaming), tokenize, status."""
+    """One engine replica behind Ray calls: generate (streaming), tokenize, status, kv_endpoint."""
 
     def __init__(self, replica_id: str, engine_config: EngineConfig, worker_config: WorkerConfig) -> None:
         num_threads = worker_config.num_threads or len(os.sched_getaffinity(0))
         self.replica_id = replica_id
+        self.config = worker_config
         self.loop = EngineLoop(lambda: LLMEngine(engine_config), worker_config.max_waiting_requests, num_threads)
         self.loop.start()
         self.engine = self.loop.engine
+        self.receiver: KVReceiver | None = None
+        if worker_config.kv_transport != "none":
+            self.receiver = _build_receiver(replica_id, self.engine, worker_config.kv_transport)
+        self.transfers = TransferStats()
+        self._cleanups: set[asyncio.Task] = set()
         registry = CollectorRegistry()
-        registry.register(EngineStatsCollector(lambda: self.loop.stats, {"replica": replica_id, "pool": "decode"}))
+        labels = {"replica": replica_id, "pool": "decode"}
+        registry.register(EngineStatsCollector(lambda: self.loop.stats, labels))
+        registry.register(CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, labels, _GAUGES))
         self.metrics_url = serve_metrics(registry, worker_config.metrics_host, worker_config.metrics_port)
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[wpb.WorkerEvent]:
-        """Stream WorkerEvents for ``request``: responses, or one RequestError before any response."""
+    async def generate(self, request: pb.GenerateRequest, prefill=None, prefill_replica_id: str = "") -> AsyncIterator[wpb.WorkerEvent]:
+        """Stream WorkerEvents for ``request``: responses, or one RequestError before any response.
+
+        ``prefill`` is a PrefillWorker handle to compute the prompt's KV, or None to compute it here.
+        """
         try:
             engine_request = to_engine_request(request)
-            async for output in self.loop.generate(engine_request):
+            if prefill is None or self.receiver is None:
+                outputs = self.loop.generate(engine_request)
+            else:
+                outputs = self._generate_disaggregated(engine_request, prefill, prefill_replica_id or "prefill worker")
+            async for output in outputs:
                 yield wpb.WorkerEvent(response=to_response(output))
         except InvalidRequestError as e:
             yield _error(wpb.RequestError.INVALID_ARGUMENT, str(e))
@@ -52,6 +128,124 @@ class DecodeWorker:
             yield _error(wpb.RequestError.RESOURCE_EXHAUSTED, f"replica {self.replica_id}: {e}")
         except EngineLoopFailed as e:
             yield _error(wpb.RequestError.UNAVAILABLE, f"replica {self.replica_id}: {e}")
+        except RemotePrefillFailed as e:
+            yield _error(e.code, f"replica {self.replica_id}: {e}")
+
+    async def _generate_disaggregated(self, request: EngineRequest, prefill, prefill_id: str):
+        limit = self.config.max_local_prefill_tokens
+
+        def admit(engine: LLMEngine, r: EngineRequest) -> RemotePrefill | None:
+            return engine.add_remote_request(
+                r.request_id, r.prompt, r.params, messages=r.messages, tenant_salt=r.tenant_salt, max_local_prefill_tokens=limit
+            )
+
+        outputs = self.loop.generate(request, admit)
+        try:
+            slot = await anext(outputs)
+            if slot is None:
+                self.transfers.num_local_prefills += 1
+            else:
+                await self._remote_prefill(slot, request, prefill, prefill_id)
+            async for output in outputs:
+                yield output
+        finally:
+            await outputs.aclose()
+
+    async def _remote_prefill(self, slot: RemotePrefill, request: EngineRequest, prefill, prefill_id: str) -> None:
+        """Have ``prefill`` fill the slot's blocks, then join the batch; or apply the failure policy."""
+        self.transfers.num_remote_prefills += 1
+        transfer = TransferRequest(
+            request_id=slot.request_id,
+            decode=self.receiver.endpoint,
+            block_ids=slot.block_ids,
+            num_prompt_tokens=len(slot.prompt_token_ids),
+            first_block_index=slot.first_block,
+            timeout_s=self.config.kv_transfer_timeout_s,
+        )
+        landed = self.receiver.expect(transfer.notif)
+        ref = prefill.prefill.remote(transfer, list(slot.prompt_token_ids), _first_token_params(request.params), request.tenant_salt)
+        answer = asyncio.ensure_future(ref)
+        try:
+            result = await self._await_hand_off(answer, landed, prefill_id)
+        except RemotePrefillFailed as failure:
+            self.transfers.num_failed += 1
+            recompute = self.config.remote_prefill_failure == "recompute"
+            logger.warning("replica %s: %s (%s)", self.replica_id, failure, "recomputing here" if recompute else "failing the request")
+            await self.loop.call(lambda engine: engine.unpark_remote(slot.request_id, recompute))
+            self._end_lease_when_over(slot.request_id, ref, answer, transfer.notif)
+            if not recompute:
+                raise
+            self.transfers.num_recomputed += 1
+            return
+        except BaseException:  # the caller went away (cancel, disconnect, deadline) mid hand-off
+            self._end_lease_when_over(slot.request_id, ref, answer, transfer.notif)
+            raise
+        self.transfers.num_blocks_received += len(slot.block_ids)
+        self.transfers.num_bytes_received += result.num_bytes
+        loop = self.loop
+
+        def join(engine: LLMEngine) -> None:
+            output = engine.join_remote(slot.request_id, result.first_token_id, result.rng_state or None)
+            engine.release_lease(slot.request_id)
+            if output is not None:
+                loop.deliver(output)
+
+        await self.loop.call(join)
+
+    async def _await_hand_off(self, answer: asyncio.Future, landed: asyncio.Future, prefill_id: str) -> TransferResult:
+        """The prefill worker's successful answer once the write's notification is in; otherwise
+        RemotePrefillFailed. The caller cleans up (lease, notification) on any exception."""
+        timeout = self.config.kv_transfer_timeout_s
+        try:
+            result = await asyncio.wait_for(asyncio.shield(answer), timeout)
+        except asyncio.TimeoutError:
+            raise RemotePrefillFailed(wpb.RequestError.UNAVAILABLE, f"remote prefill on {prefill_id} timed out after {timeout} s") from None
+        except _DEAD as e:
+            raise RemotePrefillFailed(wpb.RequestError.UNAVAILABLE, f"prefill worker {prefill_id} died: {str(e).splitlines()[0]}") from e
+        except RayTaskError as e:
+            raise RemotePrefillFailed(wpb.RequestError.INTERNAL, f"remote prefill on {prefill_id} failed: {e.cause!r}") from e
+        if not result.ok:
+            code = wpb.RequestError.FAILED_PRECONDITION if result.error.startswith("KV hand-off") else wpb.RequestError.UNAVAILABLE
+            raise RemotePrefillFailed(code, f"remote prefill on {prefill_id} {result.status.value}: {result.error}")
+        try:
+            await asyncio.wait_for(asyncio.shield(landed), _NOTIF_GRACE_S)
+        except asyncio.TimeoutError:
+            raise RemotePrefillFailed(
+                wpb.RequestError.UNAVAILABLE, f"remote prefill on {prefill_id}: write reported done but no notification within {_NOTIF_GRACE_S} s"
+            ) from None
+        return result
+
+    def _end_lease_when_over(self, request_id: str, ref, answer: asyncio.Future, notif: bytes) -> None:
+        """Release the lease on the hand-off's blocks once the prefill side can no longer write
+        them: its call has returned, failed, been cancelled, or its process is gone."""
+
+        async def end() -> None:
+            if not answer.done():
+                ray.cancel(ref)  # the prefill worker aborts its compute or its write and returns
+            try:
+                await answer
+            except (Exception, asyncio.CancelledError, TaskCancelledError):
+                pass  # over, whichever way it ended
+            self.receiver.forget(notif)
+            await self.loop.call(lambda engine: engine.release_lease(request_id))
+
+        task = asyncio.get_running_loop().create_task(end())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def kv_endpoint(self) -> KVEndpoint | None:
+        """Where prefill workers write this worker's KV; None when it takes no remote prefill."""
+        return self.receiver.endpoint if self.receiver else None
+
+    async def transfer_stats(self) -> TransferStats:
+        return self.transfer_stats_now()
+
+    def transfer_stats_now(self) -> TransferStats:
+        return replace(
+            self.transfers,
+            num_open_leases=self.loop.stats.num_leases,
+            num_open_handles=self.receiver.transport.num_open_handles() if self.receiver else 0,
+        )
 
     async def tokenize(self, request: pb.TokenizeRequest) -> wpb.TokenizeResult:
         tokenizer = self.engine.tokenizer
@@ -83,7 +277,7 @@ class DecodeWorker:
             model=self.engine.model_name,
             healthy=self.loop.alive,
             num_running=s.num_running,
-            num_waiting=s.num_waiting,
+            num_waiting=s.num_waiting + s.num_parked,
             num_kv_blocks=s.num_kv_blocks,
             num_free_kv_blocks=s.num_free_kv_blocks,
             metrics_url=self.metrics_url,
@@ -91,5 +285,33 @@ class DecodeWorker:
         )
 
     async def shutdown(self) -> None:
-        """Stop the engine thread (requests still running are dropped with it)."""
+        """Stop the engine thread (requests still running are dropped with it) and the NIXL agent."""
+        for task in list(self._cleanups):
+            task.cancel()
         self.loop.stop()
+        if self.receiver is not None:
+            self.receiver.close()
+
+
+def _first_token_params(params: SamplingParams) -> SamplingParams:
+    """What the prefill worker samples with: the request's sampling, one token, no stop rules
+    (the decode worker applies those to the first token as to every other)."""
+    return replace(params, max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True)
+
+
+def _build_receiver(replica_id: str, engine: LLMEngine, transport_name: str) -> KVReceiver:
+    # Unique per process: a replica id can come back (a new cluster in the same Ray session),
+    # and a peer that cached the old agent's pool address must never write into the new one.
+    agent_name = f"{replica_id}-{uuid.uuid4().hex[:8]}"
+    transport = transport_class(transport_name)(agent_name, engine.kv_cache.buffer)
+    layout = engine.kv_cache.layout
+    endpoint = KVEndpoint(
+        agent_name=agent_name,
+        transport_metadata=transport.metadata(),
+        namespace=engine.namespace,
+        layout=layout,
+        num_blocks=engine.kv_cache.num_blocks,
+        head_start=0,
+        head_end=layout.num_kv_heads,
+    )
+    return KVReceiver(transport, endpoint)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+REMOTE_PREFILL_FAILURE_POLICIES = ("recompute", "fail")
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """How a worker replica admits requests and exposes itself."""
+    """How a worker replica admits requests, receives remote KV and exposes itself."""
 
     max_waiting_requests: int = 256
     """Requests waiting for a batch slot beyond which new ones get RESOURCE_EXHAUSTED."""
@@ -17,6 +19,14 @@ class WorkerConfig:
     """Address the Prometheus endpoint binds to."""
     metrics_port: int = 0
     """Port of the Prometheus endpoint; 0 picks a free one."""
+    kv_transport: str = "nixl"
+    """How prefill workers write KV into this worker's pool: "nixl", or "none" (aggregated only)."""
+    kv_transfer_timeout_s: float = 30.0
+    """Seconds a remote prefill may take, from the ask to the KV in the pool, before the failure policy applies."""
+    remote_prefill_failure: str = "recompute"
+    """When a remote prefill fails or times out: "recompute" (prefill here) or "fail" (end the request with an error)."""
+    max_local_prefill_tokens: int = 0
+    """Prefill here, not remotely, when at most this many prompt tokens are missing from this pool."""
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 0:
@@ -25,3 +35,13 @@ class WorkerConfig:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: {self.metrics_port} is not a port")
+        if self.kv_transport not in ("nixl", "none"):
+            raise ValueError(f"kv_transport: {self.kv_transport!r} is not one of ('nixl', 'none')")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError(f"kv_transfer_timeout_s: must be > 0, got {self.kv_transfer_timeout_s}")
+        if self.remote_prefill_failure not in REMOTE_PREFILL_FAILURE_POLICIES:
+            raise ValueError(
+                f"remote_prefill_failure: {self.remote_prefill_failure!r} is not one of {REMOTE_PREFILL_FAILURE_POLICIES}"
+            )
+        if self.max_local_prefill_tokens < 0:
+            raise ValueError(f"max_local_prefill_tokens: must be >= 0, got {self.max_local_prefill_tokens}")

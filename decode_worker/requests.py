@@ -3,11 +3,9 @@ outputs become GenerateResponse protos."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
-from engine.request import FinishReason, RequestOutput
+from engine.request import EngineRequest, FinishReason, RequestOutput
 from proto import splitserve_pb2 as pb
 
 _FINISH_REASONS = {
@@ -15,17 +13,6 @@ _FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """Arguments for ``LLMEngine.add_request``, validated."""
-
-    request_id: str
-    prompt: str | list[int] | None
-    messages: list[dict[str, str]] | None
-    params: SamplingParams
-    tenant_salt: str | None
 
 
 def to_engine_request(request: pb.GenerateRequest) -> EngineRequest:

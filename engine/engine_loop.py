@@ -15,6 +15,7 @@ from the event loop, and the event loop never waits on the engine.
     ----------                        -------------
     submit()  --(ADD, future)-->      add_request()  --> future result / InvalidRequestError
     abort()   --(ABORT)-------->      abort_request()
+    call(fn)  --(CALL, future)->      fn(engine)     --> future result / exception
     stream queue <--outputs----       step()
 """
 
@@ -29,10 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from decode_worker.requests import EngineRequest
 from engine.errors import InvalidRequestError
 from engine.llm_engine import EngineStats, LLMEngine
-from engine.request import RequestOutput
+from engine.request import EngineRequest, RequestOutput
 
 
 class AdmissionQueueFull(Exception):
@@ -49,11 +49,18 @@ class _Add:
     admitted: Future
     outputs: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    admit: Callable[[LLMEngine, EngineRequest], object] | None = None
 
 
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], object]
+    result: Future
 
 
 @dataclass(frozen=True)
@@ -95,20 +102,32 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self._failure is None
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """Run ``fn(engine)`` on the engine thread between two steps; its result or exception."""
+        if self._failure is not None:
+            raise EngineLoopFailed(f"engine loop failed: {self._failure!r}")
+        result: Future = Future()
+        self._commands.put(_Call(fn, result))
+        return await asyncio.wrap_future(result)
+
+    async def generate(self, request: EngineRequest, admit: Callable[[LLMEngine, EngineRequest], object] | None = None) -> AsyncIterator[RequestOutput | object]:
         """Outputs of ``request`` until it finishes. Leaving early (cancel, close) aborts it.
 
-        Raises InvalidRequestError or AdmissionQueueFull before the first output.
+        ``admit(engine, request)`` replaces ``add_request`` (e.g. a remote-prefill admission);
+        what it returns is yielded first. Raises InvalidRequestError or
+        AdmissionQueueFull before the first output.
         """
         if self._failure is not None:
             raise EngineLoopFailed(f"engine loop failed: {self._failure!r}")
         loop = asyncio.get_running_loop()
         admitted: Future = Future()
         outputs: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(request, admitted, outputs, loop))
+        self._commands.put(_Add(request, admitted, outputs, loop, admit))
         finished = False
         try:
-            await asyncio.wrap_future(admitted)  # a cancel while waiting here still aborts below
+            admission = await asyncio.wrap_future(admitted)  # a cancel while waiting here still aborts below
+            if admit is not None:
+                yield admission
             while not finished:
                 output = await outputs.get()
                 if isinstance(output, EngineLoopFailed):
@@ -155,11 +174,25 @@ class EngineLoop:
             if isinstance(command, _Stop):
                 return False
             if isinstance(command, _Abort):
+                self._streams.pop(command.request_id, None)
                 if self.engine.abort_request(command.request_id):
-                    self._streams.pop(command.request_id, None)
                     self._stats = self.engine.stats()
                 continue
+            if isinstance(command, _Call):
+                self._call(command)
+                continue
             self._add(command)
+
+    def _call(self, command: _Call) -> None:
+        if not command.result.set_running_or_notify_cancel():
+            return
+        try:
+            value = command.fn(self.engine)
+        except Exception as e:  # the caller's to handle; the loop goes on
+            command.result.set_exception(e)
+        else:
+            command.result.set_result(value)
+        self._stats = self.engine.stats()
 
     def _add(self, command: _Add) -> None:
         if not command.admitted.set_running_or_notify_cancel():
@@ -171,15 +204,22 @@ class EngineLoop:
             command.admitted.set_exception(AdmissionQueueFull(f"{stats.num_waiting} requests already waiting"))
             return
         try:
-            self.engine.add_request(
-                request.request_id, request.prompt, request.params, messages=request.messages, tenant_salt=request.tenant_salt
-            )
+            if command.admit is None:
+                admission = self.engine.add_request(
+                    request.request_id, request.prompt, request.params, messages=request.messages, tenant_salt=request.tenant_salt
+                )
+            else:
+                admission = command.admit(self.engine, request)
         except InvalidRequestError as e:
             command.admitted.set_exception(e)
             return
         self._streams[request.request_id] = (command.outputs, command.loop)
         self._stats = self.engine.stats()
-        command.admitted.set_result(None)
+        command.admitted.set_result(admission)
+
+    def deliver(self, output: RequestOutput) -> None:
+        """Hand an output produced outside ``step`` (e.g. by ``call``) to its stream. Engine thread only."""
+        self._deliver(output)
 
     def _deliver(self, output: RequestOutput) -> None:
         outputs, loop = self._streams[output.request_id]

@@ -1,8 +1,9 @@
-"""Prometheus metrics of a worker, read from the engine's latest stats at scrape time."""
+"""Prometheus metrics of a worker process, read from snapshots at scrape time (both worker roles use them)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -44,6 +45,27 @@ class EngineStatsCollector(Collector):
         )
         computed.add_metric(values, s.num_computed_prompt_tokens)
         yield computed
+
+
+class CountersCollector(Collector):
+    """Exposes the int fields of a dataclass snapshot: ``num_*`` fields named in ``gauges`` as
+    gauges, the others as counters, each as ``{prefix}_{field without num_}``."""
+
+    def __init__(self, prefix: str, snapshot: Callable[[], object], labels: dict[str, str], gauges: frozenset[str] = frozenset()) -> None:
+        self._prefix = prefix
+        self._snapshot = snapshot
+        self._labels = labels
+        self._gauges = gauges
+
+    def collect(self) -> Iterator:
+        snapshot = self._snapshot()
+        names, values = list(self._labels), list(self._labels.values())
+        for f in fields(snapshot):
+            name = f"{self._prefix}_{f.name.removeprefix('num_')}"
+            doc = (f.metadata.get("doc") or f.name.replace("_", " ")) + "."
+            family = (GaugeMetricFamily if f.name in self._gauges else CounterMetricFamily)(name, doc, labels=names)
+            family.add_metric(values, getattr(snapshot, f.name))
+            yield family
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> str:

@@ -41,6 +41,17 @@ class RequestOutput:
     num_output_tokens: int
 
 
+@dataclass(frozen=True)
+class EngineRequest:
+    """Arguments for ``LLMEngine.add_request``, validated."""
+
+    request_id: str
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+    params: SamplingParams
+    tenant_salt: str | None
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence: its tokens, its blocks, how far its KV is computed, and its stop state."""

@@ -207,6 +207,8 @@ class TransferResult:
     """Bytes written into the decode pool."""
     transfer_s: float = 0.0
     """Seconds from posting the write to its completion."""
+    rng_state: bytes = b""
+    """The request's sampling generator after ``first_token_id``: the decode worker goes on from it."""
     error: str = ""
     """Why the hand-off did not complete; empty when DONE."""
 

@@ -17,11 +17,13 @@ class RequestError(_message.Message):
         RESOURCE_EXHAUSTED: _ClassVar[RequestError.Code]
         UNAVAILABLE: _ClassVar[RequestError.Code]
         INTERNAL: _ClassVar[RequestError.Code]
+        FAILED_PRECONDITION: _ClassVar[RequestError.Code]
     CODE_UNSPECIFIED: RequestError.Code
     INVALID_ARGUMENT: RequestError.Code
     RESOURCE_EXHAUSTED: RequestError.Code
     UNAVAILABLE: RequestError.Code
     INTERNAL: RequestError.Code
+    FAILED_PRECONDITION: RequestError.Code
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     code: RequestError.Code

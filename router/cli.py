@@ -97,18 +97,23 @@ def _run_status(args: argparse.Namespace) -> int:
 def _add_up(parser: argparse.ArgumentParser) -> None:
     from decode_worker.config import WorkerConfig
     from engine.config import EngineConfig
+    from prefill_worker.config import PrefillWorkerConfig
     from router.cli_args import add_dataclass_args
     from router.config import RouterConfig
     from router.controller import ControllerConfig
 
     parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     parser.add_argument("--decode", type=int, default=1, help="decode replicas (default: %(default)s)")
+    parser.add_argument(
+        "--prefill", type=int, default=1, help="prefill replicas; 0 runs aggregated, decode replicas prefilling their own requests (default: %(default)s)"
+    )
     parser.add_argument("--tls-cert", type=Path, help="server certificate (enables TLS)")
     parser.add_argument("--tls-key", type=Path, help="server private key")
     parser.add_argument("--tls-client-ca", type=Path, help="CA of client certificates (enables mutual TLS)")
     add_dataclass_args(parser, EngineConfig)
     add_dataclass_args(parser, RouterConfig, skip=("tls",))
     add_dataclass_args(parser, WorkerConfig, prefix="worker")
+    add_dataclass_args(parser, PrefillWorkerConfig, prefix="prefill")
     add_dataclass_args(parser, ControllerConfig, prefix="controller")
     parser.set_defaults(run=_run_up)
 
@@ -116,6 +121,7 @@ def _add_up(parser: argparse.ArgumentParser) -> None:
 def _run_up(args: argparse.Namespace) -> int:
     from decode_worker.config import WorkerConfig
     from engine.config import EngineConfig
+    from prefill_worker.config import PrefillWorkerConfig
     from router.cli_args import dataclass_from_args
     from router.config import RouterConfig, TLSConfig
     from router.controller import ControllerConfig
@@ -128,9 +134,11 @@ def _run_up(args: argparse.Namespace) -> int:
         config = ClusterConfig(
             engine=dataclass_from_args(EngineConfig, args),
             worker=dataclass_from_args(WorkerConfig, args, prefix="worker"),
+            prefill=dataclass_from_args(PrefillWorkerConfig, args, prefix="prefill"),
             router=dataclass_from_args(RouterConfig, args, tls=tls),
             controller=dataclass_from_args(ControllerConfig, args, prefix="controller"),
             num_decode=args.decode,
+            num_prefill=args.prefill,
             ray_address=args.address,
         )
     except (ValueError, TypeError) as e:
@@ -141,7 +149,8 @@ def _run_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     cluster = Cluster(config)
-    print(f"splitserve: starting {config.num_decode} decode replica(s) of {config.engine.model} ...", flush=True)
+    mode = f"{config.num_prefill} prefill + {config.num_decode} decode replica(s)" if config.num_prefill else f"{config.num_decode} decode replica(s), aggregated"
+    print(f"splitserve: starting {mode} of {config.engine.model} ...", flush=True)
     try:
         status = cluster.start()
         print(f"splitserve: serving gRPC on {status.grpc_address} (metrics {status.metrics_url})", flush=True)

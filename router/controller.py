@@ -107,7 +107,7 @@ class ClusterController:
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
         self._state = _State()
-        self._ids = itertools.count()
+        self._ids = {pool: itertools.count() for pool in POOLS}
         self._health_task: asyncio.Task | None = None
         registry = CollectorRegistry()
         registry.register(_ReplicaCollector(self._state))
@@ -120,7 +120,7 @@ class ClusterController:
             self._health_task = asyncio.get_running_loop().create_task(self._check_health_forever())
         module, _, name = spec.actor_class.partition(":")
         actor_class = ray.remote(getattr(importlib.import_module(module), name))
-        replica_id = f"{spec.pool}-{next(self._ids)}"
+        replica_id = f"{spec.pool}-{next(self._ids[spec.pool])}"
         handle = actor_class.options(
             name=f"splitserve-{replica_id}",
             namespace=NAMESPACE,

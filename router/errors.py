@@ -11,6 +11,7 @@ _WORKER_CODES = {
     wpb.RequestError.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     wpb.RequestError.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     wpb.RequestError.INTERNAL: grpc.StatusCode.INTERNAL,
+    wpb.RequestError.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

@@ -1,7 +1,8 @@
 """Start a splitserve cluster on Ray: the controller, worker replicas and one router.
 
 This is the composition root: the one place outside the workers that names worker code, and
-only by import path (``decode_worker.actor:DecodeWorker``) and config dataclass.
+only by import path (``decode_worker.actor:DecodeWorker``, ``prefill_worker.actor:PrefillWorker``)
+and config dataclass.
 """
 
 from __future__ import annotations
@@ -13,32 +14,42 @@ import ray
 
 from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
+from prefill_worker.config import PrefillWorkerConfig
 from proto import splitserve_pb2 as pb
 from router.config import RouterConfig
 from router.controller import CONTROLLER_NAME, NAMESPACE, POOLS, ClusterController, ControllerConfig, ReplicaSpec, pool_resource
 from router.replica import RouterReplica
 
 DECODE_WORKER_CLASS = "decode_worker.actor:DecodeWorker"
+PREFILL_WORKER_CLASS = "prefill_worker.actor:PrefillWorker"
+_LOCAL_MIN_CPUS = 16
 _LOCAL_POOL_SLOTS = 64
 """Replica slots per pool that a local single-node cluster offers (logical, not CPUs)."""
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """A whole cluster: what each part runs with and how many decode replicas there are."""
+    """A whole cluster: what each part runs with and how many replicas each pool has."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    prefill: PrefillWorkerConfig = field(default_factory=PrefillWorkerConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     num_decode: int = 1
     """Decode replicas to start."""
+    num_prefill: int = 0
+    """Prefill replicas to start; 0 runs aggregated (decode replicas prefill their own requests)."""
     ray_address: str | None = None
     """Join this Ray cluster; None starts a local one on 127.0.0.1."""
 
     def __post_init__(self) -> None:
         if self.num_decode < 1:
             raise ValueError(f"num_decode: must be >= 1, got {self.num_decode}")
+        if self.num_prefill < 0:
+            raise ValueError(f"num_prefill: must be >= 0, got {self.num_prefill}")
+        if self.num_prefill and self.worker.kv_transport == "none":
+            raise ValueError("num_prefill: prefill replicas need decode replicas with a kv_transport, got 'none'")
 
 
 def init_ray(address: str | None) -> None:
@@ -55,7 +66,9 @@ def init_ray(address: str | None) -> None:
         namespace=NAMESPACE,
         include_dashboard=False,
         log_to_driver=False,
-        num_cpus=os.cpu_count(),
+        # Logical CPUs are scheduling tokens: on one machine every replica shares the same cores
+        # anyway, so a local cluster admits more replicas than it has cores (2 cores, 1 + 2 replicas).
+        num_cpus=max(os.cpu_count() or 1, _LOCAL_MIN_CPUS),
         resources={pool_resource(p): _LOCAL_POOL_SLOTS for p in POOLS},
     )
 
@@ -77,8 +90,10 @@ class Cluster:
             .options(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000)
             .remote(self.config.controller)
         )
-        spec = ReplicaSpec("decode", DECODE_WORKER_CLASS, (self.config.engine, self.config.worker))
-        ray.get([self.controller.add_replica.remote(spec) for _ in range(self.config.num_decode)])
+        decode = ReplicaSpec("decode", DECODE_WORKER_CLASS, (self.config.engine, self.config.worker))
+        prefill = ReplicaSpec("prefill", PREFILL_WORKER_CLASS, (self.config.engine, self.config.prefill))
+        specs = [decode] * self.config.num_decode + [prefill] * self.config.num_prefill
+        ray.get([self.controller.add_replica.remote(spec) for spec in specs])
         self.router = self.start_router(self.router_id, self.config.router)
         self.router_status = ray.get(self.router.start.remote())
         return self.router_status

@@ -30,7 +30,7 @@ async def _abort(context: grpc.aio.ServicerContext, rejected: CallRejected) -> N
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    """Generate, Tokenize and ListModels over the decode pool (aggregated mode)."""
+    """Generate, Tokenize and ListModels over the worker pools."""
 
     def __init__(self, config: RouterConfig, directory: WorkerDirectory, metrics: RouterMetrics) -> None:
         self.config = config
@@ -67,14 +67,22 @@ class GenerationService(pb_grpc.GenerationServicer):
         forwarded = pb.GenerateRequest()
         forwarded.CopyFrom(request)
         forwarded.request_id = request.request_id or uuid.uuid4().hex
+        # Disaggregated when the prefill pool has a live replica; cache-aware choice comes later.
+        prefill = self.directory.pick("prefill", request.model)
         last = None
         replica.num_inflight += 1
+        if prefill is not None:
+            prefill.num_inflight += 1
         try:
-            async for event in stream_generate(replica.handle, forwarded):
+            events = stream_generate(replica.handle, forwarded, prefill.handle if prefill else None, prefill.replica_id if prefill else "")
+            async for event in events:
                 if event.HasField("error"):
                     raise from_worker(event.error)
                 now = time.perf_counter()
                 if last is None:
+                    if prefill is not None:
+                        prefill.num_inflight -= 1  # its part is over once the first token is out
+                        prefill = None
                     self.metrics.ttft.observe(now - start)
                 elif event.response.token_ids:
                     self.metrics.inter_token.observe((now - last) / len(event.response.token_ids))
@@ -85,6 +93,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"decode worker {replica.replica_id} died: {e}") from e
         finally:
             replica.num_inflight -= 1
+            if prefill is not None:
+                prefill.num_inflight -= 1
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         return await _unary(context, self._tokenize, request)

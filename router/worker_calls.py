@@ -17,10 +17,11 @@ class WorkerDied(Exception):
     """The worker actor went away (crashed, killed, unreachable) during the call."""
 
 
-async def stream_generate(handle, request: pb.GenerateRequest) -> AsyncIterator[wpb.WorkerEvent]:
-    """The worker's event stream for ``request``. Leaving it early cancels the worker's task,
-    which aborts the request there and frees its blocks."""
-    stream = handle.generate.options(num_returns="streaming").remote(request)
+async def stream_generate(handle, request: pb.GenerateRequest, prefill=None, prefill_replica_id: str = "") -> AsyncIterator[wpb.WorkerEvent]:
+    """The decode worker's event stream for ``request``, its prompt prefilled by the ``prefill``
+    worker (a handle) or, with None, by the decode worker itself. Leaving the stream early
+    cancels the worker's task, which aborts the request there and frees its blocks."""
+    stream = handle.generate.options(num_returns="streaming").remote(request, prefill, prefill_replica_id)
     finished = False
     try:
         async for ref in stream:

@@ -44,10 +44,11 @@ class WorkerDirectory:
         self.replicas = fresh
 
     def served_models(self) -> list[str]:
-        return sorted({r.model.id for r in self.replicas.values() if r.status.healthy})
+        """Models a healthy decode replica serves (prefill replicas alone serve nothing)."""
+        return sorted({r.model.id for r in self.replicas.values() if r.status.healthy and r.status.pool == "decode"})
 
     def model_infos(self) -> list[pb.ModelInfo]:
-        infos = {r.model.id: r.model for r in self.replicas.values() if r.status.healthy}
+        infos = {r.model.id: r.model for r in self.replicas.values() if r.status.healthy and r.status.pool == "decode"}
         return [infos[k] for k in sorted(infos)]
 
     def pick(self, pool: str, model: str) -> Replica | None:

@@ -52,6 +52,7 @@ def test_up_serves_the_bundled_model_and_stops_cleanly_on_sigint(smollm2_dir, sm
     try:
         lines = _lines(up.stdout)
         seen = _wait_for(lines, "try: splitserve generate", timeout_s=180)
+        assert any("starting 1 prefill + 1 decode replica(s) of smollm2-135m" in s for s in seen)  # disaggregated by default
         assert any(f"serving gRPC on 127.0.0.1:{port}" in s for s in seen)
         assert f'splitserve generate --addr 127.0.0.1:{port} "What is the capital of France?"' in seen[-1]
 
@@ -64,8 +65,9 @@ def test_up_serves_the_bundled_model_and_stops_cleanly_on_sigint(smollm2_dir, sm
 
         status = subprocess.run(CLI + ["status", "--addr", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
-        [replica_line] = [line for line in status.stdout.splitlines() if line.startswith("decode")]
-        assert "smollm2-135m" in replica_line and " true " in replica_line
+        for pool in ("decode", "prefill"):
+            [replica_line] = [line for line in status.stdout.splitlines() if line.startswith(pool)]
+            assert "smollm2-135m" in replica_line and " true " in replica_line
 
         processes = psutil.Process(up.pid).children(recursive=True)
         assert processes, "up should run Ray and worker processes"
@@ -108,7 +110,7 @@ def test_up_joins_an_existing_ray_cluster_and_leaves_it_running(ray_session, tin
         lines = _lines(up.stdout)
         _wait_for(lines, "try: splitserve generate", timeout_s=120)
         names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
-        assert {"splitserve-controller", "splitserve-router-0", "splitserve-decode-0"} <= names
+        assert {"splitserve-controller", "splitserve-router-0", "splitserve-decode-0", "splitserve-prefill-0"} <= names
         answer = subprocess.run(
             CLI + ["generate", "--addr", f"127.0.0.1:{port}", "--raw", "--max-tokens", "5", "hello"],
             capture_output=True, text=True, timeout=60,

@@ -19,8 +19,8 @@ ALLOWED = {
 COMPOSITION_ROOTS = {
     # The launcher and the CLI build the workers' typed configs (no torch behind them) and name
     # the worker actor class by import path; nothing else in the router touches worker code.
-    "router/launch.py": {"engine.config", "decode_worker.config"},
-    "router/cli.py": {"engine.config", "decode_worker.config"},
+    "router/launch.py": {"engine.config", "decode_worker.config", "prefill_worker.config"},
+    "router/cli.py": {"engine.config", "decode_worker.config", "prefill_worker.config"},
 }
 
 
@@ -47,7 +47,7 @@ def test_imports_follow_the_arrows(package):
 
 
 def test_key_spec_and_configs_stay_light():
-    for rel in ("kv_store/keys.py", "engine/config.py", "decode_worker/config.py"):
+    for rel in ("kv_store/keys.py", "engine/config.py", "decode_worker/config.py", "prefill_worker/config.py"):
         tree = ast.parse((REPO / rel).read_text())
         every_import = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         every_import |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

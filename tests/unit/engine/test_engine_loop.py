@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from decode_worker.engine_loop import AdmissionQueueFull, EngineLoop
-from decode_worker.requests import EngineRequest
+from engine.engine_loop import AdmissionQueueFull, EngineLoop
+from engine.request import EngineRequest
 from engine.errors import CheckpointError, InvalidRequestError
 from engine.params import SamplingParams
 from tests.unit.engine.helpers import make_engine, random_prompts

@@ -1,0 +1,84 @@
+"""The decode worker's end of KV hand-offs: its NIXL agent, its endpoint, and waiting for writes.
+
+NIXL runs without a progress thread (one would spin half a core per agent), so a write into this
+pool only completes while this side also drives the agent. ``KVReceiver`` does that from the
+event loop, polling every ``poll_interval_s`` while at least one hand-off is awaited and not at
+all otherwise; a notification that arrives completes the future of whoever waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kv_transfer.errors import KVTransferError
+from kv_transfer.protocol import KVEndpoint, request_id_of
+
+logger = logging.getLogger(__name__)
+
+
+class KVReceiver:
+    """Polls ``transport`` for hand-off notifications while someone awaits one."""
+
+    def __init__(self, transport, endpoint: KVEndpoint, poll_interval_s: float = 0.0005) -> None:
+        self.transport = transport
+        self.endpoint = endpoint
+        self.poll_interval_s = poll_interval_s
+        self._waiting: dict[bytes, asyncio.Future] = {}
+        self._poller: asyncio.Task | None = None
+        self.num_stray_notifs = 0
+        """Notifications nobody waited for (a hand-off given up before its write landed)."""
+
+    def expect(self, notif: bytes) -> asyncio.Future:
+        """A future that completes with the sender's agent name when ``notif`` arrives."""
+        if notif in self._waiting:
+            raise KVTransferError(f"notification {notif!r} is already awaited")
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[notif] = future
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+        return future
+
+    def forget(self, notif: bytes) -> None:
+        """Stop waiting for ``notif`` (its hand-off ended another way)."""
+        future = self._waiting.pop(notif, None)
+        if future is not None and not future.done():
+            future.cancel()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    async def _poll(self) -> None:
+        while self._waiting:
+            try:
+                arrived = self.transport.pop_notifs()
+            except KVTransferError as e:  # the transport is closed or broken: fail every waiter
+                for future in self._waiting.values():
+                    if not future.done():
+                        future.set_exception(e)
+                self._waiting.clear()
+                return
+            for sender, notifs in arrived.items():
+                for notif in notifs:
+                    future = self._waiting.pop(notif, None)
+                    if future is None:
+                        self.num_stray_notifs += 1
+                        logger.info("KV notification for %s from %s arrived after its hand-off ended", _describe(notif), sender)
+                    elif not future.done():
+                        future.set_result(sender)
+            await asyncio.sleep(self.poll_interval_s)
+
+    def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        for notif in list(self._waiting):
+            self.forget(notif)
+        self.transport.close()
+
+
+def _describe(notif: bytes) -> str:
+    try:
+        return f"request {request_id_of(notif)!r}"
+    except KVTransferError:
+        return repr(notif[:64])

@@ -1,0 +1,225 @@
+"""PrefillWorker: the Ray actor of one prefill replica.
+
+For each hand-off it checks that the decode worker's pool can take its blocks, computes the
+prompt (reusing its own prefix cache) as a one-token request whose blocks stay leased when it
+finishes, writes the blocks the decode worker lacks into the decode worker's pool with one NIXL
+WRITE, and answers with the first token and the sampling generator's state::
+
+    prefill(TransferRequest, tokens) ─ check_compatible ─ engine: prefill + sample 1 token (hold_kv)
+                                     ─ WRITE own blocks [first_block_index:] -> decode block_ids
+                                     ─ release the lease ─> TransferResult
+
+Its pool keeps the same KV dtype as the decode pool (the hand-off refuses otherwise), so the
+blocks are already in wire format: FP8 blocks were quantized, with their scales, when the engine
+wrote them. Cancelling the call (the decode worker gave up) aborts the compute or the write, and
+the call returns only once this side can no longer touch the decode worker's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+from prometheus_client import CollectorRegistry
+
+from engine.config import EngineConfig
+from engine.engine_loop import AdmissionQueueFull, EngineLoop, EngineLoopFailed
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.metrics import CountersCollector, EngineStatsCollector, serve_metrics
+from engine.params import SamplingParams
+from engine.request import EngineRequest
+from kv_transfer.errors import HandOffError, KVTransferError
+from kv_transfer.nixl_transport import TransferState
+from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult, TransferStatus, check_compatible
+from kv_transfer.registry import transport_class
+from prefill_worker.config import PrefillWorkerConfig
+from proto import splitserve_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.0002
+_GAUGES = frozenset({"num_open_leases", "num_open_handles"})
+
+
+@dataclass
+class PrefillStats:
+    """Counters of this worker's hand-offs (the sending side)."""
+
+    num_prefills: int = 0
+    """Hand-offs asked of this worker."""
+    num_done: int = 0
+    num_failed: int = 0
+    """Hand-offs that ended in an error (refusals included) or a timeout."""
+    num_refused: int = 0
+    """Hand-offs refused because the two pools cannot exchange blocks."""
+    num_cancelled: int = 0
+    """Hand-offs the decode worker gave up on (timeout, client gone) while they ran here."""
+    num_blocks_sent: int = 0
+    num_bytes_sent: int = 0
+    num_open_leases: int = 0
+    """Prefilled requests whose blocks may still be read by a write (filled in when read)."""
+    num_open_handles: int = 0
+    """NIXL transfer handles not yet released (filled in when read)."""
+
+
+@dataclass
+class FaultPlan:
+    """Faults to inject into the next hand-offs, for failure testing (``inject_faults``)."""
+
+    fail_next: int = 0
+    """The next this-many hand-offs fail after computing, before writing."""
+    delay_s: float = 0.0
+    """Every hand-off waits this long between computing and writing."""
+
+
+class PrefillWorker:
+    """Computes prompts and writes their KV blocks into decode workers' pools."""
+
+    def __init__(self, replica_id: str, engine_config: EngineConfig, config: PrefillWorkerConfig) -> None:
+        num_threads = config.num_threads or len(os.sched_getaffinity(0))
+        self.replica_id = replica_id
+        self.config = config
+        self.loop = EngineLoop(lambda: LLMEngine(engine_config), config.max_waiting_requests, num_threads)
+        self.loop.start()
+        self.engine = self.loop.engine
+        agent_name = f"{replica_id}-{uuid.uuid4().hex[:8]}"
+        self.transport = transport_class(config.kv_transport)(agent_name, self.engine.kv_cache.buffer)
+        layout = self.engine.kv_cache.layout
+        self.endpoint = KVEndpoint(
+            agent_name=agent_name,
+            transport_metadata=self.transport.metadata(),
+            namespace=self.engine.namespace,
+            layout=layout,
+            num_blocks=self.engine.kv_cache.num_blocks,
+            head_start=0,
+            head_end=layout.num_kv_heads,
+        )
+        self.stats = PrefillStats()
+        self.faults = FaultPlan()
+        registry = CollectorRegistry()
+        labels = {"replica": replica_id, "pool": "prefill"}
+        registry.register(EngineStatsCollector(lambda: self.loop.stats, labels))
+        registry.register(CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, labels, _GAUGES))
+        self.metrics_url = serve_metrics(registry, config.metrics_host, config.metrics_port)
+
+    async def prefill(
+        self, transfer: TransferRequest, prompt_token_ids: list[int], params: SamplingParams, tenant_salt: str | None = None
+    ) -> TransferResult:
+        """Compute the prompt, write its blocks ``transfer.first_block_index:`` into the decode pool."""
+        self.stats.num_prefills += 1
+        request_id = transfer.request_id
+        try:
+            check_compatible(self.endpoint, transfer.decode)
+            if len(prompt_token_ids) != transfer.num_prompt_tokens:
+                raise KVTransferError(
+                    f"prompt_token_ids: {len(prompt_token_ids)} tokens, the transfer request says {transfer.num_prompt_tokens}"
+                )
+        except KVTransferError as e:
+            self.stats.num_refused += isinstance(e, HandOffError)
+            return self._failed(request_id, TransferStatus.FAILED, str(e))
+        try:
+            return await self._prefill_and_write(transfer, prompt_token_ids, params, tenant_salt)
+        except (KVTransferError, InvalidRequestError, AdmissionQueueFull, EngineLoopFailed) as e:
+            return self._failed(request_id, TransferStatus.FAILED, f"{type(e).__name__}: {e}")
+        except asyncio.CancelledError:
+            self.stats.num_cancelled += 1
+            raise
+        finally:
+            if self.loop.alive:
+                await self.loop.call(lambda engine: engine.release_lease(request_id))
+
+    async def _prefill_and_write(self, transfer: TransferRequest, prompt_token_ids, params, tenant_salt) -> TransferResult:
+        request_id = transfer.request_id
+        deadline = time.monotonic() + transfer.timeout_s
+
+        def admit(engine: LLMEngine, r: EngineRequest) -> None:
+            engine.add_request(r.request_id, r.prompt, r.params, tenant_salt=r.tenant_salt, hold_kv=True)
+
+        async for _ in self.loop.generate(EngineRequest(request_id, list(prompt_token_ids), None, params, tenant_salt), admit):
+            pass  # the admission, then the one output that finishes it
+        done = await self.loop.call(lambda engine: engine.take_prefilled(request_id))
+        await self._apply_faults(request_id)
+        peer = self.transport.add_peer(transfer.decode.transport_metadata)
+        source = done.block_ids[transfer.first_block_index :]
+        started = time.perf_counter()
+        handle = self.transport.write_blocks(peer, source, transfer.block_ids, transfer.notif)
+        try:
+            while handle.poll() is TransferState.PROC:
+                if time.monotonic() > deadline:
+                    return self._failed(request_id, TransferStatus.TIMED_OUT, f"write not done within {transfer.timeout_s} s")
+                await asyncio.sleep(_POLL_S)
+        finally:
+            handle.release()  # aborts a write still in flight: after this nothing lands in the decode pool
+        self.stats.num_done += 1
+        self.stats.num_blocks_sent += len(source)
+        self.stats.num_bytes_sent += handle.num_bytes
+        return TransferResult(
+            request_id=request_id,
+            status=TransferStatus.DONE,
+            block_ids=transfer.block_ids,
+            first_token_id=done.first_token,
+            num_cached_tokens=done.num_cached_tokens,
+            num_bytes=handle.num_bytes,
+            transfer_s=time.perf_counter() - started,
+            rng_state=done.rng_state,
+        )
+
+    async def _apply_faults(self, request_id: str) -> None:
+        if self.faults.delay_s:
+            await asyncio.sleep(self.faults.delay_s)
+        if self.faults.fail_next > 0:
+            self.faults.fail_next -= 1
+            raise KVTransferError(f"injected failure of the hand-off of request {request_id!r}")
+
+    def _failed(self, request_id: str, status: TransferStatus, error: str) -> TransferResult:
+        self.stats.num_failed += 1
+        logger.warning("prefill worker %s: hand-off of %s %s: %s", self.replica_id, request_id, status.value, error)
+        return TransferResult(request_id=request_id, status=status, error=error)
+
+    async def inject_faults(self, fail_next: int = 0, delay_s: float = 0.0) -> None:
+        """Make the next ``fail_next`` hand-offs fail and every hand-off wait ``delay_s`` before
+        writing. For failure testing; a production deployment never calls it."""
+        self.faults = FaultPlan(fail_next, delay_s)
+
+    async def kv_endpoint(self) -> KVEndpoint:
+        return self.endpoint
+
+    async def transfer_stats(self) -> PrefillStats:
+        return self.transfer_stats_now()
+
+    def transfer_stats_now(self) -> PrefillStats:
+        return replace(self.stats, num_open_leases=self.loop.stats.num_leases, num_open_handles=self.transport.num_open_handles())
+
+    async def model_info(self) -> pb.ModelInfo:
+        engine = self.engine
+        return pb.ModelInfo(
+            id=engine.model_name,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.model_config.vocab_size,
+            kv_dtype=engine.config.kv_dtype,
+            block_size=engine.config.block_size,
+        )
+
+    async def status(self) -> pb.ReplicaStatus:
+        s = self.loop.stats
+        return pb.ReplicaStatus(
+            replica_id=self.replica_id,
+            pool="prefill",
+            model=self.engine.model_name,
+            healthy=self.loop.alive,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_kv_blocks=s.num_kv_blocks,
+            num_free_kv_blocks=s.num_free_kv_blocks,
+            metrics_url=self.metrics_url,
+            num_aborted_requests=s.num_aborted_requests,
+        )
+
+    async def shutdown(self) -> None:
+        self.loop.stop()
+        self.transport.close()

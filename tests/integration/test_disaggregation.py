@@ -1,0 +1,301 @@
+"""Prefill/decode disaggregation on real Ray, real gRPC and real NIXL over UCX on loopback.
+
+The cluster module runs 1 prefill + 1 decode replica behind a router (policy ``recompute``);
+the pair tests start a prefill and a decode actor directly, to aim a hand-off at a chosen
+prefill worker (a mismatched one, a ``fail`` policy) without a router in between.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import ray
+
+from decode_worker.config import WorkerConfig
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.params import SamplingParams
+from prefill_worker.config import PrefillWorkerConfig
+from proto import worker_pb2 as wpb
+from router.client import SplitServeClient, build_generate_request
+from router.config import RouterConfig
+from router.controller import CONTROLLER_NAME, NAMESPACE
+from router.launch import ClusterConfig
+from tests.integration.conftest import running_cluster, wait_until
+from tests.unit.engine.helpers import PROMPT_LENGTHS, random_prompts
+
+pytestmark = pytest.mark.integration
+
+NUM_BLOCKS = 96
+TIMEOUT_S = 2.0
+GREEDY = dict(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _engine_config(model_dir, kv_dtype="fp32") -> EngineConfig:
+    return EngineConfig(model=str(model_dir), kv_dtype=kv_dtype, num_kv_blocks=NUM_BLOCKS, max_num_seqs=16, max_model_len=512)
+
+
+def _expected(engine_config: EngineConfig, prompts, **params) -> list[tuple[int, ...]]:
+    engine = LLMEngine(engine_config)
+    return [c.output_token_ids for c in engine.generate(prompts, SamplingParams(**params))]
+
+
+@pytest.fixture(scope="module")
+def engine_config(tiny_llama_dir):
+    return _engine_config(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, engine_config):
+    config = ClusterConfig(
+        engine=engine_config,
+        worker=WorkerConfig(kv_transfer_timeout_s=TIMEOUT_S),
+        router=RouterConfig(port=0, worker_refresh_interval_s=0.1),
+        num_prefill=1,
+    )
+    with running_cluster(config) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with SplitServeClient(cluster.router_status.grpc_address) as c:
+        yield c
+
+
+def _actor(pool: str):
+    """The cluster's only replica of ``pool``, from the controller's map."""
+    controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    [handle] = [handle for status, _, handle in ray.get(controller.replicas.remote()) if status.pool == pool]
+    return handle
+
+
+def _generate(client, prompt, **params):
+    responses = list(client.generate(prompt, **{**GREEDY, **params}))
+    tokens = tuple(t for r in responses for t in r.token_ids)
+    return tokens, responses[-1].usage
+
+
+def _stats():
+    return ray.get(_actor("decode").transfer_stats.remote()), ray.get(_actor("prefill").transfer_stats.remote())
+
+
+def _assert_quiet(client, timeout_s=30.0):
+    """Every block back in both pools, no lease and no NIXL handle left open."""
+
+    def quiet():
+        replicas = client.cluster_status().replicas
+        pools_full = all(r.num_free_kv_blocks == r.num_kv_blocks and r.num_running == 0 for r in replicas)
+        decode, prefill = _stats()
+        return pools_full and (decode.num_open_leases, decode.num_open_handles, prefill.num_open_leases, prefill.num_open_handles) == (0, 0, 0, 0)
+
+    wait_until(quiet, timeout_s)
+
+
+def test_disaggregated_tokens_equal_aggregated_fp32(client, engine_config):
+    prompts = random_prompts(PROMPT_LENGTHS, seed=41)
+    before_decode, before_prefill = _stats()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: _generate(client, p), prompts))
+    assert [tokens for tokens, _ in results] == _expected(engine_config, prompts, **GREEDY)
+    decode, prefill = _stats()
+    assert decode.num_remote_prefills - before_decode.num_remote_prefills == len(prompts)
+    assert prefill.num_done - before_prefill.num_done == len(prompts)
+    assert decode.num_failed == before_decode.num_failed
+    _assert_quiet(client)
+
+
+def test_only_blocks_the_decode_worker_lacks_cross_the_wire(client, engine_config):
+    [shared, tail] = random_prompts([64, 30], seed=42)
+    _generate(client, shared + tail[:5])  # 69 tokens: 4 full blocks cached on both sides after
+    decode0, prefill0 = _stats()
+    tokens, usage = _generate(client, shared + tail)  # 94 tokens = 6 blocks, 4 cached on the decode worker
+    decode1, prefill1 = _stats()
+    assert decode1.num_blocks_received - decode0.num_blocks_received == 2
+    assert prefill1.num_blocks_sent - prefill0.num_blocks_sent == 2
+    layout_block_bytes = ray.get(_actor("decode").kv_endpoint.remote()).layout.block_bytes
+    assert decode1.num_bytes_received - decode0.num_bytes_received == 2 * layout_block_bytes
+    assert usage.cached_prompt_tokens == 64
+    assert tokens == _expected(engine_config, [shared + tail], **GREEDY)[0]
+    _assert_quiet(client)
+
+
+def test_failed_transfer_is_recomputed_with_correct_tokens(client, engine_config):
+    prompts = random_prompts([20, 45], seed=43)
+    before, _ = _stats()
+    ray.get(_actor("prefill").inject_faults.remote(fail_next=2))
+    results = [_generate(client, p)[0] for p in prompts]
+    assert results == _expected(engine_config, prompts, **GREEDY)
+    after, _ = _stats()
+    assert (after.num_failed - before.num_failed, after.num_recomputed - before.num_recomputed) == (2, 2)
+    _assert_quiet(client)
+
+
+def test_timed_out_transfer_is_recomputed_and_the_prefill_side_is_cancelled(client, engine_config):
+    [prompt] = random_prompts([50], seed=44)
+    prefill = _actor("prefill")
+    ray.get(prefill.inject_faults.remote(delay_s=TIMEOUT_S + 30))
+    decode0, prefill0 = _stats()
+    try:
+        tokens, _ = _generate(client, prompt)
+        assert tokens == _expected(engine_config, [prompt], **GREEDY)[0]
+        # the decode worker gave up after TIMEOUT_S, recomputed, and called the write off
+        wait_until(lambda: _stats()[1].num_cancelled == prefill0.num_cancelled + 1, 10)
+        decode1, _ = _stats()
+        assert (decode1.num_failed - decode0.num_failed, decode1.num_recomputed - decode0.num_recomputed) == (1, 1)
+    finally:
+        ray.get(prefill.inject_faults.remote())
+    _assert_quiet(client)
+
+
+def test_random_cancellations_leave_both_pools_full_and_no_handles_open(client):
+    rng = random.Random(45)
+    prompts = random_prompts([rng.randint(1, 120) for _ in range(200)], seed=45)
+    cancelled = 0
+    lock = threading.Lock()
+
+    def one(i):
+        nonlocal cancelled
+        call = client.generation.Generate(build_generate_request(prompts[i], max_tokens=rng.randint(1, 12), temperature=0, ignore_eos=True))
+        stop_after = rng.choice([0, 0, 1, 2, None])  # responses to read before cancelling; None reads all
+        try:
+            for n, _ in enumerate(call):
+                if stop_after is not None and n >= stop_after:
+                    break
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.CANCELLED
+        if stop_after is not None:
+            call.cancel()
+            with lock:
+                cancelled += 1
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, range(len(prompts))))
+    assert cancelled > 50
+    _assert_quiet(client, timeout_s=60)
+
+
+def test_prefill_worker_killed_mid_request_is_recomputed(client, engine_config):
+    """Last in the module: it kills the cluster's prefill worker."""
+    [prompt] = random_prompts([70], seed=46)
+    prefill = _actor("prefill")
+    ray.get(prefill.inject_faults.remote(delay_s=30))
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(_generate, client, prompt)
+        wait_until(lambda: _stats()[1].num_prefills > 0 and ray.get(prefill.status.remote()).num_running == 0, 30)
+        ray.kill(prefill)
+        tokens, _ = answer.result(timeout=60)
+    assert tokens == _expected(engine_config, [prompt], **GREEDY)[0]
+    decode = ray.get(_actor("decode").transfer_stats.remote())
+    assert decode.num_recomputed >= 1
+    wait_until(lambda: ray.get(_actor("decode").transfer_stats.remote()).num_open_leases == 0)
+
+
+# --- a prefill and a decode actor wired by hand -------------------------------------------------
+
+
+def _pair(decode_config: EngineConfig, prefill_config: EngineConfig, **worker):
+    from decode_worker.actor import DecodeWorker
+    from prefill_worker.actor import PrefillWorker
+
+    decode = ray.remote(DecodeWorker).options(num_cpus=0, max_concurrency=1000).remote("decode-t", decode_config, WorkerConfig(**worker))
+    prefill = ray.remote(PrefillWorker).options(num_cpus=0, max_concurrency=1000).remote("prefill-t", prefill_config, PrefillWorkerConfig())
+    ray.get([decode.status.remote(), prefill.status.remote()])
+    return decode, prefill
+
+
+def _stream(decode, prefill, prompt, **params):
+    request = build_generate_request(prompt, **{**GREEDY, **params}, request_id=f"r{random.random()}")
+    events = [ray.get(ref) for ref in decode.generate.options(num_returns="streaming").remote(request, prefill, "prefill-t")]
+    return events
+
+
+def _shutdown(*actors):
+    for actor in actors:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+
+
+def _assert_pair_quiet(decode, prefill):
+    def quiet():
+        d, p = ray.get([decode.transfer_stats.remote(), prefill.transfer_stats.remote()])
+        statuses = ray.get([decode.status.remote(), prefill.status.remote()])
+        full = all(s.num_free_kv_blocks == s.num_kv_blocks for s in statuses)
+        return full and (d.num_open_leases, p.num_open_leases, d.num_open_handles, p.num_open_handles) == (0, 0, 0, 0)
+
+    wait_until(quiet, 30)
+
+
+def test_mismatched_kv_dtype_is_refused_at_hand_off(ray_session, tiny_llama_dir):
+    decode, prefill = _pair(_engine_config(tiny_llama_dir, "fp32"), _engine_config(tiny_llama_dir, "fp8_e4m3"), remote_prefill_failure="fail")
+    try:
+        [event] = _stream(decode, prefill, random_prompts([30], seed=47)[0])
+        assert event.error.code == wpb.RequestError.FAILED_PRECONDITION
+        message = event.error.message
+        assert "kv_dtype: local='fp8_e4m3' vs remote='fp32'" in message, message
+        assert ray.get(prefill.transfer_stats.remote()).num_refused == 1
+        _assert_pair_quiet(decode, prefill)
+    finally:
+        _shutdown(decode, prefill)
+
+
+def test_fail_policy_ends_the_request_with_a_clear_error(ray_session, tiny_llama_dir):
+    config = _engine_config(tiny_llama_dir)
+    decode, prefill = _pair(config, config, remote_prefill_failure="fail", kv_transfer_timeout_s=TIMEOUT_S)
+    try:
+        [prompt] = random_prompts([40], seed=48)
+        ray.get(prefill.inject_faults.remote(fail_next=1))
+        [event] = _stream(decode, prefill, prompt)
+        assert event.error.code == wpb.RequestError.UNAVAILABLE
+        assert "injected failure" in event.error.message and "decode-t" in event.error.message
+
+        ray.get(prefill.inject_faults.remote(delay_s=TIMEOUT_S + 1))
+        [event] = _stream(decode, prefill, prompt)
+        assert f"timed out after {TIMEOUT_S} s" in event.error.message
+
+        ray.get(prefill.inject_faults.remote())
+        events = _stream(decode, prefill, prompt)  # the pair still works afterwards
+        assert tuple(t for e in events for t in e.response.token_ids) == _expected(config, [prompt], **GREEDY)[0]
+        _assert_pair_quiet(decode, prefill)
+    finally:
+        _shutdown(decode, prefill)
+
+
+def test_fail_policy_with_the_prefill_worker_killed(ray_session, tiny_llama_dir):
+    config = _engine_config(tiny_llama_dir)
+    decode, prefill = _pair(config, config, remote_prefill_failure="fail")
+    try:
+        ray.get(prefill.inject_faults.remote(delay_s=30))
+        request = build_generate_request(random_prompts([40], seed=49)[0], **GREEDY, request_id="killed")
+        stream = decode.generate.options(num_returns="streaming").remote(request, prefill, "prefill-t")
+        wait_until(lambda: ray.get(prefill.transfer_stats.remote()).num_prefills == 1)
+        ray.kill(prefill)
+        [event] = [ray.get(ref) for ref in stream]
+        assert event.error.code == wpb.RequestError.UNAVAILABLE
+        assert "prefill worker prefill-t died" in event.error.message
+        wait_until(lambda: ray.get(decode.status.remote()).num_free_kv_blocks == NUM_BLOCKS)
+        assert ray.get(decode.transfer_stats.remote()).num_open_leases == 0
+    finally:
+        _shutdown(decode)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_mixtral_dir"])
+def test_fp8_disaggregated_agrees_with_fp8_aggregated(ray_session, request, model):
+    """FP8 blocks shipped by the prefill worker decode like the decode worker's own FP8 blocks.
+    (How FP8 KV compares with fp32 KV is the engine's test: tests/unit/engine/test_fp8_kv.py.)"""
+    model_dir = request.getfixturevalue(model)
+    fp8 = _engine_config(model_dir, "fp8_e4m3")
+    decode, prefill = _pair(fp8, fp8)
+    try:
+        prompts = random_prompts(PROMPT_LENGTHS, seed=50)
+        got = [tuple(t for e in _stream(decode, prefill, p) for t in e.response.token_ids) for p in prompts]
+        reference = _expected(fp8, prompts, **GREEDY)
+        same = sum(a == b for g, r in zip(got, reference) for a, b in zip(g, r))
+        assert same / sum(len(r) for r in reference) >= 0.95
+        assert ray.get(decode.transfer_stats.remote()).num_remote_prefills == len(prompts)
+    finally:
+        _shutdown(decode, prefill)
