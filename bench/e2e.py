@@ -3,9 +3,10 @@
     python -m bench.e2e --json OUT
 
 Both runs use one engine configuration and a closed loop of N concurrent requests (random
-prompt tokens, exact output lengths, EOS ignored). The gRPC run starts a local Ray cluster
-(controller, one decode replica, one router) and drives it with N client threads; the
-in-process run steps an LLMEngine directly. TTFT runs from handing the request over to its first
+prompt tokens, exact output lengths, EOS ignored). The gRPC runs start a local Ray cluster
+(controller, one decode replica, one router; plus one prefill replica in the disaggregated run,
+the cores split between the two workers) and drive it with N client threads; the in-process run
+steps an LLMEngine directly. TTFT runs from handing the request over to its first
 token; inter-token latency is the gap between two token-bearing responses, per token.
 """
 
@@ -22,6 +23,7 @@ import torch
 
 from bench.workload import BenchRequest, emit_report, percentile, random_workload
 from decode_worker.config import WorkerConfig
+from prefill_worker.config import PrefillWorkerConfig
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
@@ -84,7 +86,7 @@ def run_in_process(engine: LLMEngine, workload: list[BenchRequest], concurrency:
     return recorder.result("in_process", concurrency, time.perf_counter() - start)
 
 
-def run_grpc(client: SplitServeClient, workload: list[BenchRequest], concurrency: int) -> dict:
+def run_grpc(client: SplitServeClient, workload: list[BenchRequest], concurrency: int, system: str = "grpc") -> dict:
     recorder = _Recorder()
     queue = list(workload)
     lock = threading.Lock()
@@ -108,7 +110,7 @@ def run_grpc(client: SplitServeClient, workload: list[BenchRequest], concurrency
         t.start()
     for t in threads:
         t.join()
-    return recorder.result("grpc", concurrency, time.perf_counter() - start)
+    return recorder.result(system, concurrency, time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
     parser.add_argument("--kv-dtype", default=EngineConfig.kv_dtype)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", nargs="+", default=["aggregated", "disaggregated"], choices=["aggregated", "disaggregated"])
     args = parser.parse_args(argv)
 
     engine_config = EngineConfig(model=args.model, kv_dtype=args.kv_dtype, kv_cache_bytes=2 << 30)
@@ -142,16 +145,27 @@ def main(argv: list[str] | None = None) -> int:
     del engine
 
     threads = torch.get_num_threads()
-    cluster = Cluster(ClusterConfig(engine=engine_config, worker=WorkerConfig(num_threads=threads), router=RouterConfig(port=0)))
-    status = cluster.start()
-    try:
-        with SplitServeClient(status.grpc_address) as client:
-            run_grpc(client, warmup, 2)
-            for concurrency in args.concurrency:
-                results.append(run_grpc(client, workloads[concurrency], concurrency))
-                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    finally:
-        cluster.stop()
+    for mode in args.modes:
+        disaggregated = mode == "disaggregated"
+        system = "grpc_disaggregated" if disaggregated else "grpc"
+        worker_threads = max(1, threads // 2) if disaggregated else threads
+        config = ClusterConfig(
+            engine=engine_config,
+            worker=WorkerConfig(num_threads=worker_threads),
+            prefill=PrefillWorkerConfig(num_threads=worker_threads),
+            router=RouterConfig(port=0),
+            num_prefill=1 if disaggregated else 0,
+        )
+        cluster = Cluster(config)
+        status = cluster.start()
+        try:
+            with SplitServeClient(status.grpc_address) as client:
+                run_grpc(client, warmup, 2, system)
+                for concurrency in args.concurrency:
+                    results.append(run_grpc(client, workloads[concurrency], concurrency, system))
+                    print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+        finally:
+            cluster.stop()
     report = {
         "model": args.model,
         "kv_dtype": args.kv_dtype,
@@ -160,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "output_len": args.output_len,
         "results": results,
         "serving_overhead": _overhead(results),
+        "disaggregated_vs_aggregated": _versus(results, "grpc_disaggregated", "grpc"),
     }
     emit_report(report, args.json)
     return 0
@@ -174,6 +189,20 @@ def _overhead(results: list[dict]) -> dict[str, dict[str, float]]:
             out[str(c)] = {
                 "throughput_loss": round(1 - grpc_run["output_tok_per_s"] / local["output_tok_per_s"], 4),
                 "ttft_ms_p50_added": round(grpc_run["ttft_ms_p50"] - local["ttft_ms_p50"], 2),
+            }
+    return out
+
+
+def _versus(results: list[dict], system: str, baseline: str) -> dict[str, dict[str, float]]:
+    by = {(r["system"], r["concurrency"]): r for r in results}
+    out = {}
+    for (name, c), run in by.items():
+        base = by.get((baseline, c))
+        if name == system and base:
+            out[str(c)] = {
+                "throughput_ratio": round(run["output_tok_per_s"] / base["output_tok_per_s"], 3),
+                "ttft_ms_p50_delta": round(run["ttft_ms_p50"] - base["ttft_ms_p50"], 2),
+                "itl_ms_p50_delta": round(run["itl_ms_p50"] - base["itl_ms_p50"], 2),
             }
     return out
 
