@@ -38,6 +38,14 @@ class EngineConfig:
     """Seeds sampling for requests that do not bring their own seed."""
     cache_dir: Path | None = None
     """Where bundled models are converted to; None is $SPLITSERVE_CACHE_DIR or ~/.cache/splitserve."""
+    cpu_kv_cache_bytes: int = 0
+    """Bytes of host memory for the CPU tier that evicted pool blocks spill to; 0 disables it."""
+    redis_url: str | None = None
+    """Redis tier shared by the cluster: redis://[:password@]host:port/db or rediss:// (TLS); None disables it."""
+    redis_ttl_s: int = 3600
+    """Seconds a block lives in the Redis tier."""
+    redis_tls_ca_file: Path | None = None
+    """CA certificate of the Redis server, for rediss:// URLs."""
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -51,3 +59,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks: must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        if self.cpu_kv_cache_bytes < 0:
+            raise ValueError(f"cpu_kv_cache_bytes: must be >= 0, got {self.cpu_kv_cache_bytes}")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url: {self.redis_url!r} is not a redis://, rediss:// or unix:// URL")
+        if self.redis_ttl_s < 1:
+            raise ValueError(f"redis_ttl_s: must be >= 1, got {self.redis_ttl_s}")

@@ -26,8 +26,12 @@ from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kv_store.block_pool import BlockPool
+from kv_store.cpu_tier import CPUTier
+from kv_store.events import KVEventBatch, KVEventLog, KVSnapshot
 from kv_store.keys import KeyNamespace
 from kv_store.layout import KVBlockLayout
+from kv_store.redis_tier import RedisTier, RedisTierConfig
+from kv_store.tiered import TieredKVStore
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -93,8 +97,9 @@ class Completion:
 class LLMEngine:
     """Loads one model, owns its KV pool, and runs continuous batching over submitted requests."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, worker_id: str = "local") -> None:
         self.config = config
+        self.worker_id = worker_id
         self.checkpoint_dir: Path = resolve_model(config.model, config.cache_dir)
         self.model_name = config.model if config.model in bundled_model_names() else self.checkpoint_dir.name
         self.model_config = ModelConfig.from_dir(self.checkpoint_dir)
@@ -110,14 +115,20 @@ class LLMEngine:
             raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} holds no block of {layout.block_bytes} bytes")
         self.kv_cache = PagedKVCache(layout, num_blocks, _TORCH_DTYPES[config.dtype])
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.kv_cache)
         self.namespace = KeyNamespace(
             model_name=self.model_name,
             weights_fingerprint=weights_fingerprint(self.checkpoint_dir),
             kv_dtype=config.kv_dtype,
             block_size=config.block_size,
         )
+        self.kv_events = KVEventLog(worker_id)
+        cpu = CPUTier(config.cpu_kv_cache_bytes, layout.block_bytes) if config.cpu_kv_cache_bytes else None
+        redis = None
+        if config.redis_url is not None:
+            redis = RedisTier(RedisTierConfig(config.redis_url, config.redis_ttl_s, tls_ca_file=config.redis_tls_ca_file), self.namespace, layout)
+        self.kv_store = TieredKVStore(self.pool, self.kv_cache.buffer, self.kv_events, cpu, redis)
+        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, self.kv_store)
+        self.runner = ModelRunner(model, self.kv_cache)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._prefilled: dict[str, Request] = {}
@@ -250,7 +261,26 @@ class LLMEngine:
                 del self._requests[request.request_id]
                 if request.hold_kv:
                     self._prefilled[request.request_id] = request
+        self.kv_events.flush()
         return outputs
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """This engine's block keys per tier, with the number of the last KV event batch they include."""
+        return self.kv_store.snapshot()
+
+    def kv_events_since(self, seq: int) -> list[KVEventBatch]:
+        """Sealed KV event batches after ``seq`` (thread-safe); EventGap if some are gone."""
+        self.kv_events.flush()
+        return self.kv_events.since(seq)
+
+    def offload_prefix_cache(self) -> int:
+        """Push every cached block no request holds down to the CPU / Redis tiers (as evictions
+        do); returns how many left the pool."""
+        return self.kv_store.evict_pool()
+
+    def close(self) -> None:
+        """Stop background work (the Redis tier's writer)."""
+        self.kv_store.close()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block key, e.g. between benchmark runs over the same prompts."""

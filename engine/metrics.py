@@ -68,6 +68,37 @@ class CountersCollector(Collector):
             yield family
 
 
+class TierStatsCollector(Collector):
+    """Hits, misses, bytes and evictions per KV tier, plus the Redis tier's own counters."""
+
+    def __init__(self, store, labels: dict[str, str]) -> None:
+        self._store = store
+        self._labels = labels
+
+    def collect(self) -> Iterator:
+        names, values = list(self._labels) + ["tier"], list(self._labels.values())
+        docs = {
+            "hits": "KV blocks served from the tier.",
+            "misses": "Prefix lookups that stopped at a block the tier did not have.",
+            "bytes": "Bytes of KV served from the tier.",
+            "evictions": "KV blocks the tier dropped or passed down for space.",
+        }
+        tiers = self._store.stats.tiers
+        for short, doc in docs.items():
+            family = CounterMetricFamily(f"splitserve_kv_tier_{short}", doc, labels=names)
+            for tier, stats in tiers.items():
+                family.add_metric(values + [tier.value], getattr(stats, f"num_{short}"))
+            yield family
+        redis = self._store.redis
+        if redis is not None:
+            snapshot = redis.stats_snapshot()
+            for f in fields(snapshot):
+                name = f.name.removeprefix("num_")
+                family = CounterMetricFamily(f"splitserve_redis_tier_{name}", f"Redis tier: {name.replace('_', ' ')}.", labels=names[:-1])
+                family.add_metric(values, getattr(snapshot, f.name))
+                yield family
+
+
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> str:
     """Start the Prometheus HTTP endpoint on a daemon thread; returns its URL."""
     server, _ = start_http_server(port, addr=host, registry=registry)

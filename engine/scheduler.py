@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from engine.request import Request
 from kv_store.block_pool import BlockPool
+from kv_store.tiered import TieredKVStore
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,12 @@ class ScheduledChunk:
 class Scheduler:
     """Decides which tokens of which requests run each step, and owns their blocks."""
 
-    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, tiers: TieredKVStore | None = None
+    ) -> None:
         self.pool = pool
+        self.tiers = tiers
+        """Lower KV tiers that admission looks in after the pool (CPU, Redis)."""
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -91,8 +96,7 @@ class Scheduler:
                 index += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
-            hits = self._match_prefix(request)
-            self.pool.acquire(hits)
+            hits = self._take_prefix(request)
             request.block_ids = list(hits)
             request.num_registered_blocks = len(hits)
             request.num_computed_tokens = len(hits) * self.block_size
@@ -150,8 +154,7 @@ class Scheduler:
         hold nothing) when too few blocks are free. Those blocks are also leased under the
         request's id: whatever becomes of the request, they stay out of the free queue until the
         transfer's owner calls ``release_lease``."""
-        hits = self._match_prefix(request)
-        self.pool.acquire(hits)
+        hits = self._take_prefix(request)
         request.block_ids = list(hits)
         needed = -(-request.num_prompt_tokens // self.block_size) - len(hits)
         fresh = self.pool.allocate(needed)
@@ -202,6 +205,19 @@ class Scheduler:
     def peek_prefix(self, request: Request) -> list[int]:
         """The cached blocks admission would reuse for ``request``; takes nothing."""
         return self._match_prefix(request)
+
+    def _take_prefix(self, request: Request) -> list[int]:
+        """Blocks of the longest cached prefix, each with a reference taken: the pool's own hits,
+        then blocks the lower tiers bring back into the pool."""
+        num_full_blocks = (request.num_tokens - 1) // self.block_size
+        keys = request.keys_of_full_blocks(self.block_size, num_full_blocks)
+        hits = self.pool.match_prefix(keys)
+        self.pool.acquire(hits)
+        if self.tiers is not None:
+            self.tiers.count_pool_lookup(len(hits), len(keys))
+            if len(hits) < len(keys) and (self.tiers.cpu is not None or self.tiers.redis is not None):
+                hits = hits + self.tiers.load(keys[len(hits) :])
+        return hits
 
     def _match_prefix(self, request: Request) -> list[int]:
         # At least one token is always computed, so that there are logits to sample from.

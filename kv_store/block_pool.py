@@ -8,12 +8,24 @@ owns. Free blocks wait in an LRU queue; a free block keeps its key (and stays fi
                                   ^ allocate() pops here, evicting keys as it goes
 
 A block with ref_count > 0 is never in the free queue.
+
+A ``listener`` hears every change to the set of cached keys, synchronously: ``on_store(key,
+block_id)`` after a key is cached, ``on_evict(key, block_id)`` when a cached block is about to be
+handed out again (its bytes are still intact: the time to copy them to a lower tier), and
+``on_clear()`` when every key is forgotten.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+
+class PoolListener(Protocol):
+    def on_store(self, key: int, block_id: int) -> None: ...
+    def on_evict(self, key: int, block_id: int) -> None: ...
+    def on_clear(self) -> None: ...
 
 
 class BlockPool:
@@ -28,6 +40,7 @@ class BlockPool:
         self._block_keys: list[int | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.listener: PoolListener | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -93,14 +106,33 @@ class BlockPool:
             return
         self._cached[key] = block_id
         self._block_keys[block_id] = key
+        if self.listener is not None:
+            self.listener.on_store(key, block_id)
+
+    def cached_keys(self) -> list[int]:
+        return list(self._cached)
+
+    def evict_cached(self) -> int:
+        """Evict every cached block no sequence holds (to the lower tiers, through the listener);
+        returns how many. The blocks stay free."""
+        evicted = 0
+        for block_id in list(self._free):
+            if self._block_keys[block_id] is not None:
+                self._evict(block_id)
+                evicted += 1
+        return evicted
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached key (blocks in use keep their contents, only lookups stop)."""
         self._cached.clear()
         self._block_keys = [None] * self.num_blocks
+        if self.listener is not None:
+            self.listener.on_clear()
 
     def _evict(self, block_id: int) -> None:
         key = self._block_keys[block_id]
         if key is not None:
+            if self.listener is not None:
+                self.listener.on_evict(key, block_id)
             self._block_keys[block_id] = None
             del self._cached[key]

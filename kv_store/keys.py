@@ -79,6 +79,11 @@ class KeyNamespace:
         salt = tenant_salt.encode() if isinstance(tenant_salt, str) else (tenant_salt or b"")
         return xxhash.xxh3_64_intdigest(self._canonical_bytes() + b"\x00salt\x00" + salt)
 
+    @property
+    def fingerprint(self) -> int:
+        """64-bit identity of the namespace (its root key without a tenant salt)."""
+        return self.root_key(None)
+
     def differences(self, other: KeyNamespace) -> dict[str, tuple[object, object]]:
         """Fields whose values differ, as ``{name: (ours, theirs)}``."""
         return {

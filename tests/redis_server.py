@@ -1,0 +1,69 @@
+"""A real redis-server on a free loopback port, started and stopped by tests."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """``redis-server`` in ``workdir`` on 127.0.0.1; ``stop``/``start`` keep the port (the data is lost)."""
+
+    def __init__(self, workdir: Path, password: str | None = None, tls: tuple[Path, Path, Path] | None = None) -> None:
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise RuntimeError("redis-server is not installed: run `make test` (it installs Debian's redis-server)")
+        self.workdir = workdir
+        self.password = password
+        self.tls = tls
+        """(cert, key, ca) to serve TLS only (rediss://)."""
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"{'rediss' if self.tls else 'redis'}://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        args = [self.binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
+        if self.tls:
+            cert, key, ca = self.tls
+            args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+            args += ["--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
+        else:
+            args += ["--port", str(self.port)]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+    def client(self, **kwargs) -> redis.Redis:
+        if self.tls:
+            kwargs.setdefault("ssl_ca_certs", str(self.tls[2]))
+        return redis.Redis.from_url(self.url, **kwargs)

@@ -1,0 +1,146 @@
+"""The Redis tier against a real redis-server on loopback: values, validation, backoff, auth, TLS."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kv_store.keys import KeyNamespace
+from kv_store.layout import KVBlockLayout
+from kv_store.redis_tier import HEADER_BYTES, RedisTier, RedisTierConfig, ValueRejected, decode_value, encode_value
+from tests.certs import make_pki
+from tests.redis_server import RedisServer
+
+LAYOUT = KVBlockLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, kv_dtype="fp8_e4m3")
+NS = KeyNamespace("tiny", "abc123", "fp8_e4m3", 4)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield s
+    s.stop()
+
+
+def _blocks(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+def _tier(url, **kwargs):
+    return RedisTier(RedisTierConfig(url, ttl_s=60, socket_timeout_s=0.3, max_backoff_s=0.5, **kwargs), NS, LAYOUT)
+
+
+def test_value_round_trip_and_every_header_field_is_checked():
+    [block] = _blocks(1)
+    value = encode_value(7, block, NS, LAYOUT)
+    assert len(value) == HEADER_BYTES + LAYOUT.block_bytes
+    assert decode_value(value, 7, NS, LAYOUT).tobytes() == block
+    other_dtype = KVBlockLayout(2, 2, 8, 4, "bf16")
+    cases = {
+        "truncated": value[:HEADER_BYTES - 1],
+        "payload": value[:-1],
+        "checksum": value[:-1] + bytes([value[-1] ^ 1]),
+        "magic": b"XXXX" + value[4:],
+        "namespace": encode_value(7, block, KeyNamespace("tiny", "other-weights", "fp8_e4m3", 4), LAYOUT),
+        "block key": encode_value(8, block, NS, LAYOUT),
+    }
+    for reason, bad in cases.items():
+        with pytest.raises(ValueRejected, match=reason if reason != "payload" else "truncated"):
+            decode_value(bad, 7, NS, LAYOUT)
+    with pytest.raises(ValueRejected, match="kv dtype"):
+        decode_value(value, 7, NS, other_dtype)
+
+
+def test_put_get_longest_run_with_ttl(server):
+    tier = _tier(server.url)
+    blocks = _blocks(4)
+    assert tier.put_many(list(zip([1, 2, 3, 5], blocks))) == [1, 2, 3, 5]
+    got = tier.get_prefix([1, 2, 3, 4, 5])
+    assert [b.tobytes() for b in got] == blocks[:3]  # the run stops at the first missing key
+    stats = tier.stats_snapshot()
+    assert (stats.num_hits, stats.num_misses, stats.num_puts) == (3, 1, 4)
+    assert 0 < server.client().ttl(tier.redis_key(1)) <= 60
+    tier.close()
+
+
+def test_async_puts_land_and_report_their_keys(server):
+    tier = _tier(server.url)
+    stored = []
+    tier.on_stored = stored.extend
+    blocks = _blocks(10, seed=1)
+    for i, b in enumerate(blocks):
+        assert tier.put_async(100 + i, b)
+    assert tier.flush()
+    assert sorted(stored) == list(range(100, 110))
+    assert [b.tobytes() for b in tier.get_prefix(list(range(100, 110)))] == blocks
+    tier.close()
+
+
+def test_corrupt_truncated_and_foreign_values_are_counted_misses(server):
+    tier = _tier(server.url)
+    [a, b, c] = _blocks(3, seed=2)
+    tier.put_many([(11, a), (12, b), (13, c)])
+    raw = server.client()
+    good = raw.get(tier.redis_key(12))
+    for bad in (good[:-10], good[:HEADER_BYTES + 5][:-1] + b"x", encode_value(12, b, KeyNamespace("tiny", "zzz", "fp8_e4m3", 4), LAYOUT)):
+        raw.set(tier.redis_key(12), bad)
+        assert [x.tobytes() for x in tier.get_prefix([11, 12, 13])] == [a]
+    assert tier.stats_snapshot().num_rejected == 3
+    tier.close()
+
+
+def test_redis_down_is_skipped_with_backoff_and_comes_back(tmp_path):
+    server = RedisServer(tmp_path).start()
+    tier = _tier(server.url)
+    [a] = _blocks(1, seed=3)
+    tier.put_many([(1, a)])
+    server.stop()
+    started = time.monotonic()
+    assert tier.get_prefix([1]) == []  # fails fast, no exception
+    assert tier.put_many([(2, a)]) == []
+    assert time.monotonic() - started < 2
+    stats = tier.stats_snapshot()
+    assert stats.num_errors >= 1 and not tier.available
+    assert tier.get_prefix([1]) == [] and tier.stats_snapshot().num_skipped >= 1
+    server.start()  # same port, empty
+    deadline = time.monotonic() + 5
+    while not tier.put_many([(3, a)]):
+        assert time.monotonic() < deadline, "the tier never came back"
+        time.sleep(0.05)
+    assert [x.tobytes() for x in tier.get_prefix([3])] == [a]
+    tier.close()
+    server.stop()
+
+
+def test_password_is_required_and_used(tmp_path):
+    server = RedisServer(tmp_path, password="s3cret").start()
+    try:
+        [a] = _blocks(1, seed=4)
+        wrong = _tier(server.url.replace("s3cret", "wrong"))
+        assert wrong.put_many([(1, a)]) == []  # refused: skipped, not raised
+        wrong.close()
+        right = _tier(server.url)
+        assert right.put_many([(1, a)]) == [1]
+        assert [x.tobytes() for x in right.get_prefix([1])] == [a]
+        right.close()
+    finally:
+        server.stop()
+
+
+def test_rediss_tls(tmp_path):
+    pki = make_pki(tmp_path / "pki")
+    server = RedisServer(tmp_path, tls=(pki.server_cert, pki.server_key, pki.ca_cert)).start()
+    try:
+        [a] = _blocks(1, seed=5)
+        tier = _tier(server.url, tls_ca_file=pki.ca_cert)
+        assert tier.put_many([(1, a)]) == [1]
+        assert [x.tobytes() for x in tier.get_prefix([1])] == [a]
+        tier.close()
+        untrusting = _tier(server.url, tls_ca_file=pki.other_ca_cert)
+        assert untrusting.get_prefix([1]) == [] and untrusting.stats_snapshot().num_errors == 1
+        untrusting.close()
+    finally:
+        server.stop()
