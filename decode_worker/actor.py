@@ -40,9 +40,10 @@ from engine.config import EngineConfig
 from engine.engine_loop import AdmissionQueueFull, EngineLoop, EngineLoopFailed
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, RemotePrefill
-from engine.metrics import CountersCollector, EngineStatsCollector, serve_metrics
+from engine.metrics import CountersCollector, EngineStatsCollector, TierStatsCollector, serve_metrics
 from engine.params import SamplingParams
 from engine.request import EngineRequest
+from kv_store.events import KVEventBatch, KVSnapshot
 from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult
 from kv_transfer.registry import transport_class
 from proto import splitserve_pb2 as pb
@@ -95,7 +96,7 @@ class DecodeWorker:
         num_threads = worker_config.num_threads or len(os.sched_getaffinity(0))
         self.replica_id = replica_id
         self.config = worker_config
-        self.loop = EngineLoop(lambda: LLMEngine(engine_config), worker_config.max_waiting_requests, num_threads)
+        self.loop = EngineLoop(lambda: LLMEngine(engine_config, worker_id=replica_id), worker_config.max_waiting_requests, num_threads)
         self.loop.start()
         self.engine = self.loop.engine
         self.receiver: KVReceiver | None = None
@@ -106,6 +107,7 @@ class DecodeWorker:
         registry = CollectorRegistry()
         labels = {"replica": replica_id, "pool": "decode"}
         registry.register(EngineStatsCollector(lambda: self.loop.stats, labels))
+        registry.register(TierStatsCollector(self.engine.kv_store, labels))
         registry.register(CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, labels, _GAUGES))
         self.metrics_url = serve_metrics(registry, worker_config.metrics_host, worker_config.metrics_port)
 
@@ -258,6 +260,14 @@ class DecodeWorker:
             ids = tokenizer.encode(request.prompt, add_special_tokens=add_special)
         return wpb.TokenizeResult(response=pb.TokenizeResponse(token_ids=ids))
 
+    async def kv_snapshot(self) -> KVSnapshot:
+        """This worker's block keys per tier, with the number of the last KV event batch included."""
+        return await self.loop.call(lambda engine: engine.kv_snapshot())
+
+    async def kv_events(self, after_seq: int) -> list[KVEventBatch]:
+        """KV event batches after ``after_seq``; EventGap (take a snapshot) if some are gone."""
+        return self.engine.kv_events_since(after_seq)
+
     async def model_info(self) -> pb.ModelInfo:
         engine = self.engine
         return pb.ModelInfo(
@@ -289,6 +299,7 @@ class DecodeWorker:
         for task in list(self._cleanups):
             task.cancel()
         self.loop.stop()
+        self.engine.close()
         if self.receiver is not None:
             self.receiver.close()
 

@@ -30,11 +30,12 @@ from engine.config import EngineConfig
 from engine.engine_loop import AdmissionQueueFull, EngineLoop, EngineLoopFailed
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
-from engine.metrics import CountersCollector, EngineStatsCollector, serve_metrics
+from engine.metrics import CountersCollector, EngineStatsCollector, TierStatsCollector, serve_metrics
 from engine.params import SamplingParams
 from engine.request import EngineRequest
 from kv_transfer.errors import HandOffError, KVTransferError
 from kv_transfer.nixl_transport import TransferState
+from kv_store.events import KVEventBatch, KVSnapshot
 from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult, TransferStatus, check_compatible
 from kv_transfer.registry import transport_class
 from prefill_worker.config import PrefillWorkerConfig
@@ -84,7 +85,7 @@ class PrefillWorker:
         num_threads = config.num_threads or len(os.sched_getaffinity(0))
         self.replica_id = replica_id
         self.config = config
-        self.loop = EngineLoop(lambda: LLMEngine(engine_config), config.max_waiting_requests, num_threads)
+        self.loop = EngineLoop(lambda: LLMEngine(engine_config, worker_id=replica_id), config.max_waiting_requests, num_threads)
         self.loop.start()
         self.engine = self.loop.engine
         agent_name = f"{replica_id}-{uuid.uuid4().hex[:8]}"
@@ -104,6 +105,7 @@ class PrefillWorker:
         registry = CollectorRegistry()
         labels = {"replica": replica_id, "pool": "prefill"}
         registry.register(EngineStatsCollector(lambda: self.loop.stats, labels))
+        registry.register(TierStatsCollector(self.engine.kv_store, labels))
         registry.register(CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, labels, _GAUGES))
         self.metrics_url = serve_metrics(registry, config.metrics_host, config.metrics_port)
 
@@ -195,6 +197,14 @@ class PrefillWorker:
     def transfer_stats_now(self) -> PrefillStats:
         return replace(self.stats, num_open_leases=self.loop.stats.num_leases, num_open_handles=self.transport.num_open_handles())
 
+    async def kv_snapshot(self) -> KVSnapshot:
+        """This worker's block keys per tier, with the number of the last KV event batch included."""
+        return await self.loop.call(lambda engine: engine.kv_snapshot())
+
+    async def kv_events(self, after_seq: int) -> list[KVEventBatch]:
+        """KV event batches after ``after_seq``; EventGap (take a snapshot) if some are gone."""
+        return self.engine.kv_events_since(after_seq)
+
     async def model_info(self) -> pb.ModelInfo:
         engine = self.engine
         return pb.ModelInfo(
@@ -222,4 +232,5 @@ class PrefillWorker:
 
     async def shutdown(self) -> None:
         self.loop.stop()
+        self.engine.close()
         self.transport.close()

@@ -152,6 +152,22 @@ def test_timed_out_transfer_is_recomputed_and_the_prefill_side_is_cancelled(clie
     _assert_quiet(client)
 
 
+def test_workers_publish_kv_events_that_replay_to_their_snapshots(client):
+    from kv_store.events import KeySets, Tier
+
+    replicas = {pool: _actor(pool) for pool in ("decode", "prefill")}
+    followers = {pool: KeySets.from_snapshot(ray.get(a.kv_snapshot.remote())) for pool, a in replicas.items()}
+    _generate(client, random_prompts([80], seed=51)[0])
+    for pool, actor in replicas.items():
+        follower = followers[pool]
+        before = set(follower.keys[Tier.POOL])
+        for batch in ray.get(actor.kv_events.remote(follower.seq)):
+            follower.apply(batch)
+        snapshot = ray.get(actor.kv_snapshot.remote())
+        assert follower.keys[Tier.POOL] == set(snapshot.keys[Tier.POOL])
+        assert len(follower.keys[Tier.POOL] - before) >= 5  # the prompt's 5 full blocks arrived in both pools
+
+
 def test_random_cancellations_leave_both_pools_full_and_no_handles_open(client):
     rng = random.Random(45)
     prompts = random_prompts([rng.randint(1, 120) for _ in range(200)], seed=45)

@@ -237,6 +237,8 @@ def test_prometheus_metrics_from_router_and_worker(client, cluster):
     worker_text = urllib.request.urlopen(status.replicas[0].metrics_url).read().decode()
     assert f'splitserve_kv_blocks_total{{pool="decode",replica="decode-0"}} {float(NUM_BLOCKS)}' in worker_text
     assert "splitserve_worker_requests_running" in worker_text and "splitserve_kv_blocks_used" in worker_text
+    assert 'splitserve_kv_tier_hits_total{pool="decode",replica="decode-0",tier="pool"}' in worker_text
+    assert 'splitserve_kv_handoff_remote_prefills_total{pool="decode",replica="decode-0"} 0.0' in worker_text
 
 
 def test_no_live_worker_is_unavailable(client, cluster, engine_config):
