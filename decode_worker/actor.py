@@ -44,6 +44,7 @@ from engine.metrics import CountersCollector, EngineStatsCollector, TierStatsCol
 from engine.params import SamplingParams
 from engine.request import EngineRequest
 from kv_store.events import KVEventBatch, KVSnapshot
+from kv_store.keys import KeyNamespace
 from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult
 from kv_transfer.registry import transport_class
 from proto import splitserve_pb2 as pb
@@ -260,6 +261,10 @@ class DecodeWorker:
             ids = tokenizer.encode(request.prompt, add_special_tokens=add_special)
         return wpb.TokenizeResult(response=pb.TokenizeResponse(token_ids=ids))
 
+    async def kv_namespace(self) -> KeyNamespace:
+        """The key namespace of this worker's blocks (routers hash prompts with it)."""
+        return self.engine.namespace
+
     async def kv_snapshot(self) -> KVSnapshot:
         """This worker's block keys per tier, with the number of the last KV event batch included."""
         return await self.loop.call(lambda engine: engine.kv_snapshot())
@@ -292,6 +297,7 @@ class DecodeWorker:
             num_free_kv_blocks=s.num_free_kv_blocks,
             metrics_url=self.metrics_url,
             num_aborted_requests=s.num_aborted_requests,
+            num_queued_prefill_tokens=s.num_queued_prefill_tokens,
         )
 
     async def shutdown(self) -> None:

@@ -52,6 +52,8 @@ class EngineStats:
     """Requests waiting for their prompt KV from a prefill worker."""
     num_leases: int = 0
     """KV transfers that may still touch this pool's blocks."""
+    num_queued_prefill_tokens: int = 0
+    """Prompt tokens not yet computed, over waiting and running requests (the prefill backlog)."""
 
 
 @dataclass(frozen=True)
@@ -301,6 +303,7 @@ class LLMEngine:
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             num_parked=len(self.scheduler.parked),
             num_leases=len(self.scheduler.leases),
+            num_queued_prefill_tokens=self.scheduler.num_queued_prefill_tokens,
         )
 
     def generate(

@@ -73,6 +73,12 @@ class Scheduler:
         self.waiting.append(request)
 
     @property
+    def num_queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute, waiting and running requests together."""
+        queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)
+        return queued + sum(r.num_prompt_tokens for r in self.waiting)
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 

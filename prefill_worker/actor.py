@@ -36,6 +36,7 @@ from engine.request import EngineRequest
 from kv_transfer.errors import HandOffError, KVTransferError
 from kv_transfer.nixl_transport import TransferState
 from kv_store.events import KVEventBatch, KVSnapshot
+from kv_store.keys import KeyNamespace
 from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult, TransferStatus, check_compatible
 from kv_transfer.registry import transport_class
 from prefill_worker.config import PrefillWorkerConfig
@@ -197,6 +198,10 @@ class PrefillWorker:
     def transfer_stats_now(self) -> PrefillStats:
         return replace(self.stats, num_open_leases=self.loop.stats.num_leases, num_open_handles=self.transport.num_open_handles())
 
+    async def kv_namespace(self) -> KeyNamespace:
+        """The key namespace of this worker's blocks (routers hash prompts with it)."""
+        return self.engine.namespace
+
     async def kv_snapshot(self) -> KVSnapshot:
         """This worker's block keys per tier, with the number of the last KV event batch included."""
         return await self.loop.call(lambda engine: engine.kv_snapshot())
@@ -228,6 +233,7 @@ class PrefillWorker:
             num_free_kv_blocks=s.num_free_kv_blocks,
             metrics_url=self.metrics_url,
             num_aborted_requests=s.num_aborted_requests,
+            num_queued_prefill_tokens=s.num_queued_prefill_tokens,
         )
 
     async def shutdown(self) -> None:

@@ -48,8 +48,22 @@ class RouterConfig:
     """Address of the Prometheus endpoint."""
     metrics_port: int = 0
     """Port of the Prometheus endpoint; 0 picks a free one."""
+    routing_policy: str = "splitserve"
+    """How prefill workers are chosen: splitserve (cache- and load-aware), round_robin, least_loaded or sglang_cache_aware."""
+    kv_event_poll_interval_s: float = 0.1
+    """How often the router pulls each worker's KV events into its prefix index."""
+    local_prefill_max_tokens: int = 0
+    """Let the decode worker prefill a prompt when it lacks at most this many of its tokens (0: never)."""
 
     def __post_init__(self) -> None:
+        from router.routing import POLICIES
+
+        if self.routing_policy not in POLICIES:
+            raise ValueError(f"routing_policy: {self.routing_policy!r} is not one of {POLICIES}")
+        if self.kv_event_poll_interval_s <= 0:
+            raise ValueError(f"kv_event_poll_interval_s: must be > 0, got {self.kv_event_poll_interval_s}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens: must be >= 0, got {self.local_prefill_max_tokens}")
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a port")

@@ -22,7 +22,17 @@ class RouterMetrics:
         self.ttft = histogram("splitserve_time_to_first_token_seconds", "Call start to first token.")
         self.inter_token = histogram("splitserve_inter_token_latency_seconds", "Time between tokens of one stream.")
         self.e2e = histogram("splitserve_e2e_latency_seconds", "Call start to last response.")
+        self._routed = Counter(
+            "splitserve_routing_decisions", "Cache-aware routing decisions by where the prompt is prefilled.", ["router", "target"], registry=self.registry
+        )
+        self.routed_cached_tokens = Counter(
+            "splitserve_routing_cached_tokens", "Prompt tokens the chosen worker held cached (any tier) at decision time.", ["router"], registry=self.registry
+        ).labels(router_id)
         self.inflight = Gauge("splitserve_requests_inflight", "Generate calls in flight.", ["router"], registry=self.registry).labels(router_id)
+
+    def routed(self, to_prefill_worker: bool, cached_tokens: int) -> None:
+        self._routed.labels(self.router_id, "prefill" if to_prefill_worker else "decode").inc()
+        self.routed_cached_tokens.inc(cached_tokens)
 
     def finished(self, status: str) -> None:
         self._requests.labels(self.router_id, status).inc()

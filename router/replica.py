@@ -1,7 +1,9 @@
 """RouterReplica: an async Ray actor that serves the gRPC API.
 
 It keeps a WorkerDirectory fresh from the controller in the background and flips its health
-service to SERVING while at least one decode replica is healthy.
+service to SERVING while at least one decode replica is healthy. When routing is cache-aware (two
+or more prefill replicas), it also pulls every worker's KV events into its PrefixIndex: numbered
+batches after the last one it applied, or a snapshot when it is new or finds a gap.
 """
 
 from __future__ import annotations
@@ -11,16 +13,19 @@ import logging
 import socket
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from prometheus_client import start_http_server
 
+from kv_store.events import EventGap
 from proto import splitserve_pb2 as pb
 from router.config import RouterConfig
 from router.controller import CONTROLLER_NAME, NAMESPACE
 from router.metrics import RouterMetrics
+from router.prefix_index import PrefixIndex
+from router.routing import make_policy
 from router.server import RunningServer, start_server
 from router.service import AdminService, GenerationService
-from router.workers import WorkerDirectory
+from router.workers import Replica, WorkerDirectory, worker_load
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +41,10 @@ class RouterReplica:
         self._controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
         self._server: RunningServer | None = None
         self._refresh_task: asyncio.Task | None = None
-        self._generation = GenerationService(config, self.directory, self.metrics)
+        self._events_task: asyncio.Task | None = None
+        self.index = PrefixIndex()
+        self.policy = make_policy(config.routing_policy, self.index)
+        self._generation = GenerationService(config, self.directory, self.metrics, self.policy)
         metrics_server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=self.metrics.registry)
         self.metrics_url = f"http://{config.metrics_host}:{metrics_server.server_port}/metrics"
 
@@ -47,14 +55,16 @@ class RouterReplica:
         self._server = await start_server(self.config, self._generation, admin)
         await self._server.set_serving(bool(self.directory.served_models()))
         self._refresh_task = asyncio.get_running_loop().create_task(self._refresh_forever())
+        self._events_task = asyncio.get_running_loop().create_task(self._follow_kv_events_forever())
         status = self._status()
         await self._controller.register_router.remote(status)
         return status
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop accepting calls, let running ones finish for ``grace_s``, unregister."""
-        if self._refresh_task is not None:
-            self._refresh_task.cancel()
+        for task in (self._refresh_task, self._events_task):
+            if task is not None:
+                task.cancel()
         if self._server is not None:
             await self._server.set_serving(False)
             await self._server.server.stop(grace_s)
@@ -75,8 +85,48 @@ class RouterReplica:
 
     async def _refresh(self) -> None:
         self.directory.update(await self._controller.replicas.remote())
+        for replica in self.directory.replicas.values():
+            self.policy.report(worker_load(replica))
+            if replica.namespace is None:
+                try:
+                    replica.namespace = await replica.handle.kv_namespace.remote()
+                except (RayActorError, ActorUnavailableError):
+                    pass  # gone; the next refresh drops it
         if self._server is not None:
             await self._server.set_serving(bool(self.directory.served_models()))
+
+    async def prefix_index_seq(self, worker_id: str) -> int:
+        """The last KV event batch of ``worker_id`` this router applied (-1: not followed)."""
+        return self.index.seq(worker_id) if worker_id in self.index.workers else -1
+
+    async def _follow_kv_events_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.kv_event_poll_interval_s)
+            if not self._generation.cache_aware(len(self.directory.healthy("prefill", ""))):
+                continue
+            live = dict(self.directory.replicas)
+            for worker_id in self.index.workers:
+                if worker_id not in live:
+                    self.index.remove_worker(worker_id)
+            await asyncio.gather(*(self._pull_kv_events(r) for r in live.values()))
+
+    async def _pull_kv_events(self, replica: Replica) -> None:
+        worker_id = replica.replica_id
+        try:
+            if worker_id in self.index.workers:
+                try:
+                    for batch in await replica.handle.kv_events.remote(self.index.seq(worker_id)):
+                        self.index.apply(batch)
+                    return
+                except (EventGap, RayTaskError) as e:
+                    if isinstance(e, RayTaskError) and not isinstance(e.cause, EventGap):
+                        raise
+                    logger.info("router %s: KV event gap for %s (%s); taking a snapshot", self.router_id, worker_id, e)
+            self.index.load_snapshot(await replica.handle.kv_snapshot.remote())
+        except (RayActorError, ActorUnavailableError):
+            pass  # the worker is gone; the next refresh drops it
+        except Exception:  # never let one worker's trouble stop the follower
+            logger.exception("router %s: following the KV events of %s failed", self.router_id, worker_id)
 
     async def _refresh_forever(self) -> None:
         while True:

@@ -17,12 +17,14 @@ import grpc
 
 from proto import splitserve_pb2 as pb
 from proto import splitserve_pb2_grpc as pb_grpc
+from kv_store.keys import block_keys
 from router.config import RouterConfig
 from router.errors import CallRejected, from_worker
 from router.metrics import RouterMetrics
+from router.routing import RouteRequest, RoutingPolicy
 from router.validation import check_generate, check_model, check_prompt_size
 from router.worker_calls import WorkerDied, stream_generate, tokenize
-from router.workers import WorkerDirectory
+from router.workers import Replica, WorkerDirectory, worker_load
 
 
 async def _abort(context: grpc.aio.ServicerContext, rejected: CallRejected) -> None:
@@ -32,10 +34,11 @@ async def _abort(context: grpc.aio.ServicerContext, rejected: CallRejected) -> N
 class GenerationService(pb_grpc.GenerationServicer):
     """Generate, Tokenize and ListModels over the worker pools."""
 
-    def __init__(self, config: RouterConfig, directory: WorkerDirectory, metrics: RouterMetrics) -> None:
+    def __init__(self, config: RouterConfig, directory: WorkerDirectory, metrics: RouterMetrics, policy: RoutingPolicy) -> None:
         self.config = config
         self.directory = directory
         self.metrics = metrics
+        self.policy = policy
         self.num_inflight = 0
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -67,8 +70,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         forwarded = pb.GenerateRequest()
         forwarded.CopyFrom(request)
         forwarded.request_id = request.request_id or uuid.uuid4().hex
-        # Disaggregated when the prefill pool has a live replica; cache-aware choice comes later.
-        prefill = self.directory.pick("prefill", request.model)
+        prefill = await self._choose_prefill(forwarded, replica)
         last = None
         replica.num_inflight += 1
         if prefill is not None:
@@ -95,6 +97,44 @@ class GenerationService(pb_grpc.GenerationServicer):
             replica.num_inflight -= 1
             if prefill is not None:
                 prefill.num_inflight -= 1
+
+    def cache_aware(self, num_prefill: int) -> bool:
+        """Whether routing needs the prompt's block keys (and so the KV events)."""
+        return num_prefill >= 2 or (num_prefill >= 1 and self.config.local_prefill_max_tokens > 0)
+
+    async def _choose_prefill(self, request: pb.GenerateRequest, decode: Replica) -> Replica | None:
+        """The prefill replica for ``request`` (None: the decode replica prefills it). Cache-aware
+        routing tokenizes the prompt here (once: the worker gets the token ids) to hash its blocks."""
+        prefills = self.directory.healthy("prefill", request.model)
+        if not self.cache_aware(len(prefills)):
+            return prefills[0] if prefills else None
+        namespace = prefills[0].namespace or decode.namespace
+        token_ids = list(request.prompt_token_ids) or await self._tokenize_prompt(request, decode)
+        keys = []
+        if namespace is not None:
+            block_size = namespace.block_size
+            keys = block_keys(token_ids[: (len(token_ids) - 1) // block_size * block_size], block_size, namespace.root_key(request.tenant_salt or None))
+        route = RouteRequest(request.request_id, keys, len(token_ids), namespace.block_size if namespace else 16)
+        decision = self.policy.choose(route, [worker_load(p) for p in prefills], [worker_load(decode)])
+        self.metrics.routed(decision.prefill is not None, decision.cached.blocks * route.block_size)
+        return self.directory.replicas.get(decision.prefill) if decision.prefill else None
+
+    async def _tokenize_prompt(self, request: pb.GenerateRequest, decode: Replica) -> list[int]:
+        """The prompt's token ids from the decode worker's tokenizer; the request then carries them."""
+        ask = pb.TokenizeRequest(model=request.model, messages=request.messages)
+        if request.HasField("prompt"):
+            ask.prompt = request.prompt
+        try:
+            result = await tokenize(decode.handle, ask)
+        except WorkerDied as e:
+            raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.replica_id} died: {e}") from e
+        if result.HasField("error"):
+            raise from_worker(result.error)
+        ids = list(result.response.token_ids)
+        request.ClearField("prompt")
+        request.ClearField("messages")
+        request.prompt_token_ids.extend(ids)
+        return ids
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         return await _unary(context, self._tokenize, request)

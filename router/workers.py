@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kv_store.keys import KeyNamespace
 from proto import splitserve_pb2 as pb
+from router.routing import WorkerLoad
 
 
 @dataclass
@@ -22,6 +24,8 @@ class Replica:
     status: pb.ReplicaStatus
     num_inflight: int = 0
     """Requests this router has running on the replica right now."""
+    namespace: KeyNamespace | None = None
+    """Key namespace of the replica's blocks, fetched once (for cache-aware routing)."""
 
     @property
     def replica_id(self) -> str:
@@ -39,7 +43,7 @@ class WorkerDirectory:
         fresh = {}
         for status, model, handle in entries:
             old = self.replicas.get(status.replica_id)
-            replica = Replica(handle, model, status, old.num_inflight if old else 0)
+            replica = Replica(handle, model, status, old.num_inflight if old else 0, old.namespace if old else None)
             fresh[status.replica_id] = replica
         self.replicas = fresh
 
@@ -51,15 +55,31 @@ class WorkerDirectory:
         infos = {r.model.id: r.model for r in self.replicas.values() if r.status.healthy and r.status.pool == "decode"}
         return [infos[k] for k in sorted(infos)]
 
-    def pick(self, pool: str, model: str) -> Replica | None:
-        """The least loaded healthy replica of ``pool`` serving ``model`` (any model when empty)."""
-        candidates = [
+    def healthy(self, pool: str, model: str) -> list[Replica]:
+        """Healthy replicas of ``pool`` serving ``model`` (any model when empty)."""
+        return [
             r for r in self.replicas.values()
             if r.status.pool == pool and r.status.healthy and (not model or r.model.id == model)
         ]
+
+    def pick(self, pool: str, model: str) -> Replica | None:
+        """The least loaded healthy replica of ``pool`` serving ``model`` (any model when empty)."""
+        candidates = self.healthy(pool, model)
         if not candidates:
             return None
         return min(candidates, key=_load)
+
+
+def worker_load(replica: Replica) -> WorkerLoad:
+    """What the routing policy knows of a replica's load."""
+    s = replica.status
+    used = 1 - s.num_free_kv_blocks / s.num_kv_blocks if s.num_kv_blocks else 1.0
+    return WorkerLoad(
+        replica.replica_id,
+        queued_prefill_tokens=s.num_queued_prefill_tokens,
+        num_queued_requests=s.num_waiting + s.num_running,
+        decode_load=max(s.num_waiting + s.num_running, replica.num_inflight) + used,
+    )
 
 
 def _load(replica: Replica) -> tuple[float, str]:

@@ -1,0 +1,67 @@
+"""Cache-aware routing live: two prefill workers, their real KV events, the router's index."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from decode_worker.config import WorkerConfig
+from engine.config import EngineConfig
+from router.client import SplitServeClient
+from router.config import RouterConfig
+from router.controller import CONTROLLER_NAME, NAMESPACE
+from router.launch import ClusterConfig
+from router.routing import PolicyConfig
+from tests.integration.conftest import running_cluster, wait_until
+from tests.unit.engine.helpers import random_prompts
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, tiny_llama_dir):
+    config = ClusterConfig(
+        engine=EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=96, max_model_len=512),
+        worker=WorkerConfig(),
+        router=RouterConfig(port=0, worker_refresh_interval_s=0.1, kv_event_poll_interval_s=0.05),
+        num_prefill=2,
+    )
+    with running_cluster(config) as c:
+        yield c
+
+
+def _prefill_workers():
+    controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    return {status.replica_id: handle for status, _, handle in ray.get(controller.replicas.remote()) if status.pool == "prefill"}
+
+
+def _num_prefills(workers):
+    return {w: ray.get(h.transfer_stats.remote()).num_prefills for w, h in workers.items()}
+
+
+def _wait_for_index(cluster, workers):
+    """Until the router has applied every KV event batch the prefill workers have sealed."""
+    for worker_id, handle in workers.items():
+        target = ray.get(handle.kv_snapshot.remote()).seq
+        wait_until(lambda: ray.get(cluster.router.prefix_index_seq.remote(worker_id)) >= target, 15)
+
+
+def test_a_shared_prefix_lands_on_the_prefill_worker_that_holds_it(cluster):
+    workers = _prefill_workers()
+    assert len(workers) == 2
+    families = random_prompts([64, 64, 64], seed=61)
+    tails = random_prompts([7] * 6, seed=62)
+    with SplitServeClient(cluster.router_status.grpc_address) as client:
+        for i, prefix in enumerate(families):
+            before = _num_prefills(workers)
+            list(client.generate(prefix + tails[2 * i], max_tokens=4, temperature=0))
+            [holder] = [w for w, n in _num_prefills(workers).items() if n > before[w]]
+            _wait_for_index(cluster, workers)
+            time.sleep(PolicyConfig().memory_s + 0.1)  # the policy's memory of its own decision has expired: only events tell
+            before = _num_prefills(workers)
+            responses = list(client.generate(prefix + tails[2 * i + 1], max_tokens=4, temperature=0))
+            after = _num_prefills(workers)
+            assert {w: after[w] - before[w] for w in workers} == {w: int(w == holder) for w in workers}, (i, holder)
+            assert responses[-1].usage.cached_prompt_tokens == 64
