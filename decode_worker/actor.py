@@ -24,27 +24,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 import ray
-from prometheus_client import CollectorRegistry
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, TaskCancelledError
 
 from decode_worker.config import WorkerConfig
 from decode_worker.kv_receiver import KVReceiver
 from decode_worker.requests import to_engine_request, to_response
 from engine.config import EngineConfig
-from engine.engine_loop import AdmissionQueueFull, EngineLoop, EngineLoopFailed
+from engine.engine_loop import AdmissionQueueFull, EngineLoopFailed
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, RemotePrefill
-from engine.metrics import CountersCollector, EngineStatsCollector, TierStatsCollector, serve_metrics
+from engine.metrics import CountersCollector
 from engine.params import SamplingParams
+from engine.replica import EngineReplica
 from engine.request import EngineRequest
-from kv_store.events import KVEventBatch, KVSnapshot
-from kv_store.keys import KeyNamespace
 from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult
 from kv_transfer.registry import transport_class
 from proto import splitserve_pb2 as pb
@@ -90,27 +87,20 @@ class TransferStats:
     """NIXL transfer handles this worker's agent holds (filled in when read)."""
 
 
-class DecodeWorker:
+class DecodeWorker(EngineReplica):
     """One engine replica behind Ray calls: generate (streaming), tokenize, status, kv_endpoint."""
 
+    pool = "decode"
+
     def __init__(self, replica_id: str, engine_config: EngineConfig, worker_config: WorkerConfig) -> None:
-        num_threads = worker_config.num_threads or len(os.sched_getaffinity(0))
-        self.replica_id = replica_id
+        super().__init__(replica_id, engine_config, worker_config)
         self.config = worker_config
-        self.loop = EngineLoop(lambda: LLMEngine(engine_config, worker_id=replica_id), worker_config.max_waiting_requests, num_threads)
-        self.loop.start()
-        self.engine = self.loop.engine
         self.receiver: KVReceiver | None = None
         if worker_config.kv_transport != "none":
             self.receiver = _build_receiver(replica_id, self.engine, worker_config.kv_transport)
         self.transfers = TransferStats()
         self._cleanups: set[asyncio.Task] = set()
-        registry = CollectorRegistry()
-        labels = {"replica": replica_id, "pool": "decode"}
-        registry.register(EngineStatsCollector(lambda: self.loop.stats, labels))
-        registry.register(TierStatsCollector(self.engine.kv_store, labels))
-        registry.register(CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, labels, _GAUGES))
-        self.metrics_url = serve_metrics(registry, worker_config.metrics_host, worker_config.metrics_port)
+        self.serve_metrics(CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, self.metrics_labels, _GAUGES))
 
     async def generate(self, request: pb.GenerateRequest, prefill=None, prefill_replica_id: str = "") -> AsyncIterator[wpb.WorkerEvent]:
         """Stream WorkerEvents for ``request``: responses, or one RequestError before any response.
@@ -261,51 +251,18 @@ class DecodeWorker:
             ids = tokenizer.encode(request.prompt, add_special_tokens=add_special)
         return wpb.TokenizeResult(response=pb.TokenizeResponse(token_ids=ids))
 
-    async def kv_namespace(self) -> KeyNamespace:
-        """The key namespace of this worker's blocks (routers hash prompts with it)."""
-        return self.engine.namespace
-
-    async def kv_snapshot(self) -> KVSnapshot:
-        """This worker's block keys per tier, with the number of the last KV event batch included."""
-        return await self.loop.call(lambda engine: engine.kv_snapshot())
-
-    async def kv_events(self, after_seq: int) -> list[KVEventBatch]:
-        """KV event batches after ``after_seq``; EventGap (take a snapshot) if some are gone."""
-        return self.engine.kv_events_since(after_seq)
-
     async def model_info(self) -> pb.ModelInfo:
-        engine = self.engine
-        return pb.ModelInfo(
-            id=engine.model_name,
-            max_model_len=engine.max_model_len,
-            vocab_size=engine.model_config.vocab_size,
-            kv_dtype=engine.config.kv_dtype,
-            block_size=engine.config.block_size,
-        )
+        return pb.ModelInfo(**self.model_fields())
 
     async def status(self) -> pb.ReplicaStatus:
         """Liveness and load; a dead engine thread reports unhealthy."""
-        s = self.loop.stats
-        return pb.ReplicaStatus(
-            replica_id=self.replica_id,
-            pool="decode",
-            model=self.engine.model_name,
-            healthy=self.loop.alive,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting + s.num_parked,
-            num_kv_blocks=s.num_kv_blocks,
-            num_free_kv_blocks=s.num_free_kv_blocks,
-            metrics_url=self.metrics_url,
-            num_aborted_requests=s.num_aborted_requests,
-            num_queued_prefill_tokens=s.num_queued_prefill_tokens,
-        )
+        return pb.ReplicaStatus(**self.status_fields())
 
     async def shutdown(self) -> None:
         """Stop the engine thread (requests still running are dropped with it) and the NIXL agent."""
         for task in list(self._cleanups):
             task.cancel()
-        self.loop.stop()
-        self.engine.close()
+        self.stop_engine()
         if self.receiver is not None:
             self.receiver.close()
 

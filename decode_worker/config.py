@@ -4,21 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.config import WorkerProcessConfig
+
 REMOTE_PREFILL_FAILURE_POLICIES = ("recompute", "fail")
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
-    """How a worker replica admits requests, receives remote KV and exposes itself."""
+class WorkerConfig(WorkerProcessConfig):
+    """How a decode replica admits requests, receives remote KV and exposes itself."""
 
-    max_waiting_requests: int = 256
-    """Requests waiting for a batch slot beyond which new ones get RESOURCE_EXHAUSTED."""
-    num_threads: int | None = None
-    """torch intra-op threads of the engine thread; None uses every core the process may run on."""
-    metrics_host: str = "127.0.0.1"
-    """Address the Prometheus endpoint binds to."""
-    metrics_port: int = 0
-    """Port of the Prometheus endpoint; 0 picks a free one."""
     kv_transport: str = "nixl"
     """How prefill workers write KV into this worker's pool: "nixl", or "none" (aggregated only)."""
     kv_transfer_timeout_s: float = 30.0
@@ -29,12 +23,7 @@ class WorkerConfig:
     """Prefill here, not remotely, when at most this many prompt tokens are missing from this pool."""
 
     def __post_init__(self) -> None:
-        if self.max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests: must be >= 0, got {self.max_waiting_requests}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port: {self.metrics_port} is not a port")
+        super().__post_init__()
         if self.kv_transport not in ("nixl", "none"):
             raise ValueError(f"kv_transport: {self.kv_transport!r} is not one of ('nixl', 'none')")
         if not self.kv_transfer_timeout_s > 0:

@@ -65,3 +65,25 @@ class EngineConfig:
             raise ValueError(f"redis_url: {self.redis_url!r} is not a redis://, rediss:// or unix:// URL")
         if self.redis_ttl_s < 1:
             raise ValueError(f"redis_ttl_s: must be >= 1, got {self.redis_ttl_s}")
+
+
+@dataclass(frozen=True)
+class WorkerProcessConfig:
+    """What every worker process (prefill or decode) needs besides its engine."""
+
+    max_waiting_requests: int = 256
+    """Requests waiting for a batch slot beyond which new ones are refused (RESOURCE_EXHAUSTED)."""
+    num_threads: int | None = None
+    """torch intra-op threads of the engine thread; None uses every core the process may run on."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds to."""
+    metrics_port: int = 0
+    """Port of the Prometheus endpoint; 0 picks a free one."""
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests: must be >= 0, got {self.max_waiting_requests}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: {self.metrics_port} is not a port")

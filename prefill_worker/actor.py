@@ -19,24 +19,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, replace
 
-from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
-from engine.engine_loop import AdmissionQueueFull, EngineLoop, EngineLoopFailed
+from engine.engine_loop import AdmissionQueueFull, EngineLoopFailed
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
-from engine.metrics import CountersCollector, EngineStatsCollector, TierStatsCollector, serve_metrics
+from engine.metrics import CountersCollector
 from engine.params import SamplingParams
+from engine.replica import EngineReplica
 from engine.request import EngineRequest
 from kv_transfer.errors import HandOffError, KVTransferError
 from kv_transfer.nixl_transport import TransferState
-from kv_store.events import KVEventBatch, KVSnapshot
-from kv_store.keys import KeyNamespace
 from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult, TransferStatus, check_compatible
 from kv_transfer.registry import transport_class
 from prefill_worker.config import PrefillWorkerConfig
@@ -79,16 +76,14 @@ class FaultPlan:
     """Every hand-off waits this long between computing and writing."""
 
 
-class PrefillWorker:
+class PrefillWorker(EngineReplica):
     """Computes prompts and writes their KV blocks into decode workers' pools."""
 
+    pool = "prefill"
+
     def __init__(self, replica_id: str, engine_config: EngineConfig, config: PrefillWorkerConfig) -> None:
-        num_threads = config.num_threads or len(os.sched_getaffinity(0))
-        self.replica_id = replica_id
+        super().__init__(replica_id, engine_config, config)
         self.config = config
-        self.loop = EngineLoop(lambda: LLMEngine(engine_config, worker_id=replica_id), config.max_waiting_requests, num_threads)
-        self.loop.start()
-        self.engine = self.loop.engine
         agent_name = f"{replica_id}-{uuid.uuid4().hex[:8]}"
         self.transport = transport_class(config.kv_transport)(agent_name, self.engine.kv_cache.buffer)
         layout = self.engine.kv_cache.layout
@@ -103,12 +98,7 @@ class PrefillWorker:
         )
         self.stats = PrefillStats()
         self.faults = FaultPlan()
-        registry = CollectorRegistry()
-        labels = {"replica": replica_id, "pool": "prefill"}
-        registry.register(EngineStatsCollector(lambda: self.loop.stats, labels))
-        registry.register(TierStatsCollector(self.engine.kv_store, labels))
-        registry.register(CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, labels, _GAUGES))
-        self.metrics_url = serve_metrics(registry, config.metrics_host, config.metrics_port)
+        self.serve_metrics(CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, self.metrics_labels, _GAUGES))
 
     async def prefill(
         self, transfer: TransferRequest, prompt_token_ids: list[int], params: SamplingParams, tenant_salt: str | None = None
@@ -198,45 +188,12 @@ class PrefillWorker:
     def transfer_stats_now(self) -> PrefillStats:
         return replace(self.stats, num_open_leases=self.loop.stats.num_leases, num_open_handles=self.transport.num_open_handles())
 
-    async def kv_namespace(self) -> KeyNamespace:
-        """The key namespace of this worker's blocks (routers hash prompts with it)."""
-        return self.engine.namespace
-
-    async def kv_snapshot(self) -> KVSnapshot:
-        """This worker's block keys per tier, with the number of the last KV event batch included."""
-        return await self.loop.call(lambda engine: engine.kv_snapshot())
-
-    async def kv_events(self, after_seq: int) -> list[KVEventBatch]:
-        """KV event batches after ``after_seq``; EventGap (take a snapshot) if some are gone."""
-        return self.engine.kv_events_since(after_seq)
-
     async def model_info(self) -> pb.ModelInfo:
-        engine = self.engine
-        return pb.ModelInfo(
-            id=engine.model_name,
-            max_model_len=engine.max_model_len,
-            vocab_size=engine.model_config.vocab_size,
-            kv_dtype=engine.config.kv_dtype,
-            block_size=engine.config.block_size,
-        )
+        return pb.ModelInfo(**self.model_fields())
 
     async def status(self) -> pb.ReplicaStatus:
-        s = self.loop.stats
-        return pb.ReplicaStatus(
-            replica_id=self.replica_id,
-            pool="prefill",
-            model=self.engine.model_name,
-            healthy=self.loop.alive,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            num_kv_blocks=s.num_kv_blocks,
-            num_free_kv_blocks=s.num_free_kv_blocks,
-            metrics_url=self.metrics_url,
-            num_aborted_requests=s.num_aborted_requests,
-            num_queued_prefill_tokens=s.num_queued_prefill_tokens,
-        )
+        return pb.ReplicaStatus(**self.status_fields())
 
     async def shutdown(self) -> None:
-        self.loop.stop()
-        self.engine.close()
+        self.stop_engine()
         self.transport.close()

@@ -19,13 +19,15 @@ _SCALARS = {"int": int, "float": float, "str": str, "Path": Path}
 
 @cache
 def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a dataclass: the string literal right after each field."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    """Attribute docstrings of a dataclass: the string literal right after each field, inherited ones included."""
     docs = {}
-    for node, following in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(following.value.value).split())
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or "__dataclass_fields__" not in vars(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, following in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(following.value.value).split())
     return docs
 
 

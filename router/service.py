@@ -124,13 +124,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         ask = pb.TokenizeRequest(model=request.model, messages=request.messages)
         if request.HasField("prompt"):
             ask.prompt = request.prompt
-        try:
-            result = await tokenize(decode.handle, ask)
-        except WorkerDied as e:
-            raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.replica_id} died: {e}") from e
-        if result.HasField("error"):
-            raise from_worker(result.error)
-        ids = list(result.response.token_ids)
+        ids = list((await _tokenize_on(decode, ask)).token_ids)
         request.ClearField("prompt")
         request.ClearField("messages")
         request.prompt_token_ids.extend(ids)
@@ -147,13 +141,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         replica = self.directory.pick("decode", request.model)
         if replica is None:
             raise CallRejected(grpc.StatusCode.UNAVAILABLE, "no live decode worker")
-        try:
-            result = await tokenize(replica.handle, request)
-        except WorkerDied as e:
-            raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"decode worker {replica.replica_id} died: {e}") from e
-        if result.HasField("error"):
-            raise from_worker(result.error)
-        return result.response
+        return await _tokenize_on(replica, request)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=self.directory.model_infos())
@@ -167,6 +155,16 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def GetClusterStatus(self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
         return await self._cluster_status()
+
+
+async def _tokenize_on(replica: Replica, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+    try:
+        result = await tokenize(replica.handle, request)
+    except WorkerDied as e:
+        raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"decode worker {replica.replica_id} died: {e}") from e
+    if result.HasField("error"):
+        raise from_worker(result.error)
+    return result.response
 
 
 async def _unary(context, method, request):
