@@ -149,7 +149,7 @@ class DecodeWorker(EngineReplica):
         self.transfers.num_remote_prefills += 1
         transfer = TransferRequest(
             request_id=slot.request_id,
-            decode=self.receiver.endpoint,
+            decode=self.receiver.request_endpoint,
             block_ids=slot.block_ids,
             num_prompt_tokens=len(slot.prompt_token_ids),
             first_block_index=slot.first_block,

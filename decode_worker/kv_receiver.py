@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 from kv_transfer.errors import KVTransferError
 from kv_transfer.protocol import KVEndpoint, request_id_of
@@ -23,6 +24,9 @@ class KVReceiver:
     def __init__(self, transport, endpoint: KVEndpoint, poll_interval_s: float = 0.0005) -> None:
         self.transport = transport
         self.endpoint = endpoint
+        """What this worker publishes once, through the controller."""
+        self.request_endpoint = replace(endpoint, transport_metadata=b"")
+        """What each TransferRequest carries: the same, without the transport metadata."""
         self.poll_interval_s = poll_interval_s
         self._waiting: dict[bytes, asyncio.Future] = {}
         self._poller: asyncio.Task | None = None

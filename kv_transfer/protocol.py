@@ -37,7 +37,8 @@ class KVEndpoint:
     agent_name: str
     """Transport agent name, unique in the cluster."""
     transport_metadata: bytes
-    """What a peer's transport needs to reach this pool: NixlTransport.metadata()."""
+    """What a peer's transport needs to reach this pool: NixlTransport.metadata(). Workers
+    publish it once, through the controller; the copy inside a TransferRequest is left empty."""
     namespace: KeyNamespace
     """Key namespace of the blocks in the pool; fixes model, weights, KV dtype and block size."""
     layout: KVBlockLayout
@@ -54,8 +55,8 @@ class KVEndpoint:
     def __post_init__(self) -> None:
         if not self.agent_name:
             raise ValueError("agent_name: must not be empty")
-        if not isinstance(self.transport_metadata, bytes) or not self.transport_metadata:
-            raise ValueError("transport_metadata: must be non-empty bytes")
+        if not isinstance(self.transport_metadata, bytes):
+            raise ValueError(f"transport_metadata: must be bytes, got {type(self.transport_metadata).__name__}")
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
         if not 0 <= self.head_start < self.head_end:
@@ -118,7 +119,8 @@ class TransferRequest:
     request_id: str
     """The request's id, unique among the requests in flight."""
     decode: KVEndpoint
-    """The decode worker's endpoint (a prefill worker adds it as a peer if it does not know it)."""
+    """The decode worker's endpoint, for the compatibility check; its transport metadata reached
+    the prefill worker before, through the controller (``add_kv_peers``), and is not repeated here."""
     block_ids: tuple[int, ...]
     """Decode pool block ids to fill, in prompt order."""
     num_prompt_tokens: int

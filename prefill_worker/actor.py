@@ -137,7 +137,9 @@ class PrefillWorker(EngineReplica):
             pass  # the admission, then the one output that finishes it
         done = await self.loop.call(lambda engine: engine.take_prefilled(request_id))
         await self._apply_faults(request_id)
-        peer = self.transport.add_peer(transfer.decode.transport_metadata)
+        peer = transfer.decode.agent_name
+        if not self.transport.has_peer(peer):
+            raise KVTransferError(f"decode agent {peer!r} is unknown here: its endpoint never reached this worker (add_kv_peers)")
         source = done.block_ids[transfer.first_block_index :]
         started = time.perf_counter()
         handle = self.transport.write_blocks(peer, source, transfer.block_ids, transfer.notif)
@@ -173,6 +175,16 @@ class PrefillWorker(EngineReplica):
         self.stats.num_failed += 1
         logger.warning("prefill worker %s: hand-off of %s %s: %s", self.replica_id, request_id, status.value, error)
         return TransferResult(request_id=request_id, status=status, error=error)
+
+    async def add_kv_peers(self, endpoints: list[KVEndpoint]) -> None:
+        """Connect to decode workers' pools (their endpoints, as published through the controller)."""
+        for endpoint in endpoints:
+            self.transport.add_peer(endpoint.transport_metadata)
+
+    async def remove_kv_peer(self, agent_name: str) -> None:
+        """Forget a decode worker that left the cluster."""
+        if self.transport.has_peer(agent_name):
+            self.transport.remove_peer(agent_name)
 
     async def inject_faults(self, fail_next: int = 0, delay_s: float = 0.0) -> None:
         """Make the next ``fail_next`` hand-offs fail and every hand-off wait ``delay_s`` before

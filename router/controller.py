@@ -2,7 +2,10 @@
 
 It starts and stops worker replicas (by the import path of their actor class, so this module
 never imports worker code), checks their health, and answers the routers' and operators'
-questions about the pools. Plain asyncio inside; Ray only creates and calls actors.
+questions about the pools. It is also where workers exchange KV transport metadata: each decode
+replica's endpoint is handed to every prefill replica (``add_kv_peers``) when either joins, so a
+hand-off never waits for a connection set-up. Plain asyncio inside; Ray only creates and calls
+actors; endpoints pass through as opaque objects.
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ class _Replica:
 class _State:
     replicas: dict[str, _Replica] = field(default_factory=dict)
     routers: dict[str, pb.RouterStatus] = field(default_factory=dict)
+    kv_endpoints: dict[str, object] = field(default_factory=dict)
+    """Decode replica id -> its KV endpoint (transport metadata included), as the worker published it."""
 
 
 class _ReplicaCollector(Collector):
@@ -132,12 +137,28 @@ class ClusterController:
         model = await handle.model_info.remote()
         status = await handle.status.remote()
         self._state.replicas[replica_id] = _Replica(handle, model, status)
+        await self._exchange_kv_endpoints(replica_id, spec.pool, handle)
         return status
+
+    async def _exchange_kv_endpoints(self, replica_id: str, pool: str, handle) -> None:
+        prefill = [r.handle for rid, r in self._state.replicas.items() if r.status.pool == "prefill" and rid != replica_id]
+        if pool == "decode":
+            endpoint = await handle.kv_endpoint.remote()
+            if endpoint is None:
+                return  # this decode replica takes no remote prefill
+            self._state.kv_endpoints[replica_id] = endpoint
+            await asyncio.gather(*(p.add_kv_peers.remote([endpoint]) for p in prefill), return_exceptions=True)
+        else:
+            await handle.add_kv_peers.remote(list(self._state.kv_endpoints.values()))
 
     async def remove_replica(self, replica_id: str) -> bool:
         replica = self._state.replicas.pop(replica_id, None)
         if replica is None:
             return False
+        endpoint = self._state.kv_endpoints.pop(replica_id, None)
+        if endpoint is not None:
+            prefill = [r.handle for r in self._state.replicas.values() if r.status.pool == "prefill"]
+            await asyncio.gather(*(p.remove_kv_peer.remote(endpoint.agent_name) for p in prefill), return_exceptions=True)
         try:
             await asyncio.wait_for(replica.handle.shutdown.remote(), self.config.health_check_timeout_s)
         except (RayActorError, ActorUnavailableError, asyncio.TimeoutError):

@@ -214,13 +214,15 @@ def test_prefill_worker_killed_mid_request_is_recomputed(client, engine_config):
 # --- a prefill and a decode actor wired by hand -------------------------------------------------
 
 
-def _pair(decode_config: EngineConfig, prefill_config: EngineConfig, **worker):
+def _pair(decode_config: EngineConfig, prefill_config: EngineConfig, connect: bool = True, **worker):
     from decode_worker.actor import DecodeWorker
     from prefill_worker.actor import PrefillWorker
 
     decode = ray.remote(DecodeWorker).options(num_cpus=0, max_concurrency=1000).remote("decode-t", decode_config, WorkerConfig(**worker))
     prefill = ray.remote(PrefillWorker).options(num_cpus=0, max_concurrency=1000).remote("prefill-t", prefill_config, PrefillWorkerConfig())
     ray.get([decode.status.remote(), prefill.status.remote()])
+    if connect:  # what the controller does when replicas join
+        ray.get(prefill.add_kv_peers.remote([ray.get(decode.kv_endpoint.remote())]))
     return decode, prefill
 
 
@@ -254,6 +256,17 @@ def test_mismatched_kv_dtype_is_refused_at_hand_off(ray_session, tiny_llama_dir)
         message = event.error.message
         assert "kv_dtype: local='fp8_e4m3' vs remote='fp32'" in message, message
         assert ray.get(prefill.transfer_stats.remote()).num_refused == 1
+        _assert_pair_quiet(decode, prefill)
+    finally:
+        _shutdown(decode, prefill)
+
+
+def test_a_decode_agent_never_published_is_refused(ray_session, tiny_llama_dir):
+    config = _engine_config(tiny_llama_dir)
+    decode, prefill = _pair(config, config, connect=False, remote_prefill_failure="fail")
+    try:
+        [event] = _stream(decode, prefill, random_prompts([30], seed=52)[0])
+        assert "is unknown here: its endpoint never reached this worker" in event.error.message
         _assert_pair_quiet(decode, prefill)
     finally:
         _shutdown(decode, prefill)
