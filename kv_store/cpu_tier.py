@@ -30,6 +30,7 @@ class CPUTier:
             self.buffer = torch.empty((self.num_slots, block_bytes), dtype=torch.uint8, pin_memory=True)
         else:  # calloc'd: pages cost nothing until a block lands in them
             self.buffer = torch.from_numpy(np.zeros((self.num_slots, block_bytes), dtype=np.uint8))
+        self._rows = self.buffer.numpy()
         self._slots: OrderedDict[int, int] = OrderedDict()
         self._free = list(range(self.num_slots - 1, -1, -1))
         self.num_evictions = 0
@@ -60,7 +61,9 @@ class CPUTier:
             self.num_evictions += 1
             evicted.append(old_key)
         slot = self._free.pop()
-        self.buffer[slot].copy_(block.reshape(-1))
+        # numpy's copy is one memcpy on this thread; torch's copy_ of a uint8 row goes through the
+        # OpenMP team and took milliseconds instead of ~20 us when other processes held the cores
+        np.copyto(self._rows[slot], block.reshape(-1).numpy())
         self._slots[key] = slot
         return evicted
 

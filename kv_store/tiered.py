@@ -57,6 +57,7 @@ class TieredKVStore:
             raise ValueError(f"buffer: expected uint8 [{pool.num_blocks}, block_bytes], got {buffer.dtype} {list(buffer.shape)}")
         self.pool = pool
         self.buffer = buffer
+        self._rows = buffer.numpy()  # single-threaded copies (see CPUTier.put)
         self.events = events
         self.cpu = cpu
         self.redis = redis
@@ -129,10 +130,10 @@ class TieredKVStore:
                 source = self.cpu.get(key)
                 if source is None:  # spilled while allocating (a CPU tier smaller than the run)
                     break
-                self.buffer[block_id].copy_(source)
+                np.copyto(self._rows[block_id], source.numpy())
             else:
                 key, tier = keys[i], Tier.REDIS
-                self.buffer[block_id].numpy()[:] = np.frombuffer(redis_blocks[i - len(cpu_keys)], dtype=np.uint8)
+                self._rows[block_id] = np.frombuffer(redis_blocks[i - len(cpu_keys)], dtype=np.uint8)
             self.pool.cache(block_id, key)
             stats = self.stats.tiers[tier]
             stats.num_hits += 1
