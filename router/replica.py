@@ -92,6 +92,8 @@ class RouterReplica:
                     replica.namespace = await replica.handle.kv_namespace.remote()
                 except (RayActorError, ActorUnavailableError):
                     pass  # gone; the next refresh drops it
+        for message in self.directory.refuse_mismatched_namespaces():
+            logger.error("router %s: %s", self.router_id, message)
         if self._server is not None:
             await self._server.set_serving(bool(self.directory.served_models()))
 

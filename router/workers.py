@@ -55,6 +55,25 @@ class WorkerDirectory:
         infos = {r.model.id: r.model for r in self.replicas.values() if r.status.healthy and r.status.pool == "decode"}
         return [infos[k] for k in sorted(infos)]
 
+    def refuse_mismatched_namespaces(self) -> list[str]:
+        """Mark unhealthy (in this router's view) every replica whose key namespace differs from
+        the first known one of its model (TP shard fields aside): its blocks' keys would not be
+        the router's. Returns one message per refused replica, naming each differing field."""
+        reference: dict[str, Replica] = {}
+        refused = []
+        for replica in self.replicas.values():
+            if replica.namespace is None:
+                continue
+            first = reference.setdefault(replica.model.id, replica)
+            differing = {
+                name: pair for name, pair in first.namespace.differences(replica.namespace).items() if name not in ("tp_size", "tp_rank")
+            }
+            if differing and replica.status.healthy:
+                replica.status.healthy = False
+                parts = ", ".join(f"{name}: {a!r} on {first.replica_id} vs {b!r}" for name, (a, b) in differing.items())
+                refused.append(f"replica {replica.replica_id} refused: KV key namespace differs ({parts})")
+        return refused
+
     def healthy(self, pool: str, model: str) -> list[Replica]:
         """Healthy replicas of ``pool`` serving ``model`` (any model when empty)."""
         return [

@@ -24,6 +24,21 @@ def _entry(replica_id, *, pool="decode", model="m", healthy=True, running=0, wai
     return status, pb.ModelInfo(id=model), object()
 
 
+def test_a_replica_with_another_key_namespace_is_refused():
+    from kv_store.keys import KeyNamespace
+
+    d = WorkerDirectory()
+    d.update([_entry("a"), _entry("b"), _entry("c", pool="prefill")])
+    namespace = KeyNamespace("m", "abc", "fp8_e4m3", 16)
+    d.replicas["a"].namespace = namespace
+    d.replicas["b"].namespace = KeyNamespace("m", "abc", "fp32", 16)
+    d.replicas["c"].namespace = KeyNamespace("m", "abc", "fp8_e4m3", 16, tp_size=2, tp_rank=1)  # a TP shard: fine
+    [message] = d.refuse_mismatched_namespaces()
+    assert message == "replica b refused: KV key namespace differs (kv_dtype: 'fp8_e4m3' on a vs 'fp32')"
+    assert [r.replica_id for r in d.healthy("decode", "m")] == ["a"]
+    assert [r.replica_id for r in d.healthy("prefill", "m")] == ["c"]
+
+
 def test_pick_prefers_the_least_loaded_healthy_replica_of_the_model():
     d = WorkerDirectory()
     d.update([
