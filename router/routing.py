@@ -8,14 +8,26 @@ load — and returns a ``Decision``. ``splitserve`` is the cost model below; ``r
 The cost model, per prefill worker ``w``, in tokens of prefill work::
 
     cost(w) = queued_prefill_tokens(w)                                        work waiting there
-            + prefill_weight * (prompt_tokens - B * (c_pool*pool + c_cpu*cpu + c_redis*redis)(w))
+            + (prefill_weight + queue_weight * num_queued_requests(w)) * uncached(w)  its work
+            + balance_weight * (recent_work(w) - min recent_work)                 sticky follow-ups
             + decode_weight * decode_load(w)                                   (0 by default)
+
+    uncached(w) = prompt_tokens - B * (c_pool*pool + c_cpu*cpu + c_redis*redis)(w)
 
 where ``pool/cpu/redis`` are the blocks of the prompt's cached run on ``w`` by serving tier and
 the credits (1.0 / 0.75 / 0.5 by default) price a block fetched from a lower tier as partly
 recomputed. ``prefill_weight`` > 1 makes new work count for more than waiting work: the queue
-delays one request, while recomputing a prefix another worker holds costs the whole cluster. The lowest cost wins; ties go to the lower queue, then round robin. With a
-``temperature`` the choice is a softmax over ``-cost / (temperature * prompt_tokens)``.
+delays one request, while recomputing a prefix another worker holds costs the whole cluster.
+New work also delays every request that will queue behind it, and a worker's queue predicts
+how many will: hence ``queue_weight`` per request queued there at the last report. Without it,
+a burst that lengthens the queues makes the policy move sessions off their cache holders, the
+moves recompute whole histories, the queues grow and more sessions move (bench.routing saw
+this collapse at ~50% load). ``recent_work(w)`` is the uncached work this router sent ``w``
+before its last report (what it sent since is in the queue term), averaged over
+``balance_window_s``: sessions stick to their worker, so a worker that got more work lately
+will get more follow-ups, and new sessions lean away from it. The lowest cost wins; ties go to
+the lower queue, then round robin. With a ``temperature`` the choice is a softmax over
+``-cost / (temperature * prompt_tokens)``.
 
 Recent decisions: a burst of requests that share a new prefix arrives before any KV event says
 where it landed, so the policy remembers, for ``memory_s``, which worker it sent each prompt's
@@ -96,6 +108,12 @@ class PolicyConfig:
     """Let the decode worker prefill when it lacks at most this many prompt tokens (0: never)."""
     prefill_weight: float = 2.0
     """Weight of this prompt's uncached tokens against tokens already queued on the worker."""
+    queue_weight: float = 1.0
+    """Extra weight of this prompt's uncached tokens per request queued on the worker (last report)."""
+    balance_weight: float = 0.25
+    """Cost per token of recent work sent to a worker beyond the least busy one's."""
+    balance_window_s: float = 30.0
+    """Time constant of the recent-work average (about how long a session stays on a worker)."""
     decode_weight: float = 0.0
     """Tokens of cost per unit of decode load on a worker that also decodes."""
 
@@ -105,6 +123,10 @@ class PolicyConfig:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
         if self.memory_s < 0 or self.temperature < 0 or self.local_prefill_max_tokens < 0:
             raise ValueError("memory_s, temperature and local_prefill_max_tokens: must be >= 0")
+        if min(self.prefill_weight, self.queue_weight, self.balance_weight) < 0:
+            raise ValueError("prefill_weight, queue_weight and balance_weight: must be >= 0")
+        if self.balance_window_s <= 0:
+            raise ValueError(f"balance_window_s: must be > 0, got {self.balance_window_s}")
 
 
 class RoutingPolicy:
@@ -208,6 +230,9 @@ class SplitservePolicy(RoutingPolicy):
         self._latest: dict[tuple[str, int], float] = {}
         self._rng = random.Random(seed)
         self._counter = itertools.count()
+        self._recent_work: dict[str, float] = {}
+        """Per worker: uncached tokens sent before its last report, decayed over ``balance_window_s``."""
+        self._recent_work_at = clock()
 
     def _choose(self, request, prefill, decode):
         config = self.config
@@ -224,6 +249,8 @@ class SplitservePolicy(RoutingPolicy):
         self._expire()
         recent = self._recent.match(keys, names)
         tokens = request.num_prompt_tokens
+        recent_work = self._decayed_recent_work()
+        least_recent_work = min(recent_work.get(name, 0.0) for name in names)
         costs = {}
         for load in prefill:
             run = runs[load.worker_id]
@@ -233,10 +260,30 @@ class SplitservePolicy(RoutingPolicy):
                 runs[load.worker_id] = run
             saved = request.block_size * (config.credit_pool * run.pool + config.credit_cpu * run.cpu + config.credit_redis * run.redis)
             work = max(0.0, tokens - saved)
-            costs[load.worker_id] = self.queued_tokens(load) + config.prefill_weight * work + config.decode_weight * load.decode_load
+            weight = config.prefill_weight + config.queue_weight * load.num_queued_requests
+            balance = config.balance_weight * (recent_work.get(load.worker_id, 0.0) - least_recent_work)
+            costs[load.worker_id] = self.queued_tokens(load) + weight * work + balance + config.decode_weight * load.decode_load
         worker = self._pick(costs, prefill, tokens)
         self._remember(worker, keys)
         return Decision(worker, decode_id, runs[worker], costs[worker])
+
+    def report(self, load: WorkerLoad) -> None:
+        """The work sent to the worker before this report moves from the queue term (the report
+        includes it) to the recent-work average."""
+        sent = self._sent.get(load.worker_id)
+        if sent is not None:
+            recent_work = self._decayed_recent_work()
+            recent_work[load.worker_id] = recent_work.get(load.worker_id, 0.0) + sent[0]
+        super().report(load)
+
+    def _decayed_recent_work(self) -> dict[str, float]:
+        now = self.clock()
+        if now > self._recent_work_at:
+            factor = math.exp(-(now - self._recent_work_at) / self.config.balance_window_s)
+            for name in self._recent_work:
+                self._recent_work[name] *= factor
+            self._recent_work_at = now
+        return self._recent_work
 
     def _pick(self, costs: dict[str, float], prefill: list[WorkerLoad], tokens: int) -> str:
         if self.config.temperature > 0:
