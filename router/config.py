@@ -54,6 +54,8 @@ class RouterConfig:
     """How often the router pulls each worker's KV events into its prefix index."""
     local_prefill_max_tokens: int = 0
     """Let the decode worker prefill a prompt when it lacks at most this many of its tokens (0: never)."""
+    routing_memory_s: float = 2.0
+    """How long the splitserve policy counts its own recent decisions as cached blocks (until KV events tell)."""
 
     def __post_init__(self) -> None:
         from router.routing import POLICIES
@@ -62,6 +64,8 @@ class RouterConfig:
             raise ValueError(f"routing_policy: {self.routing_policy!r} is not one of {POLICIES}")
         if self.kv_event_poll_interval_s <= 0:
             raise ValueError(f"kv_event_poll_interval_s: must be > 0, got {self.kv_event_poll_interval_s}")
+        if self.routing_memory_s < 0:
+            raise ValueError(f"routing_memory_s: must be >= 0, got {self.routing_memory_s}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens: must be >= 0, got {self.local_prefill_max_tokens}")
         for name in ("port", "metrics_port"):

@@ -22,7 +22,7 @@ from router.config import RouterConfig
 from router.controller import CONTROLLER_NAME, NAMESPACE
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
-from router.routing import make_policy
+from router.routing import PolicyConfig, make_policy
 from router.server import RunningServer, start_server
 from router.service import AdminService, GenerationService
 from router.workers import Replica, WorkerDirectory, worker_load
@@ -43,7 +43,8 @@ class RouterReplica:
         self._refresh_task: asyncio.Task | None = None
         self._events_task: asyncio.Task | None = None
         self.index = PrefixIndex()
-        self.policy = make_policy(config.routing_policy, self.index)
+        policy_config = PolicyConfig(memory_s=config.routing_memory_s, local_prefill_max_tokens=config.local_prefill_max_tokens)
+        self.policy = make_policy(config.routing_policy, self.index, policy_config)
         self._generation = GenerationService(config, self.directory, self.metrics, self.policy)
         metrics_server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=self.metrics.registry)
         self.metrics_url = f"http://{config.metrics_host}:{metrics_server.server_port}/metrics"

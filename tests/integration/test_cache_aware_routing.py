@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import ray
 
@@ -13,7 +11,6 @@ from router.client import SplitServeClient
 from router.config import RouterConfig
 from router.controller import CONTROLLER_NAME, NAMESPACE
 from router.launch import ClusterConfig
-from router.routing import PolicyConfig
 from tests.integration.conftest import running_cluster, wait_until
 from tests.unit.engine.helpers import random_prompts
 
@@ -25,7 +22,8 @@ def cluster(ray_session, tiny_llama_dir):
     config = ClusterConfig(
         engine=EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=96, max_model_len=512),
         worker=WorkerConfig(),
-        router=RouterConfig(port=0, worker_refresh_interval_s=0.1, kv_event_poll_interval_s=0.05),
+        # no memory of its own decisions: only the workers' KV events can tell where a prefix is
+        router=RouterConfig(port=0, worker_refresh_interval_s=0.1, kv_event_poll_interval_s=0.05, routing_memory_s=0),
         num_prefill=2,
     )
     with running_cluster(config) as c:
@@ -59,7 +57,6 @@ def test_a_shared_prefix_lands_on_the_prefill_worker_that_holds_it(cluster):
             list(client.generate(prefix + tails[2 * i], max_tokens=4, temperature=0))
             [holder] = [w for w, n in _num_prefills(workers).items() if n > before[w]]
             _wait_for_index(cluster, workers)
-            time.sleep(PolicyConfig().memory_s + 0.1)  # the policy's memory of its own decision has expired: only events tell
             before = _num_prefills(workers)
             responses = list(client.generate(prefix + tails[2 * i + 1], max_tokens=4, temperature=0))
             after = _num_prefills(workers)
