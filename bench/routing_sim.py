@@ -49,7 +49,6 @@ its next miss).
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import time

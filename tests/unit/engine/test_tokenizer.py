@@ -8,7 +8,7 @@ import regex
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from engine.bundled import bundled_model, resolve_model
+from engine.bundled import bundled_model
 from engine.errors import CheckpointError, InvalidRequestError
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
