@@ -26,7 +26,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, TaskCancelledError
@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 _DEAD = (RayActorError, ActorUnavailableError)
 _GAUGES = frozenset({"num_open_leases", "num_open_handles"})
 _NOTIF_GRACE_S = 5.0
+_CHANNEL_OPEN_WAIT_S = 10.0
+"""How long a request submitted on a channel waits for the channel's own opening call."""
 """How long the write's notification may trail the prefill worker's answer."""
 
 
@@ -87,6 +89,14 @@ class TransferStats:
     """NIXL transfer handles this worker's agent holds (filled in when read)."""
 
 
+@dataclass
+class _Channel:
+    """One router's channel: events waiting to be sent, and the tasks of its requests."""
+
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+
+
 class DecodeWorker(EngineReplica):
     """One engine replica behind Ray calls: generate (streaming), tokenize, status, kv_endpoint."""
 
@@ -100,6 +110,9 @@ class DecodeWorker(EngineReplica):
             self.receiver = _build_receiver(replica_id, self.engine, worker_config.kv_transport)
         self.transfers = TransferStats()
         self._cleanups: set[asyncio.Task] = set()
+        self._channels: dict[str, _Channel] = {}
+        self._channel_opened: dict[str, asyncio.Event] = {}
+        """Submits that overtook their channel's opening wait here (Ray does not order the two calls)."""
         self.serve_metrics(CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, self.metrics_labels, _GAUGES))
 
     async def generate(self, request: pb.GenerateRequest, prefill=None, prefill_replica_id: str = "") -> AsyncIterator[wpb.WorkerEvent]:
@@ -123,6 +136,57 @@ class DecodeWorker(EngineReplica):
             yield _error(wpb.RequestError.UNAVAILABLE, f"replica {self.replica_id}: {e}")
         except RemotePrefillFailed as e:
             yield _error(e.code, f"replica {self.replica_id}: {e}")
+
+    async def open_channel(self, channel_id: str) -> AsyncIterator[bytes]:
+        """A router's one stream for all the requests it submits here: serialized
+        WorkerEventBatches, each holding every event produced since the previous one (about one
+        engine step's worth). When the stream goes away (the router closed it or died), every
+        request submitted on it is cancelled, which aborts it and frees its blocks."""
+        channel = _Channel()
+        self._channels[channel_id] = channel
+        self._channel_opened.pop(channel_id, asyncio.Event()).set()
+        try:
+            while True:
+                events = [await channel.events.get()]
+                while not channel.events.empty():
+                    events.append(channel.events.get_nowait())
+                yield wpb.WorkerEventBatch(events=events).SerializeToString()
+        finally:
+            del self._channels[channel_id]
+            for task in list(channel.tasks.values()):
+                task.cancel()
+
+    async def submit(self, channel_id: str, request: pb.GenerateRequest, prefill=None, prefill_replica_id: str = "") -> bool:
+        """Start ``request`` as ``generate`` would, its events going to channel ``channel_id``
+        (each tagged with the request id); False if that channel does not open here within
+        ``_CHANNEL_OPEN_WAIT_S``."""
+        if channel_id not in self._channels:
+            opened = self._channel_opened.setdefault(channel_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(opened.wait(), _CHANNEL_OPEN_WAIT_S)
+            except asyncio.TimeoutError:
+                self._channel_opened.pop(channel_id, None)
+                return False
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            return False
+        request_id = request.request_id
+        task = asyncio.get_running_loop().create_task(self._pump(channel, request, prefill, prefill_replica_id))
+        channel.tasks[request_id] = task
+        task.add_done_callback(lambda _: channel.tasks.pop(request_id, None))
+        return True
+
+    async def cancel(self, channel_id: str, request_id: str) -> None:
+        """Stop a request submitted on a channel (the caller went away); unknown ones are ignored."""
+        channel = self._channels.get(channel_id)
+        task = channel.tasks.get(request_id) if channel is not None else None
+        if task is not None:
+            task.cancel()
+
+    async def _pump(self, channel: _Channel, request: pb.GenerateRequest, prefill, prefill_id: str) -> None:
+        async for event in self.generate(request, prefill, prefill_id):
+            event.request_id = request.request_id
+            channel.events.put_nowait(event)
 
     async def _generate_disaggregated(self, request: EngineRequest, prefill, prefill_id: str):
         limit = self.config.max_local_prefill_tokens

@@ -1,9 +1,10 @@
 # DO NOT EDIT: generated from proto/worker.proto by grpcio-tools 1.85.1 (python -m proto.generate).
 from proto import splitserve_pb2 as _splitserve_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -31,12 +32,20 @@ class RequestError(_message.Message):
     def __init__(self, code: _Optional[_Union[RequestError.Code, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
-    __slots__ = ("response", "error")
+    __slots__ = ("response", "error", "request_id")
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     response: _splitserve_pb2.GenerateResponse
     error: RequestError
-    def __init__(self, response: _Optional[_Union[_splitserve_pb2.GenerateResponse, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, response: _Optional[_Union[_splitserve_pb2.GenerateResponse, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class WorkerEventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[WorkerEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[WorkerEvent, _Mapping]]] = ...) -> None: ...
 
 class TokenizeResult(_message.Message):
     __slots__ = ("response", "error")

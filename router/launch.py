@@ -57,6 +57,10 @@ def init_ray(address: str | None) -> None:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray starts worker processes at nice 15 so its own daemons win the CPU. Our workers *are*
+    # the serving path: at nice 15 the engine's OpenMP team lost the cores to every client,
+    # raylet and GCS wake-up on a small machine. Workers of a local cluster run at normal priority.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     if ray.is_initialized():
         return
     if address is not None:

@@ -25,6 +25,7 @@ from router.prefix_index import PrefixIndex
 from router.routing import PolicyConfig, make_policy
 from router.server import RunningServer, start_server
 from router.service import AdminService, GenerationService
+from router.worker_calls import ChannelStats, WorkerChannels
 from router.workers import Replica, WorkerDirectory, worker_load
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ class RouterReplica:
         self.index = PrefixIndex()
         policy_config = PolicyConfig(memory_s=config.routing_memory_s, local_prefill_max_tokens=config.local_prefill_max_tokens)
         self.policy = make_policy(config.routing_policy, self.index, policy_config)
-        self._generation = GenerationService(config, self.directory, self.metrics, self.policy)
+        self.channels = WorkerChannels(router_id)
+        self._generation = GenerationService(config, self.directory, self.metrics, self.policy, self.channels)
         metrics_server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=self.metrics.registry)
         self.metrics_url = f"http://{config.metrics_host}:{metrics_server.server_port}/metrics"
 
@@ -69,6 +71,7 @@ class RouterReplica:
         if self._server is not None:
             await self._server.set_serving(False)
             await self._server.server.stop(grace_s)
+        self.channels.close()
         await self._controller.unregister_router.remote(self.router_id)
 
     def _status(self) -> pb.RouterStatus:
@@ -86,6 +89,7 @@ class RouterReplica:
 
     async def _refresh(self) -> None:
         self.directory.update(await self._controller.replicas.remote())
+        self.channels.retain(self.directory.replicas)
         for replica in self.directory.replicas.values():
             self.policy.report(worker_load(replica))
             if replica.namespace is None:
@@ -97,6 +101,10 @@ class RouterReplica:
             logger.error("router %s: %s", self.router_id, message)
         if self._server is not None:
             await self._server.set_serving(bool(self.directory.served_models()))
+
+    async def channel_stats(self) -> ChannelStats:
+        """How many batches and events this router's worker channels carried."""
+        return self.channels.stats()
 
     async def prefix_index_seq(self, worker_id: str) -> int:
         """The last KV event batch of ``worker_id`` this router applied (-1: not followed)."""

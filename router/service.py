@@ -1,9 +1,9 @@
 """The gRPC services of a router replica: Generation and Admin.
 
 Every refusal is a CallRejected turned into a status in one place (``_abort``). A Generate call
-holds a worker stream; when the client cancels, disconnects or runs out of deadline, grpc
-cancels this coroutine and the worker stream is cancelled with it, which aborts the request on
-the worker and frees its blocks.
+streams its request's events off this router's channel to the decode worker; when the client
+cancels, disconnects or runs out of deadline, grpc cancels this coroutine, which cancels the
+request on the worker, aborting it and freeing its blocks.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from router.errors import CallRejected, from_worker
 from router.metrics import RouterMetrics
 from router.routing import RouteRequest, RoutingPolicy
 from router.validation import check_generate, check_model, check_prompt_size
-from router.worker_calls import WorkerDied, stream_generate, tokenize
+from router.worker_calls import WorkerChannels, WorkerDied, tokenize
 from router.workers import Replica, WorkerDirectory, worker_load
 
 
@@ -34,11 +34,12 @@ async def _abort(context: grpc.aio.ServicerContext, rejected: CallRejected) -> N
 class GenerationService(pb_grpc.GenerationServicer):
     """Generate, Tokenize and ListModels over the worker pools."""
 
-    def __init__(self, config: RouterConfig, directory: WorkerDirectory, metrics: RouterMetrics, policy: RoutingPolicy) -> None:
+    def __init__(self, config: RouterConfig, directory: WorkerDirectory, metrics: RouterMetrics, policy: RoutingPolicy, channels: WorkerChannels) -> None:
         self.config = config
         self.directory = directory
         self.metrics = metrics
         self.policy = policy
+        self.channels = channels
         self.num_inflight = 0
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -76,7 +77,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         if prefill is not None:
             prefill.num_inflight += 1
         try:
-            events = stream_generate(replica.handle, forwarded, prefill.handle if prefill else None, prefill.replica_id if prefill else "")
+            channel = self.channels.get(replica.replica_id, replica.handle)
+            events = channel.generate(forwarded, prefill.handle if prefill else None, prefill.replica_id if prefill else "")
             async for event in events:
                 if event.HasField("error"):
                     raise from_worker(event.error)

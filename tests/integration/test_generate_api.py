@@ -77,7 +77,7 @@ def collect(responses) -> tuple[list[int], str, pb.GenerateResponse]:
     return ids, "".join(text), last
 
 
-def test_sixteen_concurrent_streams_match_the_engine(client, engine_config):
+def test_sixteen_concurrent_streams_match_the_engine(client, cluster, engine_config):
     prompts = random_prompts([3 + 7 * i for i in range(16)], seed=21)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     engine = LLMEngine(engine_config)
@@ -86,8 +86,13 @@ def test_sixteen_concurrent_streams_match_the_engine(client, engine_config):
     def call(prompt):
         return collect(client.generate(prompt, max_tokens=20, temperature=0, ignore_eos=True))
 
+    before = ray.get(cluster.router.channel_stats.remote())
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(call, prompts))
+    after = ray.get(cluster.router.channel_stats.remote())
+    num_events, num_batches = after.num_events - before.num_events, after.num_batches - before.num_batches
+    assert num_events >= 16 * 20 // 2  # at least one event per step and request (often one per token)
+    assert num_batches * 2 < num_events  # one channel item carries a step's events of many requests
     for (ids, text, last), want in zip(got, expected):
         assert ids == list(want.output_token_ids)
         assert text == want.text
