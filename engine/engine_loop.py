@@ -157,7 +157,7 @@ class EngineLoop:
                     outputs = self.engine.step()
                     self._stats = self.engine.stats()  # before delivery: a caller that sees its last output sees its blocks freed
                     for output in outputs:
-                        self._deliver(output)
+                        self.deliver(output)
         except BaseException as e:  # the loop is dead: fail every stream instead of hanging it
             self._failure = e
             for outputs, loop in self._streams.values():
@@ -218,10 +218,8 @@ class EngineLoop:
         command.admitted.set_result(admission)
 
     def deliver(self, output: RequestOutput) -> None:
-        """Hand an output produced outside ``step`` (e.g. by ``call``) to its stream. Engine thread only."""
-        self._deliver(output)
-
-    def _deliver(self, output: RequestOutput) -> None:
+        """Hand ``output`` to its request's stream: every output of ``step``, and ones produced
+        by a ``call`` (a remote-prefill join). Engine thread only."""
         outputs, loop = self._streams[output.request_id]
         if output.finished:
             del self._streams[output.request_id]

@@ -218,11 +218,9 @@ class LLMEngine:
         request = self.scheduler.parked.get(request_id)
         if request is None:
             return False
-        self.scheduler.unpark_remote(request, requeue=recompute)
         if not recompute:
-            request.abort()
-            self.scheduler.num_aborted += 1
-            del self._requests[request_id]
+            return self.abort_request(request_id)
+        self.scheduler.requeue_remote(request)
         return True
 
     def take_prefilled(self, request_id: str) -> PrefilledKV:

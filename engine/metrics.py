@@ -91,12 +91,7 @@ class TierStatsCollector(Collector):
             yield family
         redis = self._store.redis
         if redis is not None:
-            snapshot = redis.stats_snapshot()
-            for f in fields(snapshot):
-                name = f.name.removeprefix("num_")
-                family = CounterMetricFamily(f"splitserve_redis_tier_{name}", f"Redis tier: {name.replace('_', ' ')}.", labels=names[:-1])
-                family.add_metric(values, getattr(snapshot, f.name))
-                yield family
+            yield from CountersCollector("splitserve_redis_tier", redis.stats_snapshot, self._labels).collect()
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> str:

@@ -18,7 +18,8 @@ A request whose prompt KV is computed elsewhere (disaggregated prefill) skips th
 running batch with its prompt computed and its first token already sampled::
 
     park_remote() -> parked (blocks held, nothing scheduled) -> join_remote(first_token) -> running
-                                                              -> unpark_remote()       -> waiting (recompute) / dropped
+                                                              -> requeue_remote()      -> waiting (recompute)
+                                                              -> abort()               -> dropped
 """
 
 from __future__ import annotations
@@ -187,14 +188,13 @@ class Scheduler:
         else:
             self.running.append(request)
 
-    def unpark_remote(self, request: Request, requeue: bool) -> None:
-        """Give up waiting for remote KV: free the request's blocks and either queue it for a
-        local prefill (at the front: it has waited longest) or drop it."""
+    def requeue_remote(self, request: Request) -> None:
+        """Give up waiting for remote KV and prefill locally: free the request's blocks and queue
+        it at the front (it has waited longest). To drop it instead, ``abort`` it."""
         del self.parked[request.request_id]
         self._release(request)
         request.num_cached_tokens = 0
-        if requeue:
-            self.waiting.appendleft(request)
+        self.waiting.appendleft(request)
 
     def abort(self, request: Request) -> None:
         """Drop a request wherever it is and free its blocks."""
@@ -209,26 +209,25 @@ class Scheduler:
         self.num_aborted += 1
 
     def peek_prefix(self, request: Request) -> list[int]:
-        """The cached blocks admission would reuse for ``request``; takes nothing."""
-        return self._match_prefix(request)
+        """The pool's cached blocks admission would reuse for ``request``; takes nothing."""
+        return self.pool.match_prefix(self._prefix_keys(request))
 
     def _take_prefix(self, request: Request) -> list[int]:
         """Blocks of the longest cached prefix, each with a reference taken: the pool's own hits,
         then blocks the lower tiers bring back into the pool."""
-        num_full_blocks = (request.num_tokens - 1) // self.block_size
-        keys = request.keys_of_full_blocks(self.block_size, num_full_blocks)
+        keys = self._prefix_keys(request)
         hits = self.pool.match_prefix(keys)
         self.pool.acquire(hits)
         if self.tiers is not None:
             self.tiers.count_pool_lookup(len(hits), len(keys))
-            if len(hits) < len(keys) and (self.tiers.cpu is not None or self.tiers.redis is not None):
+            if len(hits) < len(keys):
                 hits = hits + self.tiers.load(keys[len(hits) :])
         return hits
 
-    def _match_prefix(self, request: Request) -> list[int]:
+    def _prefix_keys(self, request: Request) -> list[int]:
         # At least one token is always computed, so that there are logits to sample from.
         num_full_blocks = (request.num_tokens - 1) // self.block_size
-        return self.pool.match_prefix(request.keys_of_full_blocks(self.block_size, num_full_blocks))
+        return request.keys_of_full_blocks(self.block_size, num_full_blocks)
 
     def _grow(self, request: Request, num_new_tokens: int) -> bool:
         needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(request.block_ids)

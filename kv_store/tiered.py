@@ -102,6 +102,8 @@ class TieredKVStore:
     def load(self, keys: Sequence[int]) -> list[int]:
         """Bring the longest run of ``keys`` found in the CPU tier, then Redis, into fresh pool
         blocks; returns their ids (ref count 1, cached under their keys), possibly []."""
+        if self.cpu is None and self.redis is None:
+            return []
         cpu_keys: list[int] = []
         if self.cpu is not None:
             for key in keys:
