@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+
 from bench.workload import emit_report
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -58,7 +60,7 @@ def _measure(engine: LLMEngine, prefix: list[int], vocab: int, repeats: int, rng
     return {"ttft_s": statistics.median(times), "ttft_s_all": [round(t, 4) for t in times], "cached_tokens": cached}
 
 
-def _redis_gbps(tier: RedisTier, engine: LLMEngine, prefix: list[int], repeats: int) -> dict:
+def _redis_gbps(tier: RedisTier, url: str, engine: LLMEngine, prefix: list[int], repeats: int) -> dict:
     """Move the prefix's blocks through the tier and through raw redis-py, median GB/s."""
     engine.add_request("gbps", prefix, FIRST_TOKEN)
     engine.run_to_completion(["gbps"])
@@ -67,7 +69,7 @@ def _redis_gbps(tier: RedisTier, engine: LLMEngine, prefix: list[int], repeats: 
     assert len(block_ids) == len(keys), "the prefix's blocks should all be in the pool"
     blocks = [engine.kv_cache.buffer[b].numpy().tobytes() for b in block_ids]
     nbytes = sum(len(b) for b in blocks)
-    client = tier._client
+    client = redis.Redis.from_url(url)  # the peer: plain redis-py, no header, no checksum
     puts, gets, raw_puts, raw_gets = [], [], [], []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = _measure(engine, prefix, vocab, args.repeats, rng, prepare, name)
             print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
             if name == "redis":
-                report_extra = _redis_gbps(engine.kv_store.redis, engine, prefix, args.repeats)
+                report_extra = _redis_gbps(engine.kv_store.redis, url, engine, prefix, args.repeats)
             engine.close()
             del engine
         recompute = results["recompute"]["ttft_s"]
