@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -38,7 +39,7 @@ from engine.config import EngineConfig
 from engine.engine_loop import AdmissionQueueFull, EngineLoopFailed
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, RemotePrefill
-from engine.metrics import CountersCollector
+from engine.metrics import CountersCollector, RequestTimingHistograms
 from engine.params import SamplingParams
 from engine.replica import EngineReplica
 from engine.request import EngineRequest
@@ -113,21 +114,36 @@ class DecodeWorker(EngineReplica):
         self._channels: dict[str, _Channel] = {}
         self._channel_opened: dict[str, asyncio.Event] = {}
         """Submits that overtook their channel's opening wait here (Ray does not order the two calls)."""
-        self.serve_metrics(CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, self.metrics_labels, _GAUGES))
+        self.request_metrics = RequestTimingHistograms(self.metrics_labels)
+        self.serve_metrics(
+            CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, self.metrics_labels, _GAUGES), *self.request_metrics.collectors
+        )
 
     async def generate(self, request: pb.GenerateRequest, prefill=None, prefill_replica_id: str = "") -> AsyncIterator[wpb.WorkerEvent]:
         """Stream WorkerEvents for ``request``: responses, or one RequestError before any response.
 
         ``prefill`` is a PrefillWorker handle to compute the prompt's KV, or None to compute it here.
         """
+        reached = time.monotonic()
+        timings = pb.Timings()
+        first_token = None
         try:
             engine_request = to_engine_request(request)
             if prefill is None or self.receiver is None:
                 outputs = self.loop.generate(engine_request)
             else:
-                outputs = self._generate_disaggregated(engine_request, prefill, prefill_replica_id or "prefill worker")
+                outputs = self._generate_disaggregated(engine_request, prefill, prefill_replica_id or "prefill worker", timings)
             async for output in outputs:
-                yield wpb.WorkerEvent(response=to_response(output))
+                response = to_response(output)
+                if first_token is None and output.new_token_ids:
+                    first_token = time.monotonic() - reached
+                if output.finished:
+                    timings.worker_first_token_s = first_token or 0.0
+                    timings.worker_total_s = time.monotonic() - reached
+                    timings.queue_s = output.queue_s or 0.0
+                    response.timings.CopyFrom(timings)
+                    self.request_metrics.observe(timings.queue_s, timings.worker_first_token_s, timings.kv_handoff_s)
+                yield wpb.WorkerEvent(response=response)
         except InvalidRequestError as e:
             yield _error(wpb.RequestError.INVALID_ARGUMENT, str(e))
         except AdmissionQueueFull as e:
@@ -188,7 +204,7 @@ class DecodeWorker(EngineReplica):
             event.request_id = request.request_id
             channel.events.put_nowait(event)
 
-    async def _generate_disaggregated(self, request: EngineRequest, prefill, prefill_id: str):
+    async def _generate_disaggregated(self, request: EngineRequest, prefill, prefill_id: str, timings: pb.Timings):
         limit = self.config.max_local_prefill_tokens
 
         def admit(engine: LLMEngine, r: EngineRequest) -> RemotePrefill | None:
@@ -202,7 +218,9 @@ class DecodeWorker(EngineReplica):
             if slot is None:
                 self.transfers.num_local_prefills += 1
             else:
+                asked = time.monotonic()
                 await self._remote_prefill(slot, request, prefill, prefill_id)
+                timings.kv_handoff_s = time.monotonic() - asked
             async for output in outputs:
                 yield output
         finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import fields
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -45,6 +45,35 @@ class EngineStatsCollector(Collector):
         )
         computed.add_metric(values, s.num_computed_prompt_tokens)
         yield computed
+
+
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RequestTimingHistograms:
+    """Per-request latency histograms measured on a worker, labelled with the replica: how long
+    requests queue in the engine, wait for a KV hand-off, and take to their first token. Set
+    beside the router's TTFT, the last one shows what the serving path (router, Ray) adds."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        names, values = list(labels), list(labels.values())
+
+        self.collectors: list[Histogram] = []
+
+        def histogram(name: str, doc: str):
+            family = Histogram(name, doc, names, buckets=_LATENCY_BUCKETS_S, registry=None)
+            self.collectors.append(family)
+            return family.labels(*values)
+
+        self.queue = histogram("splitserve_worker_queue_seconds", "Entering the engine to the first scheduled step.")
+        self.first_token = histogram("splitserve_worker_first_token_seconds", "Reaching the worker to its first token leaving for the router.")
+        self.kv_handoff = histogram("splitserve_worker_kv_handoff_seconds", "Asking a prefill worker to its KV having landed (remote prefills only).")
+
+    def observe(self, queue_s: float, first_token_s: float, kv_handoff_s: float) -> None:
+        self.queue.observe(queue_s)
+        self.first_token.observe(first_token_s)
+        if kv_handoff_s > 0:
+            self.kv_handoff.observe(kv_handoff_s)
 
 
 class CountersCollector(Collector):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,9 @@ class RequestOutput:
     num_cached_tokens: int
     """Prompt tokens served from the prefix cache at admission."""
     num_output_tokens: int
+    queue_s: float | None = None
+    """On the last output: seconds from ``add_request`` to the step that first scheduled the
+    request (for a remote prefill, to the moment its KV joined the batch); None before."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,9 @@ class Request:
     """Lease the prompt's blocks when the request finishes (a prefill whose KV is shipped next)."""
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    arrival_s: float = field(default_factory=time.monotonic)
+    first_scheduled_s: float | None = None
+    """When a step first ran this request's tokens (``time.monotonic``)."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -143,6 +150,7 @@ class Request:
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
             num_output_tokens=self.num_output_tokens,
+            queue_s=self.first_scheduled_s - self.arrival_s if self.finished and self.first_scheduled_s is not None else None,
         )
         self._pending_tokens, self._pending_text = [], []
         return out

@@ -24,6 +24,7 @@ running batch with its prompt computed and its first token already sampled::
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -115,6 +116,8 @@ class Scheduler:
                 request.num_cached_tokens = request.num_computed_tokens
             self.waiting.popleft()
             self.running.append(request)
+            if request.first_scheduled_s is None:
+                request.first_scheduled_s = time.monotonic()
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return chunks
@@ -183,6 +186,7 @@ class Scheduler:
         self.num_computed_prompt_tokens += request.num_prompt_tokens - request.num_cached_tokens
         self._register_full_blocks(request)
         request.append_token(first_token)
+        request.first_scheduled_s = request.first_scheduled_s or time.monotonic()
         if request.finished:
             self._release(request)
         else:

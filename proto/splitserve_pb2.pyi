@@ -81,21 +81,35 @@ class Usage(_message.Message):
     cached_prompt_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
+class Timings(_message.Message):
+    __slots__ = ("worker_first_token_s", "worker_total_s", "queue_s", "kv_handoff_s")
+    WORKER_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    WORKER_TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDOFF_S_FIELD_NUMBER: _ClassVar[int]
+    worker_first_token_s: float
+    worker_total_s: float
+    queue_s: float
+    kv_handoff_s: float
+    def __init__(self, worker_first_token_s: _Optional[float] = ..., worker_total_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., kv_handoff_s: _Optional[float] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stop_reason", "usage")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stop_reason", "usage", "timings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     stop_reason: str
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    timings: Timings
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "prompt", "messages", "add_special_tokens")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class RouterMetrics:
@@ -22,6 +22,10 @@ class RouterMetrics:
         self.ttft = histogram("splitserve_time_to_first_token_seconds", "Call start to first token.")
         self.inter_token = histogram("splitserve_inter_token_latency_seconds", "Time between tokens of one stream.")
         self.e2e = histogram("splitserve_e2e_latency_seconds", "Call start to last response.")
+        self.path_first_token = histogram(
+            "splitserve_serving_path_first_token_seconds",
+            "What the serving path (this router, Ray) added to a request's TTFT: the router's TTFT minus the decode worker's own.",
+        )
         self._routed = Counter(
             "splitserve_routing_decisions", "Cache-aware routing decisions by where the prompt is prefilled.", ["router", "target"], registry=self.registry
         )

@@ -72,7 +72,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         forwarded.CopyFrom(request)
         forwarded.request_id = request.request_id or uuid.uuid4().hex
         prefill = await self._choose_prefill(forwarded, replica)
-        last = None
+        last = ttft = None
         replica.num_inflight += 1
         if prefill is not None:
             prefill.num_inflight += 1
@@ -87,10 +87,13 @@ class GenerationService(pb_grpc.GenerationServicer):
                     if prefill is not None:
                         prefill.num_inflight -= 1  # its part is over once the first token is out
                         prefill = None
-                    self.metrics.ttft.observe(now - start)
+                    ttft = now - start
+                    self.metrics.ttft.observe(ttft)
                 elif event.response.token_ids:
                     self.metrics.inter_token.observe((now - last) / len(event.response.token_ids))
                 last = now
+                if event.response.HasField("timings"):
+                    self.metrics.path_first_token.observe(max(0.0, ttft - event.response.timings.worker_first_token_s))
                 yield event.response
             self.metrics.e2e.observe(time.perf_counter() - start)
         except WorkerDied as e:

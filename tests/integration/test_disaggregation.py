@@ -124,6 +124,12 @@ def test_only_blocks_the_decode_worker_lacks_cross_the_wire(client, engine_confi
     _assert_quiet(client)
 
 
+def test_last_response_times_the_kv_hand_off(client):
+    responses = list(client.generate(random_prompts([50], seed=43)[0], **{**GREEDY, "max_tokens": 3}))
+    t = responses[-1].timings
+    assert 0 < t.kv_handoff_s < t.worker_first_token_s <= t.worker_total_s
+
+
 def test_failed_transfer_is_recomputed_with_correct_tokens(client, engine_config):
     prompts = random_prompts([20, 45], seed=43)
     before, _ = _stats()

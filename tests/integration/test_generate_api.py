@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -106,6 +107,16 @@ def test_usage_reports_cached_prompt_tokens(client):
     _, _, first = collect(client.generate(prompt, max_tokens=4, temperature=0))
     _, _, second = collect(client.generate(prompt + [7, 8], max_tokens=4, temperature=0))
     assert (first.usage.cached_prompt_tokens, second.usage.cached_prompt_tokens) == (0, 32)
+
+
+def test_last_response_carries_the_worker_timings(client):
+    start = time.perf_counter()
+    responses = list(client.generate(random_prompts([30], seed=24)[0], max_tokens=6, temperature=0, ignore_eos=True))
+    client_ttft = time.perf_counter() - start  # an upper bound: taken after the whole stream
+    assert [r.HasField("timings") for r in responses] == [False] * (len(responses) - 1) + [True]
+    t = responses[-1].timings
+    assert 0 < t.queue_s < t.worker_first_token_s < t.worker_total_s < client_ttft
+    assert t.kv_handoff_s == 0  # aggregated: prefilled on the decode worker
 
 
 def test_chat_messages_and_stop_strings(client):
@@ -236,6 +247,7 @@ def test_prometheus_metrics_from_router_and_worker(client, cluster):
     assert "splitserve_time_to_first_token_seconds_bucket" in router_text
     assert "splitserve_inter_token_latency_seconds_count" in router_text
     assert "splitserve_e2e_latency_seconds_count" in router_text
+    assert _sample(router_text, "splitserve_serving_path_first_token_seconds_count") >= 1
     assert 'splitserve_requests_total{router="router-0",status="INVALID_ARGUMENT"}' in router_text
     controller_text = urllib.request.urlopen(ray.get(cluster.controller.metrics_address.remote())).read().decode()
     assert 'splitserve_replicas{healthy="true",pool="decode"} 1.0' in controller_text
@@ -244,6 +256,15 @@ def test_prometheus_metrics_from_router_and_worker(client, cluster):
     assert "splitserve_worker_requests_running" in worker_text and "splitserve_kv_blocks_used" in worker_text
     assert 'splitserve_kv_tier_hits_total{pool="decode",replica="decode-0",tier="pool"}' in worker_text
     assert 'splitserve_kv_handoff_remote_prefills_total{pool="decode",replica="decode-0"} 0.0' in worker_text
+    assert _sample(worker_text, "splitserve_worker_queue_seconds_count") >= 1
+    assert _sample(worker_text, "splitserve_worker_first_token_seconds_count") >= 1
+    assert _sample(worker_text, "splitserve_worker_kv_handoff_seconds_count") == 0  # no remote prefill here
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of the one sample called ``name`` (any labels) in a Prometheus exposition."""
+    [value] = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+    return value
 
 
 def test_no_live_worker_is_unavailable(client, cluster, engine_config):

@@ -44,6 +44,37 @@ def test_concurrent_streams_equal_the_engine_alone(loop, tiny_llama_dir):
     assert [tuple(tokens) for tokens, _ in got] == expected
     assert all(last.finished for _, last in got)
     assert loop.stats.num_free_kv_blocks == loop.stats.num_kv_blocks
+    # Two batch slots: the third request waits for one of the first two to finish (12 steps).
+    queue_s = [last.queue_s for _, last in got]
+    assert max(queue_s[:2]) < queue_s[2]
+
+
+def test_only_the_last_output_carries_the_queue_time(loop):
+    async def main():
+        return [out async for out in loop.generate(_request("q", [5, 6, 7]))]
+
+    outputs = asyncio.run(main())
+    assert [o.queue_s is None for o in outputs] == [True] * (len(outputs) - 1) + [False]
+    assert 0 < outputs[-1].queue_s < 5
+
+
+def test_a_step_crosses_to_each_event_loop_once(loop):
+    """All of a step's outputs for one event loop arrive in one callback, not one per stream."""
+
+    async def main():
+        running = asyncio.get_running_loop()
+        crossings = []
+        post = running.call_soon_threadsafe
+        running.call_soon_threadsafe = lambda *args, **kw: (crossings.append(args[0]), post(*args, **kw))[1]
+        got = await asyncio.gather(*(_collect(loop, _request(f"x{i}", [5, 6, 7])) for i in range(2)))
+        return crossings, got
+
+    crossings, got = asyncio.run(main())
+    num_outputs = 2 * PARAMS.max_tokens
+    assert sum(len(tokens) for tokens, _ in got) == num_outputs
+    # One crossing per step (13 at most: the two requests may start a step apart) plus the
+    # two admissions; one per output would be 24 + 2.
+    assert len(crossings) <= PARAMS.max_tokens + 1 + 2
 
 
 def test_invalid_request_fails_before_any_output_and_the_loop_goes_on(loop):
