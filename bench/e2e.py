@@ -1,72 +1,88 @@
-"""The serving path's cost: the same workload through gRPC on a local cluster and on the engine in-process.
+"""The serving path's cost: one workload through gRPC on a local cluster and on the engine in-process.
 
     python -m bench.e2e --json OUT
 
-Both runs use one engine configuration and a closed loop of N concurrent requests (random
-prompt tokens, exact output lengths, EOS ignored). The gRPC runs start a local Ray cluster
-(controller, one decode replica, one router; plus one prefill replica in the disaggregated run,
-the cores split between the two workers) and drive it with N client threads; the in-process run
-steps an LLMEngine directly. TTFT runs from handing the request over to its first
-token; inter-token latency is the gap between two token-bearing responses, per token.
+Every run is a closed loop of N concurrent requests (random prompt tokens, exact output lengths,
+EOS ignored) over one engine configuration. Four systems:
+
+- ``engine_step``: ``LLMEngine.step()`` called in a loop that adds each next request between two
+  steps. Requests always join at a step boundary, which no concurrent client can arrange: this
+  is the engine's ceiling, not a serving peer.
+- ``engine_loop``: the same engine behind ``EngineLoop`` (its own thread, as in a worker), fed by
+  N asyncio clients in-process. This is the engine as a library, with arrivals as they come;
+  everything between it and ``grpc`` is the serving path (gRPC, router, Ray).
+- ``grpc``: a local Ray cluster (controller, one decode worker, one router) driven by N client
+  threads through ``SplitServeClient``.
+- ``grpc_disaggregated``: the same plus one prefill worker, the cores split between the two.
+
+The first three run in alternation, ``--rounds`` times per concurrency, because this machine's
+speed drifts by more than the cost being measured between runs minutes apart; each run gets
+prompts of the same lengths that no earlier run cached. While one system runs, the others idle.
+TTFT runs from handing the request over to its first token; inter-token latency is the gap
+between two token-bearing responses, per token. For gRPC runs, each request's TTFT minus the
+``worker_first_token_s`` its last response reports is the serving path's share of that TTFT.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import threading
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from bench.workload import BenchRequest, emit_report, percentile, random_workload
 from decode_worker.config import WorkerConfig
-from prefill_worker.config import PrefillWorkerConfig
-from engine.config import EngineConfig
+from engine.config import EngineConfig, WorkerProcessConfig
+from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
+from engine.request import EngineRequest
+from prefill_worker.config import PrefillWorkerConfig
 from router.client import SplitServeClient
 from router.config import RouterConfig
 from router.launch import Cluster, ClusterConfig
 
 NUM_SPECIAL_TOKENS = 32
+GOAL_CONCURRENCY = 8
+GOAL_THROUGHPUT_LOSS = 0.10
+GOAL_TTFT_ADDED_MS = 5.0
 
 
-class _Recorder:
-    """Per-request timestamps of token-bearing outputs, from which all latencies derive."""
+@dataclass
+class Run:
+    """One system's run of one workload: per-request samples, in seconds."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.ttft_s: list[float] = []
-        self.itl_s: list[float] = []
-        self.num_tokens = 0
+    system: str
+    concurrency: int
+    round: int = 0
+    wall_s: float = 0.0
+    num_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    path_ttft_s: list[float] = field(default_factory=list)
+    """gRPC only: client TTFT minus the worker's own time to first token."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def request(self, start: float, events: list[tuple[float, int]]) -> None:
-        with self.lock:
-            self.ttft_s.append(events[0][0] - start)
+    def request(self, start: float, events: list[tuple[float, int]], worker_first_token_s: float | None = None) -> None:
+        with self._lock:
+            ttft = events[0][0] - start
+            self.ttft_s.append(ttft)
             for (t0, _), (t1, n) in zip(events, events[1:]):
                 self.itl_s += [(t1 - t0) / n] * n
             self.num_tokens += sum(n for _, n in events)
-
-    def result(self, system: str, concurrency: int, wall_s: float) -> dict:
-        ms = lambda v: round(v * 1000, 2)  # noqa: E731
-        return {
-            "system": system,
-            "concurrency": concurrency,
-            "output_tok_per_s": round(self.num_tokens / wall_s, 2),
-            "ttft_ms_p50": ms(percentile(self.ttft_s, 50)),
-            "ttft_ms_p99": ms(percentile(self.ttft_s, 99)),
-            "itl_ms_p50": ms(percentile(self.itl_s, 50)),
-            "itl_ms_p99": ms(percentile(self.itl_s, 99)),
-            "num_output_tokens": self.num_tokens,
-            "wall_s": round(wall_s, 2),
-        }
+            if worker_first_token_s is not None:
+                self.path_ttft_s.append(ttft - worker_first_token_s)
 
 
-def run_in_process(engine: LLMEngine, workload: list[BenchRequest], concurrency: int) -> dict:
-    recorder = _Recorder()
+def run_engine_step(engine: LLMEngine, workload: list[BenchRequest], concurrency: int) -> Run:
+    """The synchronous step loop (engine thread only)."""
+    run = Run("engine_step", concurrency)
     queue = list(enumerate(workload))
     started: dict[str, float] = {}
     events: dict[str, list[tuple[float, int]]] = {}
@@ -74,20 +90,46 @@ def run_in_process(engine: LLMEngine, workload: list[BenchRequest], concurrency:
     while queue or started:
         while queue and len(started) < concurrency:
             index, req = queue.pop(0)
-            rid = f"e2e-{concurrency}-{index}"
-            engine.add_request(rid, list(req.prompt_token_ids), SamplingParams(max_tokens=req.num_output_tokens, temperature=0, ignore_eos=True))
+            rid = f"step-{time.monotonic_ns()}-{index}"
+            engine.add_request(rid, list(req.prompt_token_ids), _params(req))
             started[rid], events[rid] = time.perf_counter(), []
         for out in engine.step():
             now = time.perf_counter()
             if out.new_token_ids:
                 events[out.request_id].append((now, len(out.new_token_ids)))
             if out.finished:
-                recorder.request(started.pop(out.request_id), events.pop(out.request_id))
-    return recorder.result("in_process", concurrency, time.perf_counter() - start)
+                run.request(started.pop(out.request_id), events.pop(out.request_id))
+    run.wall_s = time.perf_counter() - start
+    return run
 
 
-def run_grpc(client: SplitServeClient, workload: list[BenchRequest], concurrency: int, system: str = "grpc") -> dict:
-    recorder = _Recorder()
+def run_engine_loop(loop: EngineLoop, workload: list[BenchRequest], concurrency: int) -> Run:
+    """N asyncio clients on this thread, the engine on the loop's."""
+    run = Run("engine_loop", concurrency)
+    queue = list(enumerate(workload))
+
+    async def client() -> None:
+        while queue:
+            index, req = queue.pop(0)
+            request = EngineRequest(f"loop-{time.monotonic_ns()}-{index}", list(req.prompt_token_ids), None, _params(req), None)
+            events = []
+            t0 = time.perf_counter()
+            async for out in loop.generate(request):
+                if out.new_token_ids:
+                    events.append((time.perf_counter(), len(out.new_token_ids)))
+            run.request(t0, events)
+
+    async def main() -> None:
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+
+    start = time.perf_counter()
+    asyncio.run(main())
+    run.wall_s = time.perf_counter() - start
+    return run
+
+
+def run_grpc(client: SplitServeClient, workload: list[BenchRequest], concurrency: int, system: str = "grpc") -> Run:
+    run = Run(system, concurrency)
     queue = list(workload)
     lock = threading.Lock()
 
@@ -97,12 +139,13 @@ def run_grpc(client: SplitServeClient, workload: list[BenchRequest], concurrency
                 if not queue:
                     return
                 req = queue.pop(0)
-            events = []
+            events, last = [], None
             t0 = time.perf_counter()
             for response in client.generate(list(req.prompt_token_ids), max_tokens=req.num_output_tokens, temperature=0, ignore_eos=True):
                 if response.token_ids:
                     events.append((time.perf_counter(), len(response.token_ids)))
-            recorder.request(t0, events)
+                last = response
+            run.request(t0, events, last.timings.worker_first_token_s)
 
     start = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -110,91 +153,86 @@ def run_grpc(client: SplitServeClient, workload: list[BenchRequest], concurrency
         t.start()
     for t in threads:
         t.join()
-    return recorder.result(system, concurrency, time.perf_counter() - start)
+    run.wall_s = time.perf_counter() - start
+    return run
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
-    parser.add_argument("--kv-dtype", default=EngineConfig.kv_dtype)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", nargs="+", default=["aggregated", "disaggregated"], choices=["aggregated", "disaggregated"])
-    args = parser.parse_args(argv)
+def _params(req: BenchRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=req.num_output_tokens, temperature=0, ignore_eos=True)
 
-    engine_config = EngineConfig(model=args.model, kv_dtype=args.kv_dtype, kv_cache_bytes=2 << 30)
-    engine = LLMEngine(engine_config)
-    # One workload per concurrency (seeded by it), shared by both systems: no run finds its
-    # prompts cached by an earlier one, on the worker or in-process.
-    workloads = {
-        c: random_workload(
-            args.num_requests, tuple(args.prompt_len), tuple(args.output_len), engine.model_config.vocab_size, NUM_SPECIAL_TOKENS, args.seed + c
-        )
-        for c in args.concurrency
-    }
-    warmup = [BenchRequest(tuple(range(100, 100 + n)), 4) for n in (40, 70)]
+
+def variant(workload: list[BenchRequest], tag: int) -> list[BenchRequest]:
+    """The same lengths with new prompts: the first token becomes ``tag``, so every block key
+    (each chains from the first block) differs from any other variant's."""
+    return [replace(r, prompt_token_ids=(tag,) + r.prompt_token_ids[1:]) for r in workload]
+
+
+def summarize(runs: list[Run]) -> dict:
+    """Pooled statistics per (system, concurrency), the serving path's cost per round and pooled,
+    disaggregated against aggregated, and whether the goal is met."""
+    groups: dict[tuple[str, int], list[Run]] = {}
+    for r in runs:
+        groups.setdefault((r.system, r.concurrency), []).append(r)
+    ms = lambda v: round(v * 1000, 2)  # noqa: E731
     results = []
-    run_in_process(engine, warmup, 2)
-    for concurrency in args.concurrency:
-        results.append(run_in_process(engine, workloads[concurrency], concurrency))
-        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    del engine
-
-    threads = torch.get_num_threads()
-    for mode in args.modes:
-        disaggregated = mode == "disaggregated"
-        system = "grpc_disaggregated" if disaggregated else "grpc"
-        worker_threads = max(1, threads // 2) if disaggregated else threads
-        config = ClusterConfig(
-            engine=engine_config,
-            worker=WorkerConfig(num_threads=worker_threads),
-            prefill=PrefillWorkerConfig(num_threads=worker_threads),
-            router=RouterConfig(port=0),
-            num_prefill=1 if disaggregated else 0,
-        )
-        cluster = Cluster(config)
-        status = cluster.start()
-        try:
-            with SplitServeClient(status.grpc_address) as client:
-                run_grpc(client, warmup, 2, system)
-                for concurrency in args.concurrency:
-                    results.append(run_grpc(client, workloads[concurrency], concurrency, system))
-                    print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-        finally:
-            cluster.stop()
-    report = {
-        "model": args.model,
-        "kv_dtype": args.kv_dtype,
-        "num_requests": args.num_requests,
-        "prompt_len": args.prompt_len,
-        "output_len": args.output_len,
+    for (system, c), group in groups.items():
+        ttft = [v for r in group for v in r.ttft_s]
+        itl = [v for r in group for v in r.itl_s]
+        path = [v for r in group for v in r.path_ttft_s]
+        row = {
+            "system": system,
+            "concurrency": c,
+            "rounds": len(group),
+            "output_tok_per_s": round(sum(r.num_tokens for r in group) / sum(r.wall_s for r in group), 2),
+            "output_tok_per_s_by_round": [round(r.num_tokens / r.wall_s, 2) for r in group],
+            "ttft_ms_p50": ms(percentile(ttft, 50)),
+            "ttft_ms_p99": ms(percentile(ttft, 99)),
+            "itl_ms_p50": ms(percentile(itl, 50)),
+            "itl_ms_p99": ms(percentile(itl, 99)),
+            "num_output_tokens": sum(r.num_tokens for r in group),
+            "wall_s": round(sum(r.wall_s for r in group), 2),
+        }
+        if path:
+            row["serving_path_ttft_ms_p50"] = ms(percentile(path, 50))
+            row["serving_path_ttft_ms_p99"] = ms(percentile(path, 99))
+        results.append(row)
+    by = {(r["system"], r["concurrency"]): r for r in results}
+    overhead = {}
+    for peer in ("engine_loop", "engine_step"):
+        overhead[f"grpc_vs_{peer}"] = {
+            str(c): _cost(by[("grpc", c)], by[(peer, c)], groups[("grpc", c)], groups[(peer, c)])
+            for (system, c) in by
+            if system == "grpc" and (peer, c) in by
+        }
+    goal = None
+    at = overhead["grpc_vs_engine_loop"].get(str(GOAL_CONCURRENCY))
+    if at is not None:
+        path_ms = by[("grpc", GOAL_CONCURRENCY)]["serving_path_ttft_ms_p50"]
+        goal = {
+            "concurrency": GOAL_CONCURRENCY,
+            "throughput_loss": at["throughput_loss"],
+            "ttft_ms_p50_added": at["ttft_ms_p50_added"],
+            "serving_path_ttft_ms_p50": path_ms,
+            "met": at["throughput_loss"] <= GOAL_THROUGHPUT_LOSS and at["ttft_ms_p50_added"] <= GOAL_TTFT_ADDED_MS and path_ms <= GOAL_TTFT_ADDED_MS,
+        }
+    return {
         "results": results,
-        "serving_overhead": _overhead(results),
-        "disaggregated_vs_aggregated": _versus(results, "grpc_disaggregated", "grpc"),
+        "serving_overhead": overhead,
+        "disaggregated_vs_aggregated": _versus(by, "grpc_disaggregated", "grpc"),
+        "goal": goal,
     }
-    emit_report(report, args.json)
-    return 0
 
 
-def _overhead(results: list[dict]) -> dict[str, dict[str, float]]:
-    by = {(r["system"], r["concurrency"]): r for r in results}
-    out = {}
-    for (system, c), grpc_run in by.items():
-        local = by.get(("in_process", c))
-        if system == "grpc" and local:
-            out[str(c)] = {
-                "throughput_loss": round(1 - grpc_run["output_tok_per_s"] / local["output_tok_per_s"], 4),
-                "ttft_ms_p50_added": round(grpc_run["ttft_ms_p50"] - local["ttft_ms_p50"], 2),
-            }
-    return out
+def _cost(run: dict, peer: dict, runs: list[Run], peer_runs: list[Run]) -> dict:
+    by_round = [round(1 - (g.num_tokens / g.wall_s) / (p.num_tokens / p.wall_s), 4) for g, p in zip(runs, peer_runs)]
+    return {
+        "throughput_loss": round(1 - run["output_tok_per_s"] / peer["output_tok_per_s"], 4),
+        "throughput_loss_by_round": by_round,
+        "ttft_ms_p50_added": round(run["ttft_ms_p50"] - peer["ttft_ms_p50"], 2),
+    }
 
 
-def _versus(results: list[dict], system: str, baseline: str) -> dict[str, dict[str, float]]:
-    by = {(r["system"], r["concurrency"]): r for r in results}
+def _versus(by: dict, system: str, baseline: str) -> dict:
     out = {}
     for (name, c), run in by.items():
         base = by.get((baseline, c))
@@ -205,6 +243,92 @@ def _versus(results: list[dict], system: str, baseline: str) -> dict[str, dict[s
                 "itl_ms_p50_delta": round(run["itl_ms_p50"] - base["itl_ms_p50"], 2),
             }
     return out
+
+
+def _cluster(engine_config: EngineConfig, threads: int, disaggregated: bool) -> Cluster:
+    worker_threads = max(1, threads // 2) if disaggregated else threads
+    return Cluster(
+        ClusterConfig(
+            engine=engine_config,
+            worker=WorkerConfig(num_threads=worker_threads),
+            prefill=PrefillWorkerConfig(num_threads=worker_threads),
+            router=RouterConfig(port=0),
+            num_prefill=1 if disaggregated else 0,
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--num-requests", type=int, default=None, help="per run (default: 4 x N, at least 16, at most 64)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of engine_step, engine_loop and grpc per concurrency")
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
+    parser.add_argument("--kv-dtype", default=EngineConfig.kv_dtype)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", nargs="+", default=["aggregated", "disaggregated"], choices=["aggregated", "disaggregated"])
+    args = parser.parse_args(argv)
+
+    threads = torch.get_num_threads()
+    engine_config = EngineConfig(model=args.model, kv_dtype=args.kv_dtype, kv_cache_bytes=2 << 30)
+    # One engine for both in-process systems, built and stepped on the EngineLoop's thread only:
+    # this thread never runs a torch op (see engine/engine_loop.py on OpenMP teams). It runs with
+    # the worker process's settings, so the in-process peer differs from a worker only by what
+    # sits between client and engine.
+    process = WorkerProcessConfig()
+    sys.setswitchinterval(process.gil_switch_interval_s)
+    loop = EngineLoop(lambda: LLMEngine(engine_config), max_waiting_requests=1 << 20, num_threads=threads, nice=process.engine_thread_nice)
+    loop.start()
+    vocab_size = loop.engine.model_config.vocab_size
+    workloads = {
+        c: random_workload(
+            args.num_requests or min(64, max(16, 4 * c)), tuple(args.prompt_len), tuple(args.output_len), vocab_size, NUM_SPECIAL_TOKENS, args.seed + c
+        )
+        for c in args.concurrency
+    }
+    tags = iter(range(NUM_SPECIAL_TOKENS, vocab_size))
+    warmup = [BenchRequest(tuple(range(100, 100 + n)), 4) for n in (40, 70)]
+
+    def log(run: Run, r: int) -> Run:
+        run.round = r
+        print(json.dumps({"system": run.system, "concurrency": run.concurrency, "round": run.round, "tok_per_s": round(run.num_tokens / run.wall_s, 2)}), file=sys.stderr, flush=True)
+        return run
+
+    runs: list[Run] = []
+    asyncio.run(loop.call(lambda engine: run_engine_step(engine, warmup, 2)))
+    run_engine_loop(loop, warmup, 2)
+    for mode in args.modes:
+        disaggregated = mode == "disaggregated"
+        system = "grpc_disaggregated" if disaggregated else "grpc"
+        cluster = _cluster(engine_config, threads, disaggregated)
+        status = cluster.start()
+        try:
+            with SplitServeClient(status.grpc_address) as client:
+                run_grpc(client, warmup, 2, system)
+                for c in args.concurrency:
+                    for r in range(1 if disaggregated else args.rounds):
+                        if not disaggregated:
+                            step_wl, loop_wl = variant(workloads[c], next(tags)), variant(workloads[c], next(tags))
+                            runs.append(log(asyncio.run(loop.call(lambda e, w=step_wl, c=c: run_engine_step(e, w, c))), r))
+                            runs.append(log(run_engine_loop(loop, loop_wl, c), r))
+                        runs.append(log(run_grpc(client, variant(workloads[c], next(tags)), c, system), r))
+        finally:
+            cluster.stop()
+    loop.stop()
+    report = {
+        "model": args.model,
+        "kv_dtype": args.kv_dtype,
+        "torch_threads": threads,
+        "num_requests": {str(c): len(w) for c, w in workloads.items()},
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        **summarize(runs),
+    }
+    emit_report(report, args.json)
+    return 0
 
 
 if __name__ == "__main__":

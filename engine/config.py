@@ -79,8 +79,21 @@ class WorkerProcessConfig:
     """Address the Prometheus endpoint binds to."""
     metrics_port: int = 0
     """Port of the Prometheus endpoint; 0 picks a free one."""
+    engine_thread_nice: int = 5
+    """Nice increment of the engine thread and of the OpenMP threads it starts. On a CPU the
+    engine's OpenMP team spins on every core; at the same priority, each wake-up of the
+    serving path (Ray's threads, the event loop) waited for a slice, adding ~3 ms to the first
+    token at 8 streams (bench.e2e). The engine keeps the CPU whenever nothing else runs."""
+    gil_switch_interval_s: float = 0.0005
+    """``sys.setswitchinterval`` of the worker process. The engine thread holds the GIL between
+    torch ops; with Python's default (5 ms), a Ray callback or the event loop could wait that
+    long for it on every hop while the engine runs."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.engine_thread_nice <= 19:
+            raise ValueError(f"engine_thread_nice: must be in [0, 19], got {self.engine_thread_nice}")
+        if not 0 < self.gil_switch_interval_s <= 0.1:
+            raise ValueError(f"gil_switch_interval_s: must be in (0, 0.1], got {self.gil_switch_interval_s}")
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests: must be >= 0, got {self.max_waiting_requests}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -22,6 +22,7 @@ from the event loop, and the event loop never waits on the engine.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -71,9 +72,11 @@ class _Stop:
 class EngineLoop:
     """Runs ``engine`` on a background thread; ``generate`` streams one request's outputs."""
 
-    def __init__(self, build_engine: Callable[[], LLMEngine], max_waiting_requests: int, num_threads: int) -> None:
+    def __init__(self, build_engine: Callable[[], LLMEngine], max_waiting_requests: int, num_threads: int, nice: int = 0) -> None:
         self.max_waiting_requests = max_waiting_requests
         self.num_threads = num_threads
+        self.nice = nice
+        """Added to the engine thread's nice value before it starts any OpenMP thread (they inherit it)."""
         self._build_engine = build_engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
@@ -139,6 +142,8 @@ class EngineLoop:
                 self._commands.put(_Abort(request.request_id))
 
     def _run(self) -> None:
+        if self.nice:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + self.nice)
         torch.set_num_threads(self.num_threads)
         try:
             self.engine = self._build_engine()

@@ -7,6 +7,7 @@ knows no proto), from the plain fields returned here.
 from __future__ import annotations
 
 import os
+import sys
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
@@ -27,8 +28,11 @@ class EngineReplica:
 
     def __init__(self, replica_id: str, engine_config: EngineConfig, config: WorkerProcessConfig) -> None:
         num_threads = config.num_threads or len(os.sched_getaffinity(0))
+        sys.setswitchinterval(config.gil_switch_interval_s)
         self.replica_id = replica_id
-        self.loop = EngineLoop(lambda: LLMEngine(engine_config, worker_id=replica_id), config.max_waiting_requests, num_threads)
+        self.loop = EngineLoop(
+            lambda: LLMEngine(engine_config, worker_id=replica_id), config.max_waiting_requests, num_threads, nice=config.engine_thread_nice
+        )
         self.loop.start()
         self.engine: LLMEngine = self.loop.engine
         self.metrics_labels = {"replica": replica_id, "pool": self.pool}

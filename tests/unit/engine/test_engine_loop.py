@@ -1,9 +1,12 @@
 """EngineLoop: the engine on its own thread, driven from asyncio (no Ray involved)."""
 
 import asyncio
+import os
+import threading
 
 import pytest
 
+from engine.config import WorkerProcessConfig
 from engine.engine_loop import AdmissionQueueFull, EngineLoop
 from engine.request import EngineRequest
 from engine.errors import CheckpointError, InvalidRequestError
@@ -138,3 +141,38 @@ def test_cancel_while_waiting_for_admission_still_aborts(loop):
 
     asyncio.run(main())
     assert loop.stats.num_free_kv_blocks == loop.stats.num_kv_blocks
+
+
+def _nice_of_threads() -> dict[int, int]:
+    """Each thread of this process and its nice value (field 19 of /proc/self/task/TID/stat)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        stat = open(f"/proc/self/task/{tid}/stat").read()
+        out[int(tid)] = int(stat.rsplit(")", 1)[1].split()[16])
+    return out
+
+
+def test_the_engine_thread_and_its_openmp_team_run_at_the_given_nice(tiny_llama_dir):
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    engine_loop = EngineLoop(lambda: make_engine(tiny_llama_dir), max_waiting_requests=2, num_threads=2, nice=3)
+    engine_loop.start()
+    try:
+        asyncio.run(_collect(engine_loop, _request("n", random_prompts([40])[0])))  # a parallel op starts the OpenMP team
+        nice = _nice_of_threads()
+        assert nice[engine_loop._thread.native_id] == base + 3
+        assert sum(v == base + 3 for v in nice.values()) >= 2  # the engine thread and its OpenMP worker
+        assert nice[threading.get_native_id()] == base  # the caller's thread keeps its priority
+    finally:
+        engine_loop.stop()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"engine_thread_nice": -1}, "engine_thread_nice: must be in"),
+        ({"gil_switch_interval_s": 0}, "gil_switch_interval_s: must be in"),
+    ],
+)
+def test_worker_process_config_names_the_bad_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        WorkerProcessConfig(**kwargs)
