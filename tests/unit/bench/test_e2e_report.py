@@ -1,0 +1,44 @@
+"""bench.e2e's arithmetic: pooled rounds, the serving path's cost against each peer, the goal."""
+
+from bench.e2e import Run, summarize, variant
+from bench.workload import BenchRequest
+
+
+def _run(system: str, round_: int, tokens: int, wall_s: float, ttft_s: list[float], path_s: list[float] = ()) -> Run:
+    return Run(system, 8, round=round_, wall_s=wall_s, num_tokens=tokens, ttft_s=list(ttft_s), itl_s=[0.1], path_ttft_s=list(path_s))
+
+
+def _runs(grpc_tokens: tuple[int, int], path_s: list[float]) -> list[Run]:
+    runs = []
+    for r in range(2):
+        runs.append(_run("engine_step", r, 1000, 10.0, [0.20, 0.30, 0.40]))
+        runs.append(_run("engine_loop", r, 1000, 10.0, [0.30, 0.40, 0.50]))
+        runs.append(_run("grpc", r, grpc_tokens[r], 10.0, [0.302, 0.402, 0.502], path_s))
+    return runs
+
+
+def test_rounds_are_pooled_and_the_cost_is_taken_against_each_peer():
+    report = summarize(_runs((950, 850), [0.003, 0.004, 0.002]))
+    by = {(r["system"], r["concurrency"]): r for r in report["results"]}
+    grpc = by[("grpc", 8)]
+    assert (grpc["output_tok_per_s"], grpc["output_tok_per_s_by_round"], grpc["rounds"]) == (90.0, [95.0, 85.0], 2)
+    assert grpc["serving_path_ttft_ms_p50"] == 3.0
+    assert "serving_path_ttft_ms_p50" not in by[("engine_loop", 8)]
+    loop_cost = report["serving_overhead"]["grpc_vs_engine_loop"]["8"]
+    assert loop_cost == {"throughput_loss": 0.1, "throughput_loss_by_round": [0.05, 0.15], "ttft_ms_p50_added": 2.0}
+    assert report["serving_overhead"]["grpc_vs_engine_step"]["8"]["ttft_ms_p50_added"] == 102.0
+
+
+def test_the_goal_needs_throughput_p50_ttft_and_the_serving_path_all_within_bounds():
+    assert summarize(_runs((950, 950), [0.003] * 3))["goal"]["met"] is True
+    assert summarize(_runs((850, 850), [0.003] * 3))["goal"]["met"] is False  # 15% of throughput
+    slow_path = summarize(_runs((950, 950), [0.012] * 3))["goal"]
+    assert (slow_path["met"], slow_path["serving_path_ttft_ms_p50"]) == (False, 12.0)
+
+
+def test_variants_keep_lengths_and_share_no_block_key():
+    workload = [BenchRequest((40, 41, 42, 43), 5), BenchRequest((50, 51), 7)]
+    a, b = variant(workload, 33), variant(workload, 34)
+    assert [(len(r.prompt_token_ids), r.num_output_tokens) for r in a] == [(4, 5), (2, 7)]
+    assert [r.prompt_token_ids[0] for r in a + b] == [33, 33, 34, 34]
+    assert [r.prompt_token_ids[1:] for r in a] == [r.prompt_token_ids[1:] for r in workload]
