@@ -82,8 +82,9 @@ class WorkerProcessConfig:
     engine_thread_nice: int = 5
     """Nice increment of the engine thread and of the OpenMP threads it starts. On a CPU the
     engine's OpenMP team spins on every core; at the same priority, each wake-up of the
-    serving path (Ray's threads, the event loop) waited for a slice, adding ~3 ms to the first
-    token at 8 streams (bench.e2e). The engine keeps the CPU whenever nothing else runs."""
+    serving path (Ray's threads, the event loop) waited for a slice. With the GIL interval
+    below it took the serving path's share of TTFT at 8 streams from 14.5 to 10.1 ms (p50,
+    bench/README.md). The engine keeps the CPU whenever nothing else runs."""
     gil_switch_interval_s: float = 0.0005
     """``sys.setswitchinterval`` of the worker process. The engine thread holds the GIL between
     torch ops; with Python's default (5 ms), a Ray callback or the event loop could wait that
