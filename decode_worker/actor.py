@@ -5,12 +5,12 @@ request with blocks for the part of the prompt its pool lacks, asks the prefill 
 exactly those blocks over NIXL, and joins the request to its running batch with the first token
 the prefill worker sampled::
 
-    router ──generate(request, prefill)──> DecodeWorker
-                                           park: lease blocks for prompt blocks [cached, end)
-                                           ──prefill(TransferRequest, tokens)──> PrefillWorker
-                                           <──── NIXL WRITE into the leased blocks + notif ────
-                                           <──── TransferResult(first token, generator) ───────
-                                           join the batch, release the lease, stream
+    router ──Submit(request, prefill id)───> DecodeWorker        (the request plane: request_plane.py)
+                                             park: lease blocks for prompt blocks [cached, end)
+                                             ──prefill(TransferRequest, tokens)──> PrefillWorker
+                                             <──── NIXL WRITE into the leased blocks + notif ────
+                                             <──── TransferResult(first token, generator) ───────
+                                             join the batch, release the lease, stream
 
 A hand-off that fails, times out or loses its prefill worker falls back to the failure policy:
 ``recompute`` prefills here, ``fail`` ends the request with an error. Either way the blocks the
@@ -24,16 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, TaskCancelledError
 
 from decode_worker.config import WorkerConfig
 from decode_worker.kv_receiver import KVReceiver
+from decode_worker.request_plane import RequestPlaneServer, RequestPlaneStats
 from decode_worker.requests import to_engine_request, to_response
 from engine.config import EngineConfig
 from engine.engine_loop import AdmissionQueueFull, EngineLoopFailed
@@ -53,8 +55,6 @@ logger = logging.getLogger(__name__)
 _DEAD = (RayActorError, ActorUnavailableError)
 _GAUGES = frozenset({"num_open_leases", "num_open_handles"})
 _NOTIF_GRACE_S = 5.0
-_CHANNEL_OPEN_WAIT_S = 10.0
-"""How long a request submitted on a channel waits for the channel's own opening call."""
 """How long the write's notification may trail the prefill worker's answer."""
 
 
@@ -90,14 +90,6 @@ class TransferStats:
     """NIXL transfer handles this worker's agent holds (filled in when read)."""
 
 
-@dataclass
-class _Channel:
-    """One router's channel: events waiting to be sent, and the tasks of its requests."""
-
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
-
-
 class DecodeWorker(EngineReplica):
     """One engine replica behind Ray calls: generate (streaming), tokenize, status, kv_endpoint."""
 
@@ -111,9 +103,10 @@ class DecodeWorker(EngineReplica):
             self.receiver = _build_receiver(replica_id, self.engine, worker_config.kv_transport)
         self.transfers = TransferStats()
         self._cleanups: set[asyncio.Task] = set()
-        self._channels: dict[str, _Channel] = {}
-        self._channel_opened: dict[str, asyncio.Event] = {}
-        """Submits that overtook their channel's opening wait here (Ray does not order the two calls)."""
+        self._prefill_peers: dict[str, object] = {}
+        """Prefill replica id -> actor handle, as the controller announces them."""
+        self.request_plane_server = RequestPlaneServer(replica_id, secrets.token_bytes(32), self._start_submitted)
+        self._request_plane_endpoint: asyncio.Future | None = None
         self.request_metrics = RequestTimingHistograms(self.metrics_labels)
         self.serve_metrics(
             CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, self.metrics_labels, _GAUGES), *self.request_metrics.collectors
@@ -153,56 +146,42 @@ class DecodeWorker(EngineReplica):
         except RemotePrefillFailed as e:
             yield _error(e.code, f"replica {self.replica_id}: {e}")
 
-    async def open_channel(self, channel_id: str) -> AsyncIterator[bytes]:
-        """A router's one stream for all the requests it submits here: serialized
-        WorkerEventBatches, each holding every event produced since the previous one (about one
-        engine step's worth). When the stream goes away (the router closed it or died), every
-        request submitted on it is cancelled, which aborts it and frees its blocks."""
-        channel = _Channel()
-        self._channels[channel_id] = channel
-        self._channel_opened.pop(channel_id, asyncio.Event()).set()
-        try:
-            while True:
-                events = [await channel.events.get()]
-                while not channel.events.empty():
-                    events.append(channel.events.get_nowait())
-                yield wpb.WorkerEventBatch(events=events).SerializeToString()
-        finally:
-            del self._channels[channel_id]
-            for task in list(channel.tasks.values()):
-                task.cancel()
+    async def request_plane(self) -> wpb.RequestPlaneEndpoint:
+        """Where routers open their channel for Generate traffic (request_plane.py), with the
+        token it takes; the server starts on the first ask."""
+        if self._request_plane_endpoint is None:
+            host = self.config.request_plane_host or ray.util.get_node_ip_address()
+            self._request_plane_endpoint = asyncio.ensure_future(self.request_plane_server.start(host, self.config.request_plane_port))
+        return await asyncio.shield(self._request_plane_endpoint)
 
-    async def submit(self, channel_id: str, request: pb.GenerateRequest, prefill=None, prefill_replica_id: str = "") -> bool:
-        """Start ``request`` as ``generate`` would, its events going to channel ``channel_id``
-        (each tagged with the request id); False if that channel does not open here within
-        ``_CHANNEL_OPEN_WAIT_S``."""
-        if channel_id not in self._channels:
-            opened = self._channel_opened.setdefault(channel_id, asyncio.Event())
-            try:
-                await asyncio.wait_for(opened.wait(), _CHANNEL_OPEN_WAIT_S)
-            except asyncio.TimeoutError:
-                self._channel_opened.pop(channel_id, None)
-                return False
-        channel = self._channels.get(channel_id)
-        if channel is None:
-            return False
-        request_id = request.request_id
-        task = asyncio.get_running_loop().create_task(self._pump(channel, request, prefill, prefill_replica_id))
-        channel.tasks[request_id] = task
-        task.add_done_callback(lambda _: channel.tasks.pop(request_id, None))
-        return True
+    async def request_plane_stats(self) -> RequestPlaneStats:
+        return replace(self.request_plane_server.stats)
 
-    async def cancel(self, channel_id: str, request_id: str) -> None:
-        """Stop a request submitted on a channel (the caller went away); unknown ones are ignored."""
-        channel = self._channels.get(channel_id)
-        task = channel.tasks.get(request_id) if channel is not None else None
-        if task is not None:
-            task.cancel()
+    async def add_prefill_peers(self, handles: dict[str, object]) -> None:
+        """Prefill replicas (id -> handle) that requests submitted here may name."""
+        self._prefill_peers.update(handles)
 
-    async def _pump(self, channel: _Channel, request: pb.GenerateRequest, prefill, prefill_id: str) -> None:
-        async for event in self.generate(request, prefill, prefill_id):
-            event.request_id = request.request_id
-            channel.events.put_nowait(event)
+    async def remove_prefill_peer(self, replica_id: str) -> None:
+        self._prefill_peers.pop(replica_id, None)
+
+    def _start_submitted(self, submit: wpb.Submit) -> AsyncIterator[wpb.WorkerEvent]:
+        prefill_id = submit.prefill_replica_id
+        prefill = self._prefill_peers.get(prefill_id) if prefill_id else None
+        if prefill_id and prefill is None:
+            return self._unknown_prefill(submit.request, prefill_id)
+        return self.generate(submit.request, prefill, prefill_id)
+
+    async def _unknown_prefill(self, request: pb.GenerateRequest, prefill_id: str) -> AsyncIterator[wpb.WorkerEvent]:
+        """A request naming a prefill replica this worker has not been told of (it raced the
+        controller's announcement, or the replica is gone): the failure policy applies."""
+        self.transfers.num_failed += 1
+        if self.config.remote_prefill_failure == "fail":
+            yield _error(wpb.RequestError.UNAVAILABLE, f"replica {self.replica_id}: prefill worker {prefill_id} is unknown here")
+            return
+        logger.warning("replica %s: prefill worker %s is unknown here; prefilling locally", self.replica_id, prefill_id)
+        self.transfers.num_recomputed += 1
+        async for event in self.generate(request):
+            yield event
 
     async def _generate_disaggregated(self, request: EngineRequest, prefill, prefill_id: str, timings: pb.Timings):
         limit = self.config.max_local_prefill_tokens
@@ -341,7 +320,9 @@ class DecodeWorker(EngineReplica):
         return pb.ReplicaStatus(**self.status_fields())
 
     async def shutdown(self) -> None:
-        """Stop the engine thread (requests still running are dropped with it) and the NIXL agent."""
+        """Stop the request plane, the engine thread (requests still running are dropped with
+        it) and the NIXL agent."""
+        self.request_plane_server.close()
         for task in list(self._cleanups):
             task.cancel()
         self.stop_engine()

@@ -21,6 +21,10 @@ class WorkerConfig(WorkerProcessConfig):
     """When a remote prefill fails or times out: "recompute" (prefill here) or "fail" (end the request with an error)."""
     max_local_prefill_tokens: int = 0
     """Prefill here, not remotely, when at most this many prompt tokens are missing from this pool."""
+    request_plane_host: str = ""
+    """Address the request plane (routers' Generate traffic) listens on; empty: the node address Ray uses."""
+    request_plane_port: int = 0
+    """Its TCP port; 0: any free one (routers learn it over Ray)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -32,5 +36,7 @@ class WorkerConfig(WorkerProcessConfig):
             raise ValueError(
                 f"remote_prefill_failure: {self.remote_prefill_failure!r} is not one of {REMOTE_PREFILL_FAILURE_POLICIES}"
             )
+        if not 0 <= self.request_plane_port <= 65535:
+            raise ValueError(f"request_plane_port: must be in [0, 65535], got {self.request_plane_port}")
         if self.max_local_prefill_tokens < 0:
             raise ValueError(f"max_local_prefill_tokens: must be >= 0, got {self.max_local_prefill_tokens}")

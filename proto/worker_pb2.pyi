@@ -54,3 +54,45 @@ class TokenizeResult(_message.Message):
     response: _splitserve_pb2.TokenizeResponse
     error: RequestError
     def __init__(self, response: _Optional[_Union[_splitserve_pb2.TokenizeResponse, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+
+class RequestPlaneEndpoint(_message.Message):
+    __slots__ = ("host", "port", "token")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    token: bytes
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class RouterMessage(_message.Message):
+    __slots__ = ("open", "submit", "cancel")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    open: OpenChannel
+    submit: Submit
+    cancel: Cancel
+    def __init__(self, open: _Optional[_Union[OpenChannel, _Mapping]] = ..., submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+
+class OpenChannel(_message.Message):
+    __slots__ = ("channel_id", "token")
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    channel_id: str
+    token: bytes
+    def __init__(self, channel_id: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class Submit(_message.Message):
+    __slots__ = ("request", "prefill_replica_id")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    request: _splitserve_pb2.GenerateRequest
+    prefill_replica_id: str
+    def __init__(self, request: _Optional[_Union[_splitserve_pb2.GenerateRequest, _Mapping]] = ..., prefill_replica_id: _Optional[str] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...

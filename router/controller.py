@@ -114,6 +114,7 @@ class ClusterController:
         self._state = _State()
         self._ids = {pool: itertools.count() for pool in POOLS}
         self._health_task: asyncio.Task | None = None
+        self._introducing = asyncio.Lock()
         registry = CollectorRegistry()
         registry.register(_ReplicaCollector(self._state))
         server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
@@ -136,20 +137,27 @@ class ClusterController:
         ).remote(replica_id, *spec.init_args)
         model = await handle.model_info.remote()
         status = await handle.status.remote()
-        self._state.replicas[replica_id] = _Replica(handle, model, status)
-        await self._exchange_kv_endpoints(replica_id, spec.pool, handle)
+        async with self._introducing:  # one at a time: each sees every replica introduced before it
+            await self._introduce(replica_id, spec.pool, handle)
+            self._state.replicas[replica_id] = _Replica(handle, model, status)  # routers may pick it from now on
         return status
 
-    async def _exchange_kv_endpoints(self, replica_id: str, pool: str, handle) -> None:
-        prefill = [r.handle for rid, r in self._state.replicas.items() if r.status.pool == "prefill" and rid != replica_id]
+    async def _introduce(self, replica_id: str, pool: str, handle) -> None:
+        """Make a new replica and the other pool's replicas known to each other: prefill workers
+        learn the KV endpoints of decode workers (where to write), decode workers learn the
+        prefill workers' handles (whom requests submitted on the request plane may name)."""
         if pool == "decode":
+            prefill = {rid: r.handle for rid, r in self._state.replicas.items() if r.status.pool == "prefill"}
             endpoint = await handle.kv_endpoint.remote()
             if endpoint is None:
                 return  # this decode replica takes no remote prefill
             self._state.kv_endpoints[replica_id] = endpoint
-            await asyncio.gather(*(p.add_kv_peers.remote([endpoint]) for p in prefill), return_exceptions=True)
+            await handle.add_prefill_peers.remote(prefill)
+            await asyncio.gather(*(p.add_kv_peers.remote([endpoint]) for p in prefill.values()), return_exceptions=True)
         else:
             await handle.add_kv_peers.remote(list(self._state.kv_endpoints.values()))
+            decode = [self._state.replicas[rid].handle for rid in self._state.kv_endpoints if rid in self._state.replicas]
+            await asyncio.gather(*(d.add_prefill_peers.remote({replica_id: handle}) for d in decode), return_exceptions=True)
 
     async def remove_replica(self, replica_id: str) -> bool:
         replica = self._state.replicas.pop(replica_id, None)
@@ -159,6 +167,9 @@ class ClusterController:
         if endpoint is not None:
             prefill = [r.handle for r in self._state.replicas.values() if r.status.pool == "prefill"]
             await asyncio.gather(*(p.remove_kv_peer.remote(endpoint.agent_name) for p in prefill), return_exceptions=True)
+        if replica.status.pool == "prefill":
+            decode = [self._state.replicas[rid].handle for rid in self._state.kv_endpoints if rid in self._state.replicas]
+            await asyncio.gather(*(d.remove_prefill_peer.remote(replica_id) for d in decode), return_exceptions=True)
         try:
             await asyncio.wait_for(replica.handle.shutdown.remote(), self.config.health_check_timeout_s)
         except (RayActorError, ActorUnavailableError, asyncio.TimeoutError):

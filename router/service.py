@@ -23,7 +23,7 @@ from router.errors import CallRejected, from_worker
 from router.metrics import RouterMetrics
 from router.routing import RouteRequest, RoutingPolicy
 from router.validation import check_generate, check_model, check_prompt_size
-from router.worker_calls import WorkerChannels, WorkerDied, tokenize
+from router.worker_calls import RequestIdInUse, WorkerChannels, WorkerDied, tokenize
 from router.workers import Replica, WorkerDirectory, worker_load
 
 
@@ -78,7 +78,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             prefill.num_inflight += 1
         try:
             channel = self.channels.get(replica.replica_id, replica.handle)
-            events = channel.generate(forwarded, prefill.handle if prefill else None, prefill.replica_id if prefill else "")
+            events = channel.generate(forwarded, prefill.replica_id if prefill else "")
             async for event in events:
                 if event.HasField("error"):
                     raise from_worker(event.error)
@@ -98,6 +98,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.metrics.e2e.observe(time.perf_counter() - start)
         except WorkerDied as e:
             raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"decode worker {replica.replica_id} died: {e}") from e
+        except RequestIdInUse as e:
+            raise CallRejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         finally:
             replica.num_inflight -= 1
             if prefill is not None:

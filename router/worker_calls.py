@@ -1,15 +1,18 @@
-"""The router's Ray calls into workers. Awaited, never ``ray.get``: the event loop must not block.
+"""The router's calls into workers. Awaited, never ``ray.get``: the event loop must not block.
 
-Generate traffic runs over one *channel* per (router, decode worker)::
+Generate traffic runs on the request plane, one TCP *channel* per (router, decode worker); Ray
+carries only the control calls (where the channel listens, tokenize, status)::
 
-    router                                           decode worker
-    WorkerChannel ──open_channel (streaming)──────>  one stream of WorkerEventBatches
-                  ──submit(request, prefill) ─────>  starts the request; its events join the stream
-                  <── batch: events of every request that produced something since the last batch
-                  ──cancel(request_id) ───────────>  the caller left: abort, free its blocks
+    router                                               decode worker
+    WorkerChannel ──request_plane() (Ray, once)────────>  RequestPlaneEndpoint(host, port, token)
+                  ══connect; OpenChannel(token)════════>  decode_worker/request_plane.py
+                  ══Submit(request, prefill id)════════>  starts the request; its events join the channel
+                  <══batch: events of every request that produced something since the last batch
+                  ══Cancel(request_id)═════════════════>  the caller left: abort, free its blocks
 
-so a decode step's tokens for all of this router's requests cross Ray as one item instead of
-one item per request (a Ray streaming item costs ~0.3 ms of CPU on each side).
+so a decode step's tokens for all of this router's requests cross as one frame, and neither a
+submit nor a token waits on Ray's threads. A connection that ends (the worker died, or closed
+it) fails the requests on it with WorkerDied.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import ray
+from google.protobuf.message import DecodeError
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from proto import splitserve_pb2 as pb
 from proto import worker_pb2 as wpb
+from proto.framing import FrameTooLarge, frame, read_frame
 
 _DEAD = (RayActorError, ActorUnavailableError)
 _CLOSED = object()
@@ -31,6 +35,10 @@ _CLOSED = object()
 
 class WorkerDied(Exception):
     """The worker actor went away (crashed, killed, unreachable) during the call."""
+
+
+class RequestIdInUse(Exception):
+    """A request with this id is already running on the channel."""
 
 
 class WorkerChannel:
@@ -41,28 +49,32 @@ class WorkerChannel:
         self.channel_id = channel_id
         self.closed = False
         self.num_batches = 0
-        """Stream items received: one per batch of events."""
+        """Frames of events received: one per batch."""
         self.num_events = 0
         self._error: WorkerDied | None = None
         self._queues: dict[str, asyncio.Queue] = {}
-        self._stream = handle.open_channel.options(num_returns="streaming").remote(channel_id)
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._writer: asyncio.StreamWriter | None = None
+        self._opened = asyncio.Event()
+        """Set once the channel is open or has failed to open (then ``closed`` is set too)."""
+        self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def generate(self, request: pb.GenerateRequest, prefill=None, prefill_replica_id: str = "") -> AsyncIterator[wpb.WorkerEvent]:
+    async def generate(self, request: pb.GenerateRequest, prefill_replica_id: str = "") -> AsyncIterator[wpb.WorkerEvent]:
         """The worker's events for ``request`` (which must carry a request id), its prompt
-        prefilled by the ``prefill`` worker (a handle) or by the decode worker itself. Leaving
-        early cancels the request on the worker, which aborts it and frees its blocks."""
+        prefilled by prefill replica ``prefill_replica_id`` or by the decode worker itself.
+        Leaving early cancels the request on the worker, which aborts it and frees its blocks.
+        Raises RequestIdInUse before sending anything if the id is running on this channel."""
         request_id = request.request_id
+        if request_id in self._queues:
+            raise RequestIdInUse(f"request_id: {request_id!r} is already in flight on decode worker channel {self.channel_id}")
         events: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = events
-        finished = False
+        finished = sent = False
         try:
-            try:
-                submitted = await self.handle.submit.remote(self.channel_id, request, prefill, prefill_replica_id)
-            except _DEAD as e:
-                raise WorkerDied(str(e).splitlines()[0]) from e
-            if not submitted:
-                raise WorkerDied(f"channel {self.channel_id} is not open on the worker")
+            await self._opened.wait()
+            if self.closed:
+                raise self._error
+            self._writer.write(frame(wpb.RouterMessage(submit=wpb.Submit(request=request, prefill_replica_id=prefill_replica_id))))
+            sent = True
             while True:
                 event = await events.get()
                 if event is _CLOSED:
@@ -73,37 +85,48 @@ class WorkerChannel:
                     return
         finally:
             self._queues.pop(request_id, None)
-            if not finished and not self.closed:
-                self.handle.cancel.remote(self.channel_id, request_id)  # fire and forget
+            if sent and not finished and not self.closed:
+                self._writer.write(frame(wpb.RouterMessage(cancel=wpb.Cancel(request_id=request_id))))
 
-    async def _read(self) -> None:
+    async def _run(self) -> None:
         try:
-            async for ref in self._stream:
-                batch = wpb.WorkerEventBatch.FromString(await ref)
+            endpoint = await self.handle.request_plane.remote()
+            reader, self._writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+            self._writer.write(frame(wpb.RouterMessage(open=wpb.OpenChannel(channel_id=self.channel_id, token=endpoint.token))))
+            self._opened.set()
+            while True:
+                batch = wpb.WorkerEventBatch.FromString(await read_frame(reader))
                 self.num_batches += 1
                 self.num_events += len(batch.events)
                 for event in batch.events:
                     events = self._queues.get(event.request_id)
                     if events is not None:  # else: its caller already left
                         events.put_nowait(event)
-            self._error = WorkerDied(f"channel {self.channel_id} ended")
+        except asyncio.IncompleteReadError:
+            self._error = WorkerDied(f"channel {self.channel_id}: the worker closed the connection")
         except _DEAD as e:
             self._error = WorkerDied(str(e).splitlines()[0])
+        except OSError as e:
+            self._error = WorkerDied(f"channel {self.channel_id}: {e}")
         except asyncio.CancelledError:
             self._error = WorkerDied(f"channel {self.channel_id} was closed by the router")
             raise
-        except Exception as e:  # a broken stream fails its requests, never the router
+        except (FrameTooLarge, DecodeError) as e:
+            self._error = WorkerDied(f"channel {self.channel_id}: the worker broke the protocol: {e}")
+        except Exception as e:  # a broken channel fails its requests, never the router
             self._error = WorkerDied(f"channel {self.channel_id} failed: {e!r}")
         finally:
             self.closed = True
+            self._opened.set()
+            if self._writer is not None:
+                self._writer.close()
             for events in self._queues.values():
                 events.put_nowait(_CLOSED)
 
     def close(self) -> None:
-        """Close the stream; the worker then cancels every request still running on it."""
+        """Close the connection; the worker then cancels every request still running on it."""
         if not self.closed:
-            self._reader.cancel()
-            ray.cancel(self._stream)
+            self._task.cancel()
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,11 @@ def client(cluster):
         yield c
 
 
+def decode_handle(cluster):
+    [(_, _, handle)] = ray.get(cluster.controller.replicas.remote())
+    return handle
+
+
 def replica_status(client) -> pb.ReplicaStatus:
     [replica] = client.cluster_status().replicas
     return replica
@@ -87,13 +92,16 @@ def test_sixteen_concurrent_streams_match_the_engine(client, cluster, engine_con
     def call(prompt):
         return collect(client.generate(prompt, max_tokens=20, temperature=0, ignore_eos=True))
 
-    before = ray.get(cluster.router.channel_stats.remote())
+    worker = decode_handle(cluster)
+    before, plane_before = ray.get(cluster.router.channel_stats.remote()), ray.get(worker.request_plane_stats.remote())
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(call, prompts))
-    after = ray.get(cluster.router.channel_stats.remote())
+    after, plane_after = ray.get(cluster.router.channel_stats.remote()), ray.get(worker.request_plane_stats.remote())
     num_events, num_batches = after.num_events - before.num_events, after.num_batches - before.num_batches
     assert num_events >= 16 * 20 // 2  # at least one event per step and request (often one per token)
-    assert num_batches * 2 < num_events  # one channel item carries a step's events of many requests
+    assert num_batches * 2 < num_events  # one channel frame carries a step's events of many requests
+    assert plane_after.num_submitted - plane_before.num_submitted == 16  # submitted on the request plane, not over Ray
+    assert plane_after.num_open_channels == 1  # one router, one connection
     for (ids, text, last), want in zip(got, expected):
         assert ids == list(want.output_token_ids)
         assert text == want.text
@@ -283,6 +291,39 @@ def test_no_live_worker_is_unavailable(client, cluster, engine_config):
         return False
 
     wait_until(unavailable)
+    spec = ReplicaSpec("decode", DECODE_WORKER_CLASS, (engine_config, WorkerConfig(max_waiting_requests=8)))
+    ray.get(cluster.controller.add_replica.remote(spec))
+    wait_until(lambda: client.list_models())
+    ids, _, _ = collect(client.generate("hi", max_tokens=2, ignore_eos=True))
+    assert len(ids) == 2
+
+
+def test_a_request_id_already_in_flight_is_invalid_argument(client):
+    first = client.generate("hi", request_id="same-id", **LONG)
+    next(first)
+    with pytest.raises(grpc.RpcError) as e:
+        collect(client.generate("hi", request_id="same-id", max_tokens=2))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("request_id: 'same-id' is already in flight")
+    first.cancel()
+    wait_until(lambda: pool_is_idle(client))
+    ids, _, last = collect(client.generate("hi", request_id="same-id", max_tokens=2, ignore_eos=True))
+    assert len(ids) == 2 and last.request_id == "same-id"
+
+
+def test_decode_worker_killed_mid_stream_is_unavailable_at_once(client, cluster, engine_config):
+    from router.controller import ReplicaSpec
+    from router.launch import DECODE_WORKER_CLASS
+
+    [replica] = client.cluster_status().replicas
+    stream = client.generate("hi", **LONG)
+    next(stream)
+    ray.kill(decode_handle(cluster))
+    with pytest.raises(grpc.RpcError) as e:
+        collect(stream)  # its request-plane connection drops with the process: no health check to wait for
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert e.value.details().startswith(f"decode worker {replica.replica_id} died: channel ")
+    assert ray.get(cluster.controller.remove_replica.remote(replica.replica_id))
     spec = ReplicaSpec("decode", DECODE_WORKER_CLASS, (engine_config, WorkerConfig(max_waiting_requests=8)))
     ray.get(cluster.controller.add_replica.remote(spec))
     wait_until(lambda: client.list_models())
