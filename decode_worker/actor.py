@@ -109,7 +109,9 @@ class DecodeWorker(EngineReplica):
         self._request_plane_endpoint: asyncio.Future | None = None
         self.request_metrics = RequestTimingHistograms(self.metrics_labels)
         self.serve_metrics(
-            CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, self.metrics_labels, _GAUGES), *self.request_metrics.collectors
+            CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, self.metrics_labels, _GAUGES),
+            CountersCollector("splitserve_request_plane", lambda: self.request_plane_server.stats, self.metrics_labels, frozenset({"num_open_channels"})),
+            *self.request_metrics.collectors,
         )
 
     async def generate(self, request: pb.GenerateRequest, prefill=None, prefill_replica_id: str = "") -> AsyncIterator[wpb.WorkerEvent]:

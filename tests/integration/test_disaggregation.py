@@ -7,6 +7,7 @@ prefill worker (a mismatched one, a ``fail`` policy) without a router in between
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
 from prefill_worker.config import PrefillWorkerConfig
 from proto import worker_pb2 as wpb
+from proto.framing import frame, read_frame
 from router.client import SplitServeClient, build_generate_request
 from router.config import RouterConfig
 from router.controller import CONTROLLER_NAME, NAMESPACE
@@ -238,6 +240,24 @@ def _stream(decode, prefill, prompt, **params):
     return events
 
 
+def _on_request_plane(decode, request, prefill_replica_id: str) -> list[wpb.WorkerEvent]:
+    """``request``'s events, submitted as a router does: on the decode worker's request plane,
+    naming the prefill worker by replica id."""
+    endpoint = ray.get(decode.request_plane.remote())
+
+    async def run():
+        reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+        writer.write(frame(wpb.RouterMessage(open=wpb.OpenChannel(channel_id="test", token=endpoint.token))))
+        writer.write(frame(wpb.RouterMessage(submit=wpb.Submit(request=request, prefill_replica_id=prefill_replica_id))))
+        events = []
+        while not events or not (events[-1].HasField("error") or events[-1].response.finish_reason):
+            events += wpb.WorkerEventBatch.FromString(await read_frame(reader)).events
+        writer.close()
+        return events
+
+    return asyncio.run(asyncio.wait_for(run(), 60))
+
+
 def _shutdown(*actors):
     for actor in actors:
         ray.get(actor.shutdown.remote())
@@ -316,6 +336,39 @@ def test_fail_policy_with_the_prefill_worker_killed(ray_session, tiny_llama_dir)
         assert ray.get(decode.transfer_stats.remote()).num_open_leases == 0
     finally:
         _shutdown(decode)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_prefill_worker_is_named_by_id_and_an_unknown_one_gets_the_failure_policy(ray_session, tiny_llama_dir, policy):
+    config = _engine_config(tiny_llama_dir)
+    decode, prefill = _pair(config, config, remote_prefill_failure=policy)
+    try:
+        prompts = random_prompts([40, 41, 42], seed=53)
+        expected = _expected(config, prompts, **GREEDY)
+
+        def run(i: int) -> list[wpb.WorkerEvent]:
+            return _on_request_plane(decode, build_generate_request(prompts[i], **GREEDY, request_id=f"{policy}-{i}"), "prefill-t")
+
+        def unknown_prefill_handled(events, i: int) -> None:
+            if policy == "fail":
+                [event] = events
+                assert event.error.code == wpb.RequestError.UNAVAILABLE
+                assert event.error.message == "replica decode-t: prefill worker prefill-t is unknown here"
+            else:  # prefilled locally, same tokens
+                assert tuple(t for e in events for t in e.response.token_ids) == expected[i]
+
+        unknown_prefill_handled(run(0), 0)  # not announced yet
+        ray.get(decode.add_prefill_peers.remote({"prefill-t": prefill}))  # what the controller does
+        assert tuple(t for e in run(1) for t in e.response.token_ids) == expected[1]
+        assert ray.get(prefill.transfer_stats.remote()).num_done == 1
+        ray.get(decode.remove_prefill_peer.remote("prefill-t"))
+        unknown_prefill_handled(run(2), 2)
+        stats = ray.get(decode.transfer_stats.remote())
+        assert (stats.num_remote_prefills, stats.num_failed, stats.num_recomputed) == (1, 2, 2 if policy == "recompute" else 0)
+        assert ray.get(prefill.transfer_stats.remote()).num_prefills == 1
+        _assert_pair_quiet(decode, prefill)
+    finally:
+        _shutdown(decode, prefill)
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_mixtral_dir"])

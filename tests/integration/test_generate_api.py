@@ -249,6 +249,8 @@ def test_health_and_reflection(cluster):
 
 def test_prometheus_metrics_from_router_and_worker(client, cluster):
     collect(client.generate("hello", max_tokens=2, temperature=0))
+    with pytest.raises(grpc.RpcError):
+        collect(client.generate("hello", max_tokens=0))
     status = client.cluster_status()
     router_text = urllib.request.urlopen(status.routers[0].metrics_url).read().decode()
     assert 'splitserve_requests_total{router="router-0",status="OK"}' in router_text
@@ -267,6 +269,8 @@ def test_prometheus_metrics_from_router_and_worker(client, cluster):
     assert _sample(worker_text, "splitserve_worker_queue_seconds_count") >= 1
     assert _sample(worker_text, "splitserve_worker_first_token_seconds_count") >= 1
     assert _sample(worker_text, "splitserve_worker_kv_handoff_seconds_count") == 0  # no remote prefill here
+    assert _sample(worker_text, "splitserve_request_plane_open_channels") == 1
+    assert _sample(worker_text, "splitserve_request_plane_submitted_total") >= 1
 
 
 def _sample(text: str, name: str) -> float:
