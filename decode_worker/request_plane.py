@@ -29,6 +29,9 @@ from proto.framing import FrameTooLarge, read_frame, write_frame
 
 logger = logging.getLogger(__name__)
 
+_MAX_OPEN_BYTES = 4096
+"""Before the token is checked, a peer may send no more than an OpenChannel needs."""
+
 StartRequest = Callable[[wpb.Submit], AsyncIterator[wpb.WorkerEvent]]
 """Runs one submitted request: its events, the last one finishing it (or an error)."""
 
@@ -49,9 +52,11 @@ class RequestPlaneStats:
 class RequestPlaneServer:
     """Serves channels on one TCP port; every request runs as ``start_request`` says."""
 
-    def __init__(self, replica_id: str, token: bytes, start_request: StartRequest) -> None:
+    def __init__(self, replica_id: str, token: bytes, start_request: StartRequest, open_timeout_s: float = 10.0) -> None:
         self.replica_id = replica_id
         self._token = token
+        self._open_timeout_s = open_timeout_s
+        """How long a new connection has to present its OpenChannel."""
         self._start_request = start_request
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -84,7 +89,10 @@ class RequestPlaneServer:
     async def _open(self, reader: asyncio.StreamReader, peer) -> str | None:
         """The channel id of a connection that opened properly, else None (and logged)."""
         try:
-            message = wpb.RouterMessage.FromString(await read_frame(reader))
+            first = await asyncio.wait_for(read_frame(reader, _MAX_OPEN_BYTES), self._open_timeout_s)
+            message = wpb.RouterMessage.FromString(first)
+        except asyncio.TimeoutError:
+            reason = f"no OpenChannel within {self._open_timeout_s} s"
         except (asyncio.IncompleteReadError, ConnectionError, FrameTooLarge, DecodeError) as e:
             reason = f"no OpenChannel ({e!r})"
         else:

@@ -135,11 +135,16 @@ class ClusterController:
             max_concurrency=10_000,
             max_restarts=0,
         ).remote(replica_id, *spec.init_args)
-        model = await handle.model_info.remote()
-        status = await handle.status.remote()
-        async with self._introducing:  # one at a time: each sees every replica introduced before it
-            await self._introduce(replica_id, spec.pool, handle)
-            self._state.replicas[replica_id] = _Replica(handle, model, status)  # routers may pick it from now on
+        try:
+            model = await handle.model_info.remote()
+            status = await handle.status.remote()
+            async with self._introducing:  # one at a time: each sees every replica introduced before it
+                await self._introduce(replica_id, spec.pool, handle)
+                self._state.replicas[replica_id] = _Replica(handle, model, status)  # routers may pick it from now on
+        except BaseException:
+            self._state.kv_endpoints.pop(replica_id, None)
+            ray.kill(handle)  # never leave a half-started replica running
+            raise
         return status
 
     async def _introduce(self, replica_id: str, pool: str, handle) -> None:
@@ -147,6 +152,7 @@ class ClusterController:
         learn the KV endpoints of decode workers (where to write), decode workers learn the
         prefill workers' handles (whom requests submitted on the request plane may name)."""
         if pool == "decode":
+            await handle.request_plane.remote()  # starts listening now: a port it cannot bind fails the start, not a request
             prefill = {rid: r.handle for rid, r in self._state.replicas.items() if r.status.pool == "prefill"}
             endpoint = await handle.kv_endpoint.remote()
             if endpoint is None:

@@ -90,6 +90,8 @@ class RouterReplica:
     async def _refresh(self) -> None:
         self.directory.update(await self._controller.replicas.remote())
         self.channels.retain(self.directory.replicas)
+        for replica in self.directory.healthy("decode", ""):
+            self.channels.get(replica.replica_id, replica.handle)  # open ahead, so no request waits for it
         for replica in self.directory.replicas.values():
             self.policy.report(worker_load(replica))
             if replica.namespace is None:

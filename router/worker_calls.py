@@ -18,6 +18,7 @@ it) fails the requests on it with WorkerDied.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,12 +30,18 @@ from proto import splitserve_pb2 as pb
 from proto import worker_pb2 as wpb
 from proto.framing import FrameTooLarge, frame, read_frame
 
+logger = logging.getLogger(__name__)
+
 _DEAD = (RayActorError, ActorUnavailableError)
 _CLOSED = object()
 
 
 class WorkerDied(Exception):
     """The worker actor went away (crashed, killed, unreachable) during the call."""
+
+
+class _RouterClosed(WorkerDied):
+    """The router closed the channel itself (the replica left the map, or the router stops)."""
 
 
 class RequestIdInUse(Exception):
@@ -105,17 +112,19 @@ class WorkerChannel:
         except asyncio.IncompleteReadError:
             self._error = WorkerDied(f"channel {self.channel_id}: the worker closed the connection")
         except _DEAD as e:
-            self._error = WorkerDied(str(e).splitlines()[0])
+            self._error = WorkerDied(f"channel {self.channel_id}: {str(e).splitlines()[0]}")
         except OSError as e:
             self._error = WorkerDied(f"channel {self.channel_id}: {e}")
         except asyncio.CancelledError:
-            self._error = WorkerDied(f"channel {self.channel_id} was closed by the router")
+            self._error = _RouterClosed(f"channel {self.channel_id} was closed by the router")
             raise
         except (FrameTooLarge, DecodeError) as e:
             self._error = WorkerDied(f"channel {self.channel_id}: the worker broke the protocol: {e}")
         except Exception as e:  # a broken channel fails its requests, never the router
             self._error = WorkerDied(f"channel {self.channel_id} failed: {e!r}")
         finally:
+            if not isinstance(self._error, _RouterClosed):
+                logger.warning("request plane: %s", self._error)
             self.closed = True
             self._opened.set()
             if self._writer is not None:

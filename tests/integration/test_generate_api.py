@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -93,6 +94,8 @@ def test_sixteen_concurrent_streams_match_the_engine(client, cluster, engine_con
         return collect(client.generate(prompt, max_tokens=20, temperature=0, ignore_eos=True))
 
     worker = decode_handle(cluster)
+    # The router opens its channel when it learns of the worker (this is the module's first call).
+    wait_until(lambda: ray.get(worker.request_plane_stats.remote()).num_open_channels == 1)
     before, plane_before = ray.get(cluster.router.channel_stats.remote()), ray.get(worker.request_plane_stats.remote())
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(call, prompts))
@@ -333,6 +336,27 @@ def test_decode_worker_killed_mid_stream_is_unavailable_at_once(client, cluster,
     wait_until(lambda: client.list_models())
     ids, _, _ = collect(client.generate("hi", max_tokens=2, ignore_eos=True))
     assert len(ids) == 2
+
+
+def test_a_decode_replica_that_cannot_listen_fails_to_start_and_is_not_left_running(client, cluster, engine_config):
+    from router.controller import ReplicaSpec
+    from router.launch import DECODE_WORKER_CLASS
+
+    [replica] = client.cluster_status().replicas
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        worker = WorkerConfig(request_plane_host="127.0.0.1", request_plane_port=taken.getsockname()[1])
+        spec = ReplicaSpec("decode", DECODE_WORKER_CLASS, (engine_config, worker))
+        with pytest.raises(ray.exceptions.RayTaskError) as e:
+            ray.get(cluster.controller.add_replica.remote(spec))
+    assert "address already in use" in str(e.value)
+    assert [r.replica_id for r in client.cluster_status().replicas] == [replica.replica_id]
+
+    def decode_actors():
+        return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("splitserve-decode"))
+
+    wait_until(lambda: decode_actors() == [f"splitserve-{replica.replica_id}"])
 
 
 def test_build_request_leaves_unset_fields_to_server_defaults():

@@ -51,7 +51,7 @@ class Requests:
 
 
 async def serve(requests: Requests) -> tuple[RequestPlaneServer, wpb.RequestPlaneEndpoint]:
-    server = RequestPlaneServer("decode-t", TOKEN, requests)
+    server = RequestPlaneServer("decode-t", TOKEN, requests, open_timeout_s=0.5)
     return server, await server.start("127.0.0.1", 0)
 
 
@@ -145,7 +145,7 @@ def test_a_closed_connection_cancels_every_request_on_it():
     asyncio.run(main())
 
 
-def test_a_wrong_token_or_no_open_first_is_refused_and_runs_nothing():
+def test_a_wrong_token_or_no_open_first_is_refused_and_runs_nothing(caplog):
     async def main():
         requests = Requests()
         server, endpoint = await serve(requests)
@@ -155,11 +155,21 @@ def test_a_wrong_token_or_no_open_first_is_refused_and_runs_nothing():
         reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
         submit(writer, "b")
         assert await asyncio.wait_for(reader.read(), 5) == b""
-        assert server.stats.num_channels_refused == 2 and server.stats.num_channels_opened == 0
+        reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+        writer.write(struct.pack(">I", 1 << 20))  # a big frame before the token: not even read
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)  # says nothing
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert server.stats.num_channels_refused == 4 and server.stats.num_channels_opened == 0
         assert server.stats.num_submitted == 0
         server.close()
 
     asyncio.run(main())
+    reasons = [r.getMessage().split(": ", 2)[-1] for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert reasons[0] == "channel 'router-0' presented a wrong token"
+    assert reasons[1] == "first message is 'submit', not 'open'"
+    assert reasons[2].startswith("no OpenChannel (FrameTooLarge('frame of 1048576 bytes is over the limit of 4096'")
+    assert reasons[3] == "no OpenChannel within 0.5 s"
 
 
 def test_a_repeated_request_id_is_refused_and_the_first_one_goes_on():
