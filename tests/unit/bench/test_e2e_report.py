@@ -1,6 +1,6 @@
 """bench.e2e's arithmetic: pooled rounds, the serving path's cost against each peer, the goal."""
 
-from bench.e2e import Run, summarize, variant
+from bench.e2e import Run, poisson_arrivals, summarize, variant
 from bench.workload import BenchRequest
 
 
@@ -51,3 +51,32 @@ def test_variants_keep_lengths_and_share_no_block_key():
     assert [(len(r.prompt_token_ids), r.num_output_tokens) for r in a] == [(4, 5), (2, 7)]
     assert [r.prompt_token_ids[0] for r in a + b] == [33, 33, 34, 34]
     assert [r.prompt_token_ids[1:] for r in a] == [r.prompt_token_ids[1:] for r in workload]
+
+
+def _open(system: str, round_: int, ttft_by_index: dict[int, float]) -> Run:
+    return Run(system, 8, round=round_, wall_s=10.0, num_tokens=100, ttft_s=list(ttft_by_index.values()), itl_s=[0.1], ttft_s_by_index=dict(ttft_by_index))
+
+
+def test_open_loop_pairs_requests_by_index_within_a_round():
+    runs = _runs((950, 950), [0.003] * 3)
+    runs += [
+        _open("engine_loop_open", 0, {0: 0.100, 1: 0.200, 2: 0.300}),
+        _open("grpc_open", 0, {2: 0.304, 0: 0.103, 1: 0.205}),  # finished in another order
+        _open("engine_loop_open", 1, {0: 0.150, 1: 0.250, 2: 0.350}),
+        _open("grpc_open", 1, {0: 0.152, 1: 0.256, 2: 0.351}),
+    ]
+    report = summarize(runs)
+    assert report["open_loop"]["ttft_ms_added_paired_p50_by_round"] == [4.0, 2.0]
+    assert report["open_loop"]["ttft_ms_added_paired_mean"] == 3.5
+    assert report["goal"]["open_loop_ttft_ms_added_paired_p50"] == report["open_loop"]["ttft_ms_added_paired_p50"]
+    assert report["goal"]["met"] is True
+    runs[-1] = _open("grpc_open", 1, {0: 0.250, 1: 0.350, 2: 0.450})  # a whole step late
+    runs[-3] = _open("grpc_open", 0, {0: 0.200, 1: 0.300, 2: 0.400})
+    assert summarize(runs)["goal"]["met"] is False
+
+
+def test_poisson_arrivals_are_seeded_and_increasing_at_the_rate():
+    a = poisson_arrivals(2000, 4.0, seed=1)
+    assert a == poisson_arrivals(2000, 4.0, seed=1) and a != poisson_arrivals(2000, 4.0, seed=2)
+    assert all(x < y for x, y in zip(a, a[1:]))
+    assert abs(len(a) / a[-1] - 4.0) < 0.3
