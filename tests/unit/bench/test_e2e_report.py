@@ -1,6 +1,6 @@
 """bench.e2e's arithmetic: pooled rounds, the serving path's cost against each peer, the goal."""
 
-from bench.e2e import Run, poisson_arrivals, summarize, variant
+from bench.e2e import Run, bootstrap_ci95, poisson_arrivals, summarize, variant
 from bench.workload import BenchRequest
 
 
@@ -54,7 +54,16 @@ def test_variants_keep_lengths_and_share_no_block_key():
 
 
 def _open(system: str, round_: int, ttft_by_index: dict[int, float]) -> Run:
-    return Run(system, 8, round=round_, wall_s=10.0, num_tokens=100, ttft_s=list(ttft_by_index.values()), itl_s=[0.1], ttft_s_by_index=dict(ttft_by_index))
+    return Run(
+        system,
+        8,
+        round=round_,
+        wall_s=10.0,
+        num_tokens=100,
+        ttft_s=list(ttft_by_index.values()),
+        itl_s=[0.1],
+        ttft_s_by_index=dict(ttft_by_index),
+    )
 
 
 def test_open_loop_pairs_requests_by_index_within_a_round():
@@ -66,13 +75,51 @@ def test_open_loop_pairs_requests_by_index_within_a_round():
         _open("grpc_open", 1, {0: 0.152, 1: 0.256, 2: 0.351}),
     ]
     report = summarize(runs)
-    assert report["open_loop"]["ttft_ms_added_paired_p50_by_round"] == [4.0, 2.0]
-    assert report["open_loop"]["ttft_ms_added_paired_mean"] == 3.5
-    assert report["goal"]["open_loop_ttft_ms_added_paired_p50"] == report["open_loop"]["ttft_ms_added_paired_p50"]
+    paired = report["open_loop"]["ttft_ms_added_paired"]
+    assert (paired["p50_by_round"], paired["mean_by_round"], paired["num_pairs"]) == ([4.0, 2.0], [4.0, 3.0], 6)
+    assert paired["mean"] == 3.5
+    assert paired["mean_ci95"][0] <= 3.5 <= paired["mean_ci95"][1]
+    assert "control_ttft_ms_paired" not in report["open_loop"]
+    assert report["goal"]["open_loop_ttft_ms_added_paired_mean"] == 3.5
     assert report["goal"]["met"] is True
     runs[-1] = _open("grpc_open", 1, {0: 0.250, 1: 0.350, 2: 0.450})  # a whole step late
     runs[-3] = _open("grpc_open", 0, {0: 0.200, 1: 0.300, 2: 0.400})
     assert summarize(runs)["goal"]["met"] is False
+
+
+def test_the_open_loop_goal_is_the_paired_mean_not_the_median():
+    """A path d ms slower moves a fraction of requests by a whole step and the rest not at all:
+    the mean says what a request pays; the median can sit at either mode."""
+    runs = _runs((950, 950), [0.003] * 3)
+    loop = {i: 0.2 for i in range(10)}
+    grpc = {i: (0.2 + (0.1 if i < 4 else -0.01)) for i in range(10)}  # 4 a step late, 6 ahead
+    runs += [_open("engine_loop_open", 0, loop), _open("grpc_open", 0, grpc)]
+    goal = summarize(runs)["goal"]
+    assert (goal["open_loop_ttft_ms_added_paired_p50"], goal["open_loop_ttft_ms_added_paired_mean"]) == (-10.0, 34.0)
+    assert goal["met"] is False
+
+
+def test_open_loop_reports_the_a_a_control():
+    runs = _runs((950, 950), [0.003] * 3)
+    runs += [
+        _open("engine_loop_open", 0, {0: 0.100, 1: 0.300}),
+        _open("grpc_open", 0, {0: 0.190, 1: 0.250}),
+        _open("engine_loop_open_repeat", 0, {0: 0.120, 1: 0.260}),
+    ]
+    report = summarize(runs)
+    assert report["open_loop"]["ttft_ms_added_paired"]["mean"] == 20.0  # (+90 - 50) / 2
+    assert report["open_loop"]["control_ttft_ms_paired"]["mean"] == -10.0  # (+20 - 40) / 2
+    assert report["goal"]["open_loop_control_paired_mean_ci95"] == report["open_loop"]["control_ttft_ms_paired"]["mean_ci95"]
+
+
+def test_bootstrap_interval_brackets_the_estimate_and_narrows_with_samples():
+    few = [float(v) for v in range(-20, 21, 4)]
+    many = few * 25
+    lo_few, hi_few = bootstrap_ci95(few, lambda v: sum(v) / len(v))
+    lo_many, hi_many = bootstrap_ci95(many, lambda v: sum(v) / len(v))
+    assert lo_few < 0 < hi_few and lo_many < 0 < hi_many
+    assert hi_many - lo_many < (hi_few - lo_few) / 3
+    assert bootstrap_ci95(few, lambda v: sum(v) / len(v)) == [lo_few, hi_few]  # seeded
 
 
 def test_poisson_arrivals_are_seeded_and_increasing_at_the_rate():
