@@ -15,13 +15,15 @@ EOS ignored) over one engine configuration. Four systems:
   threads through ``SplitServeClient``.
 - ``grpc_disaggregated``: the same plus one prefill worker, the cores split between the two.
 - ``engine_loop_open``, ``grpc_open`` and ``engine_loop_open_repeat`` (at concurrency 8): open
-  loop. ``--open-requests`` requests arrive on one Poisson schedule at the request rate
-  ``engine_loop`` sustained closed-loop, each sent at its time however many are in flight, and
-  each is paired with the other system's request of the same index. In a closed loop the next
-  request leaves when the last one ends, which is right after a step: a path a few ms slower
-  misses the next step and waits a whole one (~95 ms at N = 8), in every round. Arrivals that do
-  not follow the steps pay what the path costs on average. The repeat is an A/A control: the
-  in-process loop against itself on the same schedule, which shows the pairs' noise.
+  loop. ``--open-requests`` requests arrive on one Poisson schedule at ``--open-load`` (0.6) of
+  the request rate ``engine_loop`` sustained closed-loop, each sent at its time however many are
+  in flight, and each is paired with the other system's request of the same index. In a closed
+  loop the next request leaves when the last one ends, which is right after a step: a path a few
+  ms slower misses the next step and waits a whole one (~95 ms at N = 8), in every round.
+  Arrivals that do not follow the steps pay what the path costs on average. The load is below
+  saturation because at the full closed-loop rate the queue grows through a run, and a 1% slower
+  engine adds tens of ms of queueing (measured: +22 ms between two in-process runs of one
+  schedule). The repeat is that A/A control: the in-process loop against itself on the schedule.
 
 The first three run in alternation, ``--rounds`` times per concurrency, because this machine's
 speed drifts by more than the cost being measured between runs minutes apart; each run gets
@@ -287,6 +289,7 @@ def summarize(runs: list[Run]) -> dict:
     if at is not None:
         grpc, peer = by[("grpc", GOAL_CONCURRENCY)], by[("engine_loop", GOAL_CONCURRENCY)]
         path_ms = grpc["serving_path_ttft_ms_p50"]
+        goal_open = _open_goal(open_loop) if open_loop else {}
         goal = {
             "concurrency": GOAL_CONCURRENCY,
             "throughput_loss": at["throughput_loss"],
@@ -298,10 +301,10 @@ def summarize(runs: list[Run]) -> dict:
             "ttft_ms_p50_added": at["ttft_ms_p50_added"],
             "ttft_ms_p50_added_by_round": at["ttft_ms_p50_added_by_round"],
             "peer_ttft_ms_p50_round_spread": round(max(peer["ttft_ms_p50_by_round"]) - min(peer["ttft_ms_p50_by_round"]), 2),
-            **(_open_goal(open_loop) if open_loop else {}),
+            **goal_open,
             "met": at["throughput_loss"] <= GOAL_THROUGHPUT_LOSS
             and path_ms <= GOAL_TTFT_ADDED_MS
-            and (open_loop is None or open_loop["ttft_ms_added_paired"]["mean"] <= GOAL_TTFT_ADDED_MS),
+            and (open_loop is None or goal_open["open_loop_ttft_ms_added_paired_mean"] <= GOAL_TTFT_ADDED_MS),
         }
     return {
         "results": results,
@@ -321,9 +324,10 @@ def _open_loop(by: dict, groups: dict) -> dict | None:
     and two runs of one schedule catch independent step phases, so single pairs differ by tens
     of milliseconds either way. Arrival phase is uniform over a step, so a path d ms slower adds d
     to the expected TTFT: the paired mean is the estimate of what the serving path costs, with a
-    bootstrap 95% interval. The median of the pairs and an A/A control (the in-process loop run
-    again on the schedule, ``engine_loop_open_repeat``, paired with the first) show how far the
-    noise goes."""
+    bootstrap 95% interval. The in-process loop runs again on the schedule after the gRPC run
+    (``engine_loop_open_repeat``): paired with the first, it is an A/A control, which found later
+    runs slower by more than the serving path costs (the machine drifts); averaged with the first,
+    it brackets the gRPC run, and the difference to that bracket is what the goal judges."""
     key_grpc, key_loop, key_repeat = (("grpc_open", GOAL_CONCURRENCY), ("engine_loop_open", GOAL_CONCURRENCY), ("engine_loop_open_repeat", GOAL_CONCURRENCY))
     if key_grpc not in by or key_loop not in by:
         return None
@@ -334,7 +338,15 @@ def _open_loop(by: dict, groups: dict) -> dict | None:
     }
     if key_repeat in by:
         out["control_ttft_ms_paired"] = _paired(groups[key_repeat], groups[key_loop])
+        out["ttft_ms_added_vs_bracket"] = _paired(groups[key_grpc], [_bracket(a, b) for a, b in zip(groups[key_loop], groups[key_repeat])])
     return out
+
+
+def _bracket(before: Run, after: Run) -> Run:
+    """The in-process runs either side of a gRPC run, averaged request by request: the machine's
+    drift over the three runs, if linear, cancels (an A-B-A design)."""
+    both = [i for i in before.ttft_s_by_index if i in after.ttft_s_by_index]
+    return Run("bracket", before.concurrency, before.round, ttft_s_by_index={i: (before.ttft_s_by_index[i] + after.ttft_s_by_index[i]) / 2 for i in both})
 
 
 def _paired(runs: list[Run], peer_runs: list[Run]) -> dict:
@@ -372,8 +384,9 @@ def bootstrap_ci95(values: list[float], statistic, resamples: int = 2000, seed: 
 
 
 def _open_goal(open_loop: dict) -> dict:
-    paired = open_loop["ttft_ms_added_paired"]
+    paired = open_loop.get("ttft_ms_added_vs_bracket", open_loop["ttft_ms_added_paired"])
     out = {
+        "open_loop_against": "bracket" if "ttft_ms_added_vs_bracket" in open_loop else "engine_loop_open",
         "open_loop_ttft_ms_added_paired_mean": paired["mean"],
         "open_loop_ttft_ms_added_paired_mean_ci95": paired["mean_ci95"],
         "open_loop_ttft_ms_added_paired_p50": paired["p50"],
@@ -431,7 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-dtype", default=EngineConfig.kv_dtype)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--open-requests", type=int, default=96, help=f"per open-loop run at N = {GOAL_CONCURRENCY} (0: no open-loop runs; default: 96)"
+        "--open-requests", type=int, default=64, help=f"per open-loop run at N = {GOAL_CONCURRENCY} (0: no open-loop runs; default: 64)"
+    )
+    parser.add_argument(
+        "--open-load",
+        type=float,
+        default=0.6,
+        help="open-loop arrival rate as a fraction of the request rate engine_loop sustained closed-loop (default: 0.6)",
     )
     parser.add_argument("--modes", nargs="+", default=["aggregated", "disaggregated"], choices=["aggregated", "disaggregated"])
     args = parser.parse_args(argv)
@@ -482,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
                         runs.append(log(run_grpc(client, variant(workloads[c], next(tags)), c, system), r))
                     if c == GOAL_CONCURRENCY and not disaggregated and args.open_requests:
                         closed = [run for run in runs if (run.system, run.concurrency) == ("engine_loop", c)]
-                        open_rate = len(workloads[c]) * len(closed) / sum(run.wall_s for run in closed)
+                        open_rate = args.open_load * len(workloads[c]) * len(closed) / sum(run.wall_s for run in closed)
                         open_wl = random_workload(args.open_requests, tuple(args.prompt_len), tuple(args.output_len), vocab_size, NUM_SPECIAL_TOKENS, args.seed + 1000)
                         arrivals = poisson_arrivals(len(open_wl), open_rate, args.seed)
                         for r in range(args.rounds):
@@ -501,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         "output_len": args.output_len,
         "open_loop_rate_per_s": round(open_rate, 4) if open_rate else None,
         "open_loop_requests": args.open_requests if open_rate else None,
+        "open_loop_load": args.open_load if open_rate else None,
         **summarize(runs),
     }
     emit_report(report, args.json)
