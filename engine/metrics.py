@@ -47,8 +47,7 @@ class EngineStatsCollector(Collector):
         yield computed
 
 
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-"""Latency histogram buckets (seconds) shared by every process's metrics, so router and worker series line up."""
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class RequestTimingHistograms:
@@ -62,7 +61,7 @@ class RequestTimingHistograms:
         self.collectors: list[Histogram] = []
 
         def histogram(name: str, doc: str):
-            family = Histogram(name, doc, names, buckets=LATENCY_BUCKETS_S, registry=None)
+            family = Histogram(name, doc, names, buckets=_LATENCY_BUCKETS_S, registry=None)
             self.collectors.append(family)
             return family.labels(*values)
 

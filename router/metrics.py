@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.metrics import LATENCY_BUCKETS_S
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class RouterMetrics:
@@ -15,7 +15,7 @@ class RouterMetrics:
         self.router_id = router_id
 
         def histogram(name: str, doc: str) -> Histogram:
-            h = Histogram(name, doc, ["router"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+            h = Histogram(name, doc, ["router"], buckets=_LATENCY_BUCKETS_S, registry=self.registry)
             return h.labels(router_id)
 
         self._requests = Counter("splitserve_requests", "Generate calls by final gRPC status.", ["router", "status"], registry=self.registry)
