@@ -118,6 +118,17 @@ def run_engine_step(engine: LLMEngine, workload: list[BenchRequest], concurrency
     return run
 
 
+async def _stream(loop: EngineLoop, request_id: str, req: BenchRequest) -> tuple[float, list[tuple[float, int]]]:
+    """One request through ``loop``: when it was handed over, and (time, tokens) per output with tokens."""
+    request = EngineRequest(request_id, list(req.prompt_token_ids), None, _params(req), None)
+    events = []
+    t0 = time.perf_counter()
+    async for out in loop.generate(request):
+        if out.new_token_ids:
+            events.append((time.perf_counter(), len(out.new_token_ids)))
+    return t0, events
+
+
 def run_engine_loop(loop: EngineLoop, workload: list[BenchRequest], concurrency: int) -> Run:
     """N asyncio clients on this thread, the engine on the loop's."""
     run = Run("engine_loop", concurrency)
@@ -126,13 +137,7 @@ def run_engine_loop(loop: EngineLoop, workload: list[BenchRequest], concurrency:
     async def client() -> None:
         while queue:
             index, req = queue.pop(0)
-            request = EngineRequest(f"loop-{time.monotonic_ns()}-{index}", list(req.prompt_token_ids), None, _params(req), None)
-            events = []
-            t0 = time.perf_counter()
-            async for out in loop.generate(request):
-                if out.new_token_ids:
-                    events.append((time.perf_counter(), len(out.new_token_ids)))
-            run.request(t0, events)
+            run.request(*await _stream(loop, f"loop-{time.monotonic_ns()}-{index}", req))
 
     async def main() -> None:
         await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -159,13 +164,7 @@ def run_engine_loop_open(loop: EngineLoop, workload: list[BenchRequest], arrival
 
     async def one(index: int, req: BenchRequest, start: float) -> None:
         await asyncio.sleep(max(0.0, start + arrivals[index] - time.perf_counter()))
-        request = EngineRequest(f"open-{time.monotonic_ns()}-{index}", list(req.prompt_token_ids), None, _params(req), None)
-        events = []
-        t0 = time.perf_counter()
-        async for out in loop.generate(request):
-            if out.new_token_ids:
-                events.append((time.perf_counter(), len(out.new_token_ids)))
-        run.request(t0, events, index=index)
+        run.request(*await _stream(loop, f"open-{time.monotonic_ns()}-{index}", req), index=index)
 
     async def main() -> None:
         start = time.perf_counter()
