@@ -2,7 +2,7 @@
 
     python -m bench.e2e --json OUT
 
-Every run is a closed loop of N concurrent requests (random prompt tokens, exact output lengths,
+Every run but the open-loop ones is a closed loop of N concurrent requests (random prompt tokens, exact output lengths,
 EOS ignored) over one engine configuration. The systems:
 
 - ``engine_step``: ``LLMEngine.step()`` called in a loop that adds each next request between two
