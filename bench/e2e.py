@@ -357,21 +357,24 @@ def _paired(runs: list[Run], peer_runs: list[Run]) -> dict:
         diffs = [(run.ttft_s_by_index[i] - peer.ttft_s_by_index[i]) * 1000 for i in sorted(run.ttft_s_by_index) if i in peer.ttft_s_by_index]
         pooled += diffs
         means.append(round(_mean(diffs), 2))
-        medians.append(round(percentile(diffs, 50), 2))
-    median = lambda v: percentile(v, 50)  # noqa: E731
+        medians.append(round(_median(diffs), 2))
     return {
         "num_pairs": len(pooled),
         "mean": round(_mean(pooled), 2),
         "mean_ci95": bootstrap_ci95(pooled, _mean),
         "mean_by_round": means,
-        "p50": round(median(pooled), 2),
-        "p50_ci95": bootstrap_ci95(pooled, median),
+        "p50": round(_median(pooled), 2),
+        "p50_ci95": bootstrap_ci95(pooled, _median),
         "p50_by_round": medians,
     }
 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
+
+
+def _median(values: list[float]) -> float:
+    return percentile(values, 50)
 
 
 def bootstrap_ci95(values: list[float], statistic, resamples: int = 2000, seed: int = 0) -> list[float]:
