@@ -190,7 +190,13 @@ class DecodeWorker(EngineReplica):
 
         def admit(engine: LLMEngine, r: EngineRequest) -> RemotePrefill | None:
             return engine.add_remote_request(
-                r.request_id, r.prompt, r.params, messages=r.messages, tenant_salt=r.tenant_salt, max_local_prefill_tokens=limit
+                r.request_id,
+                r.prompt,
+                r.params,
+                messages=r.messages,
+                tenant_salt=r.tenant_salt,
+                max_local_prefill_tokens=limit,
+                arrival_s=r.arrival_s,
             )
 
         outputs = self.loop.generate(request, admit)

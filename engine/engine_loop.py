@@ -210,7 +210,12 @@ class EngineLoop:
         try:
             if command.admit is None:
                 admission = self.engine.add_request(
-                    request.request_id, request.prompt, request.params, messages=request.messages, tenant_salt=request.tenant_salt
+                    request.request_id,
+                    request.prompt,
+                    request.params,
+                    messages=request.messages,
+                    tenant_salt=request.tenant_salt,
+                    arrival_s=request.arrival_s,
                 )
             else:
                 admission = command.admit(self.engine, request)

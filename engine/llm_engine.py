@@ -145,14 +145,17 @@ class LLMEngine:
         messages: Sequence[dict[str, str]] | None = None,
         tenant_salt: str | None = None,
         hold_kv: bool = False,
+        arrival_s: float | None = None,
     ) -> None:
         """Queue a request: a text prompt, token ids, or chat ``messages`` (exactly one).
 
         Raises InvalidRequestError naming the field when the request cannot be served; nothing
         is allocated before every check has passed. With ``hold_kv`` the prompt's blocks are
         leased when the request finishes, for ``take_prefilled`` and ``release_lease``.
+        ``arrival_s`` (``time.monotonic``) backdates the request's arrival to when it reached the
+        worker; its queue time counts from there.
         """
-        request = self._new_request(request_id, prompt, params, messages, tenant_salt)
+        request = self._new_request(request_id, prompt, params, messages, tenant_salt, arrival_s)
         request.hold_kv = hold_kv
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -166,15 +169,16 @@ class LLMEngine:
         messages: Sequence[dict[str, str]] | None = None,
         tenant_salt: str | None = None,
         max_local_prefill_tokens: int = 0,
+        arrival_s: float | None = None,
     ) -> RemotePrefill | None:
         """Admit a request whose prompt KV another worker computes: park it with blocks for the
         prompt and return where the KV must land, then ``join_remote`` or ``unpark_remote``.
 
         Returns None, and queues the request for a local prefill instead, when at most
         ``max_local_prefill_tokens`` of the prompt are not cached here or too few blocks are free.
-        Raises InvalidRequestError as ``add_request`` does.
+        Raises InvalidRequestError as ``add_request`` does; ``arrival_s`` as there.
         """
-        request = self._new_request(request_id, prompt, params, messages, tenant_salt)
+        request = self._new_request(request_id, prompt, params, messages, tenant_salt, arrival_s)
         self._requests[request_id] = request
         fresh = None
         uncached = request.num_prompt_tokens - len(self.scheduler.peek_prefix(request)) * self.config.block_size
@@ -337,14 +341,14 @@ class LLMEngine:
             for rid, r in requests.items()
         ]
 
-    def _new_request(self, request_id, prompt, params, messages, tenant_salt) -> Request:
+    def _new_request(self, request_id, prompt, params, messages, tenant_salt, arrival_s: float | None = None) -> Request:
         params = params or SamplingParams()
         if request_id in self._requests or request_id in self.scheduler.leases:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt_token_ids = self._prompt_token_ids(prompt, messages)
         self._check_fits(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        return Request(
+        request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             params=params,
@@ -354,6 +358,9 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
             generator=torch.Generator().manual_seed(seed),
         )
+        if arrival_s is not None:
+            request.arrival_s = arrival_s
+        return request
 
     def _prompt_token_ids(self, prompt: str | Sequence[int] | None, messages: Sequence[dict[str, str]] | None) -> list[int]:
         if prompt is not None and messages is not None:

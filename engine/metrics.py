@@ -65,7 +65,7 @@ class RequestTimingHistograms:
             self.collectors.append(family)
             return family.labels(*values)
 
-        self.queue = histogram("splitserve_worker_queue_seconds", "Entering the engine to the first scheduled step.")
+        self.queue = histogram("splitserve_worker_queue_seconds", "Reaching the worker to the first scheduled step (the wait for the engine thread included).")
         self.first_token = histogram("splitserve_worker_first_token_seconds", "Reaching the worker to its first token leaving for the router.")
         self.kv_handoff = histogram("splitserve_worker_kv_handoff_seconds", "Asking a prefill worker to its KV having landed (remote prefills only).")
 

@@ -41,8 +41,9 @@ class RequestOutput:
     """Prompt tokens served from the prefix cache at admission."""
     num_output_tokens: int
     queue_s: float | None = None
-    """On the last output: seconds from ``add_request`` to the step that first scheduled the
-    request (for a remote prefill, to the moment its KV joined the batch); None before."""
+    """On the last output: seconds from the request's arrival (``add_request``, or the
+    ``arrival_s`` it was given) to the step that first scheduled it (for a remote prefill, to
+    the moment its KV joined the batch); None before."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class EngineRequest:
     messages: list[dict[str, str]] | None
     params: SamplingParams
     tenant_salt: str | None
+    arrival_s: float = field(default_factory=time.monotonic)
+    """When the request reached the worker (``time.monotonic``): its queue time starts here, so
+    the wait for the engine thread to pick it up (up to a whole step) counts too."""
 
 
 @dataclass(eq=False)

@@ -131,7 +131,7 @@ class PrefillWorker(EngineReplica):
         deadline = time.monotonic() + transfer.timeout_s
 
         def admit(engine: LLMEngine, r: EngineRequest) -> None:
-            engine.add_request(r.request_id, r.prompt, r.params, tenant_salt=r.tenant_salt, hold_kv=True)
+            engine.add_request(r.request_id, r.prompt, r.params, tenant_salt=r.tenant_salt, hold_kv=True, arrival_s=r.arrival_s)
 
         async for _ in self.loop.generate(EngineRequest(request_id, list(prompt_token_ids), None, params, tenant_salt), admit):
             pass  # the admission, then the one output that finishes it

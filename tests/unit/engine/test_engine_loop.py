@@ -61,6 +61,26 @@ def test_only_the_last_output_carries_the_queue_time(loop):
     assert 0 < outputs[-1].queue_s < 5
 
 
+def test_queue_time_counts_the_wait_for_the_engine_thread(loop):
+    """A request handed over while the engine thread is busy (here: a 0.3 s call, standing in
+    for a long step) waits that long in the loop's inbox; its queue time includes the wait."""
+    busy = threading.Event()
+
+    def hold(engine):
+        busy.set()
+        threading.Event().wait(0.3)
+
+    async def main():
+        held = asyncio.ensure_future(loop.call(hold))
+        await asyncio.to_thread(busy.wait)
+        outputs = [out async for out in loop.generate(_request("late", [5, 6, 7]))]
+        await held
+        return outputs
+
+    last = asyncio.run(main())[-1]
+    assert last.queue_s >= 0.25
+
+
 def test_a_step_crosses_to_each_event_loop_once(loop):
     """All of a step's outputs for one event loop arrive in one callback, not one per stream."""
 
