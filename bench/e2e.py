@@ -24,6 +24,9 @@ EOS ignored) over one engine configuration. The systems:
   saturation because at the full closed-loop rate the queue grows through a run, and a slightly
   slower run adds tens of ms of queueing (measured: +22 ms between two in-process runs of one
   schedule). The repeat is that A/A control: the in-process loop against itself on the schedule.
+  The three run in that order ``--open-rounds`` times (4): the gap between the systems moves
+  from round to round by more than the goal (+17 and +4 ms in two rounds minutes apart), so the
+  verdict's interval is taken over rounds, not only over the requests of all rounds pooled.
 
 The first three run in alternation, ``--rounds`` times per concurrency, because this machine's
 speed drifts by more than the cost being measured between runs minutes apart; each run gets
@@ -363,6 +366,7 @@ def _paired(runs: list[Run], peer_runs: list[Run]) -> dict:
         "mean": round(_mean(pooled), 2),
         "mean_ci95": bootstrap_ci95(pooled, _mean),
         "mean_by_round": means,
+        "mean_ci95_over_rounds": t_ci95(means),
         "p50": round(_median(pooled), 2),
         "p50_ci95": bootstrap_ci95(pooled, _median),
         "p50_by_round": medians,
@@ -386,12 +390,31 @@ def bootstrap_ci95(values: list[float], statistic, resamples: int = 2000, seed: 
     return [round(estimates[int(0.025 * resamples)], 2), round(estimates[int(0.975 * resamples) - 1], 2)]
 
 
+_T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+"""Student's t, 97.5th percentile, for 1 to 10 degrees of freedom."""
+
+
+def t_ci95(values: list[float]) -> list[float] | None:
+    """A 95% interval for the mean of ``values`` (one per round) from Student's t: the rounds are
+    the independent units when the machine's speed drifts between them. None below two values;
+    past 11 values, the t of 10 degrees of freedom (slightly wide)."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean = _mean(values)
+    sd = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
+    half = _T_975[min(n - 1, len(_T_975)) - 1] * sd / n**0.5
+    return [round(mean - half, 2), round(mean + half, 2)]
+
+
 def _open_goal(open_loop: dict) -> dict:
     paired = open_loop.get("ttft_ms_added_vs_bracket", open_loop["ttft_ms_added_paired"])
     out = {
         "open_loop_against": "bracket" if "ttft_ms_added_vs_bracket" in open_loop else "engine_loop_open",
         "open_loop_ttft_ms_added_paired_mean": paired["mean"],
         "open_loop_ttft_ms_added_paired_mean_ci95": paired["mean_ci95"],
+        "open_loop_ttft_ms_added_paired_mean_ci95_over_rounds": paired["mean_ci95_over_rounds"],
+        "open_loop_ttft_ms_added_paired_mean_by_round": paired["mean_by_round"],
         "open_loop_ttft_ms_added_paired_p50": paired["p50"],
     }
     if "control_ttft_ms_paired" in open_loop:
@@ -455,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0.6,
         help="open-loop arrival rate as a fraction of the request rate engine_loop sustained closed-loop (default: 0.6)",
     )
+    parser.add_argument("--open-rounds", type=int, default=4, help="rounds of the three open-loop runs (default: 4)")
     parser.add_argument("--modes", nargs="+", default=["aggregated", "disaggregated"], choices=["aggregated", "disaggregated"])
     args = parser.parse_args(argv)
 
@@ -507,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                         open_rate = args.open_load * len(workloads[c]) * len(closed) / sum(run.wall_s for run in closed)
                         open_wl = random_workload(args.open_requests, tuple(args.prompt_len), tuple(args.output_len), vocab_size, NUM_SPECIAL_TOKENS, args.seed + 1000)
                         arrivals = poisson_arrivals(len(open_wl), open_rate, args.seed)
-                        for r in range(args.rounds):
+                        for r in range(args.open_rounds):
                             runs.append(log(run_engine_loop_open(loop, variant(open_wl, next(tags)), arrivals, c), r))
                             runs.append(log(run_grpc_open(client, variant(open_wl, next(tags)), arrivals, c), r))
                             runs.append(log(run_engine_loop_open(loop, variant(open_wl, next(tags)), arrivals, c, "engine_loop_open_repeat"), r))
@@ -524,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         "open_loop_rate_per_s": round(open_rate, 4) if open_rate else None,
         "open_loop_requests": args.open_requests if open_rate else None,
         "open_loop_load": args.open_load if open_rate else None,
+        "open_loop_rounds": args.open_rounds if open_rate else None,
         **summarize(runs),
     }
     emit_report(report, args.json)

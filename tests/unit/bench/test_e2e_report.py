@@ -1,6 +1,6 @@
 """bench.e2e's arithmetic: pooled rounds, the serving path's cost against each peer, the goal."""
 
-from bench.e2e import Run, bootstrap_ci95, poisson_arrivals, summarize, variant
+from bench.e2e import Run, bootstrap_ci95, poisson_arrivals, summarize, t_ci95, variant
 from bench.workload import BenchRequest
 
 
@@ -79,6 +79,8 @@ def test_open_loop_pairs_requests_by_index_within_a_round():
     assert (paired["p50_by_round"], paired["mean_by_round"], paired["num_pairs"]) == ([4.0, 2.0], [4.0, 3.0], 6)
     assert paired["mean"] == 3.5
     assert paired["mean_ci95"][0] <= 3.5 <= paired["mean_ci95"][1]
+    assert paired["mean_ci95_over_rounds"] == t_ci95([4.0, 3.0])
+    assert report["goal"]["open_loop_ttft_ms_added_paired_mean_by_round"] == [4.0, 3.0]
     assert "control_ttft_ms_paired" not in report["open_loop"]
     assert report["goal"]["open_loop_ttft_ms_added_paired_mean"] == 3.5
     assert report["goal"]["met"] is True
@@ -146,3 +148,12 @@ def test_poisson_arrivals_are_seeded_and_increasing_at_the_rate():
     assert a == poisson_arrivals(2000, 4.0, seed=1) and a != poisson_arrivals(2000, 4.0, seed=2)
     assert all(x < y for x, y in zip(a, a[1:]))
     assert abs(len(a) / a[-1] - 4.0) < 0.3
+
+
+def test_the_interval_over_rounds_uses_students_t():
+    # mean 2, sample sd 1, t(2 df) = 4.303: 2 -+ 4.303 / sqrt(3)
+    assert t_ci95([1.0, 2.0, 3.0]) == [-0.48, 4.48]
+    assert t_ci95([5.0, 5.0]) == [5.0, 5.0]
+    assert t_ci95([7.0]) is None
+    # Rounds that disagree widen it however many requests each pooled.
+    assert t_ci95([17.0, 4.0, 10.0, 9.0])[1] - t_ci95([17.0, 4.0, 10.0, 9.0])[0] > 2 * 6
