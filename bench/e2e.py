@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import threading
 import time
@@ -402,8 +403,7 @@ def t_ci95(values: list[float]) -> list[float] | None:
     if n < 2:
         return None
     mean = _mean(values)
-    sd = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
-    half = _T_975[min(n - 1, len(_T_975)) - 1] * sd / n**0.5
+    half = _T_975[min(n - 1, len(_T_975)) - 1] * statistics.stdev(values) / n**0.5
     return [round(mean - half, 2), round(mean + half, 2)]
 
 
