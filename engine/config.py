@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.cpus import parse_cpu_list
 from kv_store.keys import KV_DTYPES
 
 MODEL_DTYPES = ("float32", "bfloat16")
@@ -74,7 +75,10 @@ class WorkerProcessConfig:
     max_waiting_requests: int = 256
     """Requests waiting for a batch slot beyond which new ones are refused (RESOURCE_EXHAUSTED)."""
     num_threads: int | None = None
-    """torch intra-op threads of the engine thread; None uses every core the process may run on."""
+    """torch intra-op threads of the engine thread; None: one per engine CPU (every CPU the process may run on, without engine_cpus)."""
+    engine_cpus: str | None = None
+    """CPUs (Linux list, e.g. 0-13) for the engine thread and its OpenMP team alone; the worker's
+    other threads move to the CPUs it may use that are left. None: everything shares every CPU."""
     metrics_host: str = "127.0.0.1"
     """Address the Prometheus endpoint binds to."""
     metrics_port: int = 0
@@ -99,5 +103,10 @@ class WorkerProcessConfig:
             raise ValueError(f"max_waiting_requests: must be >= 0, got {self.max_waiting_requests}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
+        if self.engine_cpus is not None:
+            try:
+                parse_cpu_list(self.engine_cpus)
+            except ValueError as e:
+                raise ValueError(f"engine_cpus: {e}") from None
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: {self.metrics_port} is not a port")

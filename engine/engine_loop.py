@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cpus import pin_current_thread
 from engine.errors import InvalidRequestError
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.request import EngineRequest, RequestOutput
@@ -72,11 +73,15 @@ class _Stop:
 class EngineLoop:
     """Runs ``engine`` on a background thread; ``generate`` streams one request's outputs."""
 
-    def __init__(self, build_engine: Callable[[], LLMEngine], max_waiting_requests: int, num_threads: int, nice: int = 0) -> None:
+    def __init__(
+        self, build_engine: Callable[[], LLMEngine], max_waiting_requests: int, num_threads: int, nice: int = 0, cpus: frozenset[int] | None = None
+    ) -> None:
         self.max_waiting_requests = max_waiting_requests
         self.num_threads = num_threads
         self.nice = nice
         """Added to the engine thread's nice value before it starts any OpenMP thread (they inherit it)."""
+        self.cpus = cpus
+        """CPUs the engine thread is pinned to before it starts any OpenMP thread (they inherit them); None: not pinned."""
         self._build_engine = build_engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
@@ -144,8 +149,10 @@ class EngineLoop:
     def _run(self) -> None:
         if self.nice:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + self.nice)
-        torch.set_num_threads(self.num_threads)
         try:
+            if self.cpus is not None:
+                pin_current_thread(self.cpus)
+            torch.set_num_threads(self.num_threads)
             self.engine = self._build_engine()
             self._stats = self.engine.stats()
         except BaseException as e:  # reported by start() in the caller's thread

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
 from engine.config import EngineConfig, WorkerProcessConfig
+from engine.cpus import move_other_threads, parse_cpu_list, serving_cpus
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStatsCollector, TierStatsCollector, serve_metrics
@@ -27,11 +28,19 @@ class EngineReplica:
     """"prefill" or "decode"."""
 
     def __init__(self, replica_id: str, engine_config: EngineConfig, config: WorkerProcessConfig) -> None:
-        num_threads = config.num_threads or len(os.sched_getaffinity(0))
+        engine_cpus = parse_cpu_list(config.engine_cpus) if config.engine_cpus is not None else None
+        if engine_cpus is not None:
+            # Before the engine thread exists: it starts on the serving CPUs and pins itself.
+            move_other_threads(serving_cpus(engine_cpus), keep=set())
+        num_threads = config.num_threads or len(engine_cpus or os.sched_getaffinity(0))
         sys.setswitchinterval(config.gil_switch_interval_s)
         self.replica_id = replica_id
         self.loop = EngineLoop(
-            lambda: LLMEngine(engine_config, worker_id=replica_id), config.max_waiting_requests, num_threads, nice=config.engine_thread_nice
+            lambda: LLMEngine(engine_config, worker_id=replica_id),
+            config.max_waiting_requests,
+            num_threads,
+            nice=config.engine_thread_nice,
+            cpus=engine_cpus,
         )
         self.loop.start()
         self.engine: LLMEngine = self.loop.engine
