@@ -31,6 +31,8 @@ EOS ignored) over one engine configuration. The systems:
 The first three run in alternation, ``--rounds`` times per concurrency, because this machine's
 speed drifts by more than the cost being measured between runs minutes apart; each run gets
 prompts of the same lengths that no earlier run cached. While one system runs, the others idle.
+With ``--engine-cpus LIST`` the engine runs alone on those CPUs (in-process and in the worker) and everything
+else on the rest, as on a node whose engine cores are not the serving stack's.
 TTFT runs from handing the request over to its first token; inter-token latency is the gap
 between two token-bearing responses, per token. For gRPC runs, each request's TTFT minus the
 ``worker_first_token_s`` its last response reports is the serving path's share of that TTFT.
@@ -54,6 +56,7 @@ import torch
 from bench.workload import BenchRequest, emit_report, percentile, random_workload
 from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig, WorkerProcessConfig
+from engine.cpus import format_cpu_list, move_other_threads, parse_cpu_list, serving_cpus
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
@@ -445,12 +448,12 @@ def _versus(by: dict, system: str, baseline: str) -> dict:
     return out
 
 
-def _cluster(engine_config: EngineConfig, threads: int, disaggregated: bool) -> Cluster:
+def _cluster(engine_config: EngineConfig, threads: int, disaggregated: bool, engine_cpus: str | None) -> Cluster:
     worker_threads = max(1, threads // 2) if disaggregated else threads
     return Cluster(
         ClusterConfig(
             engine=engine_config,
-            worker=WorkerConfig(num_threads=worker_threads),
+            worker=WorkerConfig(num_threads=worker_threads, engine_cpus=engine_cpus),
             prefill=PrefillWorkerConfig(num_threads=worker_threads),
             router=RouterConfig(port=0),
             num_prefill=1 if disaggregated else 0,
@@ -480,9 +483,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--open-rounds", type=int, default=4, help="rounds of the three open-loop runs (default: 4)")
     parser.add_argument("--modes", nargs="+", default=["aggregated", "disaggregated"], choices=["aggregated", "disaggregated"])
+    parser.add_argument(
+        "--engine-cpus",
+        default=None,
+        metavar="LIST",
+        help="CPUs (e.g. 0) for the engine, in-process and in the worker alike; the bench, its clients, Ray, the router "
+        "and the workers' serving threads get the others. Aggregated mode only. (default: everything shares every CPU)",
+    )
     args = parser.parse_args(argv)
 
-    threads = torch.get_num_threads()
+    engine_cpus = serving = None
+    if args.engine_cpus is not None:
+        if "disaggregated" in args.modes:
+            parser.error("--engine-cpus: only with --modes aggregated (a prefill and a decode engine would share the CPUs)")
+        try:
+            engine_cpus = parse_cpu_list(args.engine_cpus)
+            serving = serving_cpus(engine_cpus)
+        except ValueError as e:
+            parser.error(f"--engine-cpus: {e}")
+        # Before Ray starts: its daemons, the router and the workers inherit the serving CPUs.
+        move_other_threads(serving, keep=set())
+    threads = len(engine_cpus) if engine_cpus else torch.get_num_threads()
     engine_config = EngineConfig(model=args.model, kv_dtype=args.kv_dtype, kv_cache_bytes=2 << 30)
     # One engine for both in-process systems, built and stepped on the EngineLoop's thread only:
     # this thread never runs a torch op (see engine/engine_loop.py on OpenMP teams). It runs with
@@ -490,7 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     # sits between client and engine.
     process = WorkerProcessConfig()
     sys.setswitchinterval(process.gil_switch_interval_s)
-    loop = EngineLoop(lambda: LLMEngine(engine_config), max_waiting_requests=1 << 20, num_threads=threads, nice=process.engine_thread_nice)
+    loop = EngineLoop(
+        lambda: LLMEngine(engine_config), max_waiting_requests=1 << 20, num_threads=threads, nice=process.engine_thread_nice, cpus=engine_cpus
+    )
     loop.start()
     vocab_size = loop.engine.model_config.vocab_size
     workloads = {
@@ -514,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes:
         disaggregated = mode == "disaggregated"
         system = "grpc_disaggregated" if disaggregated else "grpc"
-        cluster = _cluster(engine_config, threads, disaggregated)
+        cluster = _cluster(engine_config, threads, disaggregated, args.engine_cpus)
         status = cluster.start()
         try:
             with SplitServeClient(status.grpc_address) as client:
@@ -542,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "kv_dtype": args.kv_dtype,
         "torch_threads": threads,
+        "engine_cpus": format_cpu_list(engine_cpus) if engine_cpus else None,
+        "serving_cpus": format_cpu_list(serving) if serving else None,
         "num_requests": {str(c): len(w) for c, w in workloads.items()},
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,

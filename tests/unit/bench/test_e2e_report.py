@@ -1,6 +1,11 @@
 """bench.e2e's arithmetic: pooled rounds, the serving path's cost against each peer, the goal."""
 
-from bench.e2e import Run, bootstrap_ci95, poisson_arrivals, summarize, t_ci95, variant
+import os
+
+import pytest
+
+from bench.e2e import Run, bootstrap_ci95, main, poisson_arrivals, summarize, t_ci95, variant
+from engine.cpus import format_cpu_list
 from bench.workload import BenchRequest
 
 
@@ -157,3 +162,18 @@ def test_the_interval_over_rounds_uses_students_t():
     assert t_ci95([7.0]) is None
     # Rounds that disagree widen it however many requests each pooled.
     assert t_ci95([17.0, 4.0, 10.0, 9.0])[1] - t_ci95([17.0, 4.0, 10.0, 9.0])[0] > 2 * 6
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engine-cpus", "0"], "--engine-cpus: only with --modes aggregated"),
+        (["--engine-cpus", "0-x", "--modes", "aggregated"], "--engine-cpus: '0-x' is not a CPU number"),
+        (["--engine-cpus", format_cpu_list(set(os.sched_getaffinity(0))), "--modes", "aggregated"], "leaves no CPU for the serving threads"),
+    ],
+)
+def test_bad_engine_cpus_stop_the_bench_before_it_starts(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
