@@ -281,6 +281,7 @@ def summarize(runs: list[Run]) -> dict:
         if path:
             row["serving_path_ttft_ms_p50"] = ms(percentile(path, 50))
             row["serving_path_ttft_ms_p99"] = ms(percentile(path, 99))
+            row["serving_path_ttft_ms_mean"] = ms(statistics.fmean(path))
         results.append(row)
     by = {(r["system"], r["concurrency"]): r for r in results}
     overhead = {}
@@ -346,6 +347,12 @@ def _open_loop(by: dict, groups: dict) -> dict | None:
     if key_repeat in by:
         out["control_ttft_ms_paired"] = _paired(groups[key_repeat], groups[key_loop])
         out["ttft_ms_added_vs_bracket"] = _paired(groups[key_grpc], [_bracket(a, b) for a, b in zip(groups[key_loop], groups[key_repeat])])
+    added = out.get("ttft_ms_added_vs_bracket", out["ttft_ms_added_paired"])["mean"]
+    path = by[key_grpc].get("serving_path_ttft_ms_mean")
+    if path is not None:
+        # added = serving path (hops, measured per request) + what the worker's own time to first
+        # token exceeds the in-process TTFT by (inbox wait, a missed step, a slower engine).
+        out["ttft_ms_added_mean_split"] = {"serving_path": path, "worker": round(added - path, 2)}
     return out
 
 

@@ -177,3 +177,15 @@ def test_bad_engine_cpus_stop_the_bench_before_it_starts(argv, message, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_added_mean_splits_into_the_serving_path_and_the_worker():
+    runs = _runs((950, 950), [0.003] * 3)
+    first = {i: 0.2 + 0.01 * i for i in range(4)}
+    grpc = _open("grpc_open", 0, {i: t + 0.010 for i, t in first.items()})
+    grpc.path_ttft_s = [0.002, 0.004, 0.003, 0.007]  # mean 4 ms of hops; 6 ms more on the worker's side
+    runs += [_open("engine_loop_open", 0, first), grpc, _open("engine_loop_open_repeat", 0, dict(first))]
+    report = summarize(runs)
+    assert report["open_loop"]["ttft_ms_added_mean_split"] == {"serving_path": 4.0, "worker": 6.0}
+    grpc_row = next(r for r in report["results"] if r["system"] == "grpc_open")
+    assert grpc_row["serving_path_ttft_ms_mean"] == 4.0
