@@ -52,22 +52,13 @@ def pin_current_thread(cpus: frozenset[int]) -> None:
         raise ValueError(f"engine_cpus: cannot run on CPUs {format_cpu_list(cpus)}: {e.strerror}") from e
 
 
-def move_other_threads(cpus: frozenset[int], keep: set[int]) -> int:
-    """Move every thread of this process except the native ids in ``keep`` onto ``cpus``.
-
-    Threads started later by a moved thread inherit its mask. Returns how many were moved.
-    """
-    moved = 0
+def move_process_threads(cpus: frozenset[int]) -> None:
+    """Move every thread of this process onto ``cpus``; threads started later inherit their creator's mask."""
     for name in os.listdir("/proc/self/task"):
-        tid = int(name)
-        if tid in keep:
-            continue
         try:
-            os.sched_setaffinity(tid, cpus)
+            os.sched_setaffinity(int(name), cpus)
         except ProcessLookupError:  # the thread ended meanwhile
             continue
-        moved += 1
-    return moved
 
 
 def serving_cpus(engine_cpus: frozenset[int]) -> frozenset[int]:

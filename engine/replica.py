@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
 from engine.config import EngineConfig, WorkerProcessConfig
-from engine.cpus import move_other_threads, parse_cpu_list, serving_cpus
+from engine.cpus import move_process_threads, parse_cpu_list, serving_cpus
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStatsCollector, TierStatsCollector, serve_metrics
@@ -31,7 +31,7 @@ class EngineReplica:
         engine_cpus = parse_cpu_list(config.engine_cpus) if config.engine_cpus is not None else None
         if engine_cpus is not None:
             # Before the engine thread exists: it starts on the serving CPUs and pins itself.
-            move_other_threads(serving_cpus(engine_cpus), keep=set())
+            move_process_threads(serving_cpus(engine_cpus))
         num_threads = config.num_threads or len(engine_cpus or os.sched_getaffinity(0))
         sys.setswitchinterval(config.gil_switch_interval_s)
         self.replica_id = replica_id
