@@ -56,7 +56,7 @@ import torch
 from bench.workload import BenchRequest, emit_report, percentile, random_workload
 from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig, WorkerProcessConfig
-from engine.cpus import format_cpu_list, move_process_threads, parse_cpu_list, serving_cpus
+from engine.cpus import format_cpu_list, move_serving_threads, parse_cpu_list
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
@@ -505,11 +505,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--engine-cpus: only with --modes aggregated (a prefill and a decode engine would share the CPUs)")
         try:
             engine_cpus = parse_cpu_list(args.engine_cpus)
-            serving = serving_cpus(engine_cpus)
+            # Before Ray starts: its daemons, the router and the workers inherit the serving CPUs.
+            serving = move_serving_threads(engine_cpus)
         except ValueError as e:
             parser.error(f"--engine-cpus: {e}")
-        # Before Ray starts: its daemons, the router and the workers inherit the serving CPUs.
-        move_process_threads(serving)
     threads = len(engine_cpus) if engine_cpus else torch.get_num_threads()
     engine_config = EngineConfig(model=args.model, kv_dtype=args.kv_dtype, kv_cache_bytes=2 << 30)
     # One engine for both in-process systems, built and stepped on the EngineLoop's thread only:

@@ -94,6 +94,11 @@ class WorkerProcessConfig:
     torch ops; with Python's default (5 ms), a Ray callback or the event loop could wait that
     long for it on every hop while the engine runs."""
 
+    @property
+    def engine_cpu_set(self) -> frozenset[int] | None:
+        """``engine_cpus`` as a set of CPU numbers; None when unset."""
+        return parse_cpu_list(self.engine_cpus) if self.engine_cpus is not None else None
+
     def __post_init__(self) -> None:
         if not 0 <= self.engine_thread_nice <= 19:
             raise ValueError(f"engine_thread_nice: must be in [0, 19], got {self.engine_thread_nice}")

@@ -52,25 +52,22 @@ def pin_current_thread(cpus: frozenset[int]) -> None:
         raise ValueError(f"engine_cpus: cannot run on CPUs {format_cpu_list(cpus)}: {e.strerror}") from e
 
 
-def move_process_threads(cpus: frozenset[int]) -> None:
-    """Move every thread of this process onto ``cpus``; threads started later inherit their creator's mask."""
-    for name in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(name), cpus)
-        except ProcessLookupError:  # the thread ended meanwhile
-            continue
-
-
-def serving_cpus(engine_cpus: frozenset[int]) -> frozenset[int]:
-    """The CPUs the calling thread may use that are not the engine's; ValueError if none is left."""
+def move_serving_threads(engine_cpus: frozenset[int]) -> frozenset[int]:
+    """Move every thread of this process onto the CPUs it may use that are not the engine's, and
+    return those; ValueError if none is left. Threads started later inherit their creator's mask."""
     allowed = frozenset(os.sched_getaffinity(0))
-    left = allowed - engine_cpus
-    if not left:
+    serving = allowed - engine_cpus
+    if not serving:
         raise ValueError(
             f"engine_cpus: {format_cpu_list(engine_cpus)} leaves no CPU for the serving threads "
             f"(this process may run on {format_cpu_list(allowed)})"
         )
-    return left
+    for name in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(name), serving)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+    return serving
 
 
 def thread_cpus() -> dict[int, frozenset[int]]:

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
 from engine.config import EngineConfig, WorkerProcessConfig
-from engine.cpus import move_process_threads, parse_cpu_list, serving_cpus
+from engine.cpus import move_serving_threads
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStatsCollector, TierStatsCollector, serve_metrics
@@ -28,10 +28,9 @@ class EngineReplica:
     """"prefill" or "decode"."""
 
     def __init__(self, replica_id: str, engine_config: EngineConfig, config: WorkerProcessConfig) -> None:
-        engine_cpus = parse_cpu_list(config.engine_cpus) if config.engine_cpus is not None else None
+        engine_cpus = config.engine_cpu_set
         if engine_cpus is not None:
-            # Before the engine thread exists: it starts on the serving CPUs and pins itself.
-            move_process_threads(serving_cpus(engine_cpus))
+            move_serving_threads(engine_cpus)  # before the engine thread exists: it starts there and pins itself
         num_threads = config.num_threads or len(engine_cpus or os.sched_getaffinity(0))
         sys.setswitchinterval(config.gil_switch_interval_s)
         self.replica_id = replica_id

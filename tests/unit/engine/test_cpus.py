@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import WorkerProcessConfig
-from engine.cpus import format_cpu_list, parse_cpu_list, serving_cpus, thread_cpus
+from engine.cpus import format_cpu_list, move_serving_threads, parse_cpu_list, thread_cpus
 from engine.engine_loop import EngineLoop
 from engine.params import SamplingParams
 from engine.request import EngineRequest
@@ -48,11 +48,13 @@ def test_cpu_lists_format_as_ranges():
 def test_worker_config_names_engine_cpus():
     with pytest.raises(ValueError, match="engine_cpus: '0-x' is not a CPU number"):
         WorkerProcessConfig(engine_cpus="0-x")
+    assert WorkerProcessConfig(engine_cpus="1,3-4").engine_cpu_set == {1, 3, 4}
+    assert WorkerProcessConfig().engine_cpu_set is None
 
 
 def test_engine_cpus_covering_every_cpu_leave_none_to_serve():
     with pytest.raises(ValueError, match=f"engine_cpus: {format_cpu_list(ALLOWED)} leaves no CPU for the serving threads"):
-        serving_cpus(ALLOWED)
+        move_serving_threads(ALLOWED)  # refused before any thread moves
 
 
 def test_engine_loop_on_cpus_that_do_not_exist_fails_start(tiny_llama_dir):
