@@ -45,6 +45,17 @@ class EngineStatsCollector(Collector):
         )
         computed.add_metric(values, s.num_computed_prompt_tokens)
         yield computed
+        # rate(step_seconds) / rate(steps) is the mean step; (step_seconds - step_cpu_seconds) is
+        # how long the engine thread waited inside steps (GIL, a core, its OpenMP team).
+        for name, doc, value in (
+            ("splitserve_engine_steps", "Engine steps that computed tokens.", s.num_steps),
+            ("splitserve_engine_step_tokens", "Tokens computed by engine steps (prompt chunks and decode tokens).", s.num_step_tokens),
+            ("splitserve_engine_step_seconds", "Wall time spent in engine steps.", s.step_s),
+            ("splitserve_engine_step_cpu_seconds", "CPU time of the engine thread in engine steps.", s.step_cpu_s),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=names)
+            counter.add_metric(values, value)
+            yield counter
 
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

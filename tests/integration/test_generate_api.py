@@ -274,6 +274,9 @@ def test_prometheus_metrics_from_router_and_worker(client, cluster):
     assert _sample(worker_text, "splitserve_worker_kv_handoff_seconds_count") == 0  # no remote prefill here
     assert _sample(worker_text, "splitserve_request_plane_open_channels") == 1
     assert _sample(worker_text, "splitserve_request_plane_submitted_total") >= 1
+    assert _sample(worker_text, "splitserve_engine_steps_total") >= 2  # a prefill and a decode step at least
+    assert _sample(worker_text, "splitserve_engine_step_tokens_total") >= _sample(worker_text, "splitserve_engine_steps_total")
+    assert 0 < _sample(worker_text, "splitserve_engine_step_cpu_seconds_total") <= 1.05 * _sample(worker_text, "splitserve_engine_step_seconds_total")
 
 
 def _sample(text: str, name: str) -> float:
