@@ -248,3 +248,30 @@ def test_a_workers_step_counters_are_read_from_its_prometheus_endpoint():
     empty = serve_metrics(CollectorRegistry(), "127.0.0.1", 0)
     with pytest.raises(RuntimeError, match="has no cpu_s, step_s, steps, tokens counter"):
         scraped_steps(empty)
+
+
+def test_interference_compares_each_load_with_idle_in_the_same_run():
+    from bench.interference import summarize as interference
+
+    ms = lambda *v: [(x / 1000, x / 1000 * 0.99) for x in v]  # noqa: E731
+    report = interference({"idle": [ms(100, 100, 101), ms(99, 100)], "memory": [ms(105, 105, 106), ms(104, 105)]})
+    assert (report["idle"]["decode_step_ms_p50"], report["memory"]["decode_step_ms_p50"]) == (100.0, 105.0)
+    assert (report["idle"]["slowdown_vs_idle"], report["memory"]["slowdown_vs_idle"]) == (0.0, 0.05)
+    assert report["memory"]["decode_step_ms_p50_by_round"] == [105.0, 104.5]
+    assert report["memory"]["num_steps"] == 5
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--engine-cpu", "0", "--load-cpu", "0"], "--load-cpu: must differ from --engine-cpu"),
+        (["--engine-cpu", "4095"], "--engine-cpu: CPU 4095 is not one this process may run on"),
+    ],
+)
+def test_interference_refuses_cpus_it_cannot_use(argv, message, capsys):
+    from bench.interference import main as interference_main
+
+    with pytest.raises(SystemExit) as exit_:
+        interference_main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
