@@ -141,12 +141,18 @@ class Run:
     """gRPC only: client TTFT minus the worker's own time to first token."""
     ttft_s_by_index: dict[int, float] = field(default_factory=dict)
     """Open-loop runs: TTFT per request index, to pair two systems' runs of one schedule."""
+    queue_s: list[float] = field(default_factory=list)
+    """Per request, the engine's wait from the request reaching it to its first scheduled step."""
     engine: EngineSteps | None = None
     """What the engine's steps did during the run (``counted``)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def request(self, start: float, events: list[tuple[float, int]], worker_first_token_s: float | None = None, index: int | None = None) -> None:
+    def request(
+        self, start: float, events: list[tuple[float, int]], worker_first_token_s: float | None = None, index: int | None = None, queue_s: float | None = None
+    ) -> None:
         with self._lock:
+            if queue_s is not None:
+                self.queue_s.append(queue_s)
             ttft = events[0][0] - start
             self.ttft_s.append(ttft)
             if index is not None:
@@ -181,15 +187,17 @@ def run_engine_step(engine: LLMEngine, workload: list[BenchRequest], concurrency
     return run
 
 
-async def _stream(loop: EngineLoop, request_id: str, req: BenchRequest) -> tuple[float, list[tuple[float, int]]]:
-    """One request through ``loop``: when it was handed over, and (time, tokens) per output with tokens."""
+async def _stream(loop: EngineLoop, request_id: str, req: BenchRequest) -> tuple[float, list[tuple[float, int]], float | None]:
+    """One request through ``loop``: when it was handed over, (time, tokens) per output with
+    tokens, and its queue time."""
     request = EngineRequest(request_id, list(req.prompt_token_ids), None, _params(req), None)
-    events = []
+    events, queue_s = [], None
     t0 = time.perf_counter()
     async for out in loop.generate(request):
         if out.new_token_ids:
             events.append((time.perf_counter(), len(out.new_token_ids)))
-    return t0, events
+        queue_s = out.queue_s
+    return t0, events, queue_s
 
 
 def run_engine_loop(loop: EngineLoop, workload: list[BenchRequest], concurrency: int) -> Run:
@@ -200,7 +208,8 @@ def run_engine_loop(loop: EngineLoop, workload: list[BenchRequest], concurrency:
     async def client() -> None:
         while queue:
             index, req = queue.pop(0)
-            run.request(*await _stream(loop, f"loop-{time.monotonic_ns()}-{index}", req))
+            t0, events, queue_s = await _stream(loop, f"loop-{time.monotonic_ns()}-{index}", req)
+            run.request(t0, events, queue_s=queue_s)
 
     async def main() -> None:
         await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -227,7 +236,8 @@ def run_engine_loop_open(loop: EngineLoop, workload: list[BenchRequest], arrival
 
     async def one(index: int, req: BenchRequest, start: float) -> None:
         await asyncio.sleep(max(0.0, start + arrivals[index] - time.perf_counter()))
-        run.request(*await _stream(loop, f"open-{time.monotonic_ns()}-{index}", req), index=index)
+        t0, events, queue_s = await _stream(loop, f"open-{time.monotonic_ns()}-{index}", req)
+        run.request(t0, events, index=index, queue_s=queue_s)
 
     async def main() -> None:
         start = time.perf_counter()
@@ -251,7 +261,7 @@ def run_grpc_open(client: SplitServeClient, workload: list[BenchRequest], arriva
             if response.token_ids:
                 events.append((time.perf_counter(), len(response.token_ids)))
             last = response
-        run.request(t0, events, last.timings.worker_first_token_s, index=index)
+        run.request(t0, events, last.timings.worker_first_token_s, index=index, queue_s=last.timings.queue_s)
 
     start = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i, req, start)) for i, req in enumerate(workload)]
@@ -280,7 +290,7 @@ def run_grpc(client: SplitServeClient, workload: list[BenchRequest], concurrency
                 if response.token_ids:
                     events.append((time.perf_counter(), len(response.token_ids)))
                 last = response
-            run.request(t0, events, last.timings.worker_first_token_s)
+            run.request(t0, events, last.timings.worker_first_token_s, queue_s=last.timings.queue_s)
 
     start = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -343,6 +353,9 @@ def summarize(runs: list[Run]) -> dict:
             row["engine_step_ms_mean"] = ms(total.step_s / total.steps)
             row["engine_step_stall_ms_mean"] = _stall_ms(total)
             row["engine_step_stall_ms_by_round"] = [_stall_ms(e) for e in counters]
+        queue = [v for r in group for v in r.queue_s]
+        if queue:
+            row["queue_ms_mean"] = ms(statistics.fmean(queue))
         if path:
             row["serving_path_ttft_ms_p50"] = ms(percentile(path, 50))
             row["serving_path_ttft_ms_p99"] = ms(percentile(path, 99))
@@ -427,6 +440,9 @@ def _open_loop(by: dict, groups: dict) -> dict | None:
         out["ttft_ms_added_mean_split"] = {"serving_path": path, "worker": round(added - path, 2)}
         pooled = [v * 1000 for run in groups[key_grpc] for v in run.path_ttft_s]
         out["serving_path_ttft_ms_mean_ci95"] = bootstrap_ci95(pooled, _mean)
+    queue = {key[0]: by[key]["queue_ms_mean"] for key in (key_grpc, key_loop, key_repeat) if "queue_ms_mean" in by.get(key, {})}
+    if queue:
+        out["queue_ms_mean"] = queue  # the worker's side of the added TTFT: waiting for a step, or after it
     peers = [[run] for run in groups[key_loop]]
     if key_repeat in groups:
         peers = [[a, b] for a, b in zip(groups[key_loop], groups[key_repeat])]

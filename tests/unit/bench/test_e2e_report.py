@@ -221,6 +221,8 @@ def test_the_engines_time_over_the_same_work_is_compared_with_the_runs_either_si
     assert engine["tokens"] == {"grpc": 5000, "peer": 5000}
     assert (engine["step_time_added"], engine["step_time_added_by_round"], engine["cpu_time_added"]) == (0.0198, [0.0198], 0.01)
     assert engine["stall_ms_per_step"] == {"grpc": 2.041, "peer": 0.99}
+    loop.queue_s, grpc.queue_s, repeat.queue_s = [0.010, 0.030], [0.030, 0.050], [0.020]
+    assert summarize(runs)["open_loop"]["queue_ms_mean"] == {"grpc_open": 40.0, "engine_loop_open": 20.0, "engine_loop_open_repeat": 20.0}
     grpc_row = next(r for r in summarize(runs)["results"] if r["system"] == "grpc_open")
     assert (grpc_row["engine_steps"], grpc_row["engine_step_ms_mean"], grpc_row["engine_step_stall_ms_mean"]) == (98, 105.1, 2.041)
     loop.engine = None  # a run without counters: nothing to compare
