@@ -315,14 +315,14 @@ def variant(workload: list[BenchRequest], tag: int) -> list[BenchRequest]:
 def summarize(runs: list[Run]) -> dict:
     """Pooled statistics per (system, concurrency), the serving path's cost per round and pooled,
     disaggregated against aggregated, and whether the goal is met: at concurrency 8, at most 10%
-    of throughput lost against ``engine_loop``, and at most 5 ms of TTFT spent on the serving
-    path, measured per request (client TTFT minus the worker's own): its p50 closed-loop and,
-    where the open-loop runs are in, its mean open-loop. Beside the verdict, ``end_to_end_met``:
-    whether the TTFT added per request (mean of the paired differences) against the average of
-    ``engine_loop_open`` and ``engine_loop_open_repeat`` (or ``engine_loop_open`` alone without
-    the repeat; see ``_open_loop``) is at most 5 ms. That one also holds what the serving stack's
-    CPU takes from the engine on a machine whose cores it shares, which the report measures on its
-    own (``engine_vs_bracket``), as it does the throughput."""
+    of throughput lost against ``engine_loop``, and at most 5 ms of TTFT. The TTFT is judged
+    twice, and ``met`` needs both: ``serving_path_met``, the time spent on the serving path
+    measured per request (client TTFT minus the worker's own), its p50 closed-loop and, where the
+    open-loop runs are in, its mean open-loop; and ``end_to_end_met``, the TTFT added per request
+    (mean of the paired differences) against the average of ``engine_loop_open`` and
+    ``engine_loop_open_repeat`` (or ``engine_loop_open`` alone without the repeat; see
+    ``_open_loop``). The second also holds what the serving stack takes from the engine itself,
+    which the report measures apart (``engine_vs_bracket``), as it does the throughput."""
     groups: dict[tuple[str, int], list[Run]] = {}
     for r in runs:
         groups.setdefault((r.system, r.concurrency), []).append(r)
@@ -389,16 +389,15 @@ def summarize(runs: list[Run]) -> dict:
             "ttft_ms_p50_added_by_round": at["ttft_ms_p50_added_by_round"],
             "peer_ttft_ms_p50_round_spread": round(max(peer["ttft_ms_p50_by_round"]) - min(peer["ttft_ms_p50_by_round"]), 2),
             **goal_open,
-            "met": at["throughput_loss"] <= GOAL_THROUGHPUT_LOSS
+            "serving_path_met": at["throughput_loss"] <= GOAL_THROUGHPUT_LOSS
             and path_ms <= GOAL_TTFT_ADDED_MS
             and (open_path_ms is None or open_path_ms <= GOAL_TTFT_ADDED_MS),
         }
-        if open_loop is not None:
-            # Reported beside the verdict, not in it: end to end on one small machine, the TTFT
-            # added also holds the engine's own slowdown while the router and the load generator
-            # run on the cores beside it (open_loop["engine_vs_bracket"]), which the serving path
-            # does not cost where the engine runs on an accelerator.
-            goal["end_to_end_met"] = goal_open["open_loop_ttft_ms_added_paired_mean"] <= GOAL_TTFT_ADDED_MS
+        # End to end, the TTFT added also holds whatever makes the worker's own time to first
+        # token longer than the in-process engine's (open_loop["ttft_ms_added_mean_split"]):
+        # a slower engine (open_loop["engine_vs_bracket"]), a longer queue, or chance.
+        goal["end_to_end_met"] = None if open_loop is None else goal_open["open_loop_ttft_ms_added_paired_mean"] <= GOAL_TTFT_ADDED_MS
+        goal["met"] = goal["serving_path_met"] and goal["end_to_end_met"] is not False
     return {
         "results": results,
         "serving_overhead": overhead,

@@ -92,7 +92,7 @@ def test_open_loop_pairs_requests_by_index_within_a_round():
     assert report["goal"]["end_to_end_met"] is True
     runs[-1] = _open("grpc_open", 1, {0: 0.250, 1: 0.350, 2: 0.450})  # a whole step late
     runs[-3] = _open("grpc_open", 0, {0: 0.200, 1: 0.300, 2: 0.400})
-    assert summarize(runs)["goal"]["end_to_end_met"] is False
+    assert (summarize(runs)["goal"]["end_to_end_met"], summarize(runs)["goal"]["met"]) == (False, False)
 
 
 def test_the_open_loop_goal_is_the_paired_mean_not_the_median():
@@ -104,7 +104,7 @@ def test_the_open_loop_goal_is_the_paired_mean_not_the_median():
     runs += [_open("engine_loop_open", 0, loop), _open("grpc_open", 0, grpc)]
     goal = summarize(runs)["goal"]
     assert (goal["open_loop_ttft_ms_added_paired_p50"], goal["open_loop_ttft_ms_added_paired_mean"]) == (-10.0, 34.0)
-    assert goal["end_to_end_met"] is False
+    assert (goal["end_to_end_met"], goal["met"]) == (False, False)
 
 
 def test_open_loop_reports_the_a_a_control():
@@ -134,9 +134,9 @@ def test_the_goal_judges_the_grpc_run_against_the_in_process_runs_either_side():
     report = summarize(runs)
     assert report["open_loop"]["ttft_ms_added_paired"]["mean"] == 12.0
     assert report["open_loop"]["ttft_ms_added_vs_bracket"]["mean"] == 2.0
-    assert (report["goal"]["open_loop_against"], report["goal"]["open_loop_ttft_ms_added_paired_mean"], report["goal"]["end_to_end_met"]) == ("bracket", 2.0, True)
+    assert (report["goal"]["open_loop_against"], report["goal"]["open_loop_ttft_ms_added_paired_mean"], report["goal"]["met"]) == ("bracket", 2.0, True)
     runs[-2] = _open("grpc_open", 0, {i: t + 0.018 for i, t in first.items()})  # 8 ms over the bracket
-    assert summarize(runs)["goal"]["end_to_end_met"] is False
+    assert summarize(runs)["goal"]["met"] is False
 
 
 def test_bootstrap_interval_brackets_the_estimate_and_narrows_with_samples():
@@ -206,9 +206,10 @@ def test_the_verdict_takes_the_serving_path_per_request_and_reports_end_to_end_b
     goal = summarize(_open_split([0.002, 0.004, 0.003, 0.007]))["goal"]
     assert (goal["open_loop_serving_path_ttft_ms_mean"], goal["open_loop_ttft_ms_added_paired_mean"]) == (4.0, 12.0)
     assert goal["open_loop_serving_path_ttft_ms_mean_ci95"][0] <= 4.0 <= goal["open_loop_serving_path_ttft_ms_mean_ci95"][1]
-    assert (goal["met"], goal["end_to_end_met"]) == (True, False)
+    assert (goal["serving_path_met"], goal["end_to_end_met"], goal["met"]) == (True, False, False)
     slow_hops = summarize(_open_split([0.006, 0.008, 0.007, 0.007]))["goal"]  # closed-loop p50 3 ms, open-loop mean 7 ms
-    assert (slow_hops["serving_path_ttft_ms_p50"], slow_hops["open_loop_serving_path_ttft_ms_mean"], slow_hops["met"]) == (3.0, 7.0, False)
+    assert (slow_hops["serving_path_ttft_ms_p50"], slow_hops["open_loop_serving_path_ttft_ms_mean"], slow_hops["serving_path_met"]) == (3.0, 7.0, False)
+    assert summarize(_runs((950, 950), [0.003] * 3))["goal"]["end_to_end_met"] is None  # no open loop: judged on the path alone
 
 
 def test_the_engines_time_over_the_same_work_is_compared_with_the_runs_either_side():
