@@ -459,25 +459,23 @@ def _engine_versus(runs: list[Run], peers: list[list[Run]]) -> dict | None:
     waits inside steps (GIL, preemption)."""
     if any(run.engine is None for run in runs) or any(p.engine is None for pair in peers for p in pair):
         return None
-    rounds = []
-    for run, pair in zip(runs, peers):
-        g = run.engine
-        step_s = _mean([p.engine.step_s for p in pair])
-        cpu_s = _mean([p.engine.cpu_s for p in pair])
-        rounds.append((g, step_s, cpu_s, _mean([p.engine.tokens for p in pair]), _mean([p.engine.steps for p in pair])))
-    total = lambda i: sum(r[i] for r in rounds)  # noqa: E731
-    g_step, g_cpu, g_stall = sum(r[0].step_s for r in rounds), sum(r[0].cpu_s for r in rounds), sum(r[0].step_s - r[0].cpu_s for r in rounds)
+    per_round = [(run.engine, _mean_steps([p.engine for p in pair])) for run, pair in zip(runs, peers)]
+    grpc = sum((g for g, _ in per_round), EngineSteps())
+    peer = sum((p for _, p in per_round), EngineSteps())
     return {
-        "tokens": {"grpc": sum(r[0].tokens for r in rounds), "peer": round(total(3))},
-        "steps": {"grpc": sum(r[0].steps for r in rounds), "peer": round(total(4))},
-        "step_time_added": round(g_step / total(1) - 1, 4),
-        "step_time_added_by_round": [round(r[0].step_s / r[1] - 1, 4) for r in rounds],
-        "cpu_time_added": round(g_cpu / total(2) - 1, 4),
-        "stall_ms_per_step": {
-            "grpc": round(1000 * g_stall / sum(r[0].steps for r in rounds), 3),
-            "peer": round(1000 * (total(1) - total(2)) / total(4), 3),
-        },
+        "tokens": {"grpc": grpc.tokens, "peer": round(peer.tokens)},
+        "steps": {"grpc": grpc.steps, "peer": round(peer.steps)},
+        "step_time_added": round(grpc.step_s / peer.step_s - 1, 4),
+        "step_time_added_by_round": [round(g.step_s / p.step_s - 1, 4) for g, p in per_round],
+        "cpu_time_added": round(grpc.cpu_s / peer.cpu_s - 1, 4),
+        "stall_ms_per_step": {"grpc": _stall_ms(grpc), "peer": _stall_ms(peer)},
     }
+
+
+def _mean_steps(runs: list[EngineSteps]) -> EngineSteps:
+    """The runs' counters averaged (counts become fractional)."""
+    total, n = sum(runs, EngineSteps()), len(runs)
+    return EngineSteps(total.steps / n, total.tokens / n, total.step_s / n, total.cpu_s / n)
 
 
 def _stall_ms(steps: EngineSteps) -> float:

@@ -219,7 +219,7 @@ def test_the_engines_time_over_the_same_work_is_compared_with_the_runs_either_si
     repeat.engine = EngineSteps(steps=102, tokens=5000, step_s=10.2, cpu_s=10.1)
     grpc.engine = EngineSteps(steps=98, tokens=5000, step_s=10.3, cpu_s=10.1)  # 2% longer, 2 ms waits per step
     engine = summarize(runs)["open_loop"]["engine_vs_bracket"]
-    assert engine["tokens"] == {"grpc": 5000, "peer": 5000}
+    assert (engine["tokens"], engine["steps"]) == ({"grpc": 5000, "peer": 5000}, {"grpc": 98, "peer": 101})
     assert (engine["step_time_added"], engine["step_time_added_by_round"], engine["cpu_time_added"]) == (0.0198, [0.0198], 0.01)
     assert engine["stall_ms_per_step"] == {"grpc": 2.041, "peer": 0.99}
     loop.queue_s, grpc.queue_s, repeat.queue_s = [0.010, 0.030], [0.030, 0.050], [0.020]
