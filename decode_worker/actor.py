@@ -44,7 +44,7 @@ from engine.llm_engine import LLMEngine, RemotePrefill
 from engine.metrics import CountersCollector, RequestTimingHistograms
 from engine.params import SamplingParams
 from engine.replica import EngineReplica
-from engine.request import EngineRequest
+from engine.request import EngineRequest, RequestTrace
 from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult
 from kv_transfer.registry import transport_class
 from proto import splitserve_pb2 as pb
@@ -123,7 +123,7 @@ class DecodeWorker(EngineReplica):
         timings = pb.Timings()
         first_token = None
         try:
-            engine_request = to_engine_request(request)
+            engine_request = to_engine_request(request, arrival_s=reached)
             if prefill is None or self.receiver is None:
                 outputs = self.loop.generate(engine_request)
             else:
@@ -135,9 +135,9 @@ class DecodeWorker(EngineReplica):
                 if output.finished:
                     timings.worker_first_token_s = first_token or 0.0
                     timings.worker_total_s = time.monotonic() - reached
-                    timings.queue_s = output.queue_s or 0.0
+                    _trace_timings(timings, output.trace, reached)
                     response.timings.CopyFrom(timings)
-                    self.request_metrics.observe(timings.queue_s, timings.worker_first_token_s, timings.kv_handoff_s)
+                    self.request_metrics.observe(timings.admitted_s, timings.queue_s, timings.worker_first_token_s, timings.kv_handoff_s)
                 yield wpb.WorkerEvent(response=response)
         except InvalidRequestError as e:
             yield _error(wpb.RequestError.INVALID_ARGUMENT, str(e))
@@ -336,6 +336,17 @@ class DecodeWorker(EngineReplica):
         self.stop_engine()
         if self.receiver is not None:
             self.receiver.close()
+
+
+def _trace_timings(timings: pb.Timings, trace: RequestTrace | None, reached: float) -> None:
+    """The engine's trace of a request as Timings offsets from ``reached`` (0 where it never got there)."""
+    if trace is None:
+        return
+    timings.admitted_s = trace.admitted_s - reached
+    if trace.first_scheduled_s is not None:
+        timings.queue_s = trace.first_scheduled_s - reached
+    if trace.first_token_s is not None:
+        timings.first_step_end_s = trace.first_token_s - reached
 
 
 def _first_token_params(params: SamplingParams) -> SamplingParams:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -137,10 +138,12 @@ class _Channel:
 
     async def _receive(self, reader: asyncio.StreamReader) -> None:
         while True:
-            message = wpb.RouterMessage.FromString(await read_frame(reader))
+            data = await read_frame(reader)
+            received_s = time.monotonic()
+            message = wpb.RouterMessage.FromString(data)
             kind = message.WhichOneof("kind")
             if kind == "submit":
-                self._submit(message.submit)
+                self._submit(message.submit, received_s)
             elif kind == "cancel":
                 task = self.tasks.get(message.cancel.request_id)
                 if task is not None:
@@ -149,7 +152,7 @@ class _Channel:
             else:
                 raise ValueError(f"unexpected message {kind!r} on an open channel")
 
-    def _submit(self, submit: wpb.Submit) -> None:
+    def _submit(self, submit: wpb.Submit, received_s: float) -> None:
         request_id = submit.request.request_id
         if not request_id or request_id in self.tasks:
             problem = "is missing" if not request_id else f"{request_id!r} is already running on this channel"
@@ -157,15 +160,20 @@ class _Channel:
             self.events.put_nowait(wpb.WorkerEvent(error=error, request_id=request_id))
             return
         self.server.stats.num_submitted += 1
-        task = asyncio.get_running_loop().create_task(self._pump(submit))
+        task = asyncio.get_running_loop().create_task(self._pump(submit, received_s))
         self.tasks[request_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(request_id, None))
 
-    async def _pump(self, submit: wpb.Submit) -> None:
+    async def _pump(self, submit: wpb.Submit, received_s: float) -> None:
+        """Runs the request; its last response also reports how long it took from its Submit
+        frame being read to starting (``Timings.request_plane_s``: this event loop's backlog)."""
         request_id = submit.request.request_id
+        started_s = time.monotonic()
         try:
             async for event in self.server._start_request(submit):
                 event.request_id = request_id
+                if event.WhichOneof("kind") == "response" and event.response.finish_reason:
+                    event.response.timings.request_plane_s = started_s - received_s
                 self.events.put_nowait(event)
         except Exception as e:  # a bug must end its request with an error, never leave the caller waiting
             logger.exception("replica %s: request %s failed", self.server.replica_id, request_id)

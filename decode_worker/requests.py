@@ -3,6 +3,8 @@ outputs become GenerateResponse protos."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
 from engine.request import EngineRequest, FinishReason, RequestOutput
@@ -15,8 +17,9 @@ _FINISH_REASONS = {
 }
 
 
-def to_engine_request(request: pb.GenerateRequest) -> EngineRequest:
-    """Raises InvalidRequestError naming the field when a value is out of range."""
+def to_engine_request(request: pb.GenerateRequest, arrival_s: float | None = None) -> EngineRequest:
+    """Raises InvalidRequestError naming the field when a value is out of range. ``arrival_s``:
+    when the request reached the worker (``time.monotonic``; default now)."""
     sampling, stop = request.sampling, request.stop
     params = SamplingParams(
         max_tokens=stop.max_tokens if stop.HasField("max_tokens") else 16,
@@ -45,7 +48,8 @@ def to_engine_request(request: pb.GenerateRequest) -> EngineRequest:
         prompt = list(request.prompt_token_ids)
     else:
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
-    return EngineRequest(request.request_id, prompt, messages, params, request.tenant_salt or None)
+    engine_request = EngineRequest(request.request_id, prompt, messages, params, request.tenant_salt or None)
+    return engine_request if arrival_s is None else replace(engine_request, arrival_s=arrival_s)
 
 
 def to_response(output: RequestOutput) -> pb.GenerateResponse:

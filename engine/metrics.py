@@ -76,11 +76,13 @@ class RequestTimingHistograms:
             self.collectors.append(family)
             return family.labels(*values)
 
+        self.admit = histogram("splitserve_worker_admit_seconds", "Reaching the worker to the engine thread taking it in (the rest of the step it was running).")
         self.queue = histogram("splitserve_worker_queue_seconds", "Reaching the worker to the first scheduled step (the wait for the engine thread included).")
         self.first_token = histogram("splitserve_worker_first_token_seconds", "Reaching the worker to its first token leaving for the router.")
         self.kv_handoff = histogram("splitserve_worker_kv_handoff_seconds", "Asking a prefill worker to its KV having landed (remote prefills only).")
 
-    def observe(self, queue_s: float, first_token_s: float, kv_handoff_s: float) -> None:
+    def observe(self, admit_s: float, queue_s: float, first_token_s: float, kv_handoff_s: float) -> None:
+        self.admit.observe(admit_s)
         self.queue.observe(queue_s)
         self.first_token.observe(first_token_s)
         if kv_handoff_s > 0:

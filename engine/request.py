@@ -40,10 +40,37 @@ class RequestOutput:
     num_cached_tokens: int
     """Prompt tokens served from the prefix cache at admission."""
     num_output_tokens: int
-    queue_s: float | None = None
-    """On the last output: seconds from the request's arrival (``add_request``, or the
-    ``arrival_s`` it was given) to the step that first scheduled it (for a remote prefill, to
-    the moment its KV joined the batch); None before."""
+    trace: RequestTrace | None = None
+    """On the last output: when the request passed each point on its way to its first token."""
+
+    @property
+    def queue_s(self) -> float | None:
+        """On the last output: seconds from the request's arrival (``add_request``, or the
+        ``arrival_s`` it was given) to the step that first scheduled it (for a remote prefill, to
+        the moment its KV joined the batch); None before."""
+        if self.trace is None or self.trace.first_scheduled_s is None:
+            return None
+        return self.trace.first_scheduled_s - self.trace.arrival_s
+
+
+@dataclass(frozen=True)
+class RequestTrace:
+    """A request's way to its first token, in ``time.monotonic`` seconds of the engine's process.
+    The gaps between them are where its time to first token went::
+
+        arrival_s          reached the worker (``EngineRequest.arrival_s``)
+          pickup           the engine thread finishing the step it was running
+        admitted_s         the engine thread took the request in, between two steps
+          wait             steps that ran without it (no free slot, other prompts first)
+        first_scheduled_s  the step that first ran its tokens began
+          prefill          the steps computing its prompt (for a remote prefill: none)
+        first_token_s      the step that sampled its first token ended
+    """
+
+    arrival_s: float
+    admitted_s: float
+    first_scheduled_s: float | None
+    first_token_s: float | None
 
 
 @dataclass(frozen=True)
@@ -87,8 +114,12 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     arrival_s: float = field(default_factory=time.monotonic)
+    admitted_s: float = field(default_factory=time.monotonic)
+    """When the engine took the request in (built by ``add_request`` on the engine's thread)."""
     first_scheduled_s: float | None = None
     """When a step first ran this request's tokens (``time.monotonic``)."""
+    first_token_s: float | None = None
+    """When the output carrying its first token was taken (the end of the step that sampled it)."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -144,6 +175,8 @@ class Request:
 
     def take_output(self) -> RequestOutput:
         """The tokens and text produced since the last call."""
+        if self._pending_tokens and self.first_token_s is None:
+            self.first_token_s = time.monotonic()
         out = RequestOutput(
             request_id=self.request_id,
             new_token_ids=tuple(self._pending_tokens),
@@ -154,7 +187,7 @@ class Request:
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
             num_output_tokens=self.num_output_tokens,
-            queue_s=self.first_scheduled_s - self.arrival_s if self.finished and self.first_scheduled_s is not None else None,
+            trace=RequestTrace(self.arrival_s, self.admitted_s, self.first_scheduled_s, self.first_token_s) if self.finished else None,
         )
         self._pending_tokens, self._pending_text = [], []
         return out

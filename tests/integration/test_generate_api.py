@@ -128,6 +128,9 @@ def test_last_response_carries_the_worker_timings(client):
     t = responses[-1].timings
     assert 0 < t.queue_s < t.worker_first_token_s < t.worker_total_s < client_ttft
     assert t.kv_handoff_s == 0  # aggregated: prefilled on the decode worker
+    # The first token's way through the worker, in order: taken in, scheduled, sampled, handed back.
+    assert 0 < t.admitted_s <= t.queue_s < t.first_step_end_s <= t.worker_first_token_s
+    assert 0 < t.request_plane_s < t.worker_first_token_s  # the Submit frame read to the request starting
 
 
 def test_chat_messages_and_stop_strings(client):
@@ -270,6 +273,7 @@ def test_prometheus_metrics_from_router_and_worker(client, cluster):
     assert 'splitserve_kv_tier_hits_total{pool="decode",replica="decode-0",tier="pool"}' in worker_text
     assert 'splitserve_kv_handoff_remote_prefills_total{pool="decode",replica="decode-0"} 0.0' in worker_text
     assert _sample(worker_text, "splitserve_worker_queue_seconds_count") >= 1
+    assert _sample(worker_text, "splitserve_worker_admit_seconds_count") == _sample(worker_text, "splitserve_worker_queue_seconds_count")
     assert _sample(worker_text, "splitserve_worker_first_token_seconds_count") >= 1
     assert _sample(worker_text, "splitserve_worker_kv_handoff_seconds_count") == 0  # no remote prefill here
     assert _sample(worker_text, "splitserve_request_plane_open_channels") == 1

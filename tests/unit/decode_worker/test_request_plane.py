@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 
 from decode_worker.request_plane import RequestPlaneServer
 from proto import splitserve_pb2 as pb
@@ -100,6 +101,38 @@ def test_requests_stream_back_tagged_and_one_frame_per_step():
         assert server.stats.num_channels_opened == 1 and server.stats.num_open_channels == 1
         writer.close()
         await until(lambda: server.stats.num_open_channels == 0)
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_the_last_response_reports_the_wait_between_the_submit_frame_and_the_request_starting():
+    """The event loop is the request plane's own queue: a request whose start blocks it for 0.3 s
+    (standing in for a burst of work) delays the start of the one submitted beside it, and the
+    latter's ``request_plane_s`` says so; only the last response carries it."""
+
+    async def start_request(submit: wpb.Submit):
+        if submit.request.request_id == "hog":
+            time.sleep(0.3)
+        for last in (False, True):
+            await asyncio.sleep(0.01)
+            response = pb.GenerateResponse(token_ids=[1], finish_reason=pb.FINISH_REASON_LENGTH if last else None)
+            yield wpb.WorkerEvent(response=response)
+
+    async def main():
+        server = RequestPlaneServer("decode-t", TOKEN, start_request)
+        endpoint = await server.start("127.0.0.1", 0)
+        reader, writer = await connect(endpoint)
+        writer.write(frame(wpb.RouterMessage(submit=wpb.Submit(request=pb.GenerateRequest(request_id="hog")))) +
+                     frame(wpb.RouterMessage(submit=wpb.Submit(request=pb.GenerateRequest(request_id="behind")))))
+        events = []
+        while len(events) < 4:
+            events += (await next_batch(reader)).events
+        last = {e.request_id: e.response for e in events if e.response.finish_reason}
+        assert [e.response.HasField("timings") for e in events if not e.response.finish_reason] == [False, False]
+        assert last["hog"].timings.request_plane_s < 0.1
+        assert last["behind"].timings.request_plane_s >= 0.25
+        writer.close()
         server.close()
 
     asyncio.run(main())

@@ -50,6 +50,12 @@ def test_concurrent_streams_equal_the_engine_alone(loop, tiny_llama_dir):
     # Two batch slots: the third request waits for one of the first two to finish (12 steps).
     queue_s = [last.queue_s for _, last in got]
     assert max(queue_s[:2]) < queue_s[2]
+    # The trace puts that wait after admission (no free slot), not before it.
+    third = got[2][1].trace
+    assert third.first_scheduled_s - third.admitted_s > 0.5 * queue_s[2]
+    for _, last in got:
+        t = last.trace
+        assert t.arrival_s <= t.admitted_s <= t.first_scheduled_s < t.first_token_s
 
 
 def test_only_the_last_output_carries_the_queue_time(loop):
@@ -58,6 +64,7 @@ def test_only_the_last_output_carries_the_queue_time(loop):
 
     outputs = asyncio.run(main())
     assert [o.queue_s is None for o in outputs] == [True] * (len(outputs) - 1) + [False]
+    assert [o.trace is None for o in outputs] == [True] * (len(outputs) - 1) + [False]
     assert 0 < outputs[-1].queue_s < 5
 
 
@@ -79,6 +86,10 @@ def test_queue_time_counts_the_wait_for_the_engine_thread(loop):
 
     last = asyncio.run(main())[-1]
     assert last.queue_s >= 0.25
+    # ...and the trace places it before the engine thread took the request in.
+    t = last.trace
+    assert t.admitted_s - t.arrival_s >= 0.25
+    assert t.first_scheduled_s - t.admitted_s < 0.1
 
 
 def test_a_step_crosses_to_each_event_loop_once(loop):
