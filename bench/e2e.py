@@ -63,7 +63,8 @@ from engine.cpus import format_cpu_list, move_serving_threads, parse_cpu_list
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
-from engine.request import EngineRequest
+from engine.request import EngineRequest, RequestOutput, RequestTrace
+from proto import splitserve_pb2 as pb
 from prefill_worker.config import PrefillWorkerConfig
 from router.client import SplitServeClient
 from router.config import RouterConfig
@@ -143,12 +144,20 @@ class Run:
     """Open-loop runs: TTFT per request index, to pair two systems' runs of one schedule."""
     queue_s: list[float] = field(default_factory=list)
     """Per request, the engine's wait from the request reaching it to its first scheduled step."""
+    stages_by_index: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Open-loop runs: per request index, where its TTFT went (``STAGES``), in seconds."""
     engine: EngineSteps | None = None
     """What the engine's steps did during the run (``counted``)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def request(
-        self, start: float, events: list[tuple[float, int]], worker_first_token_s: float | None = None, index: int | None = None, queue_s: float | None = None
+        self,
+        start: float,
+        events: list[tuple[float, int]],
+        worker_first_token_s: float | None = None,
+        index: int | None = None,
+        queue_s: float | None = None,
+        stages: dict[str, float] | None = None,
     ) -> None:
         with self._lock:
             if queue_s is not None:
@@ -157,11 +166,47 @@ class Run:
             self.ttft_s.append(ttft)
             if index is not None:
                 self.ttft_s_by_index[index] = ttft
+                if stages is not None:
+                    self.stages_by_index[index] = stages
             for (t0, _), (t1, n) in zip(events, events[1:]):
                 self.itl_s += [(t1 - t0) / n] * n
             self.num_tokens += sum(n for _, n in events)
             if worker_first_token_s is not None:
                 self.path_ttft_s.append(ttft - worker_first_token_s)
+
+
+STAGES = ("hops", "request_plane", "pickup", "wait", "prefill", "handback")
+"""Where a request's TTFT goes, in order (they add up to it):
+
+- ``hops``: client to the worker and the first token back, outside the worker's event loop (gRPC, router,
+  request-plane TCP); in-process, nothing.
+- ``request_plane``: the worker's event loop from reading the Submit frame to starting the request.
+- ``pickup``: reaching the engine's owner to the engine thread taking it in (the rest of the step it was running).
+- ``wait``: steps that ran without it. ``prefill``: the steps computing its prompt, to its first token sampled.
+- ``handback``: the engine thread handing that token to the event loop, to the request's coroutine resuming with it.
+"""
+
+
+def trace_stages(trace: RequestTrace, resumed_s: float) -> dict[str, float]:
+    """The engine-side stages of one request from its RequestTrace and when its coroutine got the first token."""
+    return {
+        "pickup": trace.admitted_s - trace.arrival_s,
+        "wait": trace.first_scheduled_s - trace.admitted_s,
+        "prefill": trace.first_token_s - trace.first_scheduled_s,
+        "handback": resumed_s - trace.first_token_s,
+    }
+
+
+def timings_stages(timings: pb.Timings, ttft_s: float) -> dict[str, float]:
+    """The stages of one gRPC request from the worker's Timings and the client's TTFT."""
+    return {
+        "hops": ttft_s - timings.worker_first_token_s - timings.request_plane_s,
+        "request_plane": timings.request_plane_s,
+        "pickup": timings.admitted_s,
+        "wait": timings.queue_s - timings.admitted_s,
+        "prefill": timings.first_step_end_s - timings.queue_s,
+        "handback": timings.worker_first_token_s - timings.first_step_end_s,
+    }
 
 
 def run_engine_step(engine: LLMEngine, workload: list[BenchRequest], concurrency: int) -> Run:
@@ -187,17 +232,18 @@ def run_engine_step(engine: LLMEngine, workload: list[BenchRequest], concurrency
     return run
 
 
-async def _stream(loop: EngineLoop, request_id: str, req: BenchRequest) -> tuple[float, list[tuple[float, int]], float | None]:
+async def _stream(loop: EngineLoop, request_id: str, req: BenchRequest) -> tuple[float, list[tuple[float, int]], RequestOutput, dict[str, float]]:
     """One request through ``loop``: when it was handed over, (time, tokens) per output with
-    tokens, and its queue time."""
-    request = EngineRequest(request_id, list(req.prompt_token_ids), None, _params(req), None)
-    events, queue_s = [], None
+    tokens, its last output and its stages (``trace_stages``)."""
     t0 = time.perf_counter()
+    request = EngineRequest(request_id, list(req.prompt_token_ids), None, _params(req), None)
+    events, resumed_s = [], None
     async for out in loop.generate(request):
         if out.new_token_ids:
+            if resumed_s is None:
+                resumed_s = time.monotonic()
             events.append((time.perf_counter(), len(out.new_token_ids)))
-        queue_s = out.queue_s
-    return t0, events, queue_s
+    return t0, events, out, trace_stages(out.trace, resumed_s)
 
 
 def run_engine_loop(loop: EngineLoop, workload: list[BenchRequest], concurrency: int) -> Run:
@@ -208,8 +254,8 @@ def run_engine_loop(loop: EngineLoop, workload: list[BenchRequest], concurrency:
     async def client() -> None:
         while queue:
             index, req = queue.pop(0)
-            t0, events, queue_s = await _stream(loop, f"loop-{time.monotonic_ns()}-{index}", req)
-            run.request(t0, events, queue_s=queue_s)
+            t0, events, last, _ = await _stream(loop, f"loop-{time.monotonic_ns()}-{index}", req)
+            run.request(t0, events, queue_s=last.queue_s)
 
     async def main() -> None:
         await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -236,8 +282,8 @@ def run_engine_loop_open(loop: EngineLoop, workload: list[BenchRequest], arrival
 
     async def one(index: int, req: BenchRequest, start: float) -> None:
         await asyncio.sleep(max(0.0, start + arrivals[index] - time.perf_counter()))
-        t0, events, queue_s = await _stream(loop, f"open-{time.monotonic_ns()}-{index}", req)
-        run.request(t0, events, index=index, queue_s=queue_s)
+        t0, events, last, stages = await _stream(loop, f"open-{time.monotonic_ns()}-{index}", req)
+        run.request(t0, events, index=index, queue_s=last.queue_s, stages=stages)
 
     async def main() -> None:
         start = time.perf_counter()
@@ -261,7 +307,8 @@ def run_grpc_open(client: SplitServeClient, workload: list[BenchRequest], arriva
             if response.token_ids:
                 events.append((time.perf_counter(), len(response.token_ids)))
             last = response
-        run.request(t0, events, last.timings.worker_first_token_s, index=index, queue_s=last.timings.queue_s)
+        ttft = events[0][0] - t0
+        run.request(t0, events, last.timings.worker_first_token_s, index=index, queue_s=last.timings.queue_s, stages=timings_stages(last.timings, ttft))
 
     start = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i, req, start)) for i, req in enumerate(workload)]
@@ -439,6 +486,13 @@ def _open_loop(by: dict, groups: dict) -> dict | None:
         out["ttft_ms_added_mean_split"] = {"serving_path": path, "worker": round(added - path, 2)}
         pooled = [v * 1000 for run in groups[key_grpc] for v in run.path_ttft_s]
         out["serving_path_ttft_ms_mean_ci95"] = bootstrap_ci95(pooled, _mean)
+    if all(run.stages_by_index for key in (key_grpc, key_loop) for run in groups[key]):
+        # Where the added TTFT is: per stage, the same pairs' differences (they add up to the total).
+        peer_runs = [_bracket(a, b) for a, b in zip(groups[key_loop], groups[key_repeat])] if key_repeat in groups else groups[key_loop]
+        out["ttft_ms_added_by_stage"] = _paired_stages(groups[key_grpc], peer_runs)
+        if key_repeat in groups:
+            out["control_ttft_ms_by_stage"] = _paired_stages(groups[key_repeat], groups[key_loop])
+        out["stage_ms_mean"] = {key[0]: _stage_means(groups[key]) for key in (key_grpc, key_loop, key_repeat) if key in groups}
     queue = {key[0]: by[key]["queue_ms_mean"] for key in (key_grpc, key_loop, key_repeat) if "queue_ms_mean" in by.get(key, {})}
     if queue:
         out["queue_ms_mean"] = queue  # the worker's side of the added TTFT: waiting for a step, or after it
@@ -487,7 +541,38 @@ def _bracket(before: Run, after: Run) -> Run:
     """The in-process runs either side of a gRPC run, averaged request by request: the machine's
     drift over the three runs, if linear, cancels (an A-B-A design)."""
     both = [i for i in before.ttft_s_by_index if i in after.ttft_s_by_index]
-    return Run("bracket", before.concurrency, before.round, ttft_s_by_index={i: (before.ttft_s_by_index[i] + after.ttft_s_by_index[i]) / 2 for i in both})
+    stages = {
+        i: {s: (before.stages_by_index[i].get(s, 0.0) + after.stages_by_index[i].get(s, 0.0)) / 2 for s in STAGES}
+        for i in both
+        if i in before.stages_by_index and i in after.stages_by_index
+    }
+    ttft = {i: (before.ttft_s_by_index[i] + after.ttft_s_by_index[i]) / 2 for i in both}
+    return Run("bracket", before.concurrency, before.round, ttft_s_by_index=ttft, stages_by_index=stages)
+
+
+def _paired_stages(runs: list[Run], peer_runs: list[Run]) -> dict:
+    """Per stage (``STAGES``), the mean over same-index pairs of the run's time in it minus the
+    peer's, in ms, pooled with a bootstrap 95% interval and by round. A stage a system lacks
+    (in-process: ``hops``, ``request_plane``) counts as 0 there, so the stages add up to the
+    TTFT added."""
+    pooled: dict[str, list[float]] = {s: [] for s in STAGES}
+    by_round: dict[str, list[float]] = {s: [] for s in STAGES}
+    for run, peer in zip(runs, peer_runs):
+        both = [i for i in sorted(run.stages_by_index) if i in peer.stages_by_index]
+        for stage in STAGES:
+            diffs = [(run.stages_by_index[i].get(stage, 0.0) - peer.stages_by_index[i].get(stage, 0.0)) * 1000 for i in both]
+            pooled[stage] += diffs
+            by_round[stage].append(round(_mean(diffs), 2))
+    return {
+        stage: {"mean": round(_mean(values), 2), "mean_ci95": bootstrap_ci95(values, _mean), "mean_by_round": by_round[stage]}
+        for stage, values in pooled.items()
+    }
+
+
+def _stage_means(runs: list[Run]) -> dict[str, float]:
+    """Per stage, the mean ms a request of these runs spent in it (0 for a stage the system lacks)."""
+    stages = [st for run in runs for st in run.stages_by_index.values()]
+    return {stage: round(1000 * _mean([st.get(stage, 0.0) for st in stages]), 2) for stage in STAGES}
 
 
 def _paired(runs: list[Run], peer_runs: list[Run]) -> dict:
@@ -669,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
         line = {"system": run.system, "concurrency": run.concurrency, "round": run.round, "tok_per_s": round(run.num_tokens / run.wall_s, 2)}
         if run.engine is not None and run.engine.steps:
             line |= {"step_ms": round(1000 * run.engine.step_s / run.engine.steps, 2), "stall_ms": _stall_ms(run.engine)}
+        if run.stages_by_index:
+            line["stage_ms"] = _stage_means([run])
         print(json.dumps(line), file=sys.stderr, flush=True)
         return run
 
