@@ -343,6 +343,8 @@ def _trace_timings(timings: pb.Timings, trace: RequestTrace | None, reached: flo
     if trace is None:
         return
     timings.admitted_s = trace.admitted_s - reached
+    timings.prefill_steps = trace.prefill_steps
+    timings.prefill_step_tokens = trace.prefill_step_tokens
     if trace.first_scheduled_s is not None:
         timings.queue_s = trace.first_scheduled_s - reached
     if trace.first_token_s is not None:

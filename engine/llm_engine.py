@@ -273,6 +273,11 @@ class LLMEngine:
         started_s, started_cpu_s = time.perf_counter(), time.thread_time()
         chunks = self.scheduler.schedule()
         sampled = self.runner.execute(chunks) if chunks else {}
+        num_tokens = sum(chunk.num_new_tokens for chunk in chunks)
+        for chunk in chunks:
+            if chunk.request.first_token_s is None:  # a step on its way to the first token
+                chunk.request.prefill_steps += 1
+                chunk.request.prefill_step_tokens += num_tokens
         outputs = []
         for request in self.scheduler.update(chunks, sampled):
             outputs.append(request.take_output())
@@ -283,7 +288,7 @@ class LLMEngine:
         self.kv_events.flush()
         if chunks:
             self._num_steps += 1
-            self._num_step_tokens += sum(chunk.num_new_tokens for chunk in chunks)
+            self._num_step_tokens += num_tokens
             self._step_s += time.perf_counter() - started_s
             self._step_cpu_s += time.thread_time() - started_cpu_s
         return outputs

@@ -65,12 +65,19 @@ class RequestTrace:
         first_scheduled_s  the step that first ran its tokens began
           prefill          the steps computing its prompt (for a remote prefill: none)
         first_token_s      the step that sampled its first token ended
+
+    The prefill's steps and the tokens they computed for the whole batch tell a slower step
+    from more work: two runs of one request compare by their prefill time per step token.
     """
 
     arrival_s: float
     admitted_s: float
     first_scheduled_s: float | None
     first_token_s: float | None
+    prefill_steps: int = 0
+    """Steps that ran its tokens up to its first (one, unless chunked or preempted; none for a remote prefill)."""
+    prefill_step_tokens: int = 0
+    """Tokens those steps computed, its own and the rest of each batch's."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,9 @@ class Request:
     """When a step first ran this request's tokens (``time.monotonic``)."""
     first_token_s: float | None = None
     """When the output carrying its first token was taken (the end of the step that sampled it)."""
+    prefill_steps: int = 0
+    prefill_step_tokens: int = 0
+    """See RequestTrace."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -187,10 +197,13 @@ class Request:
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
             num_output_tokens=self.num_output_tokens,
-            trace=RequestTrace(self.arrival_s, self.admitted_s, self.first_scheduled_s, self.first_token_s) if self.finished else None,
+            trace=self._trace() if self.finished else None,
         )
         self._pending_tokens, self._pending_text = [], []
         return out
+
+    def _trace(self) -> RequestTrace:
+        return RequestTrace(self.arrival_s, self.admitted_s, self.first_scheduled_s, self.first_token_s, self.prefill_steps, self.prefill_step_tokens)
 
     def _finish(self, reason: FinishReason, stop_reason: str | int | None = None, flush: bool = True) -> None:
         self.finish_reason, self.stop_reason = reason, stop_reason

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/splitserve.proto\x12\rsplitserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"r\n\x0eStopConditions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"\x8f\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12+\n\x04stop\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.StopConditions\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x13\n\x0btenant_salt\x18\x08 \x01(\tB\t\n\x07_prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xad\x01\n\x07Timings\x12\x1c\n\x14worker_first_token_s\x18\x01 \x01(\x01\x12\x16\n\x0eworker_total_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x14\n\x0ckv_handoff_s\x18\x04 \x01(\x01\x12\x12\n\nadmitted_s\x18\x05 \x01(\x01\x12\x18\n\x10\x66irst_step_end_s\x18\x06 \x01(\x01\x12\x17\n\x0frequest_plane_s\x18\x07 \x01(\x01\"\xde\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.splitserve.v1.Timings\"\xa6\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_promptB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x13\n\x11ListModelsRequest\"h\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x10\n\x08kv_dtype\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo\"\x19\n\x17GetClusterStatusRequest\"\x84\x02\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x08 \x01(\r\x12\x13\n\x0bmetrics_url\x18\t \x01(\t\x12\x1c\n\x14num_aborted_requests\x18\n \x01(\x04\x12!\n\x19num_queued_prefill_tokens\x18\x0b \x01(\x04\"b\n\x0cRouterStatus\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\x12\x14\n\x0cnum_inflight\x18\x03 \x01(\r\x12\x13\n\x0bmetrics_url\x18\x04 \x01(\t\"m\n\rClusterStatus\x12.\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.splitserve.v1.ReplicaStatus\x12,\n\x07routers\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.RouterStatus*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfb\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponse2a\n\x05\x41\x64min\x12X\n\x10GetClusterStatus\x12&.splitserve.v1.GetClusterStatusRequest\x1a\x1c.splitserve.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/splitserve.proto\x12\rsplitserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"r\n\x0eStopConditions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"\x8f\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12+\n\x04stop\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.StopConditions\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x13\n\x0btenant_salt\x18\x08 \x01(\tB\t\n\x07_prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe1\x01\n\x07Timings\x12\x1c\n\x14worker_first_token_s\x18\x01 \x01(\x01\x12\x16\n\x0eworker_total_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x14\n\x0ckv_handoff_s\x18\x04 \x01(\x01\x12\x12\n\nadmitted_s\x18\x05 \x01(\x01\x12\x18\n\x10\x66irst_step_end_s\x18\x06 \x01(\x01\x12\x17\n\x0frequest_plane_s\x18\x07 \x01(\x01\x12\x15\n\rprefill_steps\x18\x08 \x01(\r\x12\x1b\n\x13prefill_step_tokens\x18\t \x01(\x04\"\xde\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.splitserve.v1.Timings\"\xa6\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_promptB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x13\n\x11ListModelsRequest\"h\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x10\n\x08kv_dtype\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo\"\x19\n\x17GetClusterStatusRequest\"\x84\x02\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x08 \x01(\r\x12\x13\n\x0bmetrics_url\x18\t \x01(\t\x12\x1c\n\x14num_aborted_requests\x18\n \x01(\x04\x12!\n\x19num_queued_prefill_tokens\x18\x0b \x01(\x04\"b\n\x0cRouterStatus\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\x12\x14\n\x0cnum_inflight\x18\x03 \x01(\r\x12\x13\n\x0bmetrics_url\x18\x04 \x01(\t\"m\n\rClusterStatus\x12.\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.splitserve.v1.ReplicaStatus\x12,\n\x07routers\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.RouterStatus*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfb\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponse2a\n\x05\x41\x64min\x12X\n\x10GetClusterStatus\x12&.splitserve.v1.GetClusterStatusRequest\x1a\x1c.splitserve.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.splitserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2016
-  _globals['_FINISHREASON']._serialized_end=2136
+  _globals['_FINISHREASON']._serialized_start=2068
+  _globals['_FINISHREASON']._serialized_end=2188
   _globals['_CHATMESSAGE']._serialized_start=41
   _globals['_CHATMESSAGE']._serialized_end=85
   _globals['_SAMPLINGPARAMS']._serialized_start=88
@@ -45,29 +45,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=626
   _globals['_USAGE']._serialized_end=713
   _globals['_TIMINGS']._serialized_start=716
-  _globals['_TIMINGS']._serialized_end=889
-  _globals['_GENERATERESPONSE']._serialized_start=892
-  _globals['_GENERATERESPONSE']._serialized_end=1114
-  _globals['_TOKENIZEREQUEST']._serialized_start=1117
-  _globals['_TOKENIZEREQUEST']._serialized_end=1283
-  _globals['_TOKENIZERESPONSE']._serialized_start=1285
-  _globals['_TOKENIZERESPONSE']._serialized_end=1322
-  _globals['_LISTMODELSREQUEST']._serialized_start=1324
-  _globals['_LISTMODELSREQUEST']._serialized_end=1343
-  _globals['_MODELINFO']._serialized_start=1345
-  _globals['_MODELINFO']._serialized_end=1449
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1451
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1513
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1515
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1540
-  _globals['_REPLICASTATUS']._serialized_start=1543
-  _globals['_REPLICASTATUS']._serialized_end=1803
-  _globals['_ROUTERSTATUS']._serialized_start=1805
-  _globals['_ROUTERSTATUS']._serialized_end=1903
-  _globals['_CLUSTERSTATUS']._serialized_start=1905
-  _globals['_CLUSTERSTATUS']._serialized_end=2014
-  _globals['_GENERATION']._serialized_start=2139
-  _globals['_GENERATION']._serialized_end=2390
-  _globals['_ADMIN']._serialized_start=2392
-  _globals['_ADMIN']._serialized_end=2489
+  _globals['_TIMINGS']._serialized_end=941
+  _globals['_GENERATERESPONSE']._serialized_start=944
+  _globals['_GENERATERESPONSE']._serialized_end=1166
+  _globals['_TOKENIZEREQUEST']._serialized_start=1169
+  _globals['_TOKENIZEREQUEST']._serialized_end=1335
+  _globals['_TOKENIZERESPONSE']._serialized_start=1337
+  _globals['_TOKENIZERESPONSE']._serialized_end=1374
+  _globals['_LISTMODELSREQUEST']._serialized_start=1376
+  _globals['_LISTMODELSREQUEST']._serialized_end=1395
+  _globals['_MODELINFO']._serialized_start=1397
+  _globals['_MODELINFO']._serialized_end=1501
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1503
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1565
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1567
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1592
+  _globals['_REPLICASTATUS']._serialized_start=1595
+  _globals['_REPLICASTATUS']._serialized_end=1855
+  _globals['_ROUTERSTATUS']._serialized_start=1857
+  _globals['_ROUTERSTATUS']._serialized_end=1955
+  _globals['_CLUSTERSTATUS']._serialized_start=1957
+  _globals['_CLUSTERSTATUS']._serialized_end=2066
+  _globals['_GENERATION']._serialized_start=2191
+  _globals['_GENERATION']._serialized_end=2442
+  _globals['_ADMIN']._serialized_start=2444
+  _globals['_ADMIN']._serialized_end=2541
 # @@protoc_insertion_point(module_scope)

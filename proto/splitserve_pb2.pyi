@@ -82,7 +82,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("worker_first_token_s", "worker_total_s", "queue_s", "kv_handoff_s", "admitted_s", "first_step_end_s", "request_plane_s")
+    __slots__ = ("worker_first_token_s", "worker_total_s", "queue_s", "kv_handoff_s", "admitted_s", "first_step_end_s", "request_plane_s", "prefill_steps", "prefill_step_tokens")
     WORKER_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     WORKER_TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,8 @@ class Timings(_message.Message):
     ADMITTED_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_END_S_FIELD_NUMBER: _ClassVar[int]
     REQUEST_PLANE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_first_token_s: float
     worker_total_s: float
     queue_s: float
@@ -97,7 +99,9 @@ class Timings(_message.Message):
     admitted_s: float
     first_step_end_s: float
     request_plane_s: float
-    def __init__(self, worker_first_token_s: _Optional[float] = ..., worker_total_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., kv_handoff_s: _Optional[float] = ..., admitted_s: _Optional[float] = ..., first_step_end_s: _Optional[float] = ..., request_plane_s: _Optional[float] = ...) -> None: ...
+    prefill_steps: int
+    prefill_step_tokens: int
+    def __init__(self, worker_first_token_s: _Optional[float] = ..., worker_total_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., kv_handoff_s: _Optional[float] = ..., admitted_s: _Optional[float] = ..., first_step_end_s: _Optional[float] = ..., request_plane_s: _Optional[float] = ..., prefill_steps: _Optional[int] = ..., prefill_step_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stop_reason", "usage", "timings")

@@ -131,6 +131,7 @@ def test_last_response_carries_the_worker_timings(client):
     # The first token's way through the worker, in order: taken in, scheduled, sampled, handed back.
     assert 0 < t.admitted_s <= t.queue_s < t.first_step_end_s <= t.worker_first_token_s
     assert 0 < t.request_plane_s < t.worker_first_token_s  # the Submit frame read to the request starting
+    assert t.prefill_steps == 1 and t.prefill_step_tokens >= 30  # its 30-token prompt in one step, maybe beside others
 
 
 def test_chat_messages_and_stop_strings(client):

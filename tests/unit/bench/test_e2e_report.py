@@ -4,7 +4,9 @@ import os
 
 import pytest
 
-from bench.e2e import EngineSteps, Run, bootstrap_ci95, main, poisson_arrivals, summarize, t_ci95, variant
+from bench.e2e import STAGES, EngineSteps, Run, bootstrap_ci95, main, poisson_arrivals, summarize, t_ci95, timings_stages, trace_stages, variant
+from engine.request import RequestTrace
+from proto import splitserve_pb2 as pb
 from engine.cpus import format_cpu_list
 from bench.workload import BenchRequest
 
@@ -278,3 +280,57 @@ def test_interference_refuses_cpus_it_cannot_use(argv, message, capsys):
         interference_main(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_stages_from_a_trace_and_from_timings_add_up_to_the_ttft():
+    trace = RequestTrace(arrival_s=10.000, admitted_s=10.030, first_scheduled_s=10.040, first_token_s=10.300)
+    assert {k: round(v, 6) for k, v in trace_stages(trace, resumed_s=10.301).items()} == {"pickup": 0.03, "wait": 0.01, "prefill": 0.26, "handback": 0.001}
+    timings = pb.Timings(worker_first_token_s=0.301, admitted_s=0.030, queue_s=0.040, first_step_end_s=0.300, request_plane_s=0.0005)
+    stages = timings_stages(timings, ttft_s=0.305)
+    assert list(stages) == list(STAGES)
+    assert {k: round(v, 6) for k, v in stages.items()} == {
+        "hops": 0.0035, "request_plane": 0.0005, "pickup": 0.03, "wait": 0.01, "prefill": 0.26, "handback": 0.001
+    }
+    assert abs(sum(stages.values()) - 0.305) < 1e-9
+
+
+def _staged(system: str, stages_ms: dict[int, dict[str, float]]) -> Run:
+    run = _open(system, 0, {i: sum(st.values()) / 1000 for i, st in stages_ms.items()})
+    run.stages_by_index = {i: {k: v / 1000 for k, v in st.items()} for i, st in stages_ms.items()}
+    return run
+
+
+def test_the_added_ttft_is_placed_stage_by_stage_against_the_bracket():
+    """gRPC pays 3 ms of hops, 0.5 ms in the request plane and 10 ms more pickup than the
+    in-process runs either side (whose pickups differ by 4 ms: the A/A control sees that)."""
+    runs = _runs((950, 950), [0.003] * 3)
+    base = {"pickup": 20.0, "wait": 1.0, "prefill": 300.0, "handback": 0.5}
+    loop = _staged("engine_loop_open", {i: dict(base) for i in range(4)})
+    repeat = _staged("engine_loop_open_repeat", {i: base | {"pickup": 24.0} for i in range(4)})
+    grpc = _staged("grpc_open", {i: base | {"hops": 3.0, "request_plane": 0.5, "pickup": 32.0} for i in range(4)})
+    open_loop = summarize(runs + [loop, grpc, repeat])["open_loop"]
+    added = open_loop["ttft_ms_added_by_stage"]
+    assert {s: added[s]["mean"] for s in STAGES} == {"hops": 3.0, "request_plane": 0.5, "pickup": 10.0, "wait": 0.0, "prefill": 0.0, "handback": 0.0}
+    assert round(sum(added[s]["mean"] for s in STAGES), 2) == open_loop["ttft_ms_added_vs_bracket"]["mean"] == 13.5
+    assert added["pickup"]["mean_by_round"] == [10.0] and added["pickup"]["mean_ci95"] == [10.0, 10.0]
+    assert open_loop["control_ttft_ms_by_stage"]["pickup"]["mean"] == 4.0
+    assert open_loop["stage_ms_mean"]["grpc_open"]["hops"] == 3.0 and open_loop["stage_ms_mean"]["engine_loop_open"]["hops"] == 0.0
+    loop.stages_by_index = {}  # runs without stages (older reports): no split
+    assert "ttft_ms_added_by_stage" not in summarize(runs + [loop, grpc, repeat])["open_loop"]
+
+
+def test_the_prefill_stages_added_time_splits_into_more_batch_tokens_and_slower_tokens():
+    """In-process, a prompt's step computed 200 tokens in 300 ms (1.5 ms a token). gRPC's
+    computed 210 (another request's tokens joined it) in 318 ms: 15 ms for the 10 tokens more
+    at the in-process cost, 3 ms because each token cost more."""
+    runs = _runs((950, 950), [0.003] * 3)
+    base = {"pickup": 20.0, "wait": 0.0, "prefill": 300.0, "handback": 0.5}
+    loop = _staged("engine_loop_open", {i: dict(base) for i in range(4)})
+    repeat = _staged("engine_loop_open_repeat", {i: dict(base) for i in range(4)})
+    grpc = _staged("grpc_open", {i: base | {"hops": 3.0, "prefill": 318.0} for i in range(4)})
+    for run, tokens in ((loop, 200), (repeat, 200), (grpc, 210)):
+        run.prefill_work_by_index = {i: (1, tokens) for i in range(4)}
+    open_loop = summarize(runs + [loop, grpc, repeat])["open_loop"]
+    assert open_loop["prefill_work"]["grpc_open"] == {"steps_mean": 1.0, "step_tokens_mean": 210.0, "us_per_step_token": 1514.29}
+    assert open_loop["prefill_work"]["engine_loop_open"]["us_per_step_token"] == 1500.0
+    assert open_loop["prefill_ms_added_split"] == {"more_step_tokens": 15.0, "slower_per_token": 3.0}

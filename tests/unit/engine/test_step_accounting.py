@@ -58,3 +58,25 @@ def test_a_thread_holding_the_gil_shows_as_step_time_off_the_cpu(tiny_llama_dir)
     # Two threads that both want the GIL take turns: the engine's steps wait for a good part of their time.
     assert contended > 0.2 * step, (step, contended)
     assert alone < contended / 10, (alone, contended)
+
+
+def test_each_request_traces_the_steps_and_batch_tokens_up_to_its_first_token(tiny_llama_dir):
+    """A 40-token prompt at 32 tokens a step is prefilled in two steps (32, then 8); a 5-token
+    prompt joining while it decodes takes one step, which also computes the other's decode token.
+    The steps after the first token (decodes) are not counted."""
+    engine = make_engine(tiny_llama_dir, max_num_batched_tokens=32)
+    long_prompt, short_prompt = random_prompts([40, 5], seed=5)
+    engine.add_request("long", long_prompt, PARAMS)
+    last = {}
+    for step in range(20):
+        if step == 3:
+            engine.add_request("short", short_prompt, PARAMS)
+        for out in engine.step():
+            if out.finished:
+                last[out.request_id] = out
+        if len(last) == 2:
+            break
+    long_trace, short_trace = last["long"].trace, last["short"].trace
+    assert (long_trace.prefill_steps, long_trace.prefill_step_tokens) == (2, 40)
+    assert (short_trace.prefill_steps, short_trace.prefill_step_tokens) == (1, 5 + 1)
+    assert long_trace.first_scheduled_s < long_trace.first_token_s < short_trace.admitted_s < short_trace.first_scheduled_s < short_trace.first_token_s
