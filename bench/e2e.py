@@ -146,6 +146,8 @@ class Run:
     """Per request, the engine's wait from the request reaching it to its first scheduled step."""
     stages_by_index: dict[int, dict[str, float]] = field(default_factory=dict)
     """Open-loop runs: per request index, where its TTFT went (``STAGES``), in seconds."""
+    prefill_work_by_index: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Open-loop runs: per request index, the steps of its ``prefill`` stage and the tokens they computed."""
     engine: EngineSteps | None = None
     """What the engine's steps did during the run (``counted``)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -158,6 +160,7 @@ class Run:
         index: int | None = None,
         queue_s: float | None = None,
         stages: dict[str, float] | None = None,
+        prefill_work: tuple[int, int] | None = None,
     ) -> None:
         with self._lock:
             if queue_s is not None:
@@ -168,6 +171,8 @@ class Run:
                 self.ttft_s_by_index[index] = ttft
                 if stages is not None:
                     self.stages_by_index[index] = stages
+                if prefill_work is not None:
+                    self.prefill_work_by_index[index] = prefill_work
             for (t0, _), (t1, n) in zip(events, events[1:]):
                 self.itl_s += [(t1 - t0) / n] * n
             self.num_tokens += sum(n for _, n in events)
@@ -283,7 +288,8 @@ def run_engine_loop_open(loop: EngineLoop, workload: list[BenchRequest], arrival
     async def one(index: int, req: BenchRequest, start: float) -> None:
         await asyncio.sleep(max(0.0, start + arrivals[index] - time.perf_counter()))
         t0, events, last, stages = await _stream(loop, f"open-{time.monotonic_ns()}-{index}", req)
-        run.request(t0, events, index=index, queue_s=last.queue_s, stages=stages)
+        work = (last.trace.prefill_steps, last.trace.prefill_step_tokens)
+        run.request(t0, events, index=index, queue_s=last.queue_s, stages=stages, prefill_work=work)
 
     async def main() -> None:
         start = time.perf_counter()
@@ -308,7 +314,9 @@ def run_grpc_open(client: SplitServeClient, workload: list[BenchRequest], arriva
                 events.append((time.perf_counter(), len(response.token_ids)))
             last = response
         ttft = events[0][0] - t0
-        run.request(t0, events, last.timings.worker_first_token_s, index=index, queue_s=last.timings.queue_s, stages=timings_stages(last.timings, ttft))
+        t = last.timings
+        work = (t.prefill_steps, t.prefill_step_tokens)
+        run.request(t0, events, t.worker_first_token_s, index=index, queue_s=t.queue_s, stages=timings_stages(t, ttft), prefill_work=work)
 
     start = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i, req, start)) for i, req in enumerate(workload)]
@@ -493,6 +501,10 @@ def _open_loop(by: dict, groups: dict) -> dict | None:
         if key_repeat in groups:
             out["control_ttft_ms_by_stage"] = _paired_stages(groups[key_repeat], groups[key_loop])
         out["stage_ms_mean"] = {key[0]: _stage_means(groups[key]) for key in (key_grpc, key_loop, key_repeat) if key in groups}
+        work = {key[0]: _prefill_work(groups[key]) for key in (key_grpc, key_loop, key_repeat) if key in groups and all(r.prefill_work_by_index for r in groups[key])}
+        if "grpc_open" in work and "engine_loop_open" in work:
+            out["prefill_work"] = work
+            out["prefill_ms_added_split"] = _prefill_split(out["ttft_ms_added_by_stage"]["prefill"]["mean"], work)
     queue = {key[0]: by[key]["queue_ms_mean"] for key in (key_grpc, key_loop, key_repeat) if "queue_ms_mean" in by.get(key, {})}
     if queue:
         out["queue_ms_mean"] = queue  # the worker's side of the added TTFT: waiting for a step, or after it
@@ -567,6 +579,30 @@ def _paired_stages(runs: list[Run], peer_runs: list[Run]) -> dict:
         stage: {"mean": round(_mean(values), 2), "mean_ci95": bootstrap_ci95(values, _mean), "mean_by_round": by_round[stage]}
         for stage, values in pooled.items()
     }
+
+
+def _prefill_work(runs: list[Run]) -> dict:
+    """Per request, the mean steps and step tokens of its prefill stage, and what a step token cost
+    (the stage's time over its steps' tokens, pooled)."""
+    pairs = [(run.stages_by_index[i]["prefill"], work) for run in runs for i, work in run.prefill_work_by_index.items() if i in run.stages_by_index]
+    tokens = sum(w[1] for _, w in pairs)
+    return {
+        "steps_mean": round(_mean([w[0] for _, w in pairs]), 3),
+        "step_tokens_mean": round(_mean([w[1] for _, w in pairs]), 1),
+        "us_per_step_token": round(1e6 * sum(t for t, _ in pairs) / tokens, 2) if tokens else None,
+    }
+
+
+def _prefill_split(added_ms: float, work: dict) -> dict | None:
+    """The prefill stage's added ms split into more work (gRPC's steps computed more tokens, at the
+    peer's cost per token) and slower work (the rest: each token cost more)."""
+    peers = [work[k] for k in ("engine_loop_open", "engine_loop_open_repeat") if k in work]
+    if any(p["us_per_step_token"] is None for p in peers):
+        return None
+    peer_tokens = _mean([p["step_tokens_mean"] for p in peers])
+    peer_us = _mean([p["us_per_step_token"] for p in peers])
+    more = (work["grpc_open"]["step_tokens_mean"] - peer_tokens) * peer_us / 1000
+    return {"more_step_tokens": round(more, 2), "slower_per_token": round(added_ms - more, 2)}
 
 
 def _stage_means(runs: list[Run]) -> dict[str, float]:
