@@ -237,9 +237,9 @@ def run_engine_step(engine: LLMEngine, workload: list[BenchRequest], concurrency
     return run
 
 
-async def _stream(loop: EngineLoop, request_id: str, req: BenchRequest) -> tuple[float, list[tuple[float, int]], RequestOutput, dict[str, float]]:
+async def _stream(loop: EngineLoop, request_id: str, req: BenchRequest) -> tuple[float, list[tuple[float, int]], RequestOutput, float]:
     """One request through ``loop``: when it was handed over, (time, tokens) per output with
-    tokens, its last output and its stages (``trace_stages``)."""
+    tokens, its last output, and when (``time.monotonic``) its first token reached this coroutine."""
     t0 = time.perf_counter()
     request = EngineRequest(request_id, list(req.prompt_token_ids), None, _params(req), None)
     events, resumed_s = [], None
@@ -248,7 +248,7 @@ async def _stream(loop: EngineLoop, request_id: str, req: BenchRequest) -> tuple
             if resumed_s is None:
                 resumed_s = time.monotonic()
             events.append((time.perf_counter(), len(out.new_token_ids)))
-    return t0, events, out, trace_stages(out.trace, resumed_s)
+    return t0, events, out, resumed_s
 
 
 def run_engine_loop(loop: EngineLoop, workload: list[BenchRequest], concurrency: int) -> Run:
@@ -287,9 +287,9 @@ def run_engine_loop_open(loop: EngineLoop, workload: list[BenchRequest], arrival
 
     async def one(index: int, req: BenchRequest, start: float) -> None:
         await asyncio.sleep(max(0.0, start + arrivals[index] - time.perf_counter()))
-        t0, events, last, stages = await _stream(loop, f"open-{time.monotonic_ns()}-{index}", req)
+        t0, events, last, resumed_s = await _stream(loop, f"open-{time.monotonic_ns()}-{index}", req)
         work = (last.trace.prefill_steps, last.trace.prefill_step_tokens)
-        run.request(t0, events, index=index, queue_s=last.queue_s, stages=stages, prefill_work=work)
+        run.request(t0, events, index=index, queue_s=last.queue_s, stages=trace_stages(last.trace, resumed_s), prefill_work=work)
 
     async def main() -> None:
         start = time.perf_counter()

@@ -3,8 +3,6 @@ outputs become GenerateResponse protos."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
 from engine.request import EngineRequest, FinishReason, RequestOutput
@@ -17,9 +15,9 @@ _FINISH_REASONS = {
 }
 
 
-def to_engine_request(request: pb.GenerateRequest, arrival_s: float | None = None) -> EngineRequest:
+def to_engine_request(request: pb.GenerateRequest, arrival_s: float) -> EngineRequest:
     """Raises InvalidRequestError naming the field when a value is out of range. ``arrival_s``:
-    when the request reached the worker (``time.monotonic``; default now)."""
+    when the request reached the worker (``time.monotonic``)."""
     sampling, stop = request.sampling, request.stop
     params = SamplingParams(
         max_tokens=stop.max_tokens if stop.HasField("max_tokens") else 16,
@@ -48,8 +46,7 @@ def to_engine_request(request: pb.GenerateRequest, arrival_s: float | None = Non
         prompt = list(request.prompt_token_ids)
     else:
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
-    engine_request = EngineRequest(request.request_id, prompt, messages, params, request.tenant_salt or None)
-    return engine_request if arrival_s is None else replace(engine_request, arrival_s=arrival_s)
+    return EngineRequest(request.request_id, prompt, messages, params, request.tenant_salt or None, arrival_s)
 
 
 def to_response(output: RequestOutput) -> pb.GenerateResponse:
