@@ -13,13 +13,21 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
+import grpc.experimental
 
 from proto import splitserve_pb2 as pb
 from proto import splitserve_pb2_grpc as pb_grpc
 
 
+_CHANNEL_OPTIONS = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
+"""A stream's messages are read on the thread that iterates it, not handed over from the
+channel's polling thread: one thread wake-up less per message. The first token of a request on
+an idle local cluster arrives ~0.45 ms sooner (bench/README.md, bench.path)."""
+
+
 class SplitServeClient:
-    """Blocking client over one channel; safe to share between threads."""
+    """Blocking client over one channel; safe to share between threads. A ``generate`` stream
+    makes progress only while its caller iterates it (or cancels it)."""
 
     def __init__(
         self,
@@ -36,9 +44,9 @@ class SplitServeClient:
                 private_key=Path(client_key_file).read_bytes() if client_key_file else None,
                 certificate_chain=Path(client_cert_file).read_bytes() if client_cert_file else None,
             )
-            self._channel = grpc.secure_channel(address, credentials)
+            self._channel = grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.insecure_channel(address)
+            self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.generation = pb_grpc.GenerationStub(self._channel)
         self.admin = pb_grpc.AdminStub(self._channel)
