@@ -54,13 +54,8 @@ def pin_current_thread(cpus: frozenset[int]) -> None:
 
 def move_serving_threads(engine_cpus: frozenset[int]) -> frozenset[int]:
     """Move every thread of this process onto the CPUs it may use that are not the engine's, and
-    return those; ValueError if none is left, or if an engine CPU is not one this process may use.
-    Threads started later inherit their creator's mask."""
+    return those; ValueError if none is left. Threads started later inherit their creator's mask."""
     allowed = frozenset(os.sched_getaffinity(0))
-    if not engine_cpus <= allowed:
-        raise ValueError(
-            f"engine_cpus: {format_cpu_list(engine_cpus - allowed)} not among the CPUs this process may run on ({format_cpu_list(allowed)})"
-        )
     serving = allowed - engine_cpus
     if not serving:
         raise ValueError(
