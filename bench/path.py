@@ -36,15 +36,13 @@ from pathlib import Path
 
 import grpc
 
+from bench.e2e import _cluster
 from bench.workload import emit_report, percentile
-from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
 from engine.cpus import move_serving_threads, parse_cpu_list
 from proto import splitserve_pb2 as pb
 from proto import splitserve_pb2_grpc as pb_grpc
 from router.client import SplitServeClient, build_generate_request
-from router.config import RouterConfig
-from router.launch import Cluster, ClusterConfig
 
 WARMUP = 10
 ONE_TOKEN = dict(max_tokens=1, temperature=0, ignore_eos=True)
@@ -132,13 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     bare_port, ready = spawn.Value("i", 0), spawn.Event()
     bare = spawn.Process(target=_serve_bare, args=(bare_port, ready, serving), daemon=True)
     bare.start()
-    cluster = Cluster(
-        ClusterConfig(
-            engine=EngineConfig(model=args.model, kv_cache_bytes=1 << 30),
-            worker=WorkerConfig(num_threads=len(engine_cpus) if engine_cpus else os.cpu_count() or 1, engine_cpus=args.engine_cpus),
-            router=RouterConfig(port=0),
-        )
-    )
+    threads = len(engine_cpus) if engine_cpus else os.cpu_count() or 1
+    cluster = _cluster(EngineConfig(model=args.model, kv_cache_bytes=1 << 30), threads, disaggregated=False, engine_cpus=args.engine_cpus)
     status = cluster.start()
     try:
         if not ready.wait(60):
