@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -64,8 +65,8 @@ from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
 from engine.request import EngineRequest, RequestOutput, RequestTrace
-from proto import splitserve_pb2 as pb
 from prefill_worker.config import PrefillWorkerConfig
+from proto import splitserve_pb2 as pb
 from router.client import SplitServeClient
 from router.config import RouterConfig
 from router.launch import Cluster, ClusterConfig
@@ -653,15 +654,23 @@ _T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 """Student's t, 97.5th percentile, for 1 to 10 degrees of freedom."""
 
 
+def t_975(df: int) -> float:
+    """Student's t, 97.5th percentile, for ``df`` >= 1 degrees of freedom: from the table up to 10,
+    past it from the normal quantile by the Cornish-Fisher expansion (within 0.001 there)."""
+    if df <= len(_T_975):
+        return _T_975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2) + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
+
+
 def t_ci95(values: list[float]) -> list[float] | None:
     """A 95% interval for the mean of ``values`` (one per round) from Student's t: the rounds are
-    the independent units when the machine's speed drifts between them. None below two values;
-    past 11 values, the t of 10 degrees of freedom (slightly wide)."""
+    the independent units when the machine's speed drifts between them. None below two values."""
     n = len(values)
     if n < 2:
         return None
     mean = _mean(values)
-    half = _T_975[min(n - 1, len(_T_975)) - 1] * statistics.stdev(values) / n**0.5
+    half = t_975(n - 1) * statistics.stdev(values) / n**0.5
     return [round(mean - half, 2), round(mean + half, 2)]
 
 
@@ -759,6 +768,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--engine-cpus: only with --modes aggregated (a prefill and a decode engine would share the CPUs)")
         try:
             engine_cpus = parse_cpu_list(args.engine_cpus)
+            # The bench's worker runs on this machine: a CPU this process may not use would fail
+            # only when the worker pins its engine thread, minutes in.
+            missing = engine_cpus - frozenset(os.sched_getaffinity(0))
+            if missing:
+                raise ValueError(f"CPUs {format_cpu_list(missing)} are not among this process's CPUs ({format_cpu_list(frozenset(os.sched_getaffinity(0)))})")
             # Before Ray starts: its daemons, the router and the workers inherit the serving CPUs.
             serving = move_serving_threads(engine_cpus)
         except ValueError as e:

@@ -4,11 +4,11 @@ import os
 
 import pytest
 
-from bench.e2e import STAGES, EngineSteps, Run, bootstrap_ci95, main, poisson_arrivals, summarize, t_ci95, timings_stages, trace_stages, variant
+from bench.e2e import STAGES, EngineSteps, Run, bootstrap_ci95, main, poisson_arrivals, summarize, t_975, t_ci95, timings_stages, trace_stages, variant
+from bench.workload import BenchRequest
+from engine.cpus import format_cpu_list
 from engine.request import RequestTrace
 from proto import splitserve_pb2 as pb
-from engine.cpus import format_cpu_list
-from bench.workload import BenchRequest
 
 
 def _run(system: str, round_: int, tokens: int, wall_s: float, ttft_s: list[float], path_s: list[float] = ()) -> Run:
@@ -163,6 +163,10 @@ def test_the_interval_over_rounds_uses_students_t():
     assert t_ci95([1.0, 2.0, 3.0]) == [-0.48, 4.48]
     assert t_ci95([5.0, 5.0]) == [5.0, 5.0]
     assert t_ci95([7.0]) is None
+    # Past the table's 10 degrees of freedom, the expansion meets published values of t.
+    for df, t in [(11, 2.201), (20, 2.086), (30, 2.042), (60, 2.000), (120, 1.980)]:
+        assert abs(t_975(df) - t) < 0.001
+    assert t_975(10) > t_975(11) > t_975(1000) > 1.96
     # Rounds that disagree widen it however many requests each pooled.
     assert t_ci95([17.0, 4.0, 10.0, 9.0])[1] - t_ci95([17.0, 4.0, 10.0, 9.0])[0] > 2 * 6
 
@@ -173,6 +177,7 @@ def test_the_interval_over_rounds_uses_students_t():
         (["--engine-cpus", "0"], "--engine-cpus: only with --modes aggregated"),
         (["--engine-cpus", "0-x", "--modes", "aggregated"], "--engine-cpus: '0-x' is not a CPU number"),
         (["--engine-cpus", format_cpu_list(set(os.sched_getaffinity(0))), "--modes", "aggregated"], "leaves no CPU for the serving threads"),
+        (["--engine-cpus", "4095", "--modes", "aggregated"], "--engine-cpus: CPUs 4095 are not among this process's CPUs"),
     ],
 )
 def test_bad_engine_cpus_stop_the_bench_before_it_starts(argv, message, capsys):
