@@ -1,10 +1,12 @@
 """bench.e2e's arithmetic: pooled rounds, the serving path's cost against each peer, the goal."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
-from bench.e2e import STAGES, EngineSteps, Run, bootstrap_ci95, main, poisson_arrivals, summarize, t_975, t_ci95, timings_stages, trace_stages, variant
+from bench.e2e import STAGES, EngineSteps, Run, bootstrap_ci95, main, peer_environ, poisson_arrivals, summarize, t_975, t_ci95, timings_stages, trace_stages, variant
 from bench.workload import BenchRequest
 from engine.cpus import format_cpu_list
 from engine.request import RequestTrace
@@ -339,3 +341,17 @@ def test_the_prefill_stages_added_time_splits_into_more_batch_tokens_and_slower_
     assert open_loop["prefill_work"]["grpc_open"] == {"steps_mean": 1.0, "step_tokens_mean": 210.0, "us_per_step_token": 1514.29}
     assert open_loop["prefill_work"]["engine_loop_open"]["us_per_step_token"] == 1500.0
     assert open_loop["prefill_ms_added_split"] == {"more_step_tokens": 15.0, "slower_per_token": 3.0}
+
+
+def test_the_in_process_engine_starts_with_the_omp_threads_ray_gives_a_worker():
+    assert peer_environ({"PATH": "/bin"}) == {"PATH": "/bin", "OMP_NUM_THREADS": "1"}  # a decode worker reserves 1 CPU
+    assert peer_environ({"OMP_NUM_THREADS": "4"}) is None  # set: Ray passes it on to the workers as it is
+
+
+def test_run_as_a_program_the_bench_starts_again_in_that_environment_with_its_arguments():
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    code = "import runpy, sys; sys.argv = ['bench.e2e', '--engine-cpus', '0-x', '--modes', 'aggregated']; runpy.run_module('bench.e2e', run_name='__main__')"
+    probe = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 2 and "'0-x' is not a CPU number" in probe.stderr
+    assert "bench.e2e: OMP_NUM_THREADS=1\n" in probe.stderr
+    assert probe.stderr.count("bench.e2e: OMP_NUM_THREADS") == 1  # only the second start got as far
