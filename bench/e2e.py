@@ -724,9 +724,9 @@ def peer_environ(environ: dict[str, str]) -> dict[str, str] | None:
     """The environment the in-process engine must start in to run as a decode worker's engine
     does, or None if ``environ`` is that already. Ray sets ``OMP_NUM_THREADS``, where it is unset,
     to an actor's whole CPUs (at least 1) before the actor imports torch, and libgomp and MKL read
-    it once, when they load. Without it, the in-process engine stepped 2-3% slower than an
-    actor's on the same pinned CPU in three of three process pairs (decode steps of 8 requests;
-    0.2% and 2.3% with it). Set for the bench, Ray leaves it as it is and the workers inherit it."""
+    it once, when they load. Set for the bench, Ray leaves it as it is and the workers inherit it,
+    so the two engines start alike. (It is not why an actor's engine often steps faster than this
+    process's: bench.actor_engine finds that with it set on both sides too.)"""
     if "OMP_NUM_THREADS" in environ:
         return None
     return dict(environ) | {"OMP_NUM_THREADS": str(max(math.floor(ReplicaSpec.num_cpus), 1))}
