@@ -7,7 +7,8 @@ bench.e2e compares a decode worker's engine (a Ray actor) with an engine in the 
 process, so anything that makes one process's engine faster than the other's, with no serving
 path involved, lands in its verdict. This measures that alone: one engine here and one in an
 actor started as the controller starts a decode worker (``num_cpus`` of a ``ReplicaSpec``), both
-on ``--engine-cpu`` with one torch thread, everything else on the other CPUs. They take turns,
+on ``--engine-cpu`` with one torch thread (``EngineReplica``, as a worker builds its engine),
+everything else on the other CPUs. They take turns,
 ``--blocks`` times, order swapped every block (the machine's speed drifts between minutes), each
 a block of ``--steps`` timed steps of one kind:
 
@@ -34,9 +35,9 @@ import ray
 from bench.workload import emit_report
 from engine.config import EngineConfig, WorkerProcessConfig
 from engine.cpus import move_serving_threads
-from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
+from engine.replica import EngineReplica
 from router.controller import ReplicaSpec
 
 Timing = tuple[float, float]  # (wall s, engine thread CPU s) of one step
@@ -77,26 +78,17 @@ def prefill_steps(engine: LLMEngine, steps: int, block: int, prompt_len: int) ->
     return out
 
 
-def _loop(config: EngineConfig, cpu: int) -> EngineLoop:
-    process = WorkerProcessConfig()
-    sys.setswitchinterval(process.gil_switch_interval_s)
-    loop = EngineLoop(lambda: LLMEngine(config), 1 << 20, 1, nice=process.engine_thread_nice, cpus=frozenset({cpu}))
-    loop.start()
-    return loop
+class TimedReplica(EngineReplica):
+    """An engine set up as a decode worker sets up its own, taking timed steps on request: one
+    in this process, one as a Ray actor."""
 
-
-class ActorEngine:
-    """The engine in a Ray actor, set up as a worker sets up its own (EngineReplica)."""
-
-    def __init__(self, config: EngineConfig, cpu: int) -> None:
-        move_serving_threads(frozenset({cpu}))
-        self.loop = _loop(config, cpu)
+    pool = "decode"
 
     def omp_num_threads(self) -> str | None:
         return os.environ.get("OMP_NUM_THREADS")
 
-    def run(self, kind: str, steps: int, block: int, prompt_len: int) -> list[Timing]:
-        return asyncio.run(self.loop.call(lambda engine: run_kind(engine, kind, steps, block, prompt_len)))
+    async def run(self, kind: str, steps: int, block: int, prompt_len: int) -> list[Timing]:
+        return await self.loop.call(lambda engine: run_kind(engine, kind, steps, block, prompt_len))
 
 
 def run_kind(engine: LLMEngine, kind: str, steps: int, block: int, prompt_len: int) -> list[Timing]:
@@ -136,31 +128,31 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(f"--engine-cpu: {e}")
     config = EngineConfig(model=args.model, kv_cache_bytes=1 << 30)
-    loop = _loop(config, cpu)
+    process = WorkerProcessConfig(engine_cpus=str(cpu), num_threads=1)
+    here = TimedReplica("process", config, process)
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
-        actor = ray.remote(ActorEngine).options(num_cpus=ReplicaSpec.num_cpus).remote(config, cpu)
+        actor = ray.remote(TimedReplica).options(num_cpus=ReplicaSpec.num_cpus).remote("actor", config, process)
         report = {
             "model": args.model,
             "engine_cpu": cpu,
-            "omp_num_threads": {"process": os.environ.get("OMP_NUM_THREADS"), "actor": ray.get(actor.omp_num_threads.remote())},
+            "omp_num_threads": {"process": here.omp_num_threads(), "actor": ray.get(actor.omp_num_threads.remote())},
         }
         for kind in args.kinds:
-            here: list[list[Timing]] = []
-            there: list[list[Timing]] = []
+            blocks: dict[str, list[list[Timing]]] = {"process": [], "actor": []}
             # Warm-up, both sides, then the blocks.
             ray.get(actor.run.remote(kind, 2, -1, args.prompt_len))
-            asyncio.run(loop.call(lambda e, kind=kind: run_kind(e, kind, 2, -2, args.prompt_len)))
+            asyncio.run(here.run(kind, 2, -2, args.prompt_len))
             for block in range(args.blocks):
                 for side in ("process", "actor") if block % 2 == 0 else ("actor", "process"):
                     if side == "actor":
-                        there.append(ray.get(actor.run.remote(kind, args.steps, 2 * block, args.prompt_len)))
+                        blocks[side].append(ray.get(actor.run.remote(kind, args.steps, 2 * block, args.prompt_len)))
                     else:
-                        here.append(asyncio.run(loop.call(lambda e, kind=kind, b=block: run_kind(e, kind, args.steps, 2 * b + 1, args.prompt_len))))
-            report[kind] = summarize(here, there)
+                        blocks[side].append(asyncio.run(here.run(kind, args.steps, 2 * block + 1, args.prompt_len)))
+            report[kind] = summarize(blocks["process"], blocks["actor"])
     finally:
         ray.shutdown()
-        loop.stop()
+        here.stop_engine()
     emit_report(report, args.json)
     return 0
 
