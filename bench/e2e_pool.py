@@ -146,9 +146,7 @@ def power(runs: list[dict], serving_path_ms: float | None) -> dict | None:
 def pool(runs: list[dict]) -> dict:
     run_means = [r["added_ms_mean"] for r in runs]
     rounds = [x for r in runs for x in r["added_ms_by_round"]]
-    paths = [r["serving_path_ms_mean"] for r in runs if r["serving_path_ms_mean"] is not None]
     over_runs = {"num_runs": len(runs), "mean": round(statistics.fmean(run_means), 2), "ci95": t_ci95(run_means)}
-    path_mean = round(statistics.fmean(paths), 2) if paths else None
     split = {
         "serving_path_ms": _over_runs(runs, "serving_path_ms_mean"),
         "worker_side_ms": _over_runs(runs, "worker_side_ms_mean"),
@@ -157,6 +155,7 @@ def pool(runs: list[dict]) -> dict:
         "engine_cpu_time_added_pct": _over_runs(runs, "engine_cpu_time_added", 100),
         "engine_stall_ms_per_step_added": _over_runs(runs, "engine_stall_ms_per_step_added"),
     }
+    path_mean = split["serving_path_ms"]["mean"] if split["serving_path_ms"] else None
     return {
         "runs": runs,
         "over_runs": over_runs,
