@@ -786,9 +786,9 @@ def main(argv: list[str] | None = None) -> int:
             engine_cpus = parse_cpu_list(args.engine_cpus)
             # The bench's worker runs on this machine: a CPU this process may not use would fail
             # only when the worker pins its engine thread, minutes in.
-            missing = engine_cpus - frozenset(os.sched_getaffinity(0))
-            if missing:
-                raise ValueError(f"CPUs {format_cpu_list(missing)} are not among this process's CPUs ({format_cpu_list(frozenset(os.sched_getaffinity(0)))})")
+            allowed = frozenset(os.sched_getaffinity(0))
+            if not engine_cpus <= allowed:
+                raise ValueError(f"CPUs {format_cpu_list(engine_cpus - allowed)} are not among this process's CPUs ({format_cpu_list(allowed)})")
             # Before Ray starts: its daemons, the router and the workers inherit the serving CPUs.
             serving = move_serving_threads(engine_cpus)
         except ValueError as e:
