@@ -42,6 +42,8 @@ class ClusterConfig:
     """Prefill replicas to start; 0 runs aggregated (decode replicas prefill their own requests)."""
     ray_address: str | None = None
     """Join this Ray cluster; None starts a local one on 127.0.0.1."""
+    decode_worker_class: str = DECODE_WORKER_CLASS
+    """``module:Class`` of the decode replicas: ``DecodeWorker`` or a subclass of it (a bench's)."""
 
     def __post_init__(self) -> None:
         if self.num_decode < 1:
@@ -94,7 +96,7 @@ class Cluster:
             .options(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000)
             .remote(self.config.controller)
         )
-        decode = ReplicaSpec("decode", DECODE_WORKER_CLASS, (self.config.engine, self.config.worker))
+        decode = ReplicaSpec("decode", self.config.decode_worker_class, (self.config.engine, self.config.worker))
         prefill = ReplicaSpec("prefill", PREFILL_WORKER_CLASS, (self.config.engine, self.config.prefill))
         specs = [decode] * self.config.num_decode + [prefill] * self.config.num_prefill
         ray.get([self.controller.add_replica.remote(spec) for spec in specs])
