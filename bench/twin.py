@@ -293,6 +293,7 @@ def summarize(pairs: list[Pair], steps: EngineSteps, block: int = 10) -> dict:
             "grpc": round(statistics.fmean(p.grpc.trace.prefill_steps for p in pairs), 3),
             "direct": round(statistics.fmean(p.direct.trace.prefill_steps for p in pairs), 3),
         },
+        "pairs": [[p.index, round(1000 * p.added_s, 3), p.same_step, round(1000 * p.gap_s, 3)] for p in pairs],
         "engine": {
             "steps": steps.steps,
             "tokens": steps.tokens,
