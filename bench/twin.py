@@ -9,20 +9,31 @@ differ in speed by 2-3% (bench.actor_engine). Telling a 3.5 ms path from the 5 m
 takes ~55 runs (bench.e2e_pool's ``power``).
 
 Here there is one engine and one schedule. Requests come in twins, on a Poisson schedule of
-``--pair-rate`` pairs per second: at the same moment (``time.monotonic``, one clock for every
-process on the machine) one twin leaves a client thread here through the router's gRPC, and the
-other is handed to the same decode worker's ``EngineLoop`` from a coroutine on that worker's
-own event loop, as an application would call the engine as a library. The twins have prompts of
-one length that differ in their first token (so neither finds the other's blocks cached) and one
-output length. Each pair's TTFT difference (through gRPC minus direct) is what the serving path
-cost that request, on the same engine, the same steps and the same process:
+``--pair-rate`` pairs per second: one twin leaves a client thread here through the router's gRPC,
+and the other is handed to the same decode worker's ``EngineLoop`` from a coroutine on that
+worker's own event loop, as an application would call the engine as a library. Times are
+``time.monotonic``, one clock for every process on the machine. The twins have prompts of one
+length that differ in their first token (so neither finds the other's blocks cached) and one
+output length. Each twin's TTFT runs from its own handover, and each pair's difference (through
+gRPC minus direct) is what the serving path cost, on the same engine, the same steps and the same
+process:
 
 - twins that the engine takes in at one step boundary share their prompt step, and differ by the
-  hops (router, request plane, gRPC both ways) and the request plane's wait;
-- a gRPC twin that reaches the engine after a boundary its direct twin made ("missed") waits a
-  whole step more. For arrivals at random moments that happens with probability gap / mean step,
-  so the misses add on average what the gap costs. They are rare and expensive, and set the
-  spread of the mean.
+  hops back from the worker plus ``delay`` (below);
+- a twin that reaches the engine after a boundary its sibling made ("missed") waits a whole step
+  more: that step holds its sibling's prompt, so it is longer than the average step. For arrivals
+  at random moments a miss happens with probability gap / mean step.
+
+If the direct twin were handed over at the same moment as the gRPC one, it would reach the engine
+first every time, and the gRPC twin's misses would each cost a step that holds its sibling's
+prompt (measured: 346 ms against a 187 ms mean step). That overcharges the path: a lone request
+that misses a boundary waits for an ordinary step. (Chunked prefill adds to it: the later twin's
+prompt is the one split when the pair overflows the step's token budget.) So the direct twin is
+handed over ``delay`` after its gRPC twin, ``delay`` being the gRPC twins' mean way in to the
+worker (``--direct-delay-ms``; by default measured on 20 probe pairs). The twins then reach the
+engine in either order, the misses fall on both sides at the same cost and cancel on average,
+and the mean difference is the path's whole cost: its way in (the direct twin's later start) and
+its way out (the same-step difference over ``delay``).
 
 The default workload splits bench.e2e's in two: prompts of 16-128 and outputs of 16-64 tokens,
 pairs at bench.e2e's open-loop request rate (0.33/s), so the engine computes about the tokens per
@@ -243,6 +254,7 @@ def summarize(pairs: list[Pair], steps: EngineSteps, block: int = 10) -> dict:
     missed = [p for p in pairs if not p.same_step]
     mean_step_s = steps.step_s / steps.steps if steps.steps else None
     gap_s = statistics.fmean(p.gap_s for p in pairs)
+    abs_gap_s = statistics.fmean(abs(p.gap_s) for p in pairs)
     grpc_hops = [p.grpc.ttft_s - (p.grpc.resumed_s - p.grpc.trace.arrival_s) - p.grpc.request_plane_s for p in pairs]
     stage_added = {
         name: round(1000 * statistics.fmean(_stages(p.grpc)[name] - _stages(p.direct)[name] for p in same), 3) if same else None
@@ -282,11 +294,13 @@ def summarize(pairs: list[Pair], steps: EngineSteps, block: int = 10) -> dict:
         "missed": {
             "num_pairs": len(missed),
             "fraction": round(len(missed) / len(pairs), 4),
-            "expected_fraction": round(gap_s / mean_step_s, 4) if mean_step_s else None,
+            "expected_fraction": round(abs_gap_s / mean_step_s, 4) if mean_step_s else None,
             "ttft_ms_added": _ms([p.added_s for p in missed]),
             "grpc_later": sum(1 for p in missed if p.grpc.trace.first_scheduled_s > p.direct.trace.first_scheduled_s),
+            "direct_later": sum(1 for p in missed if p.grpc.trace.first_scheduled_s < p.direct.trace.first_scheduled_s),
         },
         "gap_ms": round(1000 * gap_s, 3),
+        "abs_gap_ms": round(1000 * abs_gap_s, 3),
         "idle_arrivals": sum(1 for p in pairs if _stages(p.direct)["pickup"] < IDLE_PICKUP_S),
         "hops_ms": _ms(grpc_hops),
         "prefill_steps": {
@@ -329,12 +343,16 @@ def keep_busy(client: SplitServeClient, streams: int, prompt_len: tuple[int, int
     return stop, threads
 
 
-def run(client: SplitServeClient, worker, plan: list[tuple[float, BenchRequest, BenchRequest]], tag: str, chunk: int = 25) -> list[Pair]:
-    """Run ``plan`` through both doors; every pair, once both twins have finished."""
-    start = time.monotonic() + 3.0  # time for the first direct calls to reach the worker
+def run(
+    client: SplitServeClient, worker, plan: list[tuple[float, BenchRequest, BenchRequest]], tag: str, chunk: int = 25, lead_s: float = 3.0, delay_s: float = 0.0
+) -> list[Pair]:
+    """Run ``plan`` through both doors, ``lead_s`` from now (time for the direct twins' calls to
+    reach the worker), each direct twin ``delay_s`` after its gRPC twin; every pair, once both
+    twins have finished."""
+    start = time.monotonic() + lead_s
     direct_refs = []
     for i in range(0, len(plan), chunk):
-        twins = [ScheduledTwin(j, start + at, d.prompt_token_ids, d.num_output_tokens) for j, (at, _, d) in enumerate(plan[i : i + chunk], i)]
+        twins = [ScheduledTwin(j, start + at + delay_s, d.prompt_token_ids, d.num_output_tokens) for j, (at, _, d) in enumerate(plan[i : i + chunk], i)]
         direct_refs.append(worker.direct.remote(twins, tag))
     results: list = []
     lock = threading.Lock()
@@ -375,6 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"))
     parser.add_argument("--busy-streams", type=int, default=6, help="closed-loop gRPC streams beside the twins, so the engine is never idle (default: 6)")
+    parser.add_argument(
+        "--direct-delay-ms",
+        type=float,
+        default=None,
+        help="hand each direct twin over this long after its gRPC twin leaves (default: the gRPC twins' mean way in to the worker, "
+        "measured on 20 probe pairs under the busy streams; 0: both at one moment)",
+    )
     parser.add_argument("--engine-cpus", default="0", metavar="LIST", help="CPUs of the worker's engine; everything else runs on the rest (default: 0)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -382,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--pairs: at least 2, got {args.pairs}")
     if args.busy_streams < 1:
         parser.error(f"--busy-streams: at least 1 (an idle engine starts a step for the first twin alone), got {args.busy_streams}")
+    if args.direct_delay_ms is not None and args.direct_delay_ms < 0:
+        parser.error(f"--direct-delay-ms: must be >= 0, got {args.direct_delay_ms}")
     if args.pair_rate <= 0:
         parser.error(f"--pair-rate: must be > 0, got {args.pair_rate}")
     for name in ("prompt_len", "output_len"):
@@ -418,8 +445,14 @@ def main(argv: list[str] | None = None) -> int:
             stop, busy = keep_busy(client, args.busy_streams, tuple(args.prompt_len), tuple(args.output_len), vocab_size, args.seed + 2)
             try:
                 time.sleep(5.0)  # the busy streams' first prompts
+                delay_s = args.direct_delay_ms / 1000 if args.direct_delay_ms is not None else None
+                if delay_s is None:
+                    # The gRPC twins' way in under this load, so that the twins reach the engine
+                    # in either order about as often (see the module docstring).
+                    probe = run(client, worker, schedule(20, 2.0, tuple(args.prompt_len), (4, 4), vocab_size, args.seed + 3), "probe")
+                    delay_s = statistics.fmean(p.grpc.trace.arrival_s - p.grpc.sent_s for p in probe)
                 before = scraped_steps(replica.metrics_url)
-                pairs = run(client, worker, plan, "run")
+                pairs = run(client, worker, plan, "run", delay_s=delay_s)
                 steps = scraped_steps(replica.metrics_url) - before
             finally:
                 stop.set()
@@ -433,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         "serving_cpus": format_cpu_list(serving),
         "pair_rate_per_s": args.pair_rate,
         "busy_streams": args.busy_streams,
+        "direct_delay_ms": round(1000 * delay_s, 3),
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "max_num_batched_tokens": engine_config.max_num_batched_tokens,
