@@ -65,6 +65,7 @@ def test_summary_splits_same_step_pairs_from_misses_and_judges_the_goal():
         "expected_fraction": 0.01,  # 1 ms gap over a 100 ms mean step
         "ttft_ms_added": None,
         "grpc_later": 2,
+        "direct_later": 0,
     }
     assert out["engine"]["step_ms_mean"] == 100.0
     low, high = out["ttft_ms_added"]["mean_ci95"]
@@ -102,3 +103,16 @@ def test_bad_arguments_stop_it_before_anything_starts(argv, message, capsys):
         twin.main(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_misses_on_both_sides_cancel_and_are_counted_by_side():
+    # Twins reaching the engine in either order, 1 ms apart; one miss each way, at one cost.
+    pairs = [_pair(i, gap=0.001 if i % 2 else -0.001) for i in range(98)]
+    pairs += [_pair(98, gap=0.001, miss=0.300), _pair(99, gap=-0.001, miss=-0.300)]
+    out = twin.summarize(pairs, EngineSteps(steps=1000, tokens=50_000, step_s=100.0, cpu_s=99.0))
+    assert (out["gap_ms"], out["abs_gap_ms"]) == (0.0, 1.0)
+    assert (out["missed"]["grpc_later"], out["missed"]["direct_later"]) == (1, 1)
+    assert out["missed"]["expected_fraction"] == 0.01
+    # The two misses cancel: the mean is the pairs' hops, less each one's way in.
+    expected = statistics.fmean(1000 * p.added_s for p in pairs[:98])
+    assert out["ttft_ms_added"]["mean"] == pytest.approx(expected, abs=0.01)
