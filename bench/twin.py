@@ -35,12 +35,12 @@ engine in either order, the misses fall on both sides at the same cost and cance
 and the mean difference is the path's whole cost: its way in (the direct twin's later start) and
 its way out (the same-step difference over ``delay``).
 
-The default workload splits bench.e2e's in two: prompts of 16-128 and outputs of 16-64 tokens,
-pairs at bench.e2e's open-loop request rate (0.33/s), so the engine computes about the tokens per
-second that bench.e2e's open loop gives it. Chunked prefill would split the later twin's prompt
-when the pair and the running decodes exceed the step's token budget and bias the comparison:
-``prefill_steps`` in the report counts that. The engine runs alone on ``--engine-cpus`` (0), as in
-bench.e2e's ``--engine-cpus 0`` runs.
+The default workload splits a bench.e2e request in two: prompts of 16-128 and outputs of 16-64
+tokens, pairs at bench.e2e's open-loop request rate (0.33/s). Beside them ``--busy-streams`` (6)
+closed-loop gRPC streams keep the engine from ever idling (an idle engine starts a step for
+whichever twin comes first, alone) and put ~8 requests in flight, as at N = 8. Chunked prefill
+splits a prompt when a step's token budget runs out; ``prefill_steps`` in the report counts it.
+The engine runs alone on ``--engine-cpus`` (0), as in bench.e2e's ``--engine-cpus 0`` runs.
 
 What the twins cannot show is a cost the serving stack puts on the engine itself (both twins
 pay it): bench.e2e's step counters measure that, worker against in-process.
