@@ -732,6 +732,18 @@ def peer_environ(environ: dict[str, str]) -> dict[str, str] | None:
     return dict(environ) | {"OMP_NUM_THREADS": str(max(math.floor(ReplicaSpec.num_cpus), 1))}
 
 
+def claim_engine_cpus(text: str) -> tuple[frozenset[int], frozenset[int]]:
+    """The engine's CPUs from ``text`` and the serving CPUs this process moved its threads to;
+    ValueError naming the problem. Call it before Ray starts: its daemons, the router and the
+    workers inherit the serving CPUs. The bench's worker runs on this machine, so a CPU this
+    process may not use is refused here rather than when the worker pins its engine, minutes in."""
+    engine_cpus = parse_cpu_list(text)
+    allowed = frozenset(os.sched_getaffinity(0))
+    if not engine_cpus <= allowed:
+        raise ValueError(f"CPUs {format_cpu_list(engine_cpus - allowed)} are not among this process's CPUs ({format_cpu_list(allowed)})")
+    return engine_cpus, move_serving_threads(engine_cpus)
+
+
 def _cluster(engine_config: EngineConfig, threads: int, disaggregated: bool, engine_cpus: str | None) -> Cluster:
     worker_threads = max(1, threads // 2) if disaggregated else threads
     return Cluster(
@@ -783,14 +795,7 @@ def main(argv: list[str] | None = None) -> int:
         if "disaggregated" in args.modes:
             parser.error("--engine-cpus: only with --modes aggregated (a prefill and a decode engine would share the CPUs)")
         try:
-            engine_cpus = parse_cpu_list(args.engine_cpus)
-            # The bench's worker runs on this machine: a CPU this process may not use would fail
-            # only when the worker pins its engine thread, minutes in.
-            allowed = frozenset(os.sched_getaffinity(0))
-            if not engine_cpus <= allowed:
-                raise ValueError(f"CPUs {format_cpu_list(engine_cpus - allowed)} are not among this process's CPUs ({format_cpu_list(allowed)})")
-            # Before Ray starts: its daemons, the router and the workers inherit the serving CPUs.
-            serving = move_serving_threads(engine_cpus)
+            engine_cpus, serving = claim_engine_cpus(args.engine_cpus)
         except ValueError as e:
             parser.error(f"--engine-cpus: {e}")
     threads = len(engine_cpus) if engine_cpus else torch.get_num_threads()

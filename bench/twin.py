@@ -52,7 +52,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -63,12 +62,12 @@ from pathlib import Path
 
 import ray
 
-from bench.e2e import GOAL_TTFT_ADDED_MS, NUM_SPECIAL_TOKENS, EngineSteps, scraped_steps, t_975, trace_stages
+from bench.e2e import GOAL_TTFT_ADDED_MS, NUM_SPECIAL_TOKENS, EngineSteps, claim_engine_cpus, scraped_steps, t_975, trace_stages
 from bench.workload import BenchRequest, emit_report, percentile, random_workload
 from decode_worker.actor import DecodeWorker
 from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
-from engine.cpus import format_cpu_list, move_serving_threads, parse_cpu_list
+from engine.cpus import format_cpu_list
 from engine.params import SamplingParams
 from engine.request import EngineRequest, RequestTrace
 from router.client import SplitServeClient
@@ -410,11 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 2 <= low <= high:
             parser.error(f"--{name.replace('_', '-')}: need 2 <= MIN <= MAX, got {low} {high}")
     try:
-        engine_cpus = parse_cpu_list(args.engine_cpus)
-        allowed = frozenset(os.sched_getaffinity(0))
-        if not engine_cpus <= allowed:
-            raise ValueError(f"CPUs {format_cpu_list(engine_cpus - allowed)} are not among this process's CPUs ({format_cpu_list(allowed)})")
-        serving = move_serving_threads(engine_cpus)  # before Ray: its processes inherit the serving CPUs
+        engine_cpus, serving = claim_engine_cpus(args.engine_cpus)
     except ValueError as e:
         parser.error(f"--engine-cpus: {e}")
 
@@ -430,8 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     status = cluster.start()
     try:
         with SplitServeClient(status.grpc_address) as client:
-            [replica] = [r for r in client.cluster_status().replicas if r.pool == "decode"]
-            worker = ray.get_actor(f"splitserve-{replica.replica_id}")
+            [(replica, _, worker)] = ray.get(cluster.controller.replicas.remote())
             vocab_size = client.list_models()[0].vocab_size
             warmup = schedule(4, 2.0, (40, 70), (4, 4), vocab_size, args.seed + 1)
             run(client, worker, warmup, "warmup")
