@@ -289,8 +289,8 @@ class LLMEngine:
         if chunks:
             self._num_steps += 1
             self._num_step_tokens += num_tokens
+            self._step_cpu_s += time.thread_time() - started_cpu_s  # read inside the wall clock's interval
             self._step_s += time.perf_counter() - started_s
-            self._step_cpu_s += time.thread_time() - started_cpu_s
         return outputs
 
     def kv_snapshot(self) -> KVSnapshot:

@@ -65,6 +65,8 @@ class RedisTierConfig:
     """Prefix of every key this tier writes."""
     socket_timeout_s: float = 0.5
     """Bound on every Redis call; a slower Redis counts as down."""
+    min_backoff_s: float = 0.25
+    """First pause after a failure; each failure after it doubles the pause, up to ``max_backoff_s``."""
     max_backoff_s: float = 30.0
     """Longest pause between two attempts while Redis is down."""
     tls_ca_file: Path | None = None
@@ -79,8 +81,8 @@ class RedisTierConfig:
             raise ValueError(f"url: {self.url!r} is not a redis://, rediss:// or unix:// URL")
         if self.ttl_s < 1:
             raise ValueError(f"ttl_s: must be >= 1, got {self.ttl_s}")
-        if not self.socket_timeout_s > 0 or not self.max_backoff_s > 0:
-            raise ValueError("socket_timeout_s and max_backoff_s: must be > 0")
+        if not self.socket_timeout_s > 0 or not 0 < self.min_backoff_s <= self.max_backoff_s:
+            raise ValueError("socket_timeout_s: must be > 0; min_backoff_s: must be > 0 and <= max_backoff_s")
         if self.max_queued_puts < 1 or self.put_batch < 1:
             raise ValueError("max_queued_puts and put_batch: must be >= 1")
 
@@ -308,7 +310,7 @@ class RedisTier:
 
     def _failed(self, what: str, error: Exception) -> None:
         with self._lock:
-            self._backoff_s = min(self.config.max_backoff_s, max(0.25, self._backoff_s * 2))
+            self._backoff_s = min(self.config.max_backoff_s, max(self.config.min_backoff_s, self._backoff_s * 2))
             self._down_until = time.monotonic() + self._backoff_s
             self.stats.num_errors += 1
         logger.warning("redis tier: %s failed (%s: %s); skipping the tier for %.2f s", what, type(error).__name__, error, self._backoff_s)
