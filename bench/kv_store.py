@@ -20,22 +20,25 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import redis
 
-from bench.workload import emit_report
+from bench.report import BenchError, emit_report, machine, progress, run
+from bench.workload import NUM_SPECIAL_TOKENS
 from engine.config import EngineConfig
+from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
 from kv_store.keys import block_keys
 from kv_store.redis_tier import RedisTier
 
-NUM_SPECIAL_TOKENS = 32
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
 
@@ -70,35 +73,31 @@ def _redis_gbps(tier: RedisTier, url: str, engine: LLMEngine, prefix: list[int],
     blocks = [engine.kv_cache.buffer[b].numpy().tobytes() for b in block_ids]
     nbytes = sum(len(b) for b in blocks)
     client = redis.Redis.from_url(url)  # the peer: plain redis-py, no header, no checksum
-    puts, gets, raw_puts, raw_gets = [], [], [], []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        assert len(tier.put_many(list(zip(keys, blocks)))) == len(blocks)
-        puts.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        assert len(tier.get_prefix(keys)) == len(blocks)
-        gets.append(time.perf_counter() - t)
-        t = time.perf_counter()
+    pairs = list(zip(keys, blocks))
+
+    def raw_set() -> list:
         pipe = client.pipeline(transaction=False)
-        for k, b in zip(keys, blocks):
+        for k, b in pairs:
             pipe.set(f"bench:raw:{k}", b)
-        pipe.execute()
-        raw_puts.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        return pipe.execute()
+
+    def raw_get() -> list:
         pipe = client.pipeline(transaction=False)
         for k in keys:
             pipe.get(f"bench:raw:{k}")
-        pipe.execute()
-        raw_gets.append(time.perf_counter() - t)
-    gbps = lambda ts: round(nbytes / statistics.median(ts) / 1e9, 3)  # noqa: E731
-    return {
-        "redis_put_gbps": gbps(puts),
-        "redis_get_gbps": gbps(gets),
-        "raw_redis_py_set_gbps": gbps(raw_puts),
-        "raw_redis_py_get_gbps": gbps(raw_gets),
-        "redis_blocks": len(blocks),
-        "redis_bytes": nbytes,
-    }
+        return pipe.execute()
+
+    moves = {"redis_put": lambda: tier.put_many(pairs), "redis_get": lambda: tier.get_prefix(keys), "raw_redis_py_set": raw_set, "raw_redis_py_get": raw_get}
+    seconds: dict[str, list[float]] = {name: [] for name in moves}
+    for _ in range(repeats):
+        for name, move in moves.items():
+            start = time.perf_counter()
+            num_moved = len(move())
+            seconds[name].append(time.perf_counter() - start)
+            if num_moved != len(blocks):
+                raise RuntimeError(f"{name}: moved {num_moved} of {len(blocks)} blocks")
+    gbps = {f"{name}_gbps": round(nbytes / statistics.median(s) / 1e9, 3) for name, s in seconds.items()}
+    return {**gbps, "redis_blocks": len(blocks), "redis_bytes": nbytes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.prefix_tokens < EngineConfig.block_size or args.repeats < 1:
+        parser.error(f"--prefix-tokens: must be >= {EngineConfig.block_size} (one block); --repeats: must be >= 1")
 
     server = None
     url = args.redis_url
@@ -118,19 +119,25 @@ def main(argv: list[str] | None = None) -> int:
 
         server = RedisServer(Path(tempfile.mkdtemp(prefix="bench-redis-"))).start()
         url = server.url
+        progress("kv_store", f"started redis-server at {url}")
     try:
+        try:
+            redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+        except (redis.RedisError, ValueError) as e:
+            raise BenchError(f"no Redis answers at --redis-url {url}: {e}") from None
         base = EngineConfig(model=args.model, kv_cache_bytes=256 << 20, max_model_len=args.prefix_tokens + 64)
-        configs = {
-            "recompute": base,
-            "gpu": base,
-            "cpu": EngineConfig(**{**base.__dict__, "cpu_kv_cache_bytes": 256 << 20}),
-            "redis": EngineConfig(**{**base.__dict__, "redis_url": url}),
-        }
+        configs = {"recompute": base, "gpu": base, "cpu": replace(base, cpu_kv_cache_bytes=256 << 20), "redis": replace(base, redis_url=url)}
         rng = random.Random(args.seed)
         results, report_extra = {}, {}
         prefix = None
         for name, config in configs.items():
-            engine = LLMEngine(config)
+            progress("kv_store", f"{name}: loading {args.model}")
+            try:
+                engine = LLMEngine(config)
+            except EngineError as e:
+                raise BenchError(str(e)) from None
+            if engine.max_model_len < args.prefix_tokens + 16:
+                raise BenchError(f"--prefix-tokens {args.prefix_tokens} + a 16-token suffix exceeds {args.model}'s {engine.max_model_len} tokens")
             vocab = engine.model_config.vocab_size
             if prefix is None:
                 prefix = [rng.randrange(NUM_SPECIAL_TOKENS, vocab) for _ in range(args.prefix_tokens)]
@@ -138,18 +145,19 @@ def main(argv: list[str] | None = None) -> int:
             if name != "recompute":
                 _ttft(engine, prefix, f"fill-{name}")  # the prefix's blocks now cached in the pool
 
-            def prepare(e, name=name):
+            def prepare(e: LLMEngine, name: str = name) -> None:
                 if name == "recompute":
                     e.reset_prefix_cache()
                 elif name in ("cpu", "redis"):
                     e.offload_prefix_cache()
-                    if name == "redis":
-                        assert e.kv_store.redis.flush()
-                        assert e.pool.num_cached_blocks == 0
+                    assert e.pool.num_cached_blocks == 0
+                    if name == "redis" and not e.kv_store.redis.flush():
+                        raise RuntimeError("the Redis tier did not write the offloaded blocks within 10 s")
 
             results[name] = _measure(engine, prefix, vocab, args.repeats, rng, prepare, name)
-            print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
+            progress("kv_store", f"{name}: TTFT {results[name]['ttft_s']:.4f} s, {results[name]['cached_tokens']} tokens cached")
             if name == "redis":
+                progress("kv_store", f"redis: put and get {args.prefix_tokens // base.block_size} blocks x {args.repeats}")
                 report_extra = _redis_gbps(engine.kv_store.redis, url, engine, prefix, args.repeats)
             engine.close()
             del engine
@@ -163,13 +171,15 @@ def main(argv: list[str] | None = None) -> int:
             "cached_tokens": {k: v["cached_tokens"] for k, v in results.items()},
             "ttft_s_all": {k: v["ttft_s_all"] for k, v in results.items()},
             **report_extra,
+            "machine": machine(),
         }
     finally:
         if server is not None:
             server.stop()
+            shutil.rmtree(server.workdir, ignore_errors=True)
     emit_report(report, args.json)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("kv_store", main))

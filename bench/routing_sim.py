@@ -22,22 +22,18 @@ Decode: the first token starts a sequence on the policy's decode worker, which h
 ``decode_slots`` for ``output_length / decode_tokens_per_s``; decode loads (busy share of slots)
 are reported with the prefill loads and passed to ``choose``. Decode never delays a prefill.
 
-Defaults: Llama-3-70B in FP8 on H100 SXM (80 GiB), one prefill replica = TP=2 (2 GPUs):
+Defaults: Llama-3-70B in FP8 on H100 SXM (80 GiB), one prefill replica = TP=2 (2 GPUs), KV of
+164,160 B/token (80 layers x 8 KV heads x 128 dims x 2 x 1 B, plus 320 B/token of FP8 scales):
 
-- KV per token: 80 layers x 8 KV heads x 128 dims x 2 (K, V) x 1 byte = 163,840 B, plus FP8
-  scales (4 B per head, layer and K/V per 16-token block: 320 B/token) = 164,160 B/token.
-- pool: 2 x 85.9 GB x 0.90 usable = 154.6 GB, less 72.7 GB of weights (70.6B params in FP8,
-  embeddings and lm_head in bf16) and ~8 GB of activations, CUDA graphs and NCCL buffers =
-  73.9 GB / 164,160 = 450,000 tokens.
-- CPU tier: an HGX H100 node has 2 TiB of host RAM for 8 GPUs; a TP=2 replica gets 512 GiB and
-  gives half to the CPU tier: 274.9 GB / 164,160 = 1,670,000 tokens (1,600,000 kept).
-- Redis: 1 TiB cluster-wide (e.g. 8 shards of 128 GiB maxmemory, allkeys-lru): 6,700,000 tokens.
-- prefill: 2 x 70.6e9 = 141 GFLOP/token; 2 GPUs x 1,979 TFLOPS (FP8 dense) x 40% MFU / 141
-  GFLOP = 11,200 tokens/s; 10,000 kept for attention at long contexts.
-- CPU tier loads: PCIe Gen5 x16, ~25 GB/s effective per GPU into the pool, both GPUs at once:
-  50 GB/s / 164,160 = 305,000 tokens/s (300,000 kept).
-- Redis loads: ~5 GB/s per replica over the frontend network from several shards in parallel
-  (bench.kv_store measured 0.8 GB/s over one loopback connection): 30,000 tokens/s.
+- pool 450,000 tokens: 2 x 85.9 GB x 0.90 = 154.6 GB, less 72.7 GB of weights (70.6B params in
+  FP8, embeddings and lm_head in bf16) and ~8 GB of activations, CUDA graphs, NCCL = 73.9 GB.
+- CPU tier 1,600,000: a TP=2 replica's quarter of an HGX node's 2 TiB host RAM, half of it (274.9 GB).
+- Redis 6,700,000: 1 TiB cluster-wide (e.g. 8 shards of 128 GiB maxmemory, allkeys-lru).
+- prefill 10,000 tokens/s: 141 GFLOP/token on 2 x 1,979 TFLOPS (FP8 dense) at 40% MFU = 11,200,
+  less for attention at long contexts.
+- CPU tier loads 300,000 tokens/s: PCIe Gen5 x16, ~25 GB/s effective per GPU, both GPUs at once.
+- Redis loads 30,000 tokens/s: ~5 GB/s per replica from several shards in parallel
+  (bench.kv_store measured 0.8 GB/s over one loopback connection).
 - decode: 8 decode workers of 256 sequences each, 30 tokens/s per sequence.
 
 Simplifications: prefill is one request at a time at a fixed tokens/s (no batching, no extra
@@ -57,7 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bench.traces import TraceRequest
-from bench.workload import percentile
+from bench.report import percentile
 from kv_store.events import EventKind, KVEventBatch, KVEventLog, Tier
 from router.prefix_index import CachedRun, PrefixIndex
 from router.routing import PolicyConfig, RouteRequest, WorkerLoad, make_policy
@@ -102,9 +98,7 @@ class ClusterConfig:
             raise ValueError(f"pool_tokens: must hold one {BLOCK_TOKENS}-token block, got {self.pool_tokens}")
         if min(self.cpu_tokens, self.redis_tokens, self.event_delay_s) < 0:
             raise ValueError("cpu_tokens, redis_tokens and event_delay_s: must be >= 0")
-        if self.report_interval_s <= 0:
-            raise ValueError(f"report_interval_s: must be > 0, got {self.report_interval_s}")
-        for name in ("prefill_tokens_per_s", "cpu_load_tokens_per_s", "redis_load_tokens_per_s", "decode_tokens_per_s"):
+        for name in ("report_interval_s", "prefill_tokens_per_s", "cpu_load_tokens_per_s", "redis_load_tokens_per_s", "decode_tokens_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
 
@@ -153,11 +147,9 @@ class SharedRedis:
         """``worker`` spills ``key``; like the real tier, it skips keys it wrote before."""
         if not self.num_blocks:
             return
-        writers = self.keys.get(key)
-        if writers is not None and worker in writers:
+        writers = self.keys.setdefault(key, set())
+        if worker in writers:
             return
-        if writers is None:
-            self.keys[key] = writers = set()
         writers.add(worker)
         self.keys.move_to_end(key)
         worker.changes.store(Tier.REDIS, key)
@@ -269,14 +261,6 @@ class _DecodeWorker:
             heapq.heappop(self.ends)
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now_s = 0.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-
 class Replay:
     """One policy over one trace. ``run()`` returns the policy's numbers; requests that arrive in
     the first ``warmup_s`` of the trace are simulated but not counted. Each worker's event log
@@ -294,9 +278,9 @@ class Replay:
         self.trace = trace
         self.warmup_ms = (trace[0].timestamp_ms if trace else 0) + warmup_s * 1000
         self.config = config
-        self.clock = _Clock()
+        self.now_s = 0.0
         self.index = PrefixIndex()
-        self.policy = make_policy(policy, self.index, policy_config, clock=self.clock)
+        self.policy = make_policy(policy, self.index, policy_config, clock=lambda: self.now_s)
         self.redis = SharedRedis(config.redis_tokens // BLOCK_TOKENS)
         self.workers = [SimWorker(f"prefill-{i}", config, self.redis, retain_batches) for i in range(config.num_workers)]
         self.by_id = {w.worker_id: w for w in self.workers}
@@ -319,7 +303,7 @@ class Replay:
         for i, request in enumerate(self.trace):
             now = request.timestamp_ms / 1000
             self._advance(now)
-            self.clock.now_s = now
+            self.now_s = now
             keys = request.block_keys(BLOCK_TOKENS)
             route = RouteRequest(f"r{i}", keys, request.input_length, BLOCK_TOKENS)
             start = time.perf_counter_ns()
@@ -346,7 +330,7 @@ class Replay:
             now = min(t_done, t_event, t_report)
             if now > until_s or now == math.inf:
                 return
-            self.clock.now_s = now
+            self.now_s = now
             if t_done == now:
                 self._complete(heapq.heappop(self._completions)[2], now)
             elif t_event == now:

@@ -16,13 +16,11 @@ What the generator builds (every prompt starts with the same universal prefix, i
     [universal 1,200 tok][tenant system prompt  ][turn 1 user][answer][turn 2 user] ...  multiturn
     [universal 1,200 tok][agent app's tool prompt, 6k-40k tok][task][call][tool result] ...  agent
 
-- multiturn: conversations of 1-30 turns (mean ~5) on one of ``num_tenants`` tenants (Zipf
-  popularity, each with its own system prompt). Each turn's prompt is the previous prompt, its
-  answer and a new user message; some messages paste a document. The next turn comes after the
-  answer has streamed and the user has thought.
-- agent: loops of 2-40 steps (mean ~10) on one of ``num_agent_apps`` apps whose long tool
-  prompt every session of the app shares (some over 32k tokens); each step appends the model's
-  tool call and the tool's result, and comes a few seconds after the previous one.
+- multiturn: chats on one of ``num_tenants`` Zipf-popular tenants, each with its own system
+  prompt; a turn's prompt is the previous one, its answer and a new message (some paste a
+  document), and comes after the answer has streamed and the user has thought.
+- agent: loops on one of ``num_agent_apps`` Zipf-popular apps whose long tool prompt (some over
+  32k tokens) every session of the app shares; each step appends a tool call and its result.
 - mixed: sessions of both kinds, half each.
 
 Sessions start in on/off Poisson bursts (a burst rate, then a quiet rate of ``off_rate_share`` of
@@ -36,6 +34,7 @@ sessions whose earlier turns it does not contain. Everything is drawn from one
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -71,17 +70,17 @@ class TraceRequest:
 
 
 def read_trace(path: Path) -> list[TraceRequest]:
-    """A JSONL trace, sorted by timestamp (stable)."""
+    """A JSONL trace, sorted by timestamp (stable); ValueError naming the first line that is not a request."""
     out = []
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
             try:
+                row = json.loads(line)
                 out.append(TraceRequest(int(row["timestamp"]), int(row["input_length"]), int(row["output_length"]), tuple(int(h) for h in row["hash_ids"])))
-            except KeyError as e:
-                raise ValueError(f"{path}:{number}: missing field {e}") from None
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"line {number} is not a request ({type(e).__name__}: {e})") from None
     out.sort(key=lambda r: r.timestamp_ms)
     return out
 
@@ -148,23 +147,14 @@ class _Prompt:
     num_tokens: int
     full_ids: tuple[int, ...]
 
-    def extended(self, num_tokens: int, ids: _Ids) -> _Prompt:
+    def extended(self, num_tokens: int, ids: Iterator[int]) -> _Prompt:
+        """This prompt and ``num_tokens`` more; blocks that fill up take fresh ids from ``ids``."""
         total = self.num_tokens + num_tokens
-        fresh = tuple(ids.take(total // BLOCK_TOKENS - len(self.full_ids)))
-        return _Prompt(total, self.full_ids + fresh)
+        return _Prompt(total, self.full_ids + tuple(itertools.islice(ids, total // BLOCK_TOKENS - len(self.full_ids))))
 
-    def hash_ids(self, ids: _Ids) -> tuple[int, ...]:
-        return self.full_ids + (tuple(ids.take(1)) if self.num_tokens % BLOCK_TOKENS else ())
-
-
-class _Ids:
-    def __init__(self) -> None:
-        self._next = 0
-
-    def take(self, n: int) -> range:
-        start = self._next
-        self._next += n
-        return range(start, self._next)
+    def hash_ids(self, ids: Iterator[int]) -> tuple[int, ...]:
+        """Mooncake hash ids: the full blocks', then a fresh one for a partial tail."""
+        return self.full_ids + ((next(ids),) if self.num_tokens % BLOCK_TOKENS else ())
 
 
 @dataclass(frozen=True)
@@ -198,7 +188,7 @@ class TraceGenerator:
         self.kind = kind
         self.config = config
         self.rng = random.Random(seed)
-        self.ids = _Ids()
+        self.ids = itertools.count()
         universal = _Prompt(0, ()).extended(config.universal_prefix_tokens, self.ids)
         rng = self.rng
         self.tenants = [universal.extended(_lognormal(rng, config.system_prompt_tokens_median, 0.8, 200, 12000), self.ids) for _ in range(config.num_tenants)]

@@ -26,24 +26,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.workload import emit_report
+from bench.report import BenchError, emit_report, machine, positive, progress, run
 from engine.bundled import resolve_model
 from engine.config import EngineConfig
+from engine.errors import EngineError
 from engine.model_config import ModelConfig
 from kv_store.layout import KVBlockLayout
 from kv_transfer.codec import dequantize_blocks, quantize_blocks
 from kv_transfer.nixl_transport import NixlTransport
 
 KV_DTYPES = ("fp8_e4m3", "bf16")
-CODEC_BASIS = "float32 K/V bytes: read by quantize_blocks, written by dequantize_blocks"
 
 
 def _decode_side(conn, layouts: dict[str, KVBlockLayout], num_blocks: int) -> None:
-    """The receiving process: one transport per KV dtype over a zeroed (touched) pool.
-
-    Between commands it calls progress() every millisecond, as a decode worker waiting for KV
-    polls its notifications.
-    """
+    """The receiving process: one transport per KV dtype over a zeroed (touched) pool, polled every ms."""
     pools = {d: torch.zeros(num_blocks, layout.block_bytes, dtype=torch.uint8) for d, layout in layouts.items()}
     transports = {d: NixlTransport(f"bench-decode-{d}", pool) for d, pool in pools.items()}
     conn.send({d: t.metadata() for d, t in transports.items()})
@@ -88,7 +84,7 @@ def bench_codec(layout: KVBlockLayout, kv: torch.Tensor, repetitions: int) -> di
     return {
         "codec_quantize_gbps": _gbps(float_bytes, quantize_s),
         "codec_dequantize_gbps": _gbps(float_bytes, dequantize_s),
-        "codec_gbps_basis": CODEC_BASIS,
+        "codec_gbps_basis": "float32 K/V bytes: read by quantize_blocks, written by dequantize_blocks",
         "codec_float_bytes": float_bytes,
         "peer_float32_copy_gbps": _gbps(float_bytes, copy_s),
     }
@@ -117,10 +113,10 @@ def bench_nixl(layouts: dict[str, KVBlockLayout], kv: torch.Tensor, num_decode_b
     # Decode blocks as a free list hands them out after some churn: scattered, none adjacent.
     g = torch.Generator().manual_seed(0)
     scattered = (torch.randperm(num_decode_blocks // 2, generator=g)[:num_blocks] * 2).tolist()
-    contiguous = list(range(num_blocks))
-    local_ids = list(range(num_blocks))
+    contiguous = local_ids = list(range(num_blocks))
     report: dict = {}
     for kv_dtype, layout in layouts.items():
+        progress("transfer", f"nixl: {kv_dtype} WRITE of {num_blocks} blocks x {repetitions}, scattered and contiguous")
         pool = torch.zeros(num_blocks, layout.block_bytes, dtype=torch.uint8)
         quantize_blocks(kv, layout, out=pool)
         num_bytes = pool.numel()
@@ -156,32 +152,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--json", type=Path, help="write the results here as well as to stdout")
-    parser.add_argument("--num-tokens", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
-    parser.add_argument("--repetitions", type=int, default=20)
+    parser.add_argument("--num-tokens", type=positive, default=2048)
+    parser.add_argument("--block-size", type=positive, default=EngineConfig.block_size)
+    parser.add_argument("--repetitions", type=positive, default=20)
     args = parser.parse_args(argv)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines go to stdout, into the JSON
 
-    model = ModelConfig.from_dir(resolve_model(args.model))
-    layouts = {
-        kv_dtype: KVBlockLayout(model.num_layers, model.num_kv_heads, model.head_dim, args.block_size, kv_dtype)
-        for kv_dtype in KV_DTYPES
-    }
+    progress("transfer", f"reading the KV shapes of {args.model}")
+    try:
+        model = ModelConfig.from_dir(resolve_model(args.model))
+    except EngineError as e:
+        raise BenchError(str(e)) from None
+    layouts = {d: KVBlockLayout(model.num_layers, model.num_kv_heads, model.head_dim, args.block_size, d) for d in KV_DTYPES}
     fp8, bf16 = layouts["fp8_e4m3"], layouts["bf16"]
     num_blocks = -(-args.num_tokens // args.block_size)
     kv = torch.randn(num_blocks, *fp8.payload_shape, generator=torch.Generator().manual_seed(0))
 
+    progress("transfer", f"codec: quantize and dequantize {num_blocks} blocks x {args.repetitions}")
     codec = bench_codec(fp8, kv, args.repetitions)
+    progress("transfer", "nixl: starting the decode process")
     nixl = bench_nixl(layouts, kv, num_decode_blocks=4 * num_blocks, repetitions=args.repetitions)
     fp8_write, bf16_write = nixl["fp8_e4m3_scattered"], nixl["bf16_scattered"]
     report = {
         "model": args.model,
-        "layout": {
-            "num_layers": fp8.num_layers,
-            "num_kv_heads": fp8.num_kv_heads,
-            "head_dim": fp8.head_dim,
-            "block_size": fp8.block_size,
-        },
+        "layout": {k: getattr(fp8, k) for k in ("num_layers", "num_kv_heads", "head_dim", "block_size")},
         "num_tokens": args.num_tokens,
         "num_blocks": num_blocks,
         "fp8_block_bytes": fp8.block_bytes,
@@ -193,12 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         **codec,
         "nixl": nixl,
         "repetitions": args.repetitions,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
+        "machine": machine(),
     }
     emit_report(report, args.json)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("transfer", main))

@@ -22,7 +22,7 @@ from proto import splitserve_pb2_grpc as pb_grpc
 _CHANNEL_OPTIONS = [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)]
 """A stream's messages are read on the thread that iterates it, not handed over from the
 channel's polling thread: one thread wake-up less per message. The first token of a request on
-an idle local cluster arrives ~0.4 ms sooner (bench/README.md, bench.path)."""
+an idle local cluster arrived ~0.4 ms sooner (measured 2026-11-23 on the 2-core dev machine)."""
 
 
 class SplitServeClient:

@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from bench.routing import BLOCK_TOKENS, ClusterConfig, Replay, evaluate_goals, oracle_hit_ratio
+from bench.routing import evaluate_goals
+from bench.routing_sim import BLOCK_TOKENS, ClusterConfig, Replay, oracle_hit_ratio
 from bench.traces import TraceConfig, TraceGenerator, TraceRequest, describe, generate, read_trace, universal_ids, write_trace
 from kv_store.events import KeySets, Tier
 from router.prefix_index import PrefixIndex

@@ -39,7 +39,7 @@ def _client_threads(before: set[threading.Thread]) -> list[str]:
 
 def test_a_stream_is_read_on_the_callers_thread(address):
     """No channel polling thread hands the client its messages: one thread wake-up less per
-    message (bench.path). A plain channel, read the same way, starts one, so the check can see it."""
+    message. A plain channel, read the same way, starts one, so the check can see it."""
     with SplitServeClient(address) as client:
         before = set(threading.enumerate())
         stream = client.generate([5, 6, 7], max_tokens=3)

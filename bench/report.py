@@ -1,0 +1,118 @@
+"""What every bench shares at its edges: progress lines, the JSON report, plots, and clean exits."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+class BenchError(Exception):
+    """A problem the user can fix (bad input, a cluster that is not up): one sentence, exit 2."""
+
+
+def run(name: str, main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """``main(argv)``, with a BenchError printed as ``bench.NAME: sentence`` and exit status 2."""
+    try:
+        return main(argv)
+    except BenchError as e:
+        print(f"bench.{name}: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def positive(text: str) -> int:
+    """An argparse type: a whole number >= 1, or the option's error naming what was given."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
+
+
+def progress(name: str, message: str) -> None:
+    """One line on stderr per phase, so a long run never looks hung."""
+    print(f"[bench.{name} {datetime.datetime.now():%H:%M:%S}] {message}", file=sys.stderr, flush=True)
+
+
+def machine() -> dict:
+    """Where a report was measured: date, CPU model, cores usable, torch threads."""
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), platform.processor())
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cpu": model,
+        "cpus": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile, q in [0, 100]."""
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def emit_report(report: dict, path: Path | None) -> None:
+    """Print the report as JSON and, given a path, write it there too."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+
+
+Series = dict[str, tuple[Sequence[float], Sequence[float]]]
+"""A panel's lines: label -> (x values, y values)."""
+
+
+def series(rows: Sequence[dict], key: str, label: Callable[[dict], str], x: str = "concurrency") -> Series:
+    """One line per ``label(row)`` of ``row[key]`` over ``row[x]``; rows with one label and one x are averaged."""
+    points: dict[str, dict[float, list[float]]] = {}
+    for row in rows:
+        points.setdefault(label(row), {}).setdefault(row[x], []).append(row[key])
+    return {name: (sorted(p), [statistics.fmean(p[k]) for k in sorted(p)]) for name, p in points.items()}
+
+
+def plot(path: Path, title: str, panels: Sequence[tuple[str, str, Series]], bars: bool = False, logx: bool = False) -> None:
+    """A row of panels (y label, x label, series), as lines over x (a log2 axis with ``logx``) or,
+    with ``bars``, as grouped bars over category labels (x values are then the categories),
+    written to ``path`` as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, (ylabel, xlabel, series) in zip(axes[0], panels):
+        for i, (label, (xs, ys)) in enumerate(series.items()):
+            if bars:
+                width = 0.8 / len(series)
+                ax.bar([j + i * width for j in range(len(xs))], ys, width, label=label)
+                ax.set_xticks([j + 0.4 - width / 2 for j in range(len(xs))], [str(x) for x in xs], rotation=20, ha="right")
+            else:
+                ax.plot(xs, ys, marker="o", label=label)
+        if logx:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

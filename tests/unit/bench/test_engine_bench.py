@@ -1,0 +1,57 @@
+"""bench.engine on a tiny model: the report's structure and token counts, the plot, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from bench import engine as bench_engine
+from bench.report import run
+from bench.workload import random_workload
+from tests.tiny_models import TINY_VOCAB
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+MACHINE_KEYS = {"date", "cpu", "cpus", "torch_threads", "gpu"}
+
+
+@pytest.mark.slow
+def test_both_systems_at_each_concurrency_emit_every_workload_token(tiny_llama_dir, tmp_path, capsys):
+    out, png = tmp_path / "engine.json", tmp_path / "engine.png"
+    argv = ["--model", str(tiny_llama_dir), "--num-requests", "4", "--concurrency", "1", "2", "--prompt-len", "4", "8"]
+    argv += ["--output-len", "2", "4", "--kv-cache-bytes", str(1 << 20), "--json", str(out), "--plot", str(png)]
+    assert bench_engine.main(argv) == 0
+
+    captured = capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert json.loads(captured.out) == report
+    assert set(report) == {"model", "dtype", "kv_dtype", "num_requests", "prompt_len", "output_len", "machine", "results", "speedup"}
+    assert set(report["machine"]) == MACHINE_KEYS
+    workload = random_workload(4, (4, 8), (2, 4), TINY_VOCAB, seed=0)
+    num_output_tokens = sum(r.num_output_tokens for r in workload)
+    runs = [(r["system"], r["concurrency"]) for r in report["results"]]
+    assert runs == [("splitserve", 1), ("transformers", 1), ("splitserve", 2), ("transformers", 2)]
+    for result in report["results"]:
+        assert result["num_output_tokens"] == num_output_tokens
+        assert set(result) == {"system", "concurrency", "output_tok_per_s", "ttft_s_p50", "ttft_s_p99", "num_output_tokens", "wall_s"}
+    assert set(report["speedup"]) == {"1", "2"}
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    for system, concurrency in runs:
+        assert re.search(rf"^\[bench\.engine \d\d:\d\d:\d\d\] {system} N={concurrency}: ", captured.err, re.MULTILINE)
+
+
+def test_a_model_that_is_not_there_is_one_sentence_naming_it(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    assert run("engine", bench_engine.main, ["--model", str(missing), "--num-requests", "1"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1].startswith("bench.engine: ") and str(missing) in lines[-1]
+    assert all(line.startswith("[bench.engine ") for line in lines[:-1])  # progress lines only, no traceback
+
+
+@pytest.mark.parametrize("flag", [["--concurrency", "0"], ["--num-requests", "0"], ["--prompt-len", "9", "8"]])
+def test_bad_counts_are_refused_before_anything_loads(flag, capsys):
+    with pytest.raises(SystemExit) as exited:
+        bench_engine.main(flag)
+    assert exited.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
