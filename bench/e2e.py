@@ -215,16 +215,19 @@ def interference(client: SplitServeClient, streams: list[BenchRequest], prompt: 
                 prompts_done[0] += 1
 
         decoders = [threading.Thread(target=decode, args=(r,)) for r in variant(streams, next(tags))]
+        start = time.monotonic()
         prefiller = threading.Thread(target=prefill) if phase == "with_prefill" else None
         for t in decoders + ([prefiller] if prefiller else []):
             t.start()
         for t in decoders:
             t.join()
+        phase_s = time.monotonic() - start
         stop.set()
         if prefiller:
             prefiller.join()
         itl = [v for s in samples for v in s.itl_s]
-        out[phase] = {**latency(itl, "itl"), "itl_ms_mean": _ms(statistics.fmean(itl)), "prompts_prefilled": prompts_done[0] if prefiller else 0}
+        prompts = prompts_done[0] if prefiller else 0  # the last one may end after the streams: counted, not timed
+        out[phase] = {**latency(itl, "itl"), "itl_ms_mean": _ms(statistics.fmean(itl)), "decode_s": round(phase_s, 2), "prompts_prefilled": prompts}
         progress("e2e", f"interference {pools} {phase}: itl p90 {out[phase]['itl_ms_p90']} ms")
     out["itl_p90_ratio"] = round(out["with_prefill"]["itl_ms_p90"] / out["quiet"]["itl_ms_p90"], 3)
     return out

@@ -87,8 +87,8 @@ def series(rows: Sequence[dict], key: str, label: Callable[[dict], str], x: str 
     return {name: (sorted(p), [statistics.fmean(p[k]) for k in sorted(p)]) for name, p in points.items()}
 
 
-def plot(path: Path, title: str, panels: Sequence[tuple[str, str, Series]], bars: bool = False, logx: bool = False) -> None:
-    """A row of panels (y label, x label, series), as lines over x (a log2 axis with ``logx``) or,
+def plot(path: Path, title: str, panels: Sequence[tuple[str, str, Series]], bars: bool = False, logx: bool = False, logy: bool = False) -> None:
+    """A row of panels (y label, x label, series), as lines over x (a log2 axis with ``logx``, log10 y with ``logy``) or,
     with ``bars``, as grouped bars over category labels (x values are then the categories),
     written to ``path`` as PNG."""
     import matplotlib
@@ -107,6 +107,8 @@ def plot(path: Path, title: str, panels: Sequence[tuple[str, str, Series]], bars
                 ax.plot(xs, ys, marker="o", label=label)
         if logx:
             ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(args.plot, f"bench.routing: {args.trace.name}, {config.num_workers} workers", [
             ("hit ratio (share of prompt tokens)", "policy", {"hit ratio": ([*names, "oracle"], [*(results[n]["hit_ratio"] for n in names), oracle])}),
             ("TTFT p90 (s)", "policy", {"TTFT p90": (names, [results[n]["ttft_s_p90"] for n in names])}),
-        ], bars=True)
+        ], bars=True, logy=True)
     return 0
 
 

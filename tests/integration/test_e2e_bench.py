@@ -44,6 +44,7 @@ def test_a_small_run_reports_every_layout_with_stages_that_add_up(ray_session, t
     assert [i["pools"] for i in report["interference"]] == ["0:1", "1:1"]
     for layout in report["interference"]:
         assert layout["quiet"]["prompts_prefilled"] == 0 and layout["with_prefill"]["prompts_prefilled"] >= 1
+        assert layout["quiet"]["decode_s"] > 0 and layout["with_prefill"]["decode_s"] > 0
         assert layout["quiet"]["itl_ms_p50"] <= layout["quiet"]["itl_ms_p99"]
 
     err = capsys.readouterr().err
