@@ -37,6 +37,7 @@ import grpc
 from bench.report import BenchError, emit_report, machine, percentile, plot, positive, progress, run, series
 from bench.workload import NUM_SPECIAL_TOKENS, BenchRequest, random_workload, variant
 from decode_worker.config import WorkerConfig
+from engine.bundled import bundled_model_names
 from engine.config import EngineConfig, WorkerProcessConfig
 from engine.engine_loop import EngineLoop
 from engine.errors import UnknownModelError
@@ -253,7 +254,7 @@ def connect(address: str, model: str) -> tuple[SplitServeClient, str]:
     except grpc.RpcError as e:
         client.close()
         raise BenchError(f"no splitserve router answers at {address} ({e.code().name}: {e.details()}); start one with `make up`") from None
-    if model not in models:
+    if (model if model in bundled_model_names() else Path(model).name) not in models:  # the engine's name for it
         client.close()
         raise BenchError(f"the router at {address} serves {', '.join(models) or 'no model'}, not --model {model}")
     return client, f"{sum(r.pool == 'prefill' for r in replicas)}:{sum(r.pool == 'decode' for r in replicas)}"
@@ -317,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     warmup = [BenchRequest(long_prompt.prompt_token_ids[:n], 4) for n in (*args.prompt_len, args.prefill_prompt_len)]
     runs, interfered = [], []
     try:
+        longest = max(args.prompt_len[1] + args.output_len[1], args.prefill_prompt_len + warmup[-1].num_output_tokens, 32 + args.decode_output_len)
+        if longest > loop.engine.max_model_len:
+            raise BenchError(f"--prompt-len, --output-len, --prefill-prompt-len, --decode-output-len: a request of {longest} tokens exceeds {args.model}'s context of {loop.engine.max_model_len}")
         run_engine(loop, warmup, 2, "warmup")
         for pools in [remote[1]] if remote else [f"{p}:{d}" for p, d in args.pools]:
             with contextlib.nullcontext(remote[0]) if remote else local_cluster(engine_config, *parse_pools(pools)) as client:

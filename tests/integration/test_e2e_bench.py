@@ -9,6 +9,11 @@ import pytest
 
 from bench import e2e
 from bench.e2e import SERVING_PATH, STAGES
+from bench.report import run
+from engine.config import EngineConfig
+from router.config import RouterConfig
+from router.launch import ClusterConfig
+from tests.integration.conftest import running_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -50,3 +55,22 @@ def test_a_small_run_reports_every_layout_with_stages_that_add_up(ray_session, t
     err = capsys.readouterr().err
     for line in ("loading", "starting a cluster: 1 prefill, 1 decode", "sweep 0:1 N=2 round 1/1 grpc", "interference 1:1 with_prefill"):
         assert line in err
+
+
+def test_address_measures_a_running_cluster_and_refuses_another_model(ray_session, tiny_llama_dir, tmp_path, capsys):
+    engine = EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=256)
+    with running_cluster(ClusterConfig(engine=engine, router=RouterConfig(port=0))) as cluster:
+        address = cluster.router_status.grpc_address
+        out = tmp_path / "e2e.json"
+        argv = ["--address", address, "--phases", "sweep", "--concurrency", "1", "--rounds", "1", "--num-requests", "2",
+                "--prompt-len", "20", "20", "--output-len", "4", "4", "--prefill-prompt-len", "64", "--kv-dtype", "fp32", "--kv-cache-mib", "16",
+                "--json", str(out)]
+        assert e2e.main(["--model", str(tiny_llama_dir), *argv]) == 0
+        report = json.loads(out.read_text())
+        assert report["address"] == address and report["interference"] == []
+        assert {(r["pools"], r["system"]) for r in report["runs"]} == {("0:1", "engine"), ("0:1", "grpc")}
+        assert all(r["num_output_tokens"] == 2 * 4 for r in report["runs"])
+        assert "starting a cluster" not in capsys.readouterr().err
+
+        assert run("e2e", e2e.main, ["--model", "smollm2-135m", *argv]) == 2
+        assert capsys.readouterr().err.strip().endswith(f"the router at {address} serves {tiny_llama_dir.name}, not --model smollm2-135m")

@@ -120,3 +120,12 @@ def test_an_unknown_model_is_one_sentence(capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("bench.e2e: --model: model 'no-such-model' is neither a checkpoint directory nor a bundled model")
     assert not any("Traceback" in line for line in lines)
+
+
+def test_a_request_longer_than_the_models_context_is_one_sentence(tiny_llama_dir, capsys):
+    argv = ["--model", str(tiny_llama_dir), "--prefill-prompt-len", "1024", "--kv-cache-mib", "16"]
+    assert run("e2e", e2e.main, argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"bench.e2e: --prompt-len, --output-len, --prefill-prompt-len, --decode-output-len: "
+        f"a request of 1028 tokens exceeds {tiny_llama_dir}'s context of 1024"
+    )
