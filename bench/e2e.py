@@ -34,10 +34,10 @@ from pathlib import Path
 
 import grpc
 
-from bench.report import BenchError, emit_report, machine, percentile, plot, positive, progress, run, series
+from bench.report import BenchError, check_ranges, emit_report, machine, percentile, plot, positive, progress, run, series
 from bench.workload import NUM_SPECIAL_TOKENS, BenchRequest, random_workload, variant
 from decode_worker.config import WorkerConfig
-from engine.bundled import bundled_model_names
+from engine.bundled import served_model_name
 from engine.config import EngineConfig, WorkerProcessConfig
 from engine.engine_loop import EngineLoop
 from engine.errors import UnknownModelError
@@ -254,7 +254,7 @@ def connect(address: str, model: str) -> tuple[SplitServeClient, str]:
     except grpc.RpcError as e:
         client.close()
         raise BenchError(f"no splitserve router answers at {address} ({e.code().name}: {e.details()}); start one with `make up`") from None
-    if (model if model in bundled_model_names() else Path(model).name) not in models:  # the engine's name for it
+    if served_model_name(model) not in models:
         client.close()
         raise BenchError(f"the router at {address} serves {', '.join(models) or 'no model'}, not --model {model}")
     return client, f"{sum(r.pool == 'prefill' for r in replicas)}:{sum(r.pool == 'decode' for r in replicas)}"
@@ -297,9 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-mib", type=positive, default=2048, help="KV pool of each engine")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name in ("prompt_len", "output_len"):
-        if getattr(args, name)[0] > getattr(args, name)[1]:
-            parser.error(f"--{name.replace('_', '-')}: MIN is above MAX")
+    check_ranges(parser, args, "prompt_len", "output_len")
     remote = connect(args.address, args.model) if args.address else None  # before loading: fails in a second
     progress("e2e", f"loading {args.model} in-process")
     engine_config = EngineConfig(model=args.model, kv_dtype=args.kv_dtype, kv_cache_bytes=args.kv_cache_mib << 20)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import BenchError, emit_report, machine, percentile, plot, positive, progress, run, series
+from bench.report import BenchError, check_ranges, emit_report, machine, percentile, plot, positive, progress, run, series
 from bench.workload import BenchRequest, random_workload
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     args = parser.parse_args(argv)
-    if args.prompt_len[0] > args.prompt_len[1] or args.output_len[0] > args.output_len[1]:
-        parser.error("--prompt-len and --output-len: MIN must not exceed MAX")
+    check_ranges(parser, args, "prompt_len", "output_len")
 
     import transformers
 

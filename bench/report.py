@@ -33,6 +33,14 @@ def positive(text: str) -> int:
     return int(text)
 
 
+def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+    """Each ``MIN MAX`` option in ``names`` (dests, e.g. ``prompt_len``) has MIN <= MAX, or the parser's error naming it."""
+    for name in names:
+        low, high = getattr(args, name)
+        if low > high:
+            parser.error(f"--{name.replace('_', '-')}: MIN is above MAX")
+
+
 def progress(name: str, message: str) -> None:
     """One line on stderr per phase, so a long run never looks hung."""
     print(f"[bench.{name} {datetime.datetime.now():%H:%M:%S}] {message}", file=sys.stderr, flush=True)

@@ -71,6 +71,12 @@ def bundled_model_names() -> tuple[str, ...]:
     return tuple(sorted(_BUNDLED_MODELS))
 
 
+def served_model_name(name_or_path: str) -> str:
+    """The name a model is served under (``ModelInfo.id``): a bundled model's own name, or the
+    folder name of a checkpoint directory."""
+    return name_or_path if name_or_path in _BUNDLED_MODELS else Path(name_or_path).expanduser().name
+
+
 def bundled_model(name: str) -> BundledModel:
     """The bundled model called ``name``; ``UnknownModelError`` listing the names otherwise."""
     model = _BUNDLED_MODELS.get(name)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bundled import bundled_model_names, resolve_model
+from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
@@ -115,7 +115,7 @@ class LLMEngine:
         self.config = config
         self.worker_id = worker_id
         self.checkpoint_dir: Path = resolve_model(config.model, config.cache_dir)
-        self.model_name = config.model if config.model in bundled_model_names() else self.checkpoint_dir.name
+        self.model_name = served_model_name(config.model)
         self.model_config = ModelConfig.from_dir(self.checkpoint_dir)
         self.tokenizer = Tokenizer.from_dir(self.checkpoint_dir)
         mc = self.model_config

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from bench import e2e
@@ -11,6 +9,7 @@ from bench.e2e import SERVING_PATH, STAGES, Run, Sample, record, summarize, timi
 from bench.report import run
 from bench.workload import BenchRequest
 from proto import splitserve_pb2 as pb
+from tests.redis_server import free_port
 
 
 def _timings(**fields) -> pb.Timings:
@@ -107,9 +106,7 @@ def test_bad_options_exit_2_with_a_sentence(argv, message, capsys):
 
 
 def test_a_router_that_is_not_up_is_one_sentence_not_a_traceback(capsys):
-    with socket.socket() as s:  # a loopback port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a loopback port nothing listens on
     assert run("e2e", e2e.main, ["--address", f"127.0.0.1:{port}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"bench.e2e: no splitserve router answers at 127.0.0.1:{port} (UNAVAILABLE")

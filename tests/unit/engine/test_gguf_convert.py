@@ -14,8 +14,10 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import bundled
-from engine.bundled import bundled_model, bundled_model_names, default_cache_dir, resolve_model
+from engine.bundled import bundled_model, bundled_model_names, default_cache_dir, resolve_model, served_model_name
+from engine.config import EngineConfig
 from engine.errors import CheckpointError, UnknownModelError
+from engine.llm_engine import LLMEngine
 from engine.loader.gguf_convert import SOURCE_FILE_NAME, convert_gguf
 from engine.tokenizer import Tokenizer
 
@@ -260,6 +262,12 @@ def test_greedy_chat_answer_names_paris(smollm2_dir: Path, converted_model: torc
 
 
 @pytest.mark.slow
+def test_a_model_is_served_under_its_bundled_name_or_its_folder_name(tiny_llama_dir: Path) -> None:
+    assert served_model_name("smollm2-135m") == "smollm2-135m"
+    assert served_model_name(str(tiny_llama_dir)) == served_model_name(f"{tiny_llama_dir}/") == tiny_llama_dir.name
+    assert LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=4)).model_name == tiny_llama_dir.name
+
+
 def test_second_resolve_reuses_the_checkpoint(smollm2_dir: Path, smollm2_cache_dir: Path) -> None:
     before = {path.name: path.stat().st_mtime_ns for path in smollm2_dir.iterdir()}
     assert resolve_model("smollm2-135m", cache_dir=smollm2_cache_dir) == smollm2_dir
