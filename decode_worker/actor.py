@@ -9,7 +9,7 @@ the prefill worker sampled::
                                              park: lease blocks for prompt blocks [cached, end)
                                              ──prefill(TransferRequest, tokens)──> PrefillWorker
                                              <──── NIXL WRITE into the leased blocks + notif ────
-                                             <──── TransferResult(first token, generator) ───────
+                                             <──── TransferResult(first token) ────────────────
                                              join the batch, release the lease, stream
 
 A hand-off that fails, times out or loses its prefill worker falls back to the failure policy:
@@ -247,7 +247,7 @@ class DecodeWorker(EngineReplica):
         loop = self.loop
 
         def join(engine: LLMEngine) -> None:
-            output = engine.join_remote(slot.request_id, result.first_token_id, result.rng_state or None)
+            output = engine.join_remote(slot.request_id, result.first_token_id)
             engine.release_lease(slot.request_id)
             if output is not None:
                 loop.deliver(output)

@@ -89,8 +89,6 @@ class PrefilledKV:
     first_token: int
     block_ids: tuple[int, ...]
     """Every prompt block, in order (the last one may be partly filled)."""
-    rng_state: bytes
-    """The request's generator after sampling ``first_token``: the decode side continues from it."""
     num_prompt_tokens: int
     num_cached_tokens: int
     """Prompt tokens this engine found in its own prefix cache."""
@@ -160,6 +158,7 @@ class LLMEngine:
         tenant_salt: str | None = None,
         hold_kv: bool = False,
         arrival_s: float | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> None:
         """Queue a request: a text prompt, token ids, or chat ``messages`` (exactly one).
 
@@ -167,9 +166,11 @@ class LLMEngine:
         is allocated before every check has passed. With ``hold_kv`` the prompt's blocks are
         leased when the request finishes, for ``take_prefilled`` and ``release_lease``.
         ``arrival_s`` (``time.monotonic``) backdates the request's arrival to when it reached the
-        worker; its queue time counts from there.
+        worker; its queue time counts from there. ``resume_token_ids`` continues a request another
+        replica started: the output it already streamed, which is computed with the prompt and
+        not streamed again (``Request.resume``); a seeded request then samples what it would have.
         """
-        request = self._new_request(request_id, prompt, params, messages, tenant_salt, arrival_s)
+        request = self._new_request(request_id, prompt, params, messages, tenant_salt, arrival_s, resume_token_ids)
         request.hold_kv = hold_kv
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -209,7 +210,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
         )
 
-    def join_remote(self, request_id: str, first_token: int, rng_state: bytes | None = None) -> RequestOutput | None:
+    def join_remote(self, request_id: str, first_token: int) -> RequestOutput | None:
         """The parked request's prompt KV is in its blocks: start decoding after ``first_token``.
 
         Returns the output carrying that token, or None if the request is no longer parked
@@ -221,8 +222,6 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not 0 <= first_token < vocab:
             raise InvalidRequestError("first_token", f"token id {first_token} is outside the vocabulary [0, {vocab})")
-        if rng_state is not None:
-            request.generator.set_state(torch.frombuffer(bytearray(rng_state), dtype=torch.uint8))
         self.scheduler.join_remote(request, first_token)
         if request.finished:
             del self._requests[request_id]
@@ -250,7 +249,6 @@ class LLMEngine:
             request_id=request_id,
             first_token=request.output_token_ids[0],
             block_ids=tuple(self.scheduler.leases[request_id]),
-            rng_state=request.generator.get_state().numpy().tobytes(),
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
         )
@@ -370,11 +368,12 @@ class LLMEngine:
             for rid, r in requests.items()
         ]
 
-    def _new_request(self, request_id, prompt, params, messages, tenant_salt, arrival_s: float | None = None) -> Request:
+    def _new_request(self, request_id, prompt, params, messages, tenant_salt, arrival_s: float | None = None, resume_token_ids: Sequence[int] = ()) -> Request:
         params = params or SamplingParams()
         if request_id in self._requests or request_id in self.scheduler.leases:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt_token_ids = self._prompt_token_ids(prompt, messages)
+        resume_token_ids = self._token_ids_in_vocab("resume_token_ids", resume_token_ids)
         self._check_fits(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(
@@ -385,8 +384,12 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
-            generator=torch.Generator().manual_seed(seed),
+            seed=seed,
         )
+        try:
+            request.resume(resume_token_ids)
+        except ValueError as e:
+            raise InvalidRequestError("resume_token_ids", str(e)) from None
         if arrival_s is not None:
             request.arrival_s = arrival_s
         return request
@@ -415,6 +418,13 @@ class LLMEngine:
         if bad is not None:
             raise InvalidRequestError("prompt", f"token id {bad!r} is outside the vocabulary [0, {vocab})")
         return token_ids
+
+    def _token_ids_in_vocab(self, field: str, token_ids: Sequence[int]) -> list[int]:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(field, f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        return list(token_ids)
 
     def _check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if len(prompt_token_ids) >= self.max_model_len:

@@ -23,7 +23,7 @@ class SamplingParams:
     top_p: float = 1.0
     """Keep the smallest set of tokens whose probability reaches top_p; in (0, 1]."""
     seed: int | None = None
-    """Seeds this request's own generator, so its samples do not depend on other requests."""
+    """Seeds this request's samples (one seed per output position), so they do not depend on other requests."""
     stop: tuple[str, ...] = ()
     """Generation ends when the output text contains any of these; the stop string is cut off."""
     stop_token_ids: tuple[int, ...] = ()

@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.params import SamplingParams
 from engine.stop import StopStringMatcher
 from engine.tokenizer import IncrementalDetokenizer
@@ -105,7 +103,8 @@ class Request:
     eos_token_ids: frozenset[int]
     max_model_len: int
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator
+    seed: int
+    """Its samples' seed: output token n is drawn with ``sampler.step_seed(seed, n)``."""
     token_ids: list[int] = field(default_factory=list)
     """Prompt followed by output: the sequence whose KV is being computed."""
     block_ids: list[int] = field(default_factory=list)
@@ -164,6 +163,17 @@ class Request:
             tokens = self.token_ids[: num_blocks * block_size]
             self.block_keys += block_keys(tokens, block_size, parent, start_block=len(self.block_keys))
         return self.block_keys[:num_blocks]
+
+    def resume(self, token_ids: list[int]) -> None:
+        """Take ``token_ids`` as output already generated and streamed (by a replica that died
+        mid-request): the detokenizer and stop strings pick up after them, they count toward
+        ``max_tokens``, and nothing of them is emitted again. Their KV is computed with the
+        prompt's. Raises ValueError if one of them would have ended the request."""
+        for index, token_id in enumerate(token_ids):
+            self.append_token(token_id)
+            if self.finished:
+                raise ValueError(f"output token {index} ({token_id}) would have finished the request ({self.finish_reason.value})")
+        self._pending_tokens, self._pending_text = [], []
 
     def append_token(self, token_id: int) -> None:
         """Add a sampled token and decide whether the request is finished."""

@@ -67,7 +67,8 @@ class ModelRunner:
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[rows])
-        tokens = sample(logits, [c.request.params for c in sampling], [c.request.generator for c in sampling])
+        requests = [c.request for c in sampling]
+        tokens = sample(logits, [r.params for r in requests], [r.seed for r in requests], [r.num_output_tokens for r in requests])
         return {c.request: t for c, t in zip(sampling, tokens)}
 
     def _decode_groups(self, decodes: list[ScheduledChunk]) -> tuple[DecodeGroup, ...]:

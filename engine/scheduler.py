@@ -113,7 +113,7 @@ class Scheduler:
                 self._release(request)
                 break
             if request.num_preemptions == 0:
-                request.num_cached_tokens = request.num_computed_tokens
+                request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
             self.waiting.popleft()
             self.running.append(request)
             if request.first_scheduled_s is None:

@@ -21,7 +21,7 @@ from kv_store.keys import KeyNamespace
 from kv_store.layout import KVBlockLayout
 from kv_transfer.errors import HandOffError, KVTransferError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped whenever a message below or the meaning of a notification changes."""
 
 _NOTIF_PREFIX = b"splitserve-kv/1/"
@@ -209,8 +209,6 @@ class TransferResult:
     """Bytes written into the decode pool."""
     transfer_s: float = 0.0
     """Seconds from posting the write to its completion."""
-    rng_state: bytes = b""
-    """The request's sampling generator after ``first_token_id``: the decode worker goes on from it."""
     error: str = ""
     """Why the hand-off did not complete; empty when DONE."""
 

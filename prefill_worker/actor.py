@@ -3,7 +3,8 @@
 For each hand-off it checks that the decode worker's pool can take its blocks, computes the
 prompt (reusing its own prefix cache) as a one-token request whose blocks stay leased when it
 finishes, writes the blocks the decode worker lacks into the decode worker's pool with one NIXL
-WRITE, and answers with the first token and the sampling generator's state::
+WRITE, and answers with the first token (the decode side samples the rest with the same
+per-position seeds, engine/sampler.py)::
 
     prefill(TransferRequest, tokens) ─ check_compatible ─ engine: prefill + sample 1 token (hold_kv)
                                      ─ WRITE own blocks [first_block_index:] -> decode block_ids
@@ -161,7 +162,6 @@ class PrefillWorker(EngineReplica):
             num_cached_tokens=done.num_cached_tokens,
             num_bytes=handle.num_bytes,
             transfer_s=time.perf_counter() - started,
-            rng_state=done.rng_state,
         )
 
     async def _apply_faults(self, request_id: str) -> None:

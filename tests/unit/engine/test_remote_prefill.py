@@ -1,7 +1,7 @@
 """Disaggregated prefill at the engine level: one engine prefills with ``hold_kv``, another parks
 the request, receives the blocks and decodes. The copy between the two pools stands in for the
 wire (the NIXL transport is tested on its own); what is checked here is the engines' side of the
-protocol: which blocks, the first token, the generator, leases and failure paths."""
+protocol: which blocks, the first token, leases and failure paths."""
 
 import pytest
 
@@ -35,7 +35,7 @@ def _disaggregated(prefill, decode, prompts, params=GREEDY):
         assert slot is not None
         done = _prefill(prefill, rid, prompt, SamplingParams(max_tokens=1, temperature=params.temperature, seed=params.seed, ignore_eos=True))
         _ship(prefill, decode, slot, done)
-        first = decode.join_remote(rid, done.first_token, done.rng_state)
+        first = decode.join_remote(rid, done.first_token)
         assert decode.release_lease(rid)
         tokens[rid] += first.new_token_ids
         for out in decode.step():  # the next request arrives while these decode
@@ -79,7 +79,7 @@ def test_only_blocks_the_decode_side_lacks_are_requested(tiny_llama_dir):
     done = _prefill(prefill, "b", shared + tail)
     assert done.num_cached_tokens == 48  # the prefill worker reused its own cache too
     _ship(prefill, decode, slot, done)
-    out = decode.join_remote("b", done.first_token, done.rng_state)
+    out = decode.join_remote("b", done.first_token)
     decode.release_lease("b")
     rest = [t for o in _drain(decode) for t in o.new_token_ids]
     [expected] = _aggregated(make_engine(tiny_llama_dir), [shared + tail])

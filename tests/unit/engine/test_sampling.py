@@ -5,15 +5,15 @@ import math
 import torch
 
 from engine.params import SamplingParams
-from engine.sampler import sample
+from engine.sampler import sample, step_seed
 from tests.unit.engine.helpers import make_engine, random_prompts, run_staggered
 
 LOGITS = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
 
 
 def _draw(params: SamplingParams, n: int = 2000) -> list[int]:
-    g = torch.Generator().manual_seed(0)
-    return [sample(LOGITS, [params], [g])[0] for _ in range(n)]
+    """``n`` output positions of one request seeded with 0."""
+    return [sample(LOGITS, [params], [0], [position])[0] for position in range(n)]
 
 
 def test_greedy_and_top_k_one_take_the_argmax():
@@ -51,3 +51,13 @@ def test_seeded_request_is_reproducible_whatever_the_batch(tiny_llama_dir):
     engine.add_request("other", prompts[0], other_seed)
     [other] = engine.run_to_completion(["other"])
     assert other.output_token_ids != alone.output_token_ids
+
+
+def test_a_draw_depends_only_on_the_seed_and_the_position():
+    params = SamplingParams(temperature=1.0)
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    batch = sample(logits, [params] * 3, [7, 7, 8], [0, 1, 0])
+    alone = [sample(logits[i : i + 1], [params], [seed], [position])[0] for i, (seed, position) in enumerate([(7, 0), (7, 1), (8, 0)])]
+    assert batch == alone
+    assert len({step_seed(7, 0), step_seed(7, 1), step_seed(8, 0), step_seed(0, 0)}) == 4
+    assert all(0 <= step_seed(seed, n) < 2**63 for seed in (0, 2**63 - 1, -5) for n in (0, 10**6))
