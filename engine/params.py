@@ -6,18 +6,24 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""Temperatures below this pick the most likely token. Dividing logits by a smaller one can
+overflow float32 to inf, and softmax then yields NaN probabilities, which fail the engine step
+(and the engine loop with it); sampling at a temperature going to 0 tends to the argmax anyway."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``temperature == 0`` (or below ``GREEDY_BELOW_TEMPERATURE``) is greedy. ``top_k == 0`` and
+    ``top_p == 1`` disable those filters.
     """
 
     max_tokens: int = 16
     """Most tokens to generate (the context length may end generation first)."""
     temperature: float = 1.0
-    """Softmax temperature; 0 picks the most likely token."""
+    """Softmax temperature; 0 (or anything below GREEDY_BELOW_TEMPERATURE) picks the most likely token."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 keeps all."""
     top_p: float = 1.0
@@ -51,4 +57,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1

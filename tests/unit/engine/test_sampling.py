@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from engine.params import SamplingParams
+from engine.params import GREEDY_BELOW_TEMPERATURE, SamplingParams
 from engine.sampler import sample, step_seed
 from tests.unit.engine.helpers import make_engine, random_prompts, run_staggered
 
@@ -61,3 +61,17 @@ def test_a_draw_depends_only_on_the_seed_and_the_position():
     assert batch == alone
     assert len({step_seed(7, 0), step_seed(7, 1), step_seed(8, 0), step_seed(0, 0)}) == 4
     assert all(0 <= step_seed(seed, n) < 2**63 for seed in (0, 2**63 - 1, -5) for n in (0, 10**6))
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    # LOGITS / 1e-40 overflows float32 to -inf, and softmax of that is NaN: this used to fail the step.
+    assert set(_draw(SamplingParams(temperature=1e-40), 50)) == {0}
+    assert set(_draw(SamplingParams(temperature=GREEDY_BELOW_TEMPERATURE / 2, top_p=0.5), 50)) == {0}
+
+
+def test_an_engine_serves_a_denormal_temperature_as_greedy(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    [prompt] = random_prompts([9], seed=3)
+    [greedy, tiny] = engine.generate([prompt, prompt], [SamplingParams(max_tokens=4, temperature=t) for t in (0.0, 1e-40)])
+    assert tiny.output_token_ids == greedy.output_token_ids
+    assert engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
