@@ -35,7 +35,8 @@ def check_model(model: str, served_models: list[str]) -> None:
 
 
 def check_prompt_size(prompt: str, messages, config: RouterConfig) -> None:
-    num_chars = len(prompt) + sum(len(m.content) for m in messages)
+    """A chat message's role counts with its content: the chat template renders both."""
+    num_chars = len(prompt) + sum(len(m.role) + len(m.content) for m in messages)
     if num_chars > config.max_prompt_chars:
         field = "prompt" if prompt else "messages"
         raise invalid(field, f"{num_chars} characters exceed the limit of {config.max_prompt_chars}")

@@ -86,6 +86,13 @@ def test_request_checks_name_the_field():
     check_generate(pb.GenerateRequest(model="m", prompt="ok"), RouterConfig(), ["m"])
 
 
+def test_chat_roles_count_toward_the_prompt_size_limit():
+    # A megabyte role used to pass the limit (only contents were counted) and reach the worker's tokenizer.
+    long_role = pb.GenerateRequest(messages=[pb.ChatMessage(role="r" * 9, content="xy")])
+    assert _rejected(long_role).message == "messages: 11 characters exceed the limit of 10"
+    check_generate(pb.GenerateRequest(messages=[pb.ChatMessage(role="r" * 8, content="xy")]), RouterConfig(max_prompt_chars=10), ["m"])
+
+
 def test_worker_errors_map_to_status_codes():
     assert from_worker(wpb.RequestError(code=wpb.RequestError.RESOURCE_EXHAUSTED, message="full")).code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert from_worker(wpb.RequestError(code=wpb.RequestError.UNAVAILABLE, message="x")).code == grpc.StatusCode.UNAVAILABLE
