@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import WorkerProcessConfig
+from proto.tls import ClusterTLSConfig
 
 REMOTE_PREFILL_FAILURE_POLICIES = ("recompute", "fail")
 
@@ -25,6 +26,8 @@ class WorkerConfig(WorkerProcessConfig):
     """Address the request plane (routers' Generate traffic) listens on; empty: the node address Ray uses."""
     request_plane_port: int = 0
     """Its TCP port; 0: any free one (routers learn it over Ray)."""
+    cluster_tls: ClusterTLSConfig | None = None
+    """Mutual TLS on the request plane: only routers with a cluster-CA certificate connect; None: plain TCP."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -9,6 +9,9 @@ One connection per (router, decode worker), served on the actor's event loop::
     Cancel(request_id) ───────────────────────────> the caller left: abort, free its blocks
     the connection closes (router gone) ──────────> every request still running on it is cancelled
 
+With a ClusterTLSConfig the connection is mutual TLS first (proto/tls.py): a peer without a
+certificate from the cluster CA, or one that speaks plain TCP, is refused before the token.
+
 Ray stays the control plane. On the request path a Ray call costs two thread hand-offs per
 process (its core worker's threads, then the actor's event loop) and a socket write costs none:
 a request's submit and its tokens used to spend 4.3 ms in Ray on an idle cluster (bench/README.md).
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -27,6 +31,7 @@ from google.protobuf.message import DecodeError
 
 from proto import worker_pb2 as wpb
 from proto.framing import FrameTooLarge, read_frame, write_frame
+from proto.tls import ClusterTLSConfig, server_context
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +48,7 @@ class RequestPlaneStats:
 
     num_channels_opened: int = 0
     num_channels_refused: int = 0
-    """Connections closed before their channel opened: a wrong token or not an OpenChannel first."""
+    """Connections closed before their channel opened: a failed TLS handshake, a wrong token or not an OpenChannel first."""
     num_open_channels: int = 0
     num_submitted: int = 0
     num_cancelled: int = 0
@@ -51,13 +56,17 @@ class RequestPlaneStats:
 
 
 class RequestPlaneServer:
-    """Serves channels on one TCP port; every request runs as ``start_request`` says."""
+    """Serves channels on one TCP port; every request runs as ``start_request`` says. With
+    ``tls``, a connection must complete a mutual TLS handshake before it may open a channel."""
 
-    def __init__(self, replica_id: str, token: bytes, start_request: StartRequest, open_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, replica_id: str, token: bytes, start_request: StartRequest, open_timeout_s: float = 10.0, tls: ClusterTLSConfig | None = None
+    ) -> None:
         self.replica_id = replica_id
         self._token = token
         self._open_timeout_s = open_timeout_s
-        """How long a new connection has to present its OpenChannel."""
+        """How long a new connection has for its TLS handshake, then as long for its OpenChannel."""
+        self._ssl = server_context(tls) if tls is not None else None
         self._start_request = start_request
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -80,12 +89,31 @@ class RequestPlaneServer:
         self._writers.add(writer)
         peer = writer.get_extra_info("peername")
         try:
+            if self._ssl is not None and not await self._handshake(writer, peer):
+                return
             channel_id = await self._open(reader, peer)
             if channel_id is not None:
                 await _Channel(self, channel_id, writer).run(reader)
         finally:
             self._writers.discard(writer)
             writer.close()
+
+    async def _handshake(self, writer: asyncio.StreamWriter, peer) -> bool:
+        """Whether the peer completed mutual TLS (else it is refused and logged). Runs before
+        anything else awaits, so no byte of the peer's hello is read as plain TCP."""
+        try:
+            await writer.start_tls(self._ssl, ssl_handshake_timeout=self._open_timeout_s)
+            return True
+        except ssl.SSLError as e:
+            reason = f"TLS handshake failed: {e}"
+        except (OSError, TimeoutError) as e:  # one that never completes ends in ConnectionAbortedError
+            reason = f"no TLS handshake: {e!r}"
+        self._refuse(peer, reason)
+        return False
+
+    def _refuse(self, peer, reason: str) -> None:
+        self.stats.num_channels_refused += 1
+        logger.warning("replica %s: request plane refused a connection from %s: %s", self.replica_id, peer, reason)
 
     async def _open(self, reader: asyncio.StreamReader, peer) -> str | None:
         """The channel id of a connection that opened properly, else None (and logged)."""
@@ -104,8 +132,7 @@ class RequestPlaneServer:
             else:
                 self.stats.num_channels_opened += 1
                 return message.open.channel_id
-        self.stats.num_channels_refused += 1
-        logger.warning("replica %s: request plane refused a connection from %s: %s", self.replica_id, peer, reason)
+        self._refuse(peer, reason)
         return None
 
 

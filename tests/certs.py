@@ -1,4 +1,5 @@
-"""Throwaway PKI for TLS tests: a CA, a server certificate for localhost, a client certificate."""
+"""Throwaway PKI for TLS tests: a CA, a server certificate for localhost, a client certificate,
+and cluster node certificates (both roles, as the request plane and Ray's TLS use them)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,13 @@ class TestPKI:
     client_cert: Path
     client_key: Path
     other_ca_cert: Path
-    """A CA that signed nothing here: trusting it must fail."""
+    """A CA that signed only ``other_node_*``: trusting it must fail for everything else."""
+    node_cert: Path
+    """Signed by ``ca_cert`` for serverAuth and clientAuth: one cluster member's certificate."""
+    node_key: Path
+    other_node_cert: Path
+    """Like ``node_cert`` but signed by ``other_ca_cert``: a peer from another cluster."""
+    other_node_key: Path
 
 
 def _name(cn: str) -> x509.Name:
@@ -59,11 +66,18 @@ def make_pki(out: Path) -> TestPKI:
         cert = _cert(f"splitserve test {ca_name}", key, _name(f"splitserve test {ca_name}"), key, ca=True)
         (out / f"{ca_name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         paths[ca_name] = (cert, key)
-    ca_cert, ca_key = paths["ca"]
     san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    for role, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH), ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
+    both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    leaves = (
+        ("server", "ca", [ExtendedKeyUsageOID.SERVER_AUTH]),
+        ("client", "ca", [ExtendedKeyUsageOID.CLIENT_AUTH]),
+        ("node", "ca", both),
+        ("other-node", "other-ca", both),
+    )
+    for role, issuer, usage in leaves:
+        issuer_cert, issuer_key = paths[issuer]
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = _cert(f"splitserve test {role}", key, ca_cert.subject, ca_key, ca=False, usage=[usage], san=san)
+        cert = _cert(f"splitserve test {role}", key, issuer_cert.subject, issuer_key, ca=False, usage=usage, san=san)
         (out / f"{role}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         _write_key(key, out / f"{role}-key.pem")
     return TestPKI(
@@ -73,4 +87,8 @@ def make_pki(out: Path) -> TestPKI:
         client_cert=out / "client.pem",
         client_key=out / "client-key.pem",
         other_ca_cert=out / "other-ca.pem",
+        node_cert=out / "node.pem",
+        node_key=out / "node-key.pem",
+        other_node_cert=out / "other-node.pem",
+        other_node_key=out / "other-node-key.pem",
     )
