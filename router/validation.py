@@ -31,7 +31,15 @@ def check_generate(request: pb.GenerateRequest, config: RouterConfig, served_mod
 
 def check_model(model: str, served_models: list[str]) -> None:
     if model and model not in served_models:
-        raise invalid("model", f"{model!r} is not served here (served: {', '.join(served_models) or 'none'})")
+        raise invalid("model", f"{quoted(model)} is not served here (served: {', '.join(served_models) or 'none'})")
+
+
+def quoted(value: str, max_chars: int = 64) -> str:
+    """``value`` as an error message quotes it: cut to ``max_chars``, so that a huge field cannot
+    push the status message past grpc's metadata limit (the client would get RESOURCE_EXHAUSTED)."""
+    if len(value) <= max_chars:
+        return repr(value)
+    return f"{value[:max_chars]!r}... ({len(value)} characters)"
 
 
 def check_prompt_size(prompt: str, messages, config: RouterConfig) -> None:

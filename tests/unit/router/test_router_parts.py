@@ -93,6 +93,13 @@ def test_chat_roles_count_toward_the_prompt_size_limit():
     check_generate(pb.GenerateRequest(messages=[pb.ChatMessage(role="r" * 8, content="xy")]), RouterConfig(max_prompt_chars=10), ["m"])
 
 
+def test_a_huge_model_name_is_cut_short_in_the_message():
+    # The whole name used to be echoed: a 400 KB status message passed grpc's 16 KB metadata
+    # limit and the client got RESOURCE_EXHAUSTED ("Stream removed") instead of INVALID_ARGUMENT.
+    message = _rejected(pb.GenerateRequest(model="x" * 400_000, prompt="hi")).message
+    assert message == f"model: {'x' * 64!r}... (400000 characters) is not served here (served: m)"
+
+
 def test_worker_errors_map_to_status_codes():
     assert from_worker(wpb.RequestError(code=wpb.RequestError.RESOURCE_EXHAUSTED, message="full")).code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert from_worker(wpb.RequestError(code=wpb.RequestError.UNAVAILABLE, message="x")).code == grpc.StatusCode.UNAVAILABLE
