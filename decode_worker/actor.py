@@ -105,7 +105,7 @@ class DecodeWorker(EngineReplica):
         self._cleanups: set[asyncio.Task] = set()
         self._prefill_peers: dict[str, object] = {}
         """Prefill replica id -> actor handle, as the controller announces them."""
-        self.request_plane_server = RequestPlaneServer(replica_id, secrets.token_bytes(32), self._start_submitted)
+        self.request_plane_server = RequestPlaneServer(replica_id, secrets.token_bytes(32), self._start_submitted, tls=worker_config.cluster_tls)
         self._request_plane_endpoint: asyncio.Future | None = None
         self.request_metrics = RequestTimingHistograms(self.metrics_labels)
         self.serve_metrics(
@@ -114,17 +114,22 @@ class DecodeWorker(EngineReplica):
             *self.request_metrics.collectors,
         )
 
-    async def generate(self, request: pb.GenerateRequest, prefill=None, prefill_replica_id: str = "") -> AsyncIterator[wpb.WorkerEvent]:
+    async def generate(
+        self, request: pb.GenerateRequest, prefill=None, prefill_replica_id: str = "", resume_token_ids=()
+    ) -> AsyncIterator[wpb.WorkerEvent]:
         """Stream WorkerEvents for ``request``: responses, or one RequestError before any response.
 
-        ``prefill`` is a PrefillWorker handle to compute the prompt's KV, or None to compute it here.
+        ``prefill`` is a PrefillWorker handle to compute the prompt's KV, or None to compute it
+        here. ``resume_token_ids`` continues a migrated request after the output it already
+        streamed; its prompt and that output are prefilled here (from this replica's tiers where
+        they hold the prefix).
         """
         reached = time.monotonic()
         timings = pb.Timings()
         first_token = None
         try:
-            engine_request = to_engine_request(request, arrival_s=reached)
-            if prefill is None or self.receiver is None:
+            engine_request = to_engine_request(request, arrival_s=reached, resume_token_ids=resume_token_ids)
+            if prefill is None or self.receiver is None or resume_token_ids:
                 outputs = self.loop.generate(engine_request)
             else:
                 outputs = self._generate_disaggregated(engine_request, prefill, prefill_replica_id or "prefill worker", timings)
@@ -171,7 +176,7 @@ class DecodeWorker(EngineReplica):
         prefill = self._prefill_peers.get(prefill_id) if prefill_id else None
         if prefill_id and prefill is None:
             return self._unknown_prefill(submit.request, prefill_id)
-        return self.generate(submit.request, prefill, prefill_id)
+        return self.generate(submit.request, prefill, prefill_id, tuple(submit.resume_token_ids))
 
     async def _unknown_prefill(self, request: pb.GenerateRequest, prefill_id: str) -> AsyncIterator[wpb.WorkerEvent]:
         """A request naming a prefill replica this worker has not been told of (it raced the

@@ -15,9 +15,10 @@ _FINISH_REASONS = {
 }
 
 
-def to_engine_request(request: pb.GenerateRequest, arrival_s: float) -> EngineRequest:
+def to_engine_request(request: pb.GenerateRequest, arrival_s: float, resume_token_ids=()) -> EngineRequest:
     """Raises InvalidRequestError naming the field when a value is out of range. ``arrival_s``:
-    when the request reached the worker (``time.monotonic``)."""
+    when the request reached the worker (``time.monotonic``); ``resume_token_ids``: the output
+    a dead replica already streamed (a migrated request)."""
     sampling, stop = request.sampling, request.stop
     params = SamplingParams(
         max_tokens=stop.max_tokens if stop.HasField("max_tokens") else 16,
@@ -46,7 +47,7 @@ def to_engine_request(request: pb.GenerateRequest, arrival_s: float) -> EngineRe
         prompt = list(request.prompt_token_ids)
     else:
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
-    return EngineRequest(request.request_id, prompt, messages, params, request.tenant_salt or None, arrival_s)
+    return EngineRequest(request.request_id, prompt, messages, params, request.tenant_salt or None, arrival_s, tuple(resume_token_ids))
 
 
 def to_response(output: RequestOutput) -> pb.GenerateResponse:

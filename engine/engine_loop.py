@@ -223,6 +223,7 @@ class EngineLoop:
                     messages=request.messages,
                     tenant_salt=request.tenant_salt,
                     arrival_s=request.arrival_s,
+                    resume_token_ids=request.resume_token_ids,
                 )
             else:
                 admission = command.admit(self.engine, request)

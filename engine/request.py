@@ -90,6 +90,8 @@ class EngineRequest:
     arrival_s: float = field(default_factory=time.monotonic)
     """When the request reached the worker (``time.monotonic``): its queue time starts here, so
     the wait for the engine thread to pick it up (up to a whole step) counts too."""
+    resume_token_ids: tuple[int, ...] = ()
+    """Output another replica already streamed (a migrated request): see ``LLMEngine.add_request``."""
 
 
 @dataclass(eq=False)

@@ -205,10 +205,32 @@ class RouterStatus(_message.Message):
     metrics_url: str
     def __init__(self, router_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_inflight: _Optional[int] = ..., metrics_url: _Optional[str] = ...) -> None: ...
 
+class PoolStatus(_message.Message):
+    __slots__ = ("pool", "target_replicas", "num_replicas", "num_starting", "num_restarts", "num_failed_starts", "restart_backoff_s", "last_failure")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STARTING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_STARTS_FIELD_NUMBER: _ClassVar[int]
+    RESTART_BACKOFF_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    target_replicas: int
+    num_replicas: int
+    num_starting: int
+    num_restarts: int
+    num_failed_starts: int
+    restart_backoff_s: float
+    last_failure: str
+    def __init__(self, pool: _Optional[str] = ..., target_replicas: _Optional[int] = ..., num_replicas: _Optional[int] = ..., num_starting: _Optional[int] = ..., num_restarts: _Optional[int] = ..., num_failed_starts: _Optional[int] = ..., restart_backoff_s: _Optional[float] = ..., last_failure: _Optional[str] = ...) -> None: ...
+
 class ClusterStatus(_message.Message):
-    __slots__ = ("replicas", "routers")
+    __slots__ = ("replicas", "routers", "pools")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     ROUTERS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     routers: _containers.RepeatedCompositeFieldContainer[RouterStatus]
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...

@@ -84,12 +84,14 @@ class OpenChannel(_message.Message):
     def __init__(self, channel_id: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("request", "prefill_replica_id")
+    __slots__ = ("request", "prefill_replica_id", "resume_token_ids")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     PREFILL_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request: _splitserve_pb2.GenerateRequest
     prefill_replica_id: str
-    def __init__(self, request: _Optional[_Union[_splitserve_pb2.GenerateRequest, _Mapping]] = ..., prefill_replica_id: _Optional[str] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request: _Optional[_Union[_splitserve_pb2.GenerateRequest, _Mapping]] = ..., prefill_replica_id: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("request_id",)

@@ -89,6 +89,15 @@ def _run_status(args: argparse.Namespace) -> int:
         used = r.num_kv_blocks - r.num_free_kv_blocks
         kv = f"{used}/{r.num_kv_blocks} ({used / max(1, r.num_kv_blocks):.0%})"
         print(f"{r.pool:8} {r.replica_id:12} {r.model:24} {str(r.healthy).lower():8} {r.num_running:>8} {r.num_waiting:>8} {kv:>14}")
+    for pool in status.pools:
+        if not (pool.target_replicas or pool.num_replicas or pool.num_restarts):
+            continue
+        backoff = f", next start in {pool.restart_backoff_s:.1f} s" if pool.restart_backoff_s else ""
+        last = f", last failure: {pool.last_failure}" if pool.last_failure else ""
+        print(
+            f"pool {pool.pool}: {pool.num_replicas}/{pool.target_replicas} replicas, {pool.num_starting} starting, "
+            f"{pool.num_restarts} restarts, {pool.num_failed_starts} failed starts{backoff}{last}"
+        )
     for router in status.routers:
         print(f"router {router.router_id} at {router.grpc_address}: {router.num_inflight} in flight, metrics {router.metrics_url}")
     return 0
@@ -110,18 +119,27 @@ def _add_up(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", type=Path, help="server certificate (enables TLS)")
     parser.add_argument("--tls-key", type=Path, help="server private key")
     parser.add_argument("--tls-client-ca", type=Path, help="CA of client certificates (enables mutual TLS)")
+    parser.add_argument(
+        "--cluster-tls-cert", type=Path,
+        help="this node's certificate (serverAuth and clientAuth) signed by --cluster-tls-ca: enables mutual TLS between routers and workers and on Ray's own gRPC",
+    )
+    parser.add_argument("--cluster-tls-key", type=Path, help="private key of --cluster-tls-cert")
+    parser.add_argument("--cluster-tls-ca", type=Path, help="the cluster CA: peers whose certificate it did not sign are refused")
     add_dataclass_args(parser, EngineConfig)
-    add_dataclass_args(parser, RouterConfig, skip=("tls",))
-    add_dataclass_args(parser, WorkerConfig, prefix="worker")
+    add_dataclass_args(parser, RouterConfig, skip=("tls", "cluster_tls"))
+    add_dataclass_args(parser, WorkerConfig, prefix="worker", skip=("cluster_tls",))
     add_dataclass_args(parser, PrefillWorkerConfig, prefix="prefill")
     add_dataclass_args(parser, ControllerConfig, prefix="controller")
     parser.set_defaults(run=_run_up)
 
 
 def _run_up(args: argparse.Namespace) -> int:
+    import os
+
     from decode_worker.config import WorkerConfig
     from engine.config import EngineConfig
     from prefill_worker.config import PrefillWorkerConfig
+    from proto.tls import ClusterTLSConfig, ray_tls_env
     from router.cli_args import dataclass_from_args
     from router.config import RouterConfig, TLSConfig
     from router.controller import ControllerConfig
@@ -131,11 +149,17 @@ def _run_up(args: argparse.Namespace) -> int:
         tls = None
         if args.tls_cert or args.tls_key:
             tls = TLSConfig(cert_file=args.tls_cert, key_file=args.tls_key, client_ca_file=args.tls_client_ca)
+        cluster_tls = None
+        cluster_tls_files = (args.cluster_tls_cert, args.cluster_tls_key, args.cluster_tls_ca)
+        if any(cluster_tls_files):
+            if not all(cluster_tls_files):
+                raise ValueError("cluster_tls: --cluster-tls-cert, --cluster-tls-key and --cluster-tls-ca go together")
+            cluster_tls = ClusterTLSConfig(*cluster_tls_files)
         config = ClusterConfig(
             engine=dataclass_from_args(EngineConfig, args),
-            worker=dataclass_from_args(WorkerConfig, args, prefix="worker"),
+            worker=dataclass_from_args(WorkerConfig, args, prefix="worker", cluster_tls=cluster_tls),
             prefill=dataclass_from_args(PrefillWorkerConfig, args, prefix="prefill"),
-            router=dataclass_from_args(RouterConfig, args, tls=tls),
+            router=dataclass_from_args(RouterConfig, args, tls=tls, cluster_tls=cluster_tls),
             controller=dataclass_from_args(ControllerConfig, args, prefix="controller"),
             num_decode=args.decode,
             num_prefill=args.prefill,
@@ -144,6 +168,13 @@ def _run_up(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"splitserve up: {e}", file=sys.stderr)
         return EXIT_USAGE
+
+    ray_env = ray_tls_env(cluster_tls) if cluster_tls else {}
+    if sys.argv[1:2] == ["up"] and any(os.environ.get(k) != v for k, v in ray_env.items()):
+        # Ray takes its TLS settings from the environment when it is imported, which it already is:
+        # start again with them (same pid), so this process and every Ray process it starts use TLS.
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "router.cli", *sys.argv[1:]], {**os.environ, **ray_env})
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

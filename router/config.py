@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from proto.tls import ClusterTLSConfig
+
 
 @dataclass(frozen=True)
 class TLSConfig:
@@ -34,6 +36,8 @@ class RouterConfig:
     """gRPC port; 0 picks a free one."""
     tls: TLSConfig | None = None
     """TLS settings; None serves plaintext."""
+    cluster_tls: ClusterTLSConfig | None = None
+    """Mutual TLS to the decode workers' request plane (set it on the workers too); None: plain TCP."""
     token_file: Path | None = None
     """File holding the bearer token every call must carry; None disables token auth."""
     max_inflight_requests: int = 512
@@ -56,6 +60,10 @@ class RouterConfig:
     """Let the decode worker prefill a prompt when it lacks at most this many of its tokens (0: never)."""
     routing_memory_s: float = 2.0
     """How long the splitserve policy counts its own recent decisions as cached blocks (until KV events tell)."""
+    max_migrations: int = 3
+    """Times one Generate call moves to another decode replica when the one serving it dies; 0 ends it with UNAVAILABLE."""
+    migration_wait_s: float = 60.0
+    """How long a migrating call waits for a live decode replica (e.g. the dead one's replacement)."""
 
     def __post_init__(self) -> None:
         from router.routing import POLICIES
@@ -74,6 +82,10 @@ class RouterConfig:
         for name in ("max_inflight_requests", "max_prompt_chars", "max_prompt_token_ids"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations: must be >= 0, got {self.max_migrations}")
+        if self.migration_wait_s < 0:
+            raise ValueError(f"migration_wait_s: must be >= 0, got {self.migration_wait_s}")
         if self.worker_refresh_interval_s <= 0:
             raise ValueError(f"worker_refresh_interval_s: must be > 0, got {self.worker_refresh_interval_s}")
         if self.token_file is not None and not Path(self.token_file).is_file():

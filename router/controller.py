@@ -1,8 +1,21 @@
 """ClusterController: the named actor that owns the cluster map.
 
 It starts and stops worker replicas (by the import path of their actor class, so this module
-never imports worker code), checks their health, and answers the routers' and operators'
-questions about the pools. It is also where workers exchange KV transport metadata: each decode
+never imports worker code), checks their health, keeps each pool at its target size, and answers
+the routers' and operators' questions about the pools.
+
+Self-healing: every health round probes each replica. An actor that is gone (killed, crashed, its
+node lost) is dropped at its first failed probe, one that stops answering after
+``max_failed_health_checks``; either way it is released (prefill workers forget its KV endpoint,
+decode workers its handle; routers drop it, and its prefix-index entries, at their next refresh)
+and killed. Then a replacement is started with the pool's spec, at once for a replica that had run
+``stable_after_s``, after an exponential backoff while replacements keep dying young or failing
+to start::
+
+    probe fails ──> drop + release + kill ──> pool below target ──> start replacement
+                                                   ^                    | fails, or dies young
+                                                   └──── backoff x2 ────┘  (restart_backoff_s .. max)
+ It is also where workers exchange KV transport metadata: each decode
 replica's endpoint is handed to every prefill replica (``add_kv_peers``) when either joins, so a
 hand-off never waits for a connection set-up. Plain asyncio inside; Ray only creates and calls
 actors; endpoints pass through as opaque objects.
@@ -13,15 +26,19 @@ from __future__ import annotations
 import asyncio
 import importlib
 import itertools
+import logging
+import time
 from dataclasses import dataclass, field
 
 import ray
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from proto import splitserve_pb2 as pb
+
+logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "splitserve-controller"
 NAMESPACE = "splitserve"
@@ -42,10 +59,20 @@ class ControllerConfig:
     """Address of the controller's Prometheus endpoint."""
     metrics_port: int = 0
     """Port of the controller's Prometheus endpoint; 0 picks a free one."""
+    restart_backoff_s: float = 1.0
+    """Delay before the next replacement once one failed to start or died young; doubles each time."""
+    max_restart_backoff_s: float = 60.0
+    """Longest delay between replacements."""
+    stable_after_s: float = 30.0
+    """A replica that ran this long counts as healthy: its death is replaced at once, with no backoff."""
 
     def __post_init__(self) -> None:
         if self.health_check_interval_s <= 0 or self.health_check_timeout_s <= 0:
             raise ValueError("health_check_interval_s and health_check_timeout_s: must be > 0")
+        if not 0 < self.restart_backoff_s <= self.max_restart_backoff_s:
+            raise ValueError(f"restart_backoff_s: must be > 0 and <= max_restart_backoff_s, got {self.restart_backoff_s} / {self.max_restart_backoff_s}")
+        if self.stable_after_s < 0:
+            raise ValueError(f"stable_after_s: must be >= 0, got {self.stable_after_s}")
         if self.max_failed_health_checks < 1:
             raise ValueError(f"max_failed_health_checks: must be >= 1, got {self.max_failed_health_checks}")
 
@@ -75,12 +102,32 @@ class _Replica:
     handle: object
     model: pb.ModelInfo
     status: pb.ReplicaStatus
+    started_s: float
+    """``time.monotonic`` when it joined the map."""
     failed_checks: int = 0
+
+
+@dataclass
+class _Pool:
+    """What the controller keeps a pool at, and its history of replacements."""
+
+    spec: ReplicaSpec | None = None
+    """How its replicas start; None until the first replica of the pool is asked for."""
+    target: int = 0
+    num_starting: int = 0
+    num_restarts: int = 0
+    num_failed_starts: int = 0
+    num_young_failures: int = 0
+    """Replacements in a row that failed to start or died before ``stable_after_s``."""
+    next_start_s: float = 0.0
+    """``time.monotonic`` before which no replacement starts (the backoff)."""
+    last_failure: str = ""
 
 
 @dataclass
 class _State:
     replicas: dict[str, _Replica] = field(default_factory=dict)
+    pools: dict[str, _Pool] = field(default_factory=lambda: {pool: _Pool() for pool in POOLS})
     routers: dict[str, pb.RouterStatus] = field(default_factory=dict)
     kv_endpoints: dict[str, object] = field(default_factory=dict)
     """Decode replica id -> its KV endpoint (transport metadata included), as the worker published it."""
@@ -94,11 +141,28 @@ class _ReplicaCollector(Collector):
 
     def collect(self):
         gauge = GaugeMetricFamily("splitserve_replicas", "Worker replicas in the cluster map.", labels=["pool", "healthy"])
+        target = GaugeMetricFamily("splitserve_pool_target_replicas", "Replicas the controller keeps each pool at.", labels=["pool"])
+        starting = GaugeMetricFamily("splitserve_pool_starting_replicas", "Replacements being started.", labels=["pool"])
+        restarts = CounterMetricFamily("splitserve_replica_restarts", "Replacements started for replicas that died.", labels=["pool"])
+        failed = CounterMetricFamily("splitserve_replica_failed_starts", "Replacements that failed to start.", labels=["pool"])
         for pool in POOLS:
             for healthy in (True, False):
                 count = sum(1 for r in self._state.replicas.values() if r.status.pool == pool and r.status.healthy == healthy)
                 gauge.add_metric([pool, str(healthy).lower()], count)
-        yield gauge
+            state = self._state.pools[pool]
+            target.add_metric([pool], state.target)
+            starting.add_metric([pool], state.num_starting)
+            restarts.add_metric([pool], state.num_restarts)
+            failed.add_metric([pool], state.num_failed_starts)
+        yield from (gauge, target, starting, restarts, failed)
+
+
+def _reason(error: Exception) -> str:
+    """One line saying why a call into a replica failed (the worker's own exception for a task error)."""
+    if isinstance(error, RayTaskError) and error.cause is not None:
+        error = error.cause
+    text = str(error).strip()
+    return text.splitlines()[-1] if text else repr(error)
 
 
 def pool_resource(pool: str) -> str:
@@ -114,14 +178,46 @@ class ClusterController:
         self._state = _State()
         self._ids = {pool: itertools.count() for pool in POOLS}
         self._health_task: asyncio.Task | None = None
+        self._replacements: set[asyncio.Task] = set()
         self._introducing = asyncio.Lock()
         registry = CollectorRegistry()
         registry.register(_ReplicaCollector(self._state))
         server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
         self.metrics_url = f"http://{config.metrics_host}:{server.server_port}/metrics"
 
+    async def set_pool(self, spec: ReplicaSpec, num_replicas: int) -> list[pb.ReplicaStatus]:
+        """Keep ``spec.pool`` at ``num_replicas`` replicas started from ``spec``: start the missing
+        ones now (all at once; raises if one fails, after stopping it) or remove the newest surplus
+        ones. Returns the statuses of the replicas started."""
+        if num_replicas < 0:
+            raise ValueError(f"num_replicas: must be >= 0, got {num_replicas}")
+        pool = self._state.pools[spec.pool]
+        pool.spec, pool.target = spec, num_replicas
+        members = [rid for rid, r in self._state.replicas.items() if r.status.pool == spec.pool]
+        for replica_id in members[num_replicas:][::-1]:
+            await self._remove(replica_id)
+        missing = num_replicas - len(members) - pool.num_starting
+        return list(await asyncio.gather(*(self._start(spec) for _ in range(missing))))
+
     async def add_replica(self, spec: ReplicaSpec) -> pb.ReplicaStatus:
-        """Start a replica and wait until its model is loaded; returns its first status."""
+        """Grow ``spec.pool`` by one replica started from ``spec``; returns its first status.
+        A replica that fails to start is stopped, and the pool's target is left as it was."""
+        started = await self._start(spec)
+        pool = self._state.pools[spec.pool]
+        pool.spec, pool.target = spec, pool.target + 1
+        return started
+
+    async def remove_replica(self, replica_id: str) -> bool:
+        """Stop a replica for good: its pool's target shrinks by one (it is not replaced)."""
+        replica = self._state.replicas.get(replica_id)
+        if replica is None:
+            return False
+        pool = self._state.pools[replica.status.pool]
+        pool.target = max(0, pool.target - 1)
+        return await self._remove(replica_id)
+
+    async def _start(self, spec: ReplicaSpec) -> pb.ReplicaStatus:
+        """Start a replica and wait until its model is loaded and it is introduced to the others."""
         if self._health_task is None:
             self._health_task = asyncio.get_running_loop().create_task(self._check_health_forever())
         module, _, name = spec.actor_class.partition(":")
@@ -135,16 +231,20 @@ class ClusterController:
             max_concurrency=10_000,
             max_restarts=0,
         ).remote(replica_id, *spec.init_args)
+        pool = self._state.pools[spec.pool]
+        pool.num_starting += 1
         try:
             model = await handle.model_info.remote()
             status = await handle.status.remote()
             async with self._introducing:  # one at a time: each sees every replica introduced before it
                 await self._introduce(replica_id, spec.pool, handle)
-                self._state.replicas[replica_id] = _Replica(handle, model, status)  # routers may pick it from now on
+                self._state.replicas[replica_id] = _Replica(handle, model, status, time.monotonic())  # routers may pick it from now on
         except BaseException:
             self._state.kv_endpoints.pop(replica_id, None)
             ray.kill(handle)  # never leave a half-started replica running
             raise
+        finally:
+            pool.num_starting -= 1
         return status
 
     async def _introduce(self, replica_id: str, pool: str, handle) -> None:
@@ -165,7 +265,8 @@ class ClusterController:
             decode = [self._state.replicas[rid].handle for rid in self._state.kv_endpoints if rid in self._state.replicas]
             await asyncio.gather(*(d.add_prefill_peers.remote({replica_id: handle}) for d in decode), return_exceptions=True)
 
-    async def remove_replica(self, replica_id: str) -> bool:
+    async def _remove(self, replica_id: str) -> bool:
+        """Take a replica out of the map, release what the others hold for it, stop it."""
         replica = self._state.replicas.pop(replica_id, None)
         if replica is None:
             return False
@@ -183,6 +284,52 @@ class ClusterController:
         ray.kill(replica.handle)
         return True
 
+    async def _replica_died(self, replica_id: str, reason: str) -> None:
+        """Drop a dead or unresponsive replica; its pool gets a replacement (``_heal``)."""
+        replica = self._state.replicas.get(replica_id)
+        if replica is None:
+            return
+        pool = self._state.pools[replica.status.pool]
+        lived_s = time.monotonic() - replica.started_s
+        logger.warning("controller: replica %s died after %.1f s (%s); replacing it", replica_id, lived_s, reason)
+        pool.last_failure = f"{replica_id}: {reason}"
+        if lived_s < self.config.stable_after_s:
+            self._back_off(pool)
+        else:
+            pool.num_young_failures, pool.next_start_s = 0, 0.0
+        await self._remove(replica_id)
+        self._heal()
+
+    def _back_off(self, pool: _Pool) -> None:
+        pool.num_young_failures += 1
+        delay = min(self.config.max_restart_backoff_s, self.config.restart_backoff_s * 2 ** (pool.num_young_failures - 1))
+        pool.next_start_s = time.monotonic() + delay
+
+    def _heal(self) -> None:
+        """Start a replacement for every replica a pool lacks, unless its backoff runs."""
+        now = time.monotonic()
+        for name, pool in self._state.pools.items():
+            if pool.spec is None or now < pool.next_start_s:
+                continue
+            size = sum(1 for r in self._state.replicas.values() if r.status.pool == name)
+            for _ in range(pool.target - size - pool.num_starting):
+                task = asyncio.get_running_loop().create_task(self._replace(pool))
+                self._replacements.add(task)
+                task.add_done_callback(self._replacements.discard)
+
+    async def _replace(self, pool: _Pool) -> None:
+        try:
+            status = await self._start(pool.spec)
+        except Exception as e:  # a replacement that cannot start is retried after the backoff
+            pool.num_failed_starts += 1
+            pool.last_failure = f"start failed: {_reason(e)}"
+            self._back_off(pool)
+            logger.warning("controller: a replacement in pool %s failed to start (%s); next try in %.1f s",
+                           pool.spec.pool, pool.last_failure, pool.next_start_s - time.monotonic())
+            return
+        pool.num_restarts += 1
+        logger.warning("controller: replica %s replaces a dead replica of pool %s", status.replica_id, pool.spec.pool)
+
     async def replicas(self) -> list[tuple[pb.ReplicaStatus, pb.ModelInfo, object]]:
         return [(r.status, r.model, r.handle) for r in self._state.replicas.values()]
 
@@ -196,24 +343,43 @@ class ClusterController:
         return self.metrics_url
 
     async def cluster_status(self) -> pb.ClusterStatus:
-        """Every replica probed now (not the last health check), and the registered routers."""
+        """Every replica probed now (not the last health check), the pools and the registered routers."""
         await asyncio.gather(*(self._check(rid) for rid in list(self._state.replicas)))
         return pb.ClusterStatus(
             replicas=[r.status for r in self._state.replicas.values()],
             routers=list(self._state.routers.values()),
+            pools=[self._pool_status(name) for name in POOLS],
+        )
+
+    def _pool_status(self, name: str) -> pb.PoolStatus:
+        pool = self._state.pools[name]
+        return pb.PoolStatus(
+            pool=name,
+            target_replicas=pool.target,
+            num_replicas=sum(1 for r in self._state.replicas.values() if r.status.pool == name),
+            num_starting=pool.num_starting,
+            num_restarts=pool.num_restarts,
+            num_failed_starts=pool.num_failed_starts,
+            restart_backoff_s=max(0.0, pool.next_start_s - time.monotonic()),
+            last_failure=pool.last_failure,
         )
 
     async def shutdown(self) -> None:
-        """Stop every replica (routers are stopped by whoever started them)."""
+        """Stop every replica (routers are stopped by whoever started them); nothing is replaced."""
         if self._health_task is not None:
             self._health_task.cancel()
+        for task in list(self._replacements):
+            task.cancel()
+        for pool in self._state.pools.values():
+            pool.target = 0
         for replica_id in list(self._state.replicas):
-            await self.remove_replica(replica_id)
+            await self._remove(replica_id)
 
     async def _check_health_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
             await asyncio.gather(*(self._check(rid) for rid in list(self._state.replicas)))
+            self._heal()
 
     async def _check(self, replica_id: str) -> None:
         replica = self._state.replicas.get(replica_id)
@@ -221,12 +387,16 @@ class ClusterController:
             return
         try:
             status = await asyncio.wait_for(replica.handle.status.remote(), self.config.health_check_timeout_s)
-        except (RayActorError, ActorUnavailableError, GetTimeoutError, asyncio.TimeoutError):
+        except (ActorUnavailableError, GetTimeoutError, asyncio.TimeoutError):  # maybe passing: count it
             status = None
+        except RayActorError as e:  # the actor is gone for good: no point probing it again
+            await self._replica_died(replica_id, f"actor died: {str(e).splitlines()[0]}")
+            return
         if status is not None and status.healthy:
             replica.status, replica.failed_checks = status, 0
             return
         replica.failed_checks += 1
         replica.status.healthy = False
         if replica.failed_checks >= self.config.max_failed_health_checks:
-            await self.remove_replica(replica_id)
+            what = "reported unhealthy" if status is not None else f"no answer within {self.config.health_check_timeout_s} s"
+            await self._replica_died(replica_id, f"{replica.failed_checks} failed health checks ({what})")

@@ -7,6 +7,7 @@ and config dataclass.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
 from prefill_worker.config import PrefillWorkerConfig
 from proto import splitserve_pb2 as pb
+from proto.tls import ClusterTLSConfig, ray_tls_env
 from router.config import RouterConfig
 from router.controller import CONTROLLER_NAME, NAMESPACE, POOLS, ClusterController, ControllerConfig, ReplicaSpec, pool_resource
 from router.replica import RouterReplica
@@ -25,6 +27,8 @@ PREFILL_WORKER_CLASS = "prefill_worker.actor:PrefillWorker"
 _LOCAL_MIN_CPUS = 16
 _LOCAL_POOL_SLOTS = 64
 """Replica slots per pool that a local single-node cluster offers (logical, not CPUs)."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,10 +56,19 @@ class ClusterConfig:
             raise ValueError(f"num_prefill: must be >= 0, got {self.num_prefill}")
         if self.num_prefill and self.worker.kv_transport == "none":
             raise ValueError("num_prefill: prefill replicas need decode replicas with a kv_transport, got 'none'")
+        if (self.worker.cluster_tls is None) != (self.router.cluster_tls is None):
+            raise ValueError("worker.cluster_tls: set it together with router.cluster_tls (the request plane is TLS at both ends or neither)")
 
 
-def init_ray(address: str | None) -> None:
-    """Join ``address``, or start a local Ray that stays on loopback, with the pool resources."""
+def init_ray(address: str | None, cluster_tls: ClusterTLSConfig | None = None) -> None:
+    """Join ``address``, or start a local Ray that stays on loopback, with the pool resources.
+
+    With ``cluster_tls``, Ray's own gRPC (control calls, KV events) runs mutual TLS with it. Ray
+    reads that from the environment once, when a process imports it, so this process must have
+    been started with ``proto.tls.ray_tls_env(cluster_tls)`` (``splitserve up`` restarts itself
+    with it); the Ray processes of a local cluster inherit it. Joining a cluster needs the same
+    variables on every node, set before ``ray start``. Raises ValueError when they are missing.
+    """
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -63,8 +76,14 @@ def init_ray(address: str | None) -> None:
     # the serving path: at nice 15 the engine's OpenMP team lost the cores to every client,
     # raylet and GCS wake-up on a small machine. Workers of a local cluster run at normal priority.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    ray_env = ray_tls_env(cluster_tls) if cluster_tls is not None else {}
+    missing = " ".join(f"{k}={v}" for k, v in ray_env.items() if os.environ.get(k) != v)
     if ray.is_initialized():
+        if missing:
+            logger.warning("cluster_tls: Ray was already started by this process; its own traffic uses TLS only if it had %s", missing)
         return
+    if missing:
+        raise ValueError(f"cluster_tls: Ray reads its TLS settings when a process imports it; start this process with {missing}")
     if address is not None:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         return
@@ -90,7 +109,7 @@ class Cluster:
         self.router_status: pb.RouterStatus | None = None
 
     def start(self) -> pb.RouterStatus:
-        init_ray(self.config.ray_address)
+        init_ray(self.config.ray_address, self.config.router.cluster_tls)
         self.controller = (
             ray.remote(ClusterController)
             .options(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000)
@@ -98,8 +117,7 @@ class Cluster:
         )
         decode = ReplicaSpec("decode", self.config.decode_worker_class, (self.config.engine, self.config.worker))
         prefill = ReplicaSpec("prefill", PREFILL_WORKER_CLASS, (self.config.engine, self.config.prefill))
-        specs = [decode] * self.config.num_decode + [prefill] * self.config.num_prefill
-        ray.get([self.controller.add_replica.remote(spec) for spec in specs])
+        ray.get([self.controller.set_pool.remote(decode, self.config.num_decode), self.controller.set_pool.remote(prefill, self.config.num_prefill)])
         self.router = self.start_router(self.router_id, self.config.router)
         self.router_status = ray.get(self.router.start.remote())
         return self.router_status

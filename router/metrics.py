@@ -34,11 +34,23 @@ class RouterMetrics:
         self.routed_cached_tokens = Counter(
             "splitserve_routing_cached_tokens", "Prompt tokens the chosen worker held cached (any tier) at decision time.", ["router"], registry=self.registry
         ).labels(router_id)
+        self._migrations = Counter(
+            "splitserve_migrations",
+            "Generate calls moved to another decode replica after theirs died, by whether tokens had streamed.",
+            ["router", "stage"],
+            registry=self.registry,
+        )
+        self.migration = histogram(
+            "splitserve_migration_seconds", "A decode replica's death noticed to the migrated call's next event from another replica."
+        )
         self.inflight = Gauge("splitserve_requests_inflight", "Generate calls in flight.", ["router"], registry=self.registry).labels(router_id)
 
     def routed(self, to_prefill_worker: bool, cached_tokens: int) -> None:
         self._routed.labels(self.router_id, "prefill" if to_prefill_worker else "decode").inc()
         self.routed_cached_tokens.inc(cached_tokens)
+
+    def migrated(self, mid_stream: bool) -> None:
+        self._migrations.labels(self.router_id, "mid_stream" if mid_stream else "before_first_token").inc()
 
     def finished(self, status: str) -> None:
         self._requests.labels(self.router_id, status).inc()

@@ -3,15 +3,23 @@
 Every refusal is a CallRejected turned into a status in one place (``_abort``). A Generate call
 streams its request's events off this router's channel to the decode worker; when the client
 cancels, disconnects or runs out of deadline, grpc cancels this coroutine, which cancels the
-request on the worker, aborting it and freeing its blocks.
+request on the worker, aborting it and freeing its blocks. When the decode worker dies mid-call,
+the call migrates to another one with the tokens already streamed, and the client sees one
+uninterrupted stream::
+
+    client ◄── t0 t1 t2 ─── router ◄── t0 t1 t2 ─── decode-0 ✗ (channel drops: WorkerDied)
+                                   ── Submit(request, resume_token_ids=[t0 t1 t2]) ──► decode-1
+    client ◄── t3 t4 ...─── router ◄── t3 t4 ... ── decode-1 (prefills prompt + t0..t2, samples t3)
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -25,6 +33,28 @@ from router.routing import RouteRequest, RoutingPolicy
 from router.validation import check_generate, check_model, check_prompt_size
 from router.worker_calls import RequestIdInUse, WorkerChannels, WorkerDied, tokenize
 from router.workers import Replica, WorkerDirectory, worker_load
+
+
+logger = logging.getLogger(__name__)
+
+_MIGRATION_POLL_S = 0.05
+"""How often a migrating call looks for a live decode replica in the router's view."""
+
+
+@dataclass
+class _Stream:
+    """One Generate call's progress across the decode replicas that served it."""
+
+    start_s: float
+    """``time.perf_counter`` when the call started."""
+    token_ids: list[int] = field(default_factory=list)
+    """Token ids streamed to the client so far: a migrated call resumes after them."""
+    num_migrations: int = 0
+    ttft_s: float = 0.0
+    last_s: float | None = None
+    """When the last event reached the router; None before the first."""
+    died_s: float | None = None
+    """When the replica serving it was found dead, until another one answers."""
 
 
 async def _abort(context: grpc.aio.ServicerContext, rejected: CallRejected) -> None:
@@ -64,40 +94,75 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.metrics.finished(status)
 
     async def _generate(self, request: pb.GenerateRequest, start: float) -> AsyncIterator[pb.GenerateResponse]:
+        """The call's responses. When the decode replica serving it dies, the call migrates: it is
+        submitted to another live replica (waiting up to ``migration_wait_s`` for one, e.g. the
+        dead one's replacement) with the token ids already streamed, and goes on from there, up
+        to ``max_migrations`` times."""
         check_generate(request, self.config, self.directory.served_models())
-        replica = self.directory.pick("decode", request.model)
-        if replica is None:
-            raise CallRejected(grpc.StatusCode.UNAVAILABLE, "no live decode worker")
         forwarded = pb.GenerateRequest()
         forwarded.CopyFrom(request)
         forwarded.request_id = request.request_id or uuid.uuid4().hex
-        prefill = await self._choose_prefill(forwarded, replica)
-        last = ttft = None
+        stream = _Stream(start)
+        dead: set[str] = set()
+        while True:
+            replica = await self._decode_replica(request.model, dead, stream.died_s is not None)
+            try:
+                async for response in self._stream_from(replica, forwarded, stream):
+                    yield response
+                return
+            except WorkerDied as e:
+                dead.add(replica.replica_id)
+                if stream.num_migrations >= self.config.max_migrations:
+                    after = f" (after {stream.num_migrations} migrations)" if stream.num_migrations else ""
+                    raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"decode worker {replica.replica_id} died: {e}{after}") from e
+                stream.num_migrations += 1
+                stream.died_s = time.perf_counter()
+                self.metrics.migrated(bool(stream.token_ids))
+                logger.warning("request %s: decode worker %s died after %d tokens (%s); migrating", forwarded.request_id, replica.replica_id, len(stream.token_ids), e)
+
+    async def _decode_replica(self, model: str, dead: set[str], migrating: bool) -> Replica:
+        """The least loaded live decode replica not in ``dead``; a migrating call waits for one."""
+        deadline = time.monotonic() + (self.config.migration_wait_s if migrating else 0.0)
+        while True:
+            replica = self.directory.pick("decode", model, exclude=dead)
+            if replica is not None:
+                return replica
+            if time.monotonic() >= deadline:
+                waited = f" within {self.config.migration_wait_s} s" if migrating else ""
+                raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"no live decode worker{waited}")
+            await asyncio.sleep(_MIGRATION_POLL_S)
+
+    async def _stream_from(self, replica: Replica, forwarded: pb.GenerateRequest, stream: _Stream) -> AsyncIterator[pb.GenerateResponse]:
+        """Run the call on ``replica`` from where ``stream`` stands. A fresh call may have its
+        prompt prefilled by a prefill replica; a migrated one is prefilled on ``replica``."""
+        prefill = None if stream.token_ids else await self._choose_prefill(forwarded, replica)
         replica.num_inflight += 1
         if prefill is not None:
             prefill.num_inflight += 1
         try:
             channel = self.channels.get(replica.replica_id, replica.handle)
-            events = channel.generate(forwarded, prefill.replica_id if prefill else "")
+            events = channel.generate(forwarded, prefill.replica_id if prefill else "", stream.token_ids)
             async for event in events:
                 if event.HasField("error"):
                     raise from_worker(event.error)
                 now = time.perf_counter()
-                if last is None:
-                    if prefill is not None:
-                        prefill.num_inflight -= 1  # its part is over once the first token is out
-                        prefill = None
-                    ttft = now - start
-                    self.metrics.ttft.observe(ttft)
+                if prefill is not None:
+                    prefill.num_inflight -= 1  # its part is over once the first event is out
+                    prefill = None
+                if stream.died_s is not None:
+                    self.metrics.migration.observe(now - stream.died_s)
+                    stream.died_s = None
+                if stream.last_s is None:
+                    stream.ttft_s = now - stream.start_s
+                    self.metrics.ttft.observe(stream.ttft_s)
                 elif event.response.token_ids:
-                    self.metrics.inter_token.observe((now - last) / len(event.response.token_ids))
-                last = now
-                if event.response.HasField("timings"):
-                    self.metrics.path_first_token.observe(max(0.0, ttft - event.response.timings.worker_first_token_s))
+                    self.metrics.inter_token.observe((now - stream.last_s) / len(event.response.token_ids))
+                stream.last_s = now
+                stream.token_ids += event.response.token_ids
+                if event.response.HasField("timings") and not stream.num_migrations:
+                    self.metrics.path_first_token.observe(max(0.0, stream.ttft_s - event.response.timings.worker_first_token_s))
                 yield event.response
-            self.metrics.e2e.observe(time.perf_counter() - start)
-        except WorkerDied as e:
-            raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"decode worker {replica.replica_id} died: {e}") from e
+            self.metrics.e2e.observe(time.perf_counter() - stream.start_s)
         except RequestIdInUse as e:
             raise CallRejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         finally:
@@ -148,7 +213,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         replica = self.directory.pick("decode", request.model)
         if replica is None:
             raise CallRejected(grpc.StatusCode.UNAVAILABLE, "no live decode worker")
-        return await _tokenize_on(replica, request)
+        try:
+            return await _tokenize_on(replica, request)
+        except WorkerDied as e:
+            raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"decode worker {replica.replica_id} died: {e}") from e
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=self.directory.model_infos())
@@ -165,10 +233,8 @@ class AdminService(pb_grpc.AdminServicer):
 
 
 async def _tokenize_on(replica: Replica, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
-    try:
-        result = await tokenize(replica.handle, request)
-    except WorkerDied as e:
-        raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"decode worker {replica.replica_id} died: {e}") from e
+    """Raises WorkerDied if the replica is gone (a Generate call then migrates)."""
+    result = await tokenize(replica.handle, request)
     if result.HasField("error"):
         raise from_worker(result.error)
     return result.response

@@ -30,7 +30,9 @@ def check_generate(request: pb.GenerateRequest, config: RouterConfig, served_mod
 
 
 def check_model(model: str, served_models: list[str]) -> None:
-    if model and model not in served_models:
+    """A named model must be served by a live decode replica; with none live (all being
+    replaced) nothing is known to refuse, and the caller answers UNAVAILABLE instead."""
+    if model and served_models and model not in served_models:
         raise invalid("model", f"{quoted(model)} is not served here (served: {', '.join(served_models) or 'none'})")
 
 

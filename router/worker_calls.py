@@ -12,15 +12,17 @@ carries only the control calls (where the channel listens, tokenize, status)::
 
 so a decode step's tokens for all of this router's requests cross as one frame, and neither a
 submit nor a token waits on Ray's threads. A connection that ends (the worker died, or closed
-it) fails the requests on it with WorkerDied.
+it) fails the requests on it with WorkerDied. With a ClusterTLSConfig the connection is mutual
+TLS (proto/tls.py): the router presents the cluster certificate and checks the worker's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -29,10 +31,12 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from proto import splitserve_pb2 as pb
 from proto import worker_pb2 as wpb
 from proto.framing import FrameTooLarge, frame, read_frame
+from proto.tls import ClusterTLSConfig, client_context
 
 logger = logging.getLogger(__name__)
 
 _DEAD = (RayActorError, ActorUnavailableError)
+_TLS_HANDSHAKE_TIMEOUT_S = 10.0
 _CLOSED = object()
 
 
@@ -51,9 +55,11 @@ class RequestIdInUse(Exception):
 class WorkerChannel:
     """This router's channel to one decode worker; ``generate`` streams one request over it."""
 
-    def __init__(self, handle, channel_id: str) -> None:
+    def __init__(self, handle, channel_id: str, ssl_context: ssl.SSLContext | None = None) -> None:
         self.handle = handle
         self.channel_id = channel_id
+        self._ssl = ssl_context
+        """Mutual TLS for the connection (proto.tls.client_context); None: plain TCP."""
         self.closed = False
         self.num_batches = 0
         """Frames of events received: one per batch."""
@@ -65,9 +71,10 @@ class WorkerChannel:
         """Set once the channel is open or has failed to open (then ``closed`` is set too)."""
         self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def generate(self, request: pb.GenerateRequest, prefill_replica_id: str = "") -> AsyncIterator[wpb.WorkerEvent]:
+    async def generate(self, request: pb.GenerateRequest, prefill_replica_id: str = "", resume_token_ids: Sequence[int] = ()) -> AsyncIterator[wpb.WorkerEvent]:
         """The worker's events for ``request`` (which must carry a request id), its prompt
-        prefilled by prefill replica ``prefill_replica_id`` or by the decode worker itself.
+        prefilled by prefill replica ``prefill_replica_id`` or by the decode worker itself;
+        ``resume_token_ids``: the output a dead replica already streamed (a migrated request).
         Leaving early cancels the request on the worker, which aborts it and frees its blocks.
         Raises RequestIdInUse before sending anything if the id is running on this channel."""
         request_id = request.request_id
@@ -80,7 +87,8 @@ class WorkerChannel:
             await self._opened.wait()
             if self.closed:
                 raise self._error
-            self._writer.write(frame(wpb.RouterMessage(submit=wpb.Submit(request=request, prefill_replica_id=prefill_replica_id))))
+            submit = wpb.Submit(request=request, prefill_replica_id=prefill_replica_id, resume_token_ids=resume_token_ids)
+            self._writer.write(frame(wpb.RouterMessage(submit=submit)))
             sent = True
             while True:
                 event = await events.get()
@@ -98,7 +106,12 @@ class WorkerChannel:
     async def _run(self) -> None:
         try:
             endpoint = await self.handle.request_plane.remote()
-            reader, self._writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+            if self._ssl is None:
+                reader, self._writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+            else:
+                reader, self._writer = await asyncio.open_connection(
+                    endpoint.host, endpoint.port, ssl=self._ssl, ssl_handshake_timeout=_TLS_HANDSHAKE_TIMEOUT_S
+                )
             self._writer.write(frame(wpb.RouterMessage(open=wpb.OpenChannel(channel_id=self.channel_id, token=endpoint.token))))
             self._opened.set()
             while True:
@@ -149,8 +162,9 @@ class ChannelStats:
 class WorkerChannels:
     """One open channel per decode replica, reopened when one breaks."""
 
-    def __init__(self, router_id: str) -> None:
+    def __init__(self, router_id: str, tls: ClusterTLSConfig | None = None) -> None:
         self.router_id = router_id
+        self._ssl = client_context(tls) if tls is not None else None
         self._channels: dict[str, WorkerChannel] = {}
         self._retired = ChannelStats(0, 0)
 
@@ -167,7 +181,7 @@ class WorkerChannels:
         if channel is None or channel.closed:
             if channel is not None:
                 self._retire(channel)
-            channel = WorkerChannel(handle, f"{self.router_id}-{replica_id}-{uuid.uuid4().hex[:8]}")
+            channel = WorkerChannel(handle, f"{self.router_id}-{replica_id}-{uuid.uuid4().hex[:8]}", self._ssl)
             self._channels[replica_id] = channel
         return channel
 

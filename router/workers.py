@@ -74,16 +74,16 @@ class WorkerDirectory:
                 refused.append(f"replica {replica.replica_id} refused: KV key namespace differs ({parts})")
         return refused
 
-    def healthy(self, pool: str, model: str) -> list[Replica]:
-        """Healthy replicas of ``pool`` serving ``model`` (any model when empty)."""
+    def healthy(self, pool: str, model: str, exclude: set[str] = frozenset()) -> list[Replica]:
+        """Healthy replicas of ``pool`` serving ``model`` (any model when empty), but not those in ``exclude``."""
         return [
             r for r in self.replicas.values()
-            if r.status.pool == pool and r.status.healthy and (not model or r.model.id == model)
+            if r.status.pool == pool and r.status.healthy and (not model or r.model.id == model) and r.replica_id not in exclude
         ]
 
-    def pick(self, pool: str, model: str) -> Replica | None:
-        """The least loaded healthy replica of ``pool`` serving ``model`` (any model when empty)."""
-        candidates = self.healthy(pool, model)
+    def pick(self, pool: str, model: str, exclude: set[str] = frozenset()) -> Replica | None:
+        """The least loaded healthy replica of ``pool`` serving ``model`` (any model when empty), not in ``exclude``."""
+        candidates = self.healthy(pool, model, exclude)
         if not candidates:
             return None
         return min(candidates, key=_load)

@@ -1,0 +1,86 @@
+"""Each pool's only replica dies on a real disaggregated cluster (1 prefill + 1 decode, real
+NIXL over UCX): the controller replaces it, a call cut during its KV hand-off migrates to the
+replacement, and nothing is left leased or open."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import ray
+
+from decode_worker.config import WorkerConfig
+from router.client import SplitServeClient
+from router.config import RouterConfig
+from router.launch import ClusterConfig
+from tests.integration.conftest import running_cluster, wait_until
+from tests.integration.test_failover import FAST_HEALTH, GREEDY, collect, engine_config, handles, pool_status  # noqa: F401 (fixture)
+from tests.unit.engine.helpers import random_prompts
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def disaggregated(ray_session, engine_config):
+    config = ClusterConfig(
+        engine=engine_config,
+        worker=WorkerConfig(kv_transfer_timeout_s=20),
+        router=RouterConfig(port=0, worker_refresh_interval_s=0.1),
+        controller=FAST_HEALTH,
+        num_prefill=1,
+    )
+    with running_cluster(config) as c:
+        with SplitServeClient(c.router_status.grpc_address) as dc:
+            yield c, dc
+
+
+def quiet(cluster, client):
+    """Both pools whole, every block free, no lease or NIXL handle open on either side."""
+
+    def settled():
+        live = {s.pool: h for s, _, h in ray.get(cluster.controller.replicas.remote())}
+        if set(live) != {"prefill", "decode"}:
+            return False
+        decode, prefill = ray.get([live["decode"].transfer_stats.remote(), live["prefill"].transfer_stats.remote()])
+        replicas = client.cluster_status().replicas
+        full = all(r.healthy and r.num_running == 0 and r.num_free_kv_blocks == r.num_kv_blocks for r in replicas)
+        return full and (decode.num_open_leases, decode.num_open_handles, prefill.num_open_leases, prefill.num_open_handles) == (0, 0, 0, 0)
+
+    wait_until(settled, 60)
+
+
+def test_decode_killed_during_the_kv_hand_off_migrates_to_its_replacement(disaggregated):
+    cluster, client = disaggregated
+    [prompt] = random_prompts([70], seed=9)
+    expected, _, _ = collect(client.generate(prompt, **GREEDY))
+    [prefill] = handles(cluster, "prefill").values()
+    [(victim, decode)] = handles(cluster, "decode").items()
+    prefills_before = ray.get(prefill.transfer_stats.remote()).num_prefills
+    ray.get(prefill.inject_faults.remote(delay_s=2.0))
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(lambda: collect(client.generate(prompt, **GREEDY)))
+        wait_until(lambda: ray.get(prefill.transfer_stats.remote()).num_prefills > prefills_before)  # the hand-off is under way
+        ray.kill(decode)
+        ids, _, _ = answer.result(timeout=120)
+    ray.get(prefill.inject_faults.remote())
+    assert ids == expected
+    assert victim not in handles(cluster, "decode")
+    quiet(cluster, client)
+
+
+def test_each_pools_only_replica_killed_is_replaced_and_serves_within_60_s(disaggregated):
+    cluster, client = disaggregated
+    for pool in ("decode", "prefill"):
+        [(victim, handle)] = handles(cluster, pool).items()
+        restarts = pool_status(client, pool).num_restarts
+        ray.kill(handle)
+        replaced = wait_until(lambda: (h := handles(cluster, pool)) and victim not in h and h, 60)
+        ids, _, _ = collect(client.generate("hello again", max_tokens=4, ignore_eos=True, timeout_s=60))
+        assert len(ids) == 4
+        assert pool_status(client, pool).num_restarts == restarts + 1
+        quiet(cluster, client)
+    [new_prefill] = replaced.values()
+    before = ray.get(new_prefill.transfer_stats.remote()).num_done
+    [prompt] = random_prompts([90], seed=10)
+    collect(client.generate(prompt, max_tokens=4, ignore_eos=True))
+    assert ray.get(new_prefill.transfer_stats.remote()).num_done == before + 1  # the new prefill replica takes hand-offs
