@@ -46,7 +46,7 @@ class RouterReplica:
         self.index = PrefixIndex()
         policy_config = PolicyConfig(memory_s=config.routing_memory_s, local_prefill_max_tokens=config.local_prefill_max_tokens)
         self.policy = make_policy(config.routing_policy, self.index, policy_config)
-        self.channels = WorkerChannels(router_id)
+        self.channels = WorkerChannels(router_id, config.cluster_tls)
         self._generation = GenerationService(config, self.directory, self.metrics, self.policy, self.channels)
         metrics_server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=self.metrics.registry)
         self.metrics_url = f"http://{config.metrics_host}:{metrics_server.server_port}/metrics"

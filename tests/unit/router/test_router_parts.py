@@ -109,7 +109,7 @@ def test_worker_errors_map_to_status_codes():
 def test_cli_options_come_from_the_config_dataclasses():
     parser = argparse.ArgumentParser()
     add_dataclass_args(parser, EngineConfig)
-    add_dataclass_args(parser, WorkerConfig, prefix="worker")
+    add_dataclass_args(parser, WorkerConfig, prefix="worker", skip=("cluster_tls",))  # its own options, in splitserve up
     args = parser.parse_args(["--kv-dtype", "fp32", "--num-kv-blocks", "7", "--no-enable-prefix-caching", "--worker-metrics-port", "9100"])
     engine = dataclass_from_args(EngineConfig, args)
     assert (engine.kv_dtype, engine.num_kv_blocks, engine.enable_prefix_caching, engine.block_size) == ("fp32", 7, False, 16)
