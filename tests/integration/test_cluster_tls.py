@@ -108,6 +108,12 @@ def test_init_ray_refuses_to_start_ray_without_its_tls_environment(cluster_tls):
     )
 
 
+def test_up_refuses_half_a_cluster_tls_setting(pki):
+    result = subprocess.run(CLI + ["up", "--cluster-tls-cert", str(pki.node_cert)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "splitserve up: cluster_tls: --cluster-tls-cert, --cluster-tls-key and --cluster-tls-ca go together"
+
+
 def _gcs_port(up_pid: int) -> int:
     [gcs] = [p for p in psutil.Process(up_pid).children(recursive=True) if p.name() == "gcs_server"]
     [port] = [c.laddr.port for c in gcs.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
