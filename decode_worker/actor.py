@@ -317,6 +317,9 @@ class DecodeWorker(EngineReplica):
     async def tokenize(self, request: pb.TokenizeRequest) -> wpb.TokenizeResult:
         tokenizer = self.engine.tokenizer
         if request.messages:
+            if not tokenizer.has_chat_template:
+                message = f"messages: model {self.engine.model_name!r} has no chat template"
+                return wpb.TokenizeResult(error=wpb.RequestError(code=wpb.RequestError.INVALID_ARGUMENT, message=message))
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             ids = tokenizer.encode(text, add_special_tokens=False)

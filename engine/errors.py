@@ -19,6 +19,10 @@ class InvalidRequestError(EngineError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self._message = message
+
+    def __reduce__(self):  # rebuilt from both arguments when it crosses a process (Ray) boundary
+        return type(self), (self.field, self._message)
 
 
 class UnknownModelError(EngineError, LookupError):

@@ -410,14 +410,9 @@ class LLMEngine:
             if not prompt:
                 raise InvalidRequestError("prompt", "must not be empty")
             return self.tokenizer.encode(prompt)
-        token_ids = list(prompt)
-        if not token_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError("prompt", f"token id {bad!r} is outside the vocabulary [0, {vocab})")
-        return token_ids
+        if not prompt:
+            raise InvalidRequestError("prompt_token_ids", "must not be empty")
+        return self._token_ids_in_vocab("prompt_token_ids", prompt)
 
     def _token_ids_in_vocab(self, field: str, token_ids: Sequence[int]) -> list[int]:
         vocab = self.model_config.vocab_size

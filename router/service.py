@@ -15,6 +15,7 @@ uninterrupted stream::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -141,27 +142,28 @@ class GenerationService(pb_grpc.GenerationServicer):
             prefill.num_inflight += 1
         try:
             channel = self.channels.get(replica.replica_id, replica.handle)
-            events = channel.generate(forwarded, prefill.replica_id if prefill else "", stream.token_ids)
-            async for event in events:
-                if event.HasField("error"):
-                    raise from_worker(event.error)
-                now = time.perf_counter()
-                if prefill is not None:
-                    prefill.num_inflight -= 1  # its part is over once the first event is out
-                    prefill = None
-                if stream.died_s is not None:
-                    self.metrics.migration.observe(now - stream.died_s)
-                    stream.died_s = None
-                if stream.last_s is None:
-                    stream.ttft_s = now - stream.start_s
-                    self.metrics.ttft.observe(stream.ttft_s)
-                elif event.response.token_ids:
-                    self.metrics.inter_token.observe((now - stream.last_s) / len(event.response.token_ids))
-                stream.last_s = now
-                stream.token_ids += event.response.token_ids
-                if event.response.HasField("timings") and not stream.num_migrations:
-                    self.metrics.path_first_token.observe(max(0.0, stream.ttft_s - event.response.timings.worker_first_token_s))
-                yield event.response
+            # aclosing: however this call ends, the channel drops its request id at once (not at GC)
+            async with contextlib.aclosing(channel.generate(forwarded, prefill.replica_id if prefill else "", stream.token_ids)) as events:
+                async for event in events:
+                    if event.HasField("error"):
+                        raise from_worker(event.error)
+                    now = time.perf_counter()
+                    if prefill is not None:
+                        prefill.num_inflight -= 1  # its part is over once the first event is out
+                        prefill = None
+                    if stream.died_s is not None:
+                        self.metrics.migration.observe(now - stream.died_s)
+                        stream.died_s = None
+                    if stream.last_s is None:
+                        stream.ttft_s = now - stream.start_s
+                        self.metrics.ttft.observe(stream.ttft_s)
+                    elif event.response.token_ids:
+                        self.metrics.inter_token.observe((now - stream.last_s) / len(event.response.token_ids))
+                    stream.last_s = now
+                    stream.token_ids += event.response.token_ids
+                    if event.response.HasField("timings") and not stream.num_migrations:
+                        self.metrics.path_first_token.observe(max(0.0, stream.ttft_s - event.response.timings.worker_first_token_s))
+                    yield event.response
             self.metrics.e2e.observe(time.perf_counter() - stream.start_s)
         except RequestIdInUse as e:
             raise CallRejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e

@@ -123,36 +123,6 @@ def stats():
     s.print_summary()
 
 
-class RefusedIds:
-    """Request ids whose last call was refused.
-
-    Known bug (test_a_request_id_refused_by_the_worker_can_be_reused_at_once): after a worker
-    refuses a request, the router keeps its id "in flight" on the worker channel until the garbage
-    collector finalizes the call's event generator, so reusing the id is refused meanwhile. The
-    fuzz tests count those refusals under their own label instead of failing on them.
-    """
-
-    LABEL = "INVALID_ARGUMENT(refused id reused: known bug)"
-
-    def __init__(self) -> None:
-        self.ids: set[str] = set()
-
-    def explains(self, request: pb.GenerateRequest, outcome: Outcome) -> bool:
-        in_flight = f"request_id: {request.request_id!r} is already in flight"
-        return outcome.code == grpc.StatusCode.INVALID_ARGUMENT and outcome.details.startswith(in_flight) and request.request_id in self.ids
-
-    def record(self, request: pb.GenerateRequest, outcome: Outcome) -> None:
-        if outcome.code == grpc.StatusCode.OK:
-            self.ids.discard(request.request_id)
-        elif request.request_id:
-            self.ids.add(request.request_id)
-
-
-@pytest.fixture(scope="module")
-def refused():
-    return RefusedIds()
-
-
 def call_generate(client: SplitServeClient, request: pb.GenerateRequest, cancel_after: int | None = None) -> Outcome:
     """Send ``request`` and read its stream; with ``cancel_after``, cancel it once more responses than that came."""
     return drain(client.generation.Generate(request, timeout=CALL_TIMEOUT_S), cancel_after)
@@ -170,13 +140,9 @@ def drain(stream, cancel_after: int | None = None) -> Outcome:
     return Outcome(grpc.StatusCode.OK, "", tuple(responses), time.perf_counter() - start)
 
 
-def judged_call(client, oracle, refused, stats, test: str, request: pb.GenerateRequest) -> None:
+def judged_call(client, oracle, stats, test: str, request: pb.GenerateRequest) -> None:
     outcome = call_generate(client, request)
-    if refused.explains(request, outcome):
-        stats.count(test, outcome, RefusedIds.LABEL)
-        return
     stats.count(test, outcome)
-    refused.record(request, outcome)
     oracle.judge_generate(request, outcome)
 
 
@@ -192,31 +158,31 @@ def assert_still_serving_and_no_block_leaked(client: SplitServeClient) -> None:
     wait_until(lambda: all_idle(client))
 
 
-def test_fuzzed_generate_requests_are_served_or_refused_naming_the_field(client, oracle, refused, stats):
+def test_fuzzed_generate_requests_are_served_or_refused_naming_the_field(client, oracle, stats):
     @fuzz_settings(max_examples=300)
     @given(request=generate_requests())
     def check(request):
         oracle.fix_model(request)
-        judged_call(client, oracle, refused, stats, "generate", request)
+        judged_call(client, oracle, stats, "generate", request)
 
     check()
     stats.print_test("generate")
     assert_still_serving_and_no_block_leaked(client)
 
 
-def test_fuzzed_huge_payloads_are_served_or_refused_by_size(client, oracle, refused, stats):
+def test_fuzzed_huge_payloads_are_served_or_refused_by_size(client, oracle, stats):
     @fuzz_settings(max_examples=40)
     @given(request=huge_generate_requests())
     def check(request):
         oracle.fix_model(request)
-        judged_call(client, oracle, refused, stats, "huge", request)
+        judged_call(client, oracle, stats, "huge", request)
 
     check()
     stats.print_test("huge")
     assert_still_serving_and_no_block_leaked(client)
 
 
-def test_fuzzed_raw_bytes_are_refused_or_served_like_the_message_they_decode_to(cluster, client, oracle, refused, stats):
+def test_fuzzed_raw_bytes_are_refused_or_served_like_the_message_they_decode_to(cluster, client, oracle, stats):
     channel = grpc.insecure_channel(cluster.router_status.grpc_address)
     raw_call = channel.unary_stream("/splitserve.v1.Generation/Generate", request_serializer=None, response_deserializer=pb.GenerateResponse.FromString)
 
@@ -231,11 +197,7 @@ def test_fuzzed_raw_bytes_are_refused_or_served_like_the_message_they_decode_to(
             assert outcome.code == grpc.StatusCode.UNKNOWN and "DecodeError" in outcome.details, outcome
             stats.count("raw bytes", outcome, "UNKNOWN(grpc: undecodable request)")
             return
-        if refused.explains(request, outcome):
-            stats.count("raw bytes", outcome, RefusedIds.LABEL)
-            return
         stats.count("raw bytes", outcome)
-        refused.record(request, outcome)
         oracle.judge_generate(request, outcome)
 
     try:
@@ -255,7 +217,7 @@ def test_fuzzed_concurrent_requests_with_shared_ids_and_cancels_leave_no_block_b
     @fuzz_settings(max_examples=40)
     @given(group=st.lists(one, min_size=2, max_size=4))
     def check(group):
-        number = next(groups)  # an id is shared within its group only (see RefusedIds for why)
+        number = next(groups)  # an id is shared within its group only: groups never race each other's ids
         requests = []
         for request, request_id, _ in group:
             oracle.fix_model(request)
@@ -339,10 +301,8 @@ def test_fuzzed_raw_bytes_to_tokenize_list_models_and_cluster_status(cluster, cl
     stats.print_test("raw bytes, other methods")
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: the router keeps a refused request's id in flight until GC (fix in router/service.py or router/worker_calls.py)")
 def test_a_request_id_refused_by_the_worker_can_be_reused_at_once(client):
-    # service.py raises out of `async for event in channel.generate(...)` on a worker error, which
-    # leaves the generator suspended: its `finally`, which drops the id from the channel, waits for GC.
+    # A worker's refusal must free the id on the router's channel at once (not when GC finalizes the call).
     for _ in range(5):
         outcome = call_generate(client, pb.GenerateRequest(prompt="hi", request_id="reused", stop=pb.StopConditions(max_tokens=10**6)))
         assert (outcome.code, outcome.field) == (grpc.StatusCode.INVALID_ARGUMENT, "max_tokens")

@@ -187,8 +187,8 @@ BAD_REQUESTS = [
     (dict(prompt=""), "prompt: must not be empty"),
     (dict(prompt="x" * (MAX_PROMPT_CHARS + 1)), f"prompt: {MAX_PROMPT_CHARS + 1} characters exceed the limit of {MAX_PROMPT_CHARS}"),
     (dict(prompt=[5] * 597), "prompt: 597 tokens do not fit the context of 512 tokens"),
-    (dict(prompt=[5, 99999]), "prompt: token id 99999 is outside the vocabulary [0, 512)"),
-    (dict(prompt=[5, -4]), "prompt: token id -4 is outside the vocabulary"),
+    (dict(prompt=[5, 99999]), "prompt_token_ids: token id 99999 is outside the vocabulary [0, 512)"),
+    (dict(prompt=[5, -4]), "prompt_token_ids: token id -4 is outside the vocabulary"),
     (dict(prompt="hi", max_tokens=0), "max_tokens: must be an integer >= 1, got 0"),
     (dict(prompt="hi", temperature=-1.0), "temperature: must be >= 0, got -1.0"),
     (dict(prompt="hi", top_p=0.0), "top_p: must be in (0, 1], got 0.0"),
@@ -367,3 +367,4 @@ def test_a_decode_replica_that_cannot_listen_fails_to_start_and_is_not_left_runn
 def test_build_request_leaves_unset_fields_to_server_defaults():
     request = build_generate_request("hi")
     assert not request.sampling.HasField("temperature") and not request.stop.HasField("max_tokens")
+

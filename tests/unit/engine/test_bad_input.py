@@ -42,13 +42,13 @@ def test_bad_sampling_params(kwargs, field, message):
     ("prompt", "kwargs", "field", "message"),
     [
         ("", {}, "prompt", "must not be empty"),
-        ([], {}, "prompt", "must not be empty"),
+        ([], {}, "prompt_token_ids", "must not be empty"),
         (None, {}, "prompt", "give a prompt or messages"),
         ("hi", {"messages": [{"role": "user", "content": "hi"}]}, "prompt", "give either prompt or messages, not both"),
         (None, {"messages": []}, "messages", "must not be empty"),
         (list(range(3, 67)), {}, "prompt", "64 tokens do not fit the context of 64 tokens"),
-        ([5, 512], {}, "prompt", r"token id 512 is outside the vocabulary \[0, 512\)"),
-        ([5, -1], {}, "prompt", r"token id -1 is outside"),
+        ([5, 512], {}, "prompt_token_ids", r"token id 512 is outside the vocabulary \[0, 512\)"),
+        ([5, -1], {}, "prompt_token_ids", r"token id -1 is outside"),
         ([5] * 40, {"params": SamplingParams(max_tokens=9)}, "max_tokens", "prompt plus max_tokens needs 4 KV blocks but the pool holds 3"),
     ],
 )
@@ -131,3 +131,12 @@ def test_missing_weights_and_config(tiny_llama_dir, tmp_path):
 def test_bad_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}"):
         EngineConfig(**kwargs)
+
+
+def test_an_invalid_request_error_survives_pickling_whole():
+    import pickle
+
+    from engine.errors import InvalidRequestError
+
+    error = pickle.loads(pickle.dumps(InvalidRequestError("max_tokens", "must be >= 1")))
+    assert (type(error), error.field, str(error)) == (InvalidRequestError, "max_tokens", "max_tokens: must be >= 1")
