@@ -205,8 +205,10 @@ class DecodeWorker(EngineReplica):
             )
 
         outputs = self.loop.generate(request, admit)
+        lease_unclaimed = True  # a call cancelled while its admission is in flight must still release the lease it may get
         try:
             slot = await anext(outputs)
+            lease_unclaimed = False
             if slot is None:
                 self.transfers.num_local_prefills += 1
             else:
@@ -217,6 +219,8 @@ class DecodeWorker(EngineReplica):
                 yield output
         finally:
             await outputs.aclose()
+            if lease_unclaimed:  # queued after the abort: by then the admission has run, or never will
+                self._in_background(self.loop.call(lambda engine: engine.release_lease(request.request_id)))
 
     async def _remote_prefill(self, slot: RemotePrefill, request: EngineRequest, prefill, prefill_id: str) -> None:
         """Have ``prefill`` fill the slot's blocks, then join the batch; or apply the failure policy."""
@@ -296,7 +300,11 @@ class DecodeWorker(EngineReplica):
             self.receiver.forget(notif)
             await self.loop.call(lambda engine: engine.release_lease(request_id))
 
-        task = asyncio.get_running_loop().create_task(end())
+        self._in_background(end())
+
+    def _in_background(self, cleanup) -> None:
+        """Run a cleanup coroutine to its end even though its caller is gone (shutdown cancels it)."""
+        task = asyncio.get_running_loop().create_task(cleanup)
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 

@@ -4,8 +4,8 @@ Hypothesis builds Generate and Tokenize requests field by field, huge payloads, 
 requests that share ids and cancel, and raw bytes sent as the serialized request
 (fuzz_requests.py). Every answer is judged by the oracle there: OK with a well-formed stream,
 INVALID_ARGUMENT whose message starts with a field the request got wrong, or RESOURCE_EXHAUSTED
-for a message past grpc's size limit; never INTERNAL, UNKNOWN (but for bytes grpc cannot decode,
-which it answers before our code runs), UNAVAILABLE or a hang. After each test the server still
+for a message past grpc's size limit (bytes that decode to no request: INVALID_ARGUMENT naming
+``request``); never INTERNAL, UNKNOWN, UNAVAILABLE or a hang. After each test the server still
 serves and every KV block is free. Examples are derandomized, so a run is reproducible.
 
 Run with ``-s`` to see each test's examples and the distinct statuses it saw.
@@ -193,9 +193,9 @@ def test_fuzzed_raw_bytes_are_refused_or_served_like_the_message_they_decode_to(
         try:
             request = pb.GenerateRequest.FromString(data)
         except DecodeError:
-            # grpc answers bytes it cannot decode with UNKNOWN before any of our code runs.
-            assert outcome.code == grpc.StatusCode.UNKNOWN and "DecodeError" in outcome.details, outcome
-            stats.count("raw bytes", outcome, "UNKNOWN(grpc: undecodable request)")
+            assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT, outcome
+            assert outcome.details.startswith("request: not a valid splitserve.v1.GenerateRequest"), outcome
+            stats.count("raw bytes", outcome, "INVALID_ARGUMENT(request: undecodable)")
             return
         stats.count("raw bytes", outcome)
         oracle.judge_generate(request, outcome)
@@ -285,8 +285,8 @@ def test_fuzzed_raw_bytes_to_tokenize_list_models_and_cluster_status(cluster, cl
         try:
             request = request_type.FromString(data)
         except DecodeError:
-            assert outcome.code == grpc.StatusCode.UNKNOWN and "DecodeError" in outcome.details, outcome
-            stats.count("raw bytes, other methods", outcome, "UNKNOWN(grpc: undecodable request)")
+            assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT and outcome.details.startswith("request: not a valid splitserve.v1."), outcome
+            stats.count("raw bytes, other methods", outcome, "INVALID_ARGUMENT(request: undecodable)")
             return
         stats.count("raw bytes, other methods", outcome)
         if method == "Tokenize":
