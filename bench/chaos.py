@@ -26,6 +26,7 @@ without anything being wrong, and no single reference could check them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import tempfile
 import threading
@@ -89,17 +90,83 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=positive, default=24)
     parser.add_argument("--recovery-s", type=positive, default=120, help="a fault not recovered from by then is reported as such")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--phases", nargs="+", choices=("soak", "pauses"), default=["soak", "pauses"])
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench-chaos-") as workdir:
-        soak = _start(args, Path(workdir))
-        try:
-            report = _soak(soak, args)
-        finally:
-            soak.client.close()
-            soak.cluster.stop()
-            soak.redis.stop()
+    report = {}
+    if "soak" in args.phases:
+        with tempfile.TemporaryDirectory(prefix="bench-chaos-") as workdir:
+            soak = _start(args, Path(workdir))
+            try:
+                report = _soak(soak, args)
+            finally:
+                soak.client.close()
+                soak.cluster.stop()
+                soak.redis.stop()
+    if "pauses" in args.phases:
+        report["pauses"] = _pauses(args)
+        report.setdefault("machine", machine())
     emit_report(report, args.json)
     return 0
+
+
+PAUSES = {"kill_decode": (2, "kill"), "freeze_decode": (2, "freeze"), "kill_only_decode": (1, "kill")}
+"""Case -> (decode replicas, what happens to the one serving the stream)."""
+
+
+def _pauses(args) -> dict:
+    """What one streaming client sees when its decode replica is killed (SIGKILL) or frozen
+    (SIGSTOP: it stops answering), on an aggregated cluster with the default controller and
+    router settings: the longest gap between two of its tokens, whether its tokens equal an
+    undisturbed run's, and how long until the pool is whole again."""
+    import os
+    import signal
+
+    import ray
+
+    from engine.config import EngineConfig
+    from router.client import SplitServeClient
+    from router.config import RouterConfig
+    from router.launch import Cluster, ClusterConfig
+
+    results = {}
+    for case, (num_decode, how) in PAUSES.items():
+        progress("chaos", f"pauses: {case} ({num_decode} decode replica(s))")
+        config = ClusterConfig(engine=EngineConfig(model=args.model, kv_dtype=args.kv_dtype), router=RouterConfig(port=0), num_decode=num_decode)
+        cluster = Cluster(config)
+        try:
+            status = cluster.start()
+            with SplitServeClient(status.grpc_address) as client:
+                greedy = dict(max_tokens=200, temperature=0, ignore_eos=True)
+                expected = [t for r in client.generate("Tell me about the sea.", **greedy) for t in r.token_ids]
+                stream = client.generate("Tell me about the sea.", **greedy)
+                ids = [t for _, r in zip(range(4), stream) for t in r.token_ids]
+                victim = next(r for r in client.cluster_status().replicas if r.num_running)
+                handle = {s.replica_id: h for s, _, h in ray.get(cluster.controller.replicas.remote())}[victim.replica_id]
+                pid = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
+                struck = last = time.monotonic()
+                if how == "kill":
+                    ray.kill(handle)
+                else:
+                    os.kill(pid, signal.SIGSTOP)
+                gaps = []
+                for response in stream:
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+                    ids += response.token_ids
+                while len([r for r in client.cluster_status().replicas if r.replica_id != victim.replica_id]) < num_decode:
+                    time.sleep(0.1)
+                results[case] = {
+                    "max_gap_s": round(max(gaps), 3),
+                    "identical": ids == expected,
+                    "pool_whole_after_s": round(time.monotonic() - struck, 2),
+                }
+                if how == "freeze":
+                    with contextlib.suppress(ProcessLookupError):  # the controller has killed it already
+                        os.kill(pid, signal.SIGKILL)
+        finally:
+            cluster.stop()
+    return results
 
 
 def _start(args, workdir: Path) -> Soak:

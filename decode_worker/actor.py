@@ -226,7 +226,9 @@ class DecodeWorker(EngineReplica):
         """Have ``prefill`` fill the slot's blocks, then join the batch; or apply the failure policy."""
         self.transfers.num_remote_prefills += 1
         transfer = TransferRequest(
-            request_id=slot.request_id,
+            # One id per hand-off, not per request: a request re-submitted after its decode replica
+            # died must never meet its first hand-off, still running on the same prefill worker.
+            request_id=f"{slot.request_id}#{secrets.token_hex(4)}",
             decode=self.receiver.request_endpoint,
             block_ids=slot.block_ids,
             num_prompt_tokens=len(slot.prompt_token_ids),

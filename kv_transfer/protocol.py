@@ -117,7 +117,7 @@ class TransferRequest:
     """
 
     request_id: str
-    """The request's id, unique among the requests in flight."""
+    """The hand-off's id: unique among the hand-offs in flight (a request re-submitted gets a new one)."""
     decode: KVEndpoint
     """The decode worker's endpoint, for the compatibility check; its transport metadata reached
     the prefill worker before, through the controller (``add_kv_peers``), and is not repeated here."""

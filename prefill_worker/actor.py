@@ -138,6 +138,8 @@ class PrefillWorker(EngineReplica):
             pass  # the admission, then the one output that finishes it
         done = await self.loop.call(lambda engine: engine.take_prefilled(request_id))
         await self._apply_faults(request_id)
+        if time.monotonic() > deadline:  # the decode worker has given up: write nothing into its pool
+            return self._failed(request_id, TransferStatus.TIMED_OUT, f"prompt not computed within {transfer.timeout_s} s")
         peer = transfer.decode.agent_name
         if not self.transport.has_peer(peer):
             raise KVTransferError(f"decode agent {peer!r} is unknown here: its endpoint never reached this worker (add_kv_peers)")

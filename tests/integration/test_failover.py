@@ -26,6 +26,7 @@ from router.config import RouterConfig
 from router.controller import ControllerConfig, ReplicaSpec
 from router.launch import DECODE_WORKER_CLASS, Cluster, ClusterConfig
 from tests.integration.conftest import running_cluster, wait_until
+from tests.integration.test_generate_api import collect
 from tests.unit.engine.helpers import random_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -57,15 +58,6 @@ def cluster(ray_session, engine_config):
 def client(cluster):
     with SplitServeClient(cluster.router_status.grpc_address) as c:
         yield c
-
-
-def collect(responses) -> tuple[list[int], str, pb.GenerateResponse]:
-    ids, text, last = [], [], None
-    for r in responses:
-        ids += r.token_ids
-        text.append(r.text)
-        last = r
-    return ids, "".join(text), last
 
 
 def handles(cluster, pool: str) -> dict[str, object]:
