@@ -111,12 +111,15 @@ class EngineLoop:
         return self._thread.is_alive() and self._failure is None
 
     async def call(self, fn: Callable[[LLMEngine], object]) -> object:
-        """Run ``fn(engine)`` on the engine thread between two steps; its result or exception."""
+        """Run ``fn(engine)`` on the engine thread between two steps; its result or exception.
+
+        ``fn`` runs even if the caller is cancelled while it waits (the cancel only stops the
+        waiting): a cleanup awaited in a ``finally``, such as releasing a lease, is never skipped."""
         if self._failure is not None:
             raise EngineLoopFailed(f"engine loop failed: {self._failure!r}")
         result: Future = Future()
         self._commands.put(_Call(fn, result))
-        return await asyncio.wrap_future(result)
+        return await asyncio.shield(asyncio.wrap_future(result))
 
     async def generate(self, request: EngineRequest, admit: Callable[[LLMEngine, EngineRequest], object] | None = None) -> AsyncIterator[RequestOutput | object]:
         """Outputs of ``request`` until it finishes. Leaving early (cancel, close) aborts it.
@@ -195,8 +198,7 @@ class EngineLoop:
             self._add(command)
 
     def _call(self, command: _Call) -> None:
-        if not command.result.set_running_or_notify_cancel():
-            return
+        command.result.set_running_or_notify_cancel()  # never cancelled: ``call`` shields it
         try:
             value = command.fn(self.engine)
         except Exception as e:  # the caller's to handle; the loop goes on

@@ -121,7 +121,7 @@ def test_a_step_crosses_to_each_event_loop_once(loop):
 
 def test_invalid_request_fails_before_any_output_and_the_loop_goes_on(loop):
     async def main():
-        with pytest.raises(InvalidRequestError, match="^prompt: must not be empty"):
+        with pytest.raises(InvalidRequestError, match="^prompt_token_ids: must not be empty"):
             await _collect(loop, _request("bad", []))
         return await _collect(loop, _request("good", [5, 6, 7]))
 
@@ -215,3 +215,20 @@ def test_the_engine_thread_and_its_openmp_team_run_at_the_given_nice(tiny_llama_
 def test_worker_process_config_names_the_bad_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         WorkerProcessConfig(**kwargs)
+
+
+def test_a_call_runs_even_when_its_caller_is_cancelled_while_it_waits(loop):
+    gate, ran = threading.Event(), []
+
+    async def main():
+        busy = asyncio.ensure_future(loop.call(lambda engine: gate.wait(30)))
+        cleanup = asyncio.ensure_future(loop.call(lambda engine: ran.append("released")))  # e.g. a lease's release in a finally
+        await asyncio.sleep(0)
+        cleanup.cancel()  # the caller is cancelled while the engine thread is busy
+        gate.set()
+        await busy
+        assert cleanup.cancelled()
+        await loop.call(lambda engine: None)  # queued after the cleanup: once it returns, the cleanup has run
+
+    asyncio.run(main())
+    assert ran == ["released"]
