@@ -197,7 +197,11 @@ class ClusterController:
         for replica_id in members[num_replicas:][::-1]:
             await self._remove(replica_id)
         missing = num_replicas - len(members) - pool.num_starting
-        return list(await asyncio.gather(*(self._start(spec) for _ in range(missing))))
+        try:
+            return list(await asyncio.gather(*(self._start(spec) for _ in range(missing))))
+        except Exception as e:  # the pool stays short: replacements follow after the backoff
+            self._failed_start(pool, e)
+            raise
 
     async def add_replica(self, spec: ReplicaSpec) -> pb.ReplicaStatus:
         """Grow ``spec.pool`` by one replica started from ``spec``; returns its first status.
@@ -300,6 +304,13 @@ class ClusterController:
         await self._remove(replica_id)
         self._heal()
 
+    def _failed_start(self, pool: _Pool, error: Exception) -> None:
+        pool.num_failed_starts += 1
+        pool.last_failure = f"start failed: {_reason(error)}"
+        self._back_off(pool)
+        logger.warning("controller: a replica of pool %s failed to start (%s); next try in %.1f s",
+                       pool.spec.pool, pool.last_failure, pool.next_start_s - time.monotonic())
+
     def _back_off(self, pool: _Pool) -> None:
         pool.num_young_failures += 1
         delay = min(self.config.max_restart_backoff_s, self.config.restart_backoff_s * 2 ** (pool.num_young_failures - 1))
@@ -321,11 +332,7 @@ class ClusterController:
         try:
             status = await self._start(pool.spec)
         except Exception as e:  # a replacement that cannot start is retried after the backoff
-            pool.num_failed_starts += 1
-            pool.last_failure = f"start failed: {_reason(e)}"
-            self._back_off(pool)
-            logger.warning("controller: a replacement in pool %s failed to start (%s); next try in %.1f s",
-                           pool.spec.pool, pool.last_failure, pool.next_start_s - time.monotonic())
+            self._failed_start(pool, e)
             return
         pool.num_restarts += 1
         logger.warning("controller: replica %s replaces a dead replica of pool %s", status.replica_id, pool.spec.pool)

@@ -156,7 +156,7 @@ def test_replacements_that_fail_to_start_back_off_and_the_pool_heals_when_they_c
         broken = ReplicaSpec("decode", DECODE_WORKER_CLASS, (engine_config, WorkerConfig(request_plane_host="127.0.0.1", request_plane_port=taken.getsockname()[1])))
         with pytest.raises(ray.exceptions.RayTaskError, match="address already in use"):
             ray.get(cluster.controller.set_pool.remote(broken, 3))
-        failing = wait_until(lambda: (s := pool_status(client, "decode")).num_failed_starts >= 3 and s)
+        failing = wait_until(lambda: (s := pool_status(client, "decode")).num_failed_starts >= 3 and s, 120)
     assert failing.target_replicas == 3 and failing.num_replicas == 2
     assert "address already in use" in failing.last_failure
     ids, _, _ = collect(client.generate("still serving", max_tokens=4, ignore_eos=True))

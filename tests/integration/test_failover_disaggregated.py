@@ -4,7 +4,10 @@ replacement, and nothing is left leased or open."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
+
+import grpc
 
 import pytest
 import ray
@@ -68,15 +71,27 @@ def test_decode_killed_during_the_kv_hand_off_migrates_to_its_replacement(disagg
     quiet(cluster, client)
 
 
+def served(client, deadline: float) -> list[int] | None:
+    """The tokens of one successful call, or None after an UNAVAILABLE (no live replica yet)."""
+    try:
+        ids, _, _ = collect(client.generate("hello again", max_tokens=4, ignore_eos=True, timeout_s=max(1.0, deadline - time.monotonic())))
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+        return None
+    return ids
+
+
 def test_each_pools_only_replica_killed_is_replaced_and_serves_within_60_s(disaggregated):
     cluster, client = disaggregated
     for pool in ("decode", "prefill"):
         [(victim, handle)] = handles(cluster, pool).items()
         restarts = pool_status(client, pool).num_restarts
         ray.kill(handle)
-        replaced = wait_until(lambda: (h := handles(cluster, pool)) and victim not in h and h, 60)
-        ids, _, _ = collect(client.generate("hello again", max_tokens=4, ignore_eos=True, timeout_s=60))
+        deadline = time.monotonic() + 60
+        ids = wait_until(lambda: served(client, deadline), 60)  # a client retrying on UNAVAILABLE, as clients do
         assert len(ids) == 4
+        replaced = wait_until(lambda: (h := handles(cluster, pool)) and victim not in h and h, 60)
         assert pool_status(client, pool).num_restarts == restarts + 1
         quiet(cluster, client)
     [new_prefill] = replaced.values()
