@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,15 +12,11 @@ import threading
 import psutil
 import pytest
 
+from tests.redis_server import free_port
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CLI = [sys.executable, "-m", "router.cli"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _lines(stream) -> queue.Queue:
@@ -43,7 +38,7 @@ def _wait_for(lines: queue.Queue, needle: str, timeout_s: float) -> list[str]:
 
 
 def test_up_serves_the_bundled_model_and_stops_cleanly_on_sigint(smollm2_dir, smollm2_cache_dir):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "RAY_ADDRESS": ""}
     up = subprocess.Popen(
         CLI + ["up", "--port", str(port), "--cache-dir", str(smollm2_cache_dir), "--kv-cache-bytes", str(128 << 20)],
@@ -85,7 +80,7 @@ def test_up_serves_the_bundled_model_and_stops_cleanly_on_sigint(smollm2_dir, sm
 
 def test_generate_against_nothing_fails_with_a_sentence():
     result = subprocess.run(
-        CLI + ["generate", "--addr", f"127.0.0.1:{_free_port()}", "--timeout", "5", "hello"],
+        CLI + ["generate", "--addr", f"127.0.0.1:{free_port()}", "--timeout", "5", "hello"],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 3
@@ -102,7 +97,7 @@ def test_up_joins_an_existing_ray_cluster_and_leaves_it_running(ray_session, tin
     import ray
 
     address = ray.get_runtime_context().gcs_address
-    port = _free_port()
+    port = free_port()
     up = subprocess.Popen(
         CLI + ["up", "--address", address, "--port", str(port), "--model", str(tiny_llama_dir), "--kv-dtype", "fp32", "--num-kv-blocks", "64"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -28,7 +28,8 @@ from router.config import RouterConfig
 from router.launch import ClusterConfig
 from tests.certs import make_pki
 from tests.integration.conftest import running_cluster
-from tests.integration.test_cli import CLI, _free_port, _lines, _wait_for
+from tests.integration.test_cli import CLI, _lines, _wait_for
+from tests.redis_server import free_port
 from tests.unit.engine.helpers import random_prompts
 
 pytestmark = pytest.mark.integration
@@ -134,7 +135,7 @@ def _first_frame_over_tls(port: int, context: ssl.SSLContext) -> bytes:
 
 @pytest.mark.slow
 def test_up_with_cluster_tls_runs_ray_over_tls_and_serves(pki, cluster_tls, tiny_llama_dir):
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_TLS") and k != "RAY_USE_TLS"} | {"RAY_ADDRESS": ""}
     tls_flags = ["--cluster-tls-cert", str(pki.node_cert), "--cluster-tls-key", str(pki.node_key), "--cluster-tls-ca", str(pki.ca_cert)]
     up = subprocess.Popen(
