@@ -95,7 +95,11 @@ def test_each_pools_only_replica_killed_is_replaced_and_serves_within_60_s(disag
         assert pool_status(client, pool).num_restarts == restarts + 1
         quiet(cluster, client)
     [new_prefill] = replaced.values()
-    before = ray.get(new_prefill.transfer_stats.remote()).num_done
-    [prompt] = random_prompts([90], seed=10)
-    collect(client.generate(prompt, max_tokens=4, ignore_eos=True))
-    assert ray.get(new_prefill.transfer_stats.remote()).num_done == before + 1  # the new prefill replica takes hand-offs
+    prompts = iter(random_prompts([90] * 50, seed=10))
+
+    def handed_off() -> bool:  # once the router's view has the new prefill replica, it takes the hand-offs
+        before = ray.get(new_prefill.transfer_stats.remote()).num_done
+        collect(client.generate(next(prompts), max_tokens=4, ignore_eos=True))
+        return ray.get(new_prefill.transfer_stats.remote()).num_done == before + 1
+
+    wait_until(handed_off, 30)
