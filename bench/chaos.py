@@ -375,15 +375,19 @@ def tally(outcomes: list[Outcome], references: list[list[int]], fault_log: list[
     }
 
 
+def metric_total(text: str, name: str) -> float:
+    """The sum over every labelled sample of ``name`` in a Prometheus exposition."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
 def _router_metrics(metrics_url: str) -> dict:
     """Migrations the router made, and their mean time from a replica's death to the next event."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-
-    def total(name: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-    count = total("splitserve_migration_seconds_count")
-    return {"migrations": int(total("splitserve_migrations_total")), "migration_s_mean": total("splitserve_migration_seconds_sum") / count if count else None}
+    count = metric_total(text, "splitserve_migration_seconds_count")
+    return {
+        "migrations": int(metric_total(text, "splitserve_migrations_total")),
+        "migration_s_mean": metric_total(text, "splitserve_migration_seconds_sum") / count if count else None,
+    }
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ to start::
     probe fails ──> drop + release + kill ──> pool below target ──> start replacement
                                                    ^                    | fails, or dies young
                                                    └──── backoff x2 ────┘  (restart_backoff_s .. max)
- It is also where workers exchange KV transport metadata: each decode
-replica's endpoint is handed to every prefill replica (``add_kv_peers``) when either joins, so a
-hand-off never waits for a connection set-up. Plain asyncio inside; Ray only creates and calls
+
+It is also where workers exchange KV transport metadata: each decode replica's endpoint is handed
+to every prefill replica (``add_kv_peers``) when either joins, so a hand-off never waits for a
+connection set-up. Plain asyncio inside; Ray only creates and calls
 actors; endpoints pass through as opaque objects.
 """
 
@@ -132,6 +133,10 @@ class _State:
     kv_endpoints: dict[str, object] = field(default_factory=dict)
     """Decode replica id -> its KV endpoint (transport metadata included), as the worker published it."""
 
+    def members(self, pool: str) -> list[str]:
+        """Ids of the replicas of ``pool`` in the map, oldest first."""
+        return [rid for rid, r in self.replicas.items() if r.status.pool == pool]
+
 
 class _ReplicaCollector(Collector):
     """Replicas per pool and health, read from the cluster map at scrape time."""
@@ -193,7 +198,7 @@ class ClusterController:
             raise ValueError(f"num_replicas: must be >= 0, got {num_replicas}")
         pool = self._state.pools[spec.pool]
         pool.spec, pool.target = spec, num_replicas
-        members = [rid for rid, r in self._state.replicas.items() if r.status.pool == spec.pool]
+        members = self._state.members(spec.pool)
         for replica_id in members[num_replicas:][::-1]:
             await self._remove(replica_id)
         missing = num_replicas - len(members) - pool.num_starting
@@ -322,8 +327,7 @@ class ClusterController:
         for name, pool in self._state.pools.items():
             if pool.spec is None or now < pool.next_start_s:
                 continue
-            size = sum(1 for r in self._state.replicas.values() if r.status.pool == name)
-            for _ in range(pool.target - size - pool.num_starting):
+            for _ in range(pool.target - len(self._state.members(name)) - pool.num_starting):
                 task = asyncio.get_running_loop().create_task(self._replace(pool))
                 self._replacements.add(task)
                 task.add_done_callback(self._replacements.discard)
@@ -363,7 +367,7 @@ class ClusterController:
         return pb.PoolStatus(
             pool=name,
             target_replicas=pool.target,
-            num_replicas=sum(1 for r in self._state.replicas.values() if r.status.pool == name),
+            num_replicas=len(self._state.members(name)),
             num_starting=pool.num_starting,
             num_restarts=pool.num_restarts,
             num_failed_starts=pool.num_failed_starts,

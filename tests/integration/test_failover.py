@@ -18,6 +18,7 @@ import grpc
 import pytest
 import ray
 
+from bench.chaos import metric_total
 from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
 from proto import splitserve_pb2 as pb
@@ -86,8 +87,7 @@ def full_pool(client, pool: str, size: int):
 
 
 def metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return metric_total(urllib.request.urlopen(url, timeout=10).read().decode(), name)
 
 
 def freeze(handle) -> int:
