@@ -343,7 +343,7 @@ class DecodeWorker(EngineReplica):
 
     async def status(self) -> pb.ReplicaStatus:
         """Liveness and load; a dead engine thread reports unhealthy."""
-        return pb.ReplicaStatus(**self.status_fields())
+        return pb.ReplicaStatus(**await self.status_fields())
 
     async def shutdown(self) -> None:
         """Stop the request plane, the engine thread (requests still running are dropped with

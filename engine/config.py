@@ -47,6 +47,10 @@ class EngineConfig:
     """Seconds a block lives in the Redis tier."""
     redis_tls_ca_file: Path | None = None
     """CA certificate of the Redis server, for rediss:// URLs."""
+    tp_size: int = 1
+    """Tensor-parallel ranks the model is split over (one process each); the model's heads must allow it."""
+    tp_collective_timeout_s: float = 30.0
+    """How long a rank waits in an all-reduce for the others before the replica fails (a hung rank)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -64,6 +68,12 @@ class EngineConfig:
             raise ValueError(f"cpu_kv_cache_bytes: must be >= 0, got {self.cpu_kv_cache_bytes}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url: {self.redis_url!r} is not a redis://, rediss:// or unix:// URL")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
+        if self.tp_size > 1 and (self.cpu_kv_cache_bytes or self.redis_url is not None):
+            raise ValueError("tp_size: the CPU and Redis KV tiers hold whole blocks and serve TP 1 replicas only; set tp_size 1 or disable the tiers")
+        if not self.tp_collective_timeout_s > 0:
+            raise ValueError(f"tp_collective_timeout_s: must be > 0, got {self.tp_collective_timeout_s}")
         if self.redis_ttl_s < 1:
             raise ValueError(f"redis_ttl_s: must be >= 1, got {self.redis_ttl_s}")
 
@@ -94,6 +104,11 @@ class WorkerProcessConfig:
     torch ops; with Python's default (5 ms), a Ray callback or the event loop could wait that
     long for it on every hop while the engine runs."""
 
+    tp_rank_cpus: float = 1.0
+    """Logical CPUs each follower rank of a tensor-parallel replica reserves (its placement
+    group bundle); a fraction lets TP 3 run on a 2-core machine. The leader reserves the
+    replica's own CPUs."""
+
     @property
     def engine_cpu_set(self) -> frozenset[int] | None:
         """``engine_cpus`` as a set of CPU numbers; None when unset."""
@@ -104,6 +119,8 @@ class WorkerProcessConfig:
             raise ValueError(f"engine_thread_nice: must be in [0, 19], got {self.engine_thread_nice}")
         if not 0 < self.gil_switch_interval_s <= 0.1:
             raise ValueError(f"gil_switch_interval_s: must be in (0, 0.1], got {self.gil_switch_interval_s}")
+        if not self.tp_rank_cpus > 0:
+            raise ValueError(f"tp_rank_cpus: must be > 0, got {self.tp_rank_cpus}")
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests: must be >= 0, got {self.max_waiting_requests}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -21,6 +21,8 @@ from engine.kv_cache import PagedKVCache
 from engine.loader.weights import load_weights, weights_fingerprint
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel
+from engine.parallel.group import TPGroup
+from engine.parallel.sharding import check_tp_size
 from engine.params import SamplingParams
 from engine.request import FinishReason, Request, RequestOutput
 from engine.runner import ModelRunner
@@ -106,32 +108,55 @@ class Completion:
     num_cached_tokens: int
 
 
+def model_len(config: EngineConfig, mc: ModelConfig) -> int:
+    """Longest prompt plus output the engine serves: the configured length, capped by the model's context and sliding window."""
+    limits = [config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings]
+    return min(limits + ([mc.sliding_window] if mc.sliding_window else []))
+
+
+def build_shard(config: EngineConfig, mc: ModelConfig, checkpoint_dir: Path, max_model_len: int, tp: TPGroup) -> tuple[DecoderModel, PagedKVCache]:
+    """This rank's slice of the model, loaded, and its slice of the paged KV pool (its KV heads).
+
+    Every rank sizes its pool alike: the same number of blocks, so one block id names the same
+    tokens on every rank.
+    """
+    model = DecoderModel.empty(mc, max_model_len, _TORCH_DTYPES[config.dtype], tp)
+    load_weights(model, checkpoint_dir)
+    layout = KVBlockLayout(mc.num_layers, model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
+    num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} holds no block of {layout.block_bytes} bytes")
+    return model, PagedKVCache(layout, num_blocks, _TORCH_DTYPES[config.dtype])
+
+
 class LLMEngine:
     """Loads one model, owns its KV pool, and runs continuous batching over submitted requests."""
 
-    def __init__(self, config: EngineConfig, worker_id: str = "local") -> None:
+    def __init__(self, config: EngineConfig, worker_id: str = "local", tp: TPGroup | None = None) -> None:
+        """``tp``: the joined tensor-parallel group this engine leads (rank 0), required when
+        ``config.tp_size > 1``; its other ranks run ``engine.parallel.follower.TPFollower``."""
+        tp = tp or TPGroup.single()
+        if tp.size != config.tp_size or not tp.is_leader:
+            raise ValueError(f"tp: an engine of tp_size {config.tp_size} needs rank 0 of a group of that size, got rank {tp.rank} of {tp.size}")
         self.config = config
         self.worker_id = worker_id
+        self.tp = tp
         self.checkpoint_dir: Path = resolve_model(config.model, config.cache_dir)
         self.model_name = served_model_name(config.model)
         self.model_config = ModelConfig.from_dir(self.checkpoint_dir)
+        check_tp_size(self.model_name, self.model_config, config.tp_size)
         self.tokenizer = Tokenizer.from_dir(self.checkpoint_dir)
         mc = self.model_config
-        limits = [config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings]
-        self.max_model_len = min(limits + ([mc.sliding_window] if mc.sliding_window else []))
-        model = DecoderModel.empty(mc, self.max_model_len, _TORCH_DTYPES[config.dtype])
-        load_weights(model, self.checkpoint_dir)
-        layout = KVBlockLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
-        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} holds no block of {layout.block_bytes} bytes")
-        self.kv_cache = PagedKVCache(layout, num_blocks, _TORCH_DTYPES[config.dtype])
+        self.max_model_len = model_len(config, mc)
+        model, self.kv_cache = build_shard(config, mc, self.checkpoint_dir, self.max_model_len, tp)
+        layout, num_blocks = self.kv_cache.layout, self.kv_cache.num_blocks
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.namespace = KeyNamespace(
             model_name=self.model_name,
             weights_fingerprint=weights_fingerprint(self.checkpoint_dir),
             kv_dtype=config.kv_dtype,
             block_size=config.block_size,
+            tp_size=tp.size,
         )
         self.kv_events = KVEventLog(worker_id)
         cpu = CPUTier(config.cpu_kv_cache_bytes, layout.block_bytes) if config.cpu_kv_cache_bytes else None
@@ -140,13 +165,14 @@ class LLMEngine:
             redis = RedisTier(RedisTierConfig(config.redis_url, config.redis_ttl_s, tls_ca_file=config.redis_tls_ca_file), self.namespace, layout)
         self.kv_store = TieredKVStore(self.pool, self.kv_cache.buffer, self.kv_events, cpu, redis)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, self.kv_store)
-        self.runner = ModelRunner(model, self.kv_cache)
+        self.runner = ModelRunner(model, self.kv_cache, tp)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._num_steps = self._num_step_tokens = 0
         self._step_s = self._step_cpu_s = 0.0
         self._prefilled: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
+        tp.barrier()  # every follower has its shard loaded: the first step's collectives will not wait on a load
 
     def add_request(
         self,
@@ -306,8 +332,11 @@ class LLMEngine:
         return self.kv_store.evict_pool()
 
     def close(self) -> None:
-        """Stop background work (the Redis tier's writer)."""
+        """Stop background work (the Redis tier's writer) and the follower ranks' step loops."""
         self.kv_store.close()
+        if self.tp.size > 1:
+            self.runner.stop_followers()
+            self.tp.close()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block key, e.g. between benchmark runs over the same prompts."""

@@ -6,6 +6,7 @@ knows no proto), from the plain fields returned here.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 
@@ -17,6 +18,8 @@ from engine.cpus import move_serving_threads
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStatsCollector, TierStatsCollector, serve_metrics
+from engine.parallel.follower import rank_fields
+from engine.parallel.ranks import TPEngineBuilder
 from kv_store.events import KVEventBatch, KVSnapshot
 from kv_store.keys import KeyNamespace
 
@@ -34,8 +37,16 @@ class EngineReplica:
         num_threads = config.num_threads or len(engine_cpus or os.sched_getaffinity(0))
         sys.setswitchinterval(config.gil_switch_interval_s)
         self.replica_id = replica_id
+        self.tp_followers: list = []
+        """Ray handles of ranks 1 .. tp_size-1 (owned by this actor: they die with it)."""
+        self.tp_node_ip = ""
+        build = lambda: LLMEngine(engine_config, worker_id=replica_id)  # noqa: E731
+        if engine_config.tp_size > 1:
+            build = TPEngineBuilder(engine_config, replica_id, num_cpus=config.tp_rank_cpus, num_threads=num_threads)
+            self.tp_followers = build.followers
+            self.tp_node_ip = build.address.rpartition(":")[0]
         self.loop = EngineLoop(
-            lambda: LLMEngine(engine_config, worker_id=replica_id),
+            build,
             config.max_waiting_requests,
             num_threads,
             nice=config.engine_thread_nice,
@@ -79,14 +90,34 @@ class EngineReplica:
             block_size=engine.config.block_size,
         )
 
-    def status_fields(self) -> dict:
-        """The fields of splitserve.v1.ReplicaStatus; a dead engine thread reports unhealthy."""
+    async def tp_rank_fields(self, timeout_s: float = 5.0) -> list[dict]:
+        """The fields of splitserve.v1.TPRank for each rank, the leader first. A follower that is
+        gone, or does not answer within ``timeout_s``, is reported not alive."""
+        ranks = [rank_fields(0, self.engine.runner.model, self.tp_node_ip, self.loop.alive)]
+        calls = [asyncio.ensure_future(f.info.remote()) for f in self.tp_followers]
+        if calls:
+            await asyncio.wait(calls, timeout=timeout_s)
+        for rank, call in enumerate(calls, start=1):
+            if call.done() and call.exception() is None:
+                info = call.result()
+                ranks.append({k: info[k] for k in ranks[0]})
+            else:
+                call.cancel()
+                ranks.append(dict(rank=rank, node_ip=self.tp_node_ip, alive=False))
+        return ranks
+
+    async def status_fields(self) -> dict:
+        """The fields of splitserve.v1.ReplicaStatus; a dead engine thread, or a dead rank of a
+        tensor-parallel replica, reports unhealthy."""
         s = self.loop.stats
+        ranks = await self.tp_rank_fields()
         return dict(
             replica_id=self.replica_id,
             pool=self.pool,
             model=self.engine.model_name,
-            healthy=self.loop.alive,
+            healthy=all(r["alive"] for r in ranks),
+            tp_size=len(ranks),
+            tp_ranks=ranks,
             num_running=s.num_running,
             num_waiting=s.num_waiting + s.num_parked,
             num_kv_blocks=s.num_kv_blocks,
@@ -97,6 +128,11 @@ class EngineReplica:
         )
 
     def stop_engine(self) -> None:
-        """Stop the engine thread (requests still running are dropped) and its background work."""
+        """Stop the engine thread (requests still running are dropped), its background work and
+        its follower ranks (told to stop when the group still works; killed with this actor anyway)."""
+        alive = self.loop.alive
         self.loop.stop()
-        self.engine.close()
+        if alive:
+            self.engine.close()
+        else:
+            self.engine.kv_store.close()

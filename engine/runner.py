@@ -3,15 +3,23 @@
 Decode tokens come first in the flat batch, then prefill chunks. Decode sequences are sorted by
 context length and cut into groups whose padded width stays close to their real width, so a
 single long sequence does not make every short one attend over padding.
+
+Under tensor parallelism the leader (rank 0) turns the scheduler's chunks into a ``StepPlan``
+(plain ids and positions, no request objects), sends it to the other ranks, and every rank runs
+the same step on its shard; logits reach the leader only, which samples. A follower rank runs
+``ModelRunner.follow()``: receive a plan, run it, until the leader sends ``None``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from engine.kv_cache import PagedKVCache
 from engine.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from engine.models.decoder import DecoderModel
+from engine.parallel.group import TPGroup
 from engine.request import Request
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk
@@ -20,59 +28,120 @@ _GROUP_GROWTH = 1.25
 """A decode group closes when the next sequence would need this many times its first one's blocks."""
 
 
+@dataclass(frozen=True)
+class PlannedChunk:
+    """One sequence's tokens in a step: positions ``[start, start + num_tokens)``."""
+
+    start: int
+    num_tokens: int
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    """The sequence's blocks up to and including the one holding its last token of the step."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every rank needs to run one step: decode chunks (sorted by position) then prefill chunks."""
+
+    decodes: tuple[PlannedChunk, ...]
+    prefills: tuple[PlannedChunk, ...]
+    sample_rows: tuple[int, ...]
+    """Rows of the flat batch whose logits are sampled."""
+
+    @classmethod
+    def of(cls, chunks: list[ScheduledChunk], block_size: int) -> tuple[StepPlan, list[Request]]:
+        """The plan of the scheduler's ``chunks``, and the requests its sample rows belong to."""
+        decodes = sorted((c for c in chunks if c.num_new_tokens == 1), key=lambda c: c.start)
+        prefills = [c for c in chunks if c.num_new_tokens > 1]
+        rows, sampled, num_tokens = [], [], 0
+        for chunk in decodes + prefills:
+            num_tokens += chunk.num_new_tokens
+            if chunk.samples:
+                rows.append(num_tokens - 1)
+                sampled.append(chunk.request)
+        plan = cls(
+            decodes=tuple(_planned(c, block_size) for c in decodes),
+            prefills=tuple(_planned(c, block_size) for c in prefills),
+            sample_rows=tuple(rows),
+        )
+        return plan, sampled
+
+
+def _planned(chunk: ScheduledChunk, block_size: int) -> PlannedChunk:
+    end = chunk.start + chunk.num_new_tokens
+    return PlannedChunk(
+        start=chunk.start,
+        num_tokens=chunk.num_new_tokens,
+        token_ids=tuple(chunk.request.token_ids[chunk.start : end]),
+        block_ids=tuple(chunk.request.block_ids[: -(-end // block_size)]),
+    )
+
+
 class ModelRunner:
     """Owns the model and the KV tensors; turns scheduled chunks into sampled tokens."""
 
-    def __init__(self, model: DecoderModel, kv_cache: PagedKVCache) -> None:
+    def __init__(self, model: DecoderModel, kv_cache: PagedKVCache, tp: TPGroup | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.tp = tp or TPGroup.single()
         self.block_size = kv_cache.layout.block_size
         self.dtype = model.embed_tokens.weight.dtype
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> dict[Request, int]:
-        decodes = sorted((c for c in chunks if c.num_new_tokens == 1), key=lambda c: c.start)
-        prefills = [c for c in chunks if c.num_new_tokens > 1]
-        ordered = decodes + prefills
+        """Leader: run one step of ``chunks`` on every rank; the token sampled for each request that samples."""
+        plan, requests = StepPlan.of(chunks, self.block_size)
+        self.tp.send_plan(plan)
+        logits = self.run(plan)
+        if not requests:
+            return {}
+        tokens = sample(logits, [r.params for r in requests], [r.seed for r in requests], [r.num_output_tokens for r in requests])
+        return dict(zip(requests, tokens))
+
+    def follow(self) -> int:
+        """Follower: run the leader's plans until it sends None; returns the number of steps run."""
+        steps = 0
+        while (plan := self.tp.receive_plan()) is not None:
+            self.run(plan)
+            steps += 1
+        return steps
+
+    def stop_followers(self) -> None:
+        """Leader: tell the other ranks that no step follows."""
+        self.tp.send_plan(None)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run ``plan`` on this rank's shard and write its K/V; logits of the sample rows on the leader."""
+        ordered = plan.decodes + plan.prefills
         input_ids: list[int] = []
         positions: list[int] = []
         slot_block_ids: list[int] = []
-        sampling: list[ScheduledChunk] = []
-        rows: list[int] = []
         for chunk in ordered:
-            request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_new_tokens
-            input_ids += request.token_ids[start:end]
-            positions += range(start, end)
-            slot_block_ids += (request.block_ids[p // self.block_size] for p in range(start, end))
-            if chunk.samples:
-                sampling.append(chunk)
-                rows.append(len(positions) - 1)
+            input_ids += chunk.token_ids
+            positions += range(chunk.start, chunk.start + chunk.num_tokens)
+            slot_block_ids += (chunk.block_ids[p // self.block_size] for p in range(chunk.start, chunk.start + chunk.num_tokens))
         position_t = torch.tensor(positions, dtype=torch.long)
         cos, sin = self.model.rotary.tables(position_t, self.dtype)
-        config = self.model.config
-        new_kv_shape = (len(positions), config.num_layers, config.num_kv_heads, config.head_dim)
+        new_kv_shape = (len(positions), self.model.config.num_layers, self.model.num_kv_heads, self.model.config.head_dim)
         batch = AttentionBatch(
             kv_cache=self.kv_cache,
             rope_cos=cos,
             rope_sin=sin,
-            decode_groups=self._decode_groups(decodes),
-            prefill_chunks=self._prefill_chunks(prefills, first_token=len(decodes)),
+            decode_groups=self._decode_groups(plan.decodes),
+            prefill_chunks=self._prefill_chunks(plan.prefills, first_token=len(plan.decodes)),
             new_k=torch.empty(new_kv_shape, dtype=self.dtype),
             new_v=torch.empty(new_kv_shape, dtype=self.dtype),
         )
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), batch)
         block_ids = torch.tensor(slot_block_ids, dtype=torch.long)
         self.kv_cache.write(batch.new_k, batch.new_v, block_ids, position_t % self.block_size)
+        if not plan.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[list(plan.sample_rows)])
 
-        if not sampling:
-            return {}
-        logits = self.model.compute_logits(hidden[rows])
-        requests = [c.request for c in sampling]
-        tokens = sample(logits, [r.params for r in requests], [r.seed for r in requests], [r.num_output_tokens for r in requests])
-        return {c.request: t for c, t in zip(sampling, tokens)}
-
-    def _decode_groups(self, decodes: list[ScheduledChunk]) -> tuple[DecodeGroup, ...]:
-        groups: list[list[tuple[int, ScheduledChunk]]] = []
+    def _decode_groups(self, decodes: tuple[PlannedChunk, ...]) -> tuple[DecodeGroup, ...]:
+        groups: list[list[tuple[int, PlannedChunk]]] = []
         for index, chunk in enumerate(decodes):
             num_blocks = chunk.start // self.block_size + 1
             if not groups or num_blocks > _GROUP_GROWTH * (groups[-1][0][1].start // self.block_size + 1):
@@ -80,28 +149,27 @@ class ModelRunner:
             groups[-1].append((index, chunk))
         return tuple(self._decode_group(g) for g in groups)
 
-    def _decode_group(self, members: list[tuple[int, ScheduledChunk]]) -> DecodeGroup:
+    def _decode_group(self, members: list[tuple[int, PlannedChunk]]) -> DecodeGroup:
         width = members[-1][1].start // self.block_size + 1
         tables = torch.empty(len(members), width, dtype=torch.long)
         for row, (_, chunk) in enumerate(members):
-            blocks = chunk.request.block_ids[: chunk.start // self.block_size + 1]
-            tables[row] = torch.tensor(blocks + [blocks[0]] * (width - len(blocks)))
+            blocks = chunk.block_ids
+            tables[row] = torch.tensor(blocks + (blocks[0],) * (width - len(blocks)))
         positions = torch.tensor([chunk.start for _, chunk in members], dtype=torch.long)
         key_positions = torch.arange(width * self.block_size)
         mask = (key_positions[None, :] <= positions[:, None])[:, None, None, :]
         tokens = slice(members[0][0], members[-1][0] + 1)
         return DecodeGroup(tokens=tokens, rows=torch.arange(len(members)), positions=positions, block_tables=tables, mask=mask)
 
-    def _prefill_chunks(self, prefills: list[ScheduledChunk], first_token: int) -> tuple[PrefillChunk, ...]:
+    def _prefill_chunks(self, prefills: tuple[PlannedChunk, ...], first_token: int) -> tuple[PrefillChunk, ...]:
         out = []
         token_start = first_token
         for chunk in prefills:
-            end = chunk.start + chunk.num_new_tokens
-            num_blocks = -(-end // self.block_size)
-            table = torch.tensor([chunk.request.block_ids[:num_blocks]], dtype=torch.long)
+            end = chunk.start + chunk.num_tokens
+            table = torch.tensor([chunk.block_ids], dtype=torch.long)
             query_positions = torch.arange(chunk.start, end)
-            key_positions = torch.arange(num_blocks * self.block_size)
+            key_positions = torch.arange(len(chunk.block_ids) * self.block_size)
             mask = key_positions[None, :] <= query_positions[:, None]
-            out.append(PrefillChunk(token_start, chunk.num_new_tokens, chunk.start, table, mask))
-            token_start += chunk.num_new_tokens
+            out.append(PrefillChunk(token_start, chunk.num_tokens, chunk.start, table, mask))
+            token_start += chunk.num_tokens
         return tuple(out)

@@ -206,7 +206,7 @@ class PrefillWorker(EngineReplica):
         return pb.ModelInfo(**self.model_fields())
 
     async def status(self) -> pb.ReplicaStatus:
-        return pb.ReplicaStatus(**self.status_fields())
+        return pb.ReplicaStatus(**await self.status_fields())
 
     async def shutdown(self) -> None:
         self.stop_engine()

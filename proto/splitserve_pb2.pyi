@@ -168,7 +168,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "pool", "model", "healthy", "num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "metrics_url", "num_aborted_requests", "num_queued_prefill_tokens")
+    __slots__ = ("replica_id", "pool", "model", "healthy", "num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "metrics_url", "num_aborted_requests", "num_queued_prefill_tokens", "tp_size", "tp_ranks")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,8 @@ class ReplicaStatus(_message.Message):
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     NUM_ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANKS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     pool: str
     model: str
@@ -191,7 +193,27 @@ class ReplicaStatus(_message.Message):
     metrics_url: str
     num_aborted_requests: int
     num_queued_prefill_tokens: int
-    def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., metrics_url: _Optional[str] = ..., num_aborted_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ...) -> None: ...
+    tp_size: int
+    tp_ranks: _containers.RepeatedCompositeFieldContainer[TPRank]
+    def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., metrics_url: _Optional[str] = ..., num_aborted_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_ranks: _Optional[_Iterable[_Union[TPRank, _Mapping]]] = ...) -> None: ...
+
+class TPRank(_message.Message):
+    __slots__ = ("rank", "node_ip", "pid", "alive", "param_bytes", "kv_head_start", "kv_head_end")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_IP_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node_ip: str
+    pid: int
+    alive: bool
+    param_bytes: int
+    kv_head_start: int
+    kv_head_end: int
+    def __init__(self, rank: _Optional[int] = ..., node_ip: _Optional[str] = ..., pid: _Optional[int] = ..., alive: _Optional[bool] = ..., param_bytes: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
     __slots__ = ("router_id", "grpc_address", "num_inflight", "metrics_url")

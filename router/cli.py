@@ -89,6 +89,9 @@ def _run_status(args: argparse.Namespace) -> int:
         used = r.num_kv_blocks - r.num_free_kv_blocks
         kv = f"{used}/{r.num_kv_blocks} ({used / max(1, r.num_kv_blocks):.0%})"
         print(f"{r.pool:8} {r.replica_id:12} {r.model:24} {str(r.healthy).lower():8} {r.num_running:>8} {r.num_waiting:>8} {kv:>14}")
+        if r.tp_size > 1:
+            ranks = ", ".join(f"{t.rank}: pid {t.pid} {'alive' if t.alive else 'DEAD'} heads {t.kv_head_start}-{t.kv_head_end}" for t in r.tp_ranks)
+            print(f"{'':8} {'':12} tp {r.tp_size} on {r.tp_ranks[0].node_ip or 'one node'} (ranks {ranks})")
     for pool in status.pools:
         if not (pool.target_replicas or pool.num_replicas or pool.num_restarts):
             continue
@@ -116,6 +119,8 @@ def _add_up(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill", type=int, default=1, help="prefill replicas; 0 runs aggregated, decode replicas prefilling their own requests (default: %(default)s)"
     )
+    parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks of each prefill replica (default: %(default)s)")
+    parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of each decode replica (default: %(default)s)")
     parser.add_argument("--tls-cert", type=Path, help="server certificate (enables TLS)")
     parser.add_argument("--tls-key", type=Path, help="server private key")
     parser.add_argument("--tls-client-ca", type=Path, help="CA of client certificates (enables mutual TLS)")
@@ -125,7 +130,7 @@ def _add_up(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cluster-tls-key", type=Path, help="private key of --cluster-tls-cert")
     parser.add_argument("--cluster-tls-ca", type=Path, help="the cluster CA: peers whose certificate it did not sign are refused")
-    add_dataclass_args(parser, EngineConfig)
+    add_dataclass_args(parser, EngineConfig, skip=("tp_size",))
     add_dataclass_args(parser, RouterConfig, skip=("tls", "cluster_tls"))
     add_dataclass_args(parser, WorkerConfig, prefix="worker", skip=("cluster_tls",))
     add_dataclass_args(parser, PrefillWorkerConfig, prefix="prefill")
@@ -144,6 +149,8 @@ def _run_up(args: argparse.Namespace) -> int:
     from router.config import RouterConfig, TLSConfig
     from router.controller import ControllerConfig
     from router.launch import Cluster, ClusterConfig
+
+    from ray.exceptions import RayTaskError
 
     try:
         tls = None
@@ -164,6 +171,8 @@ def _run_up(args: argparse.Namespace) -> int:
             num_decode=args.decode,
             num_prefill=args.prefill,
             ray_address=args.address,
+            prefill_tp_size=args.prefill_tp,
+            decode_tp_size=args.decode_tp,
         )
     except (ValueError, TypeError) as e:
         print(f"splitserve up: {e}", file=sys.stderr)
@@ -183,7 +192,11 @@ def _run_up(args: argparse.Namespace) -> int:
     mode = f"{config.num_prefill} prefill + {config.num_decode} decode replica(s)" if config.num_prefill else f"{config.num_decode} decode replica(s), aggregated"
     print(f"splitserve: starting {mode} of {config.engine.model} ...", flush=True)
     try:
-        status = cluster.start()
+        try:
+            status = cluster.start()
+        except RayTaskError as e:  # a replica could not start: say why in one sentence
+            print(f"splitserve up: {_cause(e)}", file=sys.stderr)
+            return EXIT_UNAVAILABLE
         print(f"splitserve: serving gRPC on {status.grpc_address} (metrics {status.metrics_url})", flush=True)
         tls_flag = " --tls-ca CA.pem" if tls else ""
         print(f"try: splitserve generate --addr {status.grpc_address}{tls_flag} \"What is the capital of France?\"", flush=True)
@@ -196,6 +209,14 @@ def _run_up(args: argparse.Namespace) -> int:
         ray.shutdown()
     print("splitserve: stopped", flush=True)
     return 0
+
+
+def _cause(error: BaseException) -> str:
+    """The first line of what went wrong inside a Ray actor (not Ray's wrapping of it)."""
+    cause = getattr(error, "cause", None) or error
+    while getattr(cause, "cause", None) is not None:
+        cause = cause.cause
+    return str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
 
 
 if __name__ == "__main__":

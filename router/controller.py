@@ -36,8 +36,10 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from proto import splitserve_pb2 as pb
+from router import placement
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +92,19 @@ class ReplicaSpec:
     """Arguments after the replica id, e.g. (EngineConfig, WorkerConfig)."""
     num_cpus: float = 1.0
     """Logical CPUs the actor reserves."""
+    tp_size: int = 1
+    """Tensor-parallel ranks of each replica: above 1, the replica is placed as a placement group
+    of that many bundles on one node (router/placement.py)."""
+    tp_rank_cpus: float = 1.0
+    """Logical CPUs each follower rank reserves."""
+    tp_rank_gpus: float = 0.0
+    """GPUs each rank reserves (the leader too); 0 on CPU."""
+    placement_timeout_s: float = 120.0
+    """How long a replica's placement group may wait for resources before its start fails."""
 
     def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
         if self.pool not in POOLS:
             raise ValueError(f"pool: {self.pool!r} is not one of {POOLS}")
         if ":" not in self.actor_class:
@@ -106,6 +119,8 @@ class _Replica:
     started_s: float
     """``time.monotonic`` when it joined the map."""
     failed_checks: int = 0
+    placement_group: object = None
+    """The placement group of a tensor-parallel replica's ranks; removed with the replica."""
 
 
 @dataclass
@@ -232,25 +247,29 @@ class ClusterController:
         module, _, name = spec.actor_class.partition(":")
         actor_class = ray.remote(getattr(importlib.import_module(module), name))
         replica_id = f"{spec.pool}-{next(self._ids[spec.pool])}"
-        handle = actor_class.options(
-            name=f"splitserve-{replica_id}",
-            namespace=NAMESPACE,
-            num_cpus=spec.num_cpus,
-            resources={pool_resource(spec.pool): 1},
-            max_concurrency=10_000,
-            max_restarts=0,
-        ).remote(replica_id, *spec.init_args)
         pool = self._state.pools[spec.pool]
         pool.num_starting += 1
+        group = handle = None
         try:
+            options = dict(num_cpus=spec.num_cpus, resources={pool_resource(spec.pool): 1})
+            if spec.tp_size > 1:
+                wanted = placement.bundles(spec.tp_size, spec.num_cpus, spec.tp_rank_cpus, pool_resource(spec.pool), spec.tp_rank_gpus)
+                group = await placement.reserve(f"a TP {spec.tp_size} {spec.pool} replica", wanted, spec.placement_timeout_s)
+                strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0, placement_group_capture_child_tasks=False)
+                options.update(scheduling_strategy=strategy, num_gpus=spec.tp_rank_gpus)
+            handle = actor_class.options(
+                name=f"splitserve-{replica_id}", namespace=NAMESPACE, max_concurrency=10_000, max_restarts=0, **options
+            ).remote(replica_id, *spec.init_args)
             model = await handle.model_info.remote()
             status = await handle.status.remote()
             async with self._introducing:  # one at a time: each sees every replica introduced before it
                 await self._introduce(replica_id, spec.pool, handle)
-                self._state.replicas[replica_id] = _Replica(handle, model, status, time.monotonic())  # routers may pick it from now on
+                self._state.replicas[replica_id] = _Replica(handle, model, status, time.monotonic(), placement_group=group)  # routers may pick it from now on
         except BaseException:
             self._state.kv_endpoints.pop(replica_id, None)
-            ray.kill(handle)  # never leave a half-started replica running
+            if handle is not None:
+                ray.kill(handle)  # never leave a half-started replica running
+            placement.release(group)
             raise
         finally:
             pool.num_starting -= 1
@@ -290,7 +309,8 @@ class ClusterController:
             await asyncio.wait_for(replica.handle.shutdown.remote(), self.config.health_check_timeout_s)
         except (RayActorError, ActorUnavailableError, asyncio.TimeoutError):
             pass  # already gone or stuck; killed below either way
-        ray.kill(replica.handle)
+        ray.kill(replica.handle)  # its follower ranks die with it (it owns them)
+        placement.release(replica.placement_group)
         return True
 
     async def _replica_died(self, replica_id: str, reason: str) -> None:

@@ -30,3 +30,7 @@ def invalid(field: str, message: str) -> CallRejected:
 
 def from_worker(error: wpb.RequestError) -> CallRejected:
     return CallRejected(_WORKER_CODES.get(error.code, grpc.StatusCode.INTERNAL), error.message)
+
+
+class PlacementError(RuntimeError):
+    """A replica's processes cannot be placed on the cluster; the message says what is needed and what exists."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 
@@ -48,8 +48,29 @@ class ClusterConfig:
     """Join this Ray cluster; None starts a local one on 127.0.0.1."""
     decode_worker_class: str = DECODE_WORKER_CLASS
     """``module:Class`` of the decode replicas: ``DecodeWorker`` or a subclass of it (a bench's)."""
+    prefill_tp_size: int | None = None
+    """Tensor-parallel ranks of each prefill replica; None takes ``engine.tp_size``."""
+    decode_tp_size: int | None = None
+    """Tensor-parallel ranks of each decode replica; None takes ``engine.tp_size``."""
+
+    def pool_engine(self, pool: str) -> EngineConfig:
+        """The engine config of ``pool``'s replicas: ``engine`` with the pool's TP size."""
+        size = self.prefill_tp_size if pool == "prefill" else self.decode_tp_size
+        return replace(self.engine, tp_size=size or self.engine.tp_size)
+
+    def replica_spec(self, pool: str) -> ReplicaSpec:
+        """How the controller starts ``pool``'s replicas."""
+        engine = self.pool_engine(pool)
+        worker = self.prefill if pool == "prefill" else self.worker
+        actor_class = PREFILL_WORKER_CLASS if pool == "prefill" else self.decode_worker_class
+        return ReplicaSpec(pool, actor_class, (engine, worker), tp_size=engine.tp_size, tp_rank_cpus=worker.tp_rank_cpus)
 
     def __post_init__(self) -> None:
+        for name in ("prefill_tp_size", "decode_tp_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for pool in POOLS:
+            self.pool_engine(pool)  # validates the TP size against the tiers
         if self.num_decode < 1:
             raise ValueError(f"num_decode: must be >= 1, got {self.num_decode}")
         if self.num_prefill < 0:
@@ -115,8 +136,7 @@ class Cluster:
             .options(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000)
             .remote(self.config.controller)
         )
-        decode = ReplicaSpec("decode", self.config.decode_worker_class, (self.config.engine, self.config.worker))
-        prefill = ReplicaSpec("prefill", PREFILL_WORKER_CLASS, (self.config.engine, self.config.prefill))
+        decode, prefill = self.config.replica_spec("decode"), self.config.replica_spec("prefill")
         ray.get([self.controller.set_pool.remote(decode, self.config.num_decode), self.controller.set_pool.remote(prefill, self.config.num_prefill)])
         self.router = self.start_router(self.router_id, self.config.router)
         self.router_status = ray.get(self.router.start.remote())

@@ -22,6 +22,9 @@ from engine.kv_cache import PagedKVCache
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary
 from engine.model_config import ModelConfig
+from engine.parallel.group import TPGroup
+from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from engine.parallel.sharding import TPShard
 
 
 @dataclass(frozen=True)
@@ -71,18 +74,24 @@ class AttentionBatch:
 
 
 class PagedAttention(torch.nn.Module):
-    """QKV projection, optional per-head q/k norm (Qwen3), RoPE, paged attention, output projection."""
+    """QKV projection, optional per-head q/k norm (Qwen3), RoPE, paged attention, output projection.
 
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    Under tensor parallelism the module holds its rank's heads (``shard.heads``) and KV heads
+    (``shard.kv_heads``): QKV is column-split by head, o_proj row-split with one all-reduce.
+    """
+
+    def __init__(self, config: ModelConfig, layer_index: int, shard: TPShard, tp: TPGroup) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = torch.nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = torch.nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.num_heads = len(shard.heads)
+        self.num_kv_heads = len(shard.kv_heads)
+        self.head_dim = hd = config.head_dim
+        self.q_size = self.num_heads * hd
+        self.kv_size = self.num_kv_heads * hd
+        q_rows = range(shard.heads.start * hd, shard.heads.stop * hd)
+        kv_rows = range(shard.kv_heads.start * hd, shard.kv_heads.stop * hd)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [("q", q_rows), ("k", kv_rows), ("v", kv_rows)], bias=config.qkv_bias)
+        self.o_proj = RowParallelLinear(q_rows, config.hidden_size, tp, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 

@@ -6,15 +6,21 @@ import torch
 import torch.nn.functional as F
 
 from engine.model_config import MoEConfig
+from engine.parallel.group import TPGroup
+from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class GatedMLP(torch.nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection.
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    ``intermediate`` is the slice of the intermediate width this rank holds: gate/up are
+    column-split along it, down row-split with one all-reduce.
+    """
+
+    def __init__(self, hidden_size: int, intermediate: range, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = torch.nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [("gate", intermediate), ("up", intermediate)])
+        self.down_proj = RowParallelLinear(intermediate, hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -28,7 +34,7 @@ class SparseMoE(torch.nn.Module):
     projection, so one expert's work is two matmuls over the tokens routed to it.
     """
 
-    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+    def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup) -> None:
         super().__init__()
         self.top_k = moe.num_experts_per_tok
         self.norm_topk_prob = moe.norm_topk_prob
@@ -39,7 +45,7 @@ class SparseMoE(torch.nn.Module):
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: torch.nn.Linear | None = None
         if moe.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size)
+            self.shared_expert = GatedMLP(hidden_size, range(moe.shared_expert_intermediate_size), tp)
             self.shared_expert_gate = torch.nn.Linear(hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

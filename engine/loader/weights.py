@@ -27,13 +27,19 @@ _SAMPLE_BYTES = 64 * 1024
 
 @dataclass(frozen=True)
 class _Target:
-    """Where one checkpoint tensor lands: a parameter, and the slice of it along dim 0 (or of an expert)."""
+    """Where one checkpoint tensor lands: a parameter, and which part of it.
+
+    A layer that is split or fused (``engine/parallel/layers.py``) says itself where a named
+    ``part`` (q, k, v, gate, up) goes and which slice of the tensor its rank holds; for the
+    stacked experts of a MoE block, ``expert`` and the rows of its fused parameter say it.
+    """
 
     param: str
+    part: str | None = None
     expert: int | None = None
     row_start: int = 0
     num_rows: int | None = None
-    """Rows of a fused parameter this tensor fills; None for the whole parameter."""
+    """Rows of a stacked expert parameter this tensor fills; None for the whole of it."""
 
 
 def safetensors_files(checkpoint_dir: Path) -> list[Path]:
@@ -52,12 +58,13 @@ def safetensors_files(checkpoint_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(checkpoint_dir: Path) -> Iterator[tuple[str, object]]:
+    """``(name, slice)`` of every tensor; indexing a slice reads only the bytes it selects."""
     for path in safetensors_files(checkpoint_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name)
         except (OSError, RuntimeError, ValueError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
 
@@ -82,11 +89,14 @@ def weights_fingerprint(checkpoint_dir: Path) -> str:
 
 
 def load_weights(model: DecoderModel, checkpoint_dir: Path) -> None:
-    """Fill every parameter of ``model`` from the checkpoint (cast to the model's dtype)."""
+    """Fill every parameter of ``model`` from the checkpoint (cast to the model's dtype).
+
+    A tensor-parallel rank's model reads only its slices of each tensor.
+    """
     params = dict(model.named_parameters(remove_duplicate=False))
     filled = {name: 0 for name in params}
     unexpected: list[str] = []
-    for name, tensor in iter_checkpoint(checkpoint_dir):
+    for name, source in iter_checkpoint(checkpoint_dir):
         if _IGNORED.match(name):
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -95,21 +105,37 @@ def load_weights(model: DecoderModel, checkpoint_dir: Path) -> None:
         if target is None or target.param not in params:
             unexpected.append(name)
             continue
-        dest = params[target.param].data
-        if target.expert is not None:
-            dest = dest[target.expert]
-        view = dest if target.num_rows is None else dest[target.row_start : target.row_start + target.num_rows]
-        if view.shape != tensor.shape:
-            raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} does not fit {target.param} slice {tuple(view.shape)}")
-        view.copy_(tensor)
-        filled[target.param] += tensor.numel()
+        for dest, index in _slices(model, target, params[target.param], source.get_shape()):
+            tensor = source[index]
+            if dest.shape != tensor.shape:
+                raise CheckpointError(f"{name}: shape {tuple(source.get_shape())} does not fit {target.param} (slice {tuple(dest.shape)})")
+            dest.copy_(tensor)
+            filled[target.param] += tensor.numel()
     if unexpected:
         raise UnsupportedModelError(f"{checkpoint_dir}: unexpected tensors {unexpected[:5]} (+{max(0, len(unexpected) - 5)} more)")
+    expected = {name: _expected_numel(model, name, param) for name, param in params.items()}
     if model.config.tie_word_embeddings:
-        filled["lm_head.weight"] = params["lm_head.weight"].numel()
-    missing = [n for n, count in filled.items() if count != params[n].numel()]
+        filled["lm_head.weight"] = expected["lm_head.weight"]
+    missing = [n for n, count in filled.items() if count != expected[n]]
     if missing:
         raise CheckpointError(f"{checkpoint_dir}: tensors missing or incomplete for {missing[:5]} (+{max(0, len(missing) - 5)} more)")
+
+
+def _slices(model: DecoderModel, target: _Target, param: torch.Tensor, shape) -> list[tuple[torch.Tensor, tuple]]:
+    module_name, _, attr = target.param.rpartition(".")
+    module = model.get_submodule(module_name)
+    if hasattr(module, "weight_slices"):
+        return module.weight_slices(attr, target.part, shape)
+    dest = param.data if target.expert is None else param.data[target.expert]
+    if target.num_rows is not None:
+        dest = dest[target.row_start : target.row_start + target.num_rows]
+    return [(dest, (slice(None),))]
+
+
+def _expected_numel(model: DecoderModel, name: str, param: torch.Tensor) -> int:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    return module.loaded_numel(attr) if hasattr(module, "loaded_numel") else param.numel()
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -122,11 +148,9 @@ def _target(name: str, model: DecoderModel) -> _Target | None:
         return _Target(name.removeprefix("model."))
     prefix, rest = f"layers.{m.group(1)}.", m.group(2)
     config = model.config
-    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     attn = re.match(r"^self_attn\.([qkv])_proj\.(weight|bias)$", rest)
     if attn:
-        start, rows = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[attn.group(1)]
-        return _Target(f"{prefix}self_attn.qkv_proj.{attn.group(2)}", row_start=start, num_rows=rows)
+        return _Target(f"{prefix}self_attn.qkv_proj.{attn.group(2)}", part=attn.group(1))
     expert = _EXPERT.match(rest)
     if expert and config.moe is not None:
         e, proj = int(expert.group(1)), expert.group(2)
@@ -141,7 +165,5 @@ def _target(name: str, model: DecoderModel) -> _Target | None:
     rest = rest.replace("block_sparse_moe.gate.", "mlp.gate.")
     dense = re.match(r"^(mlp(?:\.shared_expert)?)\.(gate|up)_proj\.weight$", rest)
     if dense:
-        size = config.intermediate_size if dense.group(1) == "mlp" else config.moe.shared_expert_intermediate_size
-        start = 0 if dense.group(2) == "gate" else size
-        return _Target(f"{prefix}{dense.group(1)}.gate_up_proj.weight", row_start=start, num_rows=size)
+        return _Target(f"{prefix}{dense.group(1)}.gate_up_proj.weight", part=dense.group(2))
     return _Target(prefix + rest)

@@ -2,74 +2,76 @@
 
 Llama, Mistral, Qwen2 and Qwen3 differ only in flags the config carries (QKV bias, per-head
 q/k norm, tied embeddings); Mixtral and Qwen-MoE swap the MLP for a sparse MoE block.
+
+The model is built for one rank of a tensor-parallel group (``TPGroup.single()`` when it is not
+split): its layers hold that rank's slice of every weight (``engine/parallel``) and exchange
+partial results through the group. The code is the same at every TP size.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.layers.attention import AttentionBatch, PagedAttention
 from engine.layers.mlp import GatedMLP, SparseMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
+from engine.parallel.group import TPGroup
+from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
+from engine.parallel.sharding import TPShard
 
 
 class DecoderLayer(torch.nn.Module):
     """Pre-norm attention then pre-norm MLP, each with a residual connection."""
 
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, shard: TPShard, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = PagedAttention(config, layer_index)
+        self.self_attn = PagedAttention(config, layer_index, shard, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.moe is None:
-            self.mlp: torch.nn.Module = GatedMLP(config.hidden_size, config.intermediate_size)
+            self.mlp: torch.nn.Module = GatedMLP(config.hidden_size, shard.intermediate, tp)
         else:
-            self.mlp = SparseMoE(config.hidden_size, config.moe)
+            self.mlp = SparseMoE(config.hidden_size, config.moe, tp)
 
     def forward(self, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class VocabEmbedding(torch.nn.Module):
-    """Token embedding table; its weight is always loaded, so it is never randomly initialized."""
-
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(vocab_size, hidden_size))
-
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(token_ids, self.weight)
-
-
 class DecoderModel(torch.nn.Module):
     """Embedding, decoder layers, final norm and LM head; forward works on a flat token batch."""
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TPGroup.single()
         self.config = config
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.shard = shard = TPShard(config, tp.rank, tp.size)
+        self.embed_tokens = VocabParallelEmbedding(shard.vocab, config.vocab_size, config.hidden_size, tp)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, config.max_position_embeddings)
-        self.layers = torch.nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = torch.nn.ModuleList(DecoderLayer(config, i, shard, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(shard.vocab, config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     @classmethod
-    def empty(cls, config: ModelConfig, max_positions: int, dtype: torch.dtype) -> DecoderModel:
+    def empty(cls, config: ModelConfig, max_positions: int, dtype: torch.dtype, tp: TPGroup | None = None) -> DecoderModel:
         """A model with uninitialized weights (no time spent on random init), ready for load_weights."""
         with torch.device("meta"):
-            model = cls(config, max_positions)
+            model = cls(config, max_positions, tp)
         model.to_empty(device="cpu")
         model.to(dtype)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.rotary.reset_tables()
         return model.eval()
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank holds (its slice of the paged KV pool)."""
+        return len(self.shard.kv_heads)
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]`` of a flat batch of tokens."""
@@ -78,6 +80,6 @@ class DecoderModel(torch.nn.Module):
             hidden = layer(hidden, batch)
         return self.norm(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits for the rows of ``hidden`` that will be sampled."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits for the rows of ``hidden`` that will be sampled; None on a rank other than the leader."""
+        return self.lm_head.logits(hidden)

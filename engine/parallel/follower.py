@@ -1,0 +1,93 @@
+"""A follower rank of a tensor-parallel replica: its shard of the model and of the KV pool.
+
+It runs on one thread of its own (as the leader's engine does, for the same OpenMP reason,
+engine/engine_loop.py): join the group, load the shard, then run every step plan the leader
+sends until the leader says stop. It holds no scheduler and samples nothing. The methods
+below are what the leader (a Ray actor) asks of it; the Ray side is engine/parallel/ranks.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from engine.bundled import resolve_model
+from engine.config import EngineConfig
+from engine.llm_engine import build_shard, model_len
+from engine.model_config import ModelConfig
+from engine.parallel.group import TPGroup
+from engine.runner import ModelRunner
+
+
+class TPFollower:
+    """Rank ``rank`` (> 0) of a replica whose leader listens at ``address``."""
+
+    def __init__(self, config: EngineConfig, rank: int, address: str, num_threads: int = 1) -> None:
+        if not 0 < rank < config.tp_size:
+            raise ValueError(f"rank: a follower's rank is in [1, {config.tp_size}), got {rank}")
+        self.config = config
+        self.rank = rank
+        self.node_ip = address.rpartition(":")[0]
+        self.runner: ModelRunner | None = None
+        self.num_steps = 0
+        self.failure: BaseException | None = None
+        self._built = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(address, num_threads), name=f"tp-rank-{rank}", daemon=True)
+        self._thread.start()
+        self._built.wait()
+        if self.failure is not None:
+            raise self.failure
+
+    def _run(self, address: str, num_threads: int) -> None:
+        try:
+            torch.set_num_threads(num_threads)
+            tp = TPGroup.join(self.rank, self.config.tp_size, address, collective_timeout_s=self.config.tp_collective_timeout_s)
+            checkpoint_dir = resolve_model(self.config.model, self.config.cache_dir)
+            model_config = ModelConfig.from_dir(checkpoint_dir)
+            model, kv_cache = build_shard(self.config, model_config, checkpoint_dir, model_len(self.config, model_config), tp)
+            self.runner = ModelRunner(model, kv_cache, tp)
+            tp.barrier()
+        except BaseException as e:  # reported by __init__
+            self.failure = e
+            return
+        finally:
+            self._built.set()
+        try:
+            self.num_steps = self.runner.follow()
+        except BaseException as e:  # the leader sees the broken collective; keep the reason for info()
+            self.failure = e
+        finally:
+            tp.close()
+
+    def info(self) -> dict:
+        """Rank, liveness, steps run and what the rank holds (for status and tests)."""
+        model = self.runner.model
+        return dict(
+            rank_fields(self.rank, model, self.node_ip, alive=self._thread.is_alive()),
+            failure=repr(self.failure) if self.failure else "",
+            num_steps=self.num_steps,
+            num_kv_blocks=self.runner.kv_cache.num_blocks,
+        )
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+def rank_fields(rank: int, model, node_ip: str, alive: bool) -> dict:
+    """The fields of splitserve.v1.TPRank for this process, which holds ``model``."""
+    return dict(
+        rank=rank,
+        node_ip=node_ip,
+        pid=os.getpid(),
+        alive=alive,
+        param_bytes=parameter_bytes(model),
+        kv_head_start=model.shard.kv_heads.start,
+        kv_head_end=model.shard.kv_heads.stop,
+    )
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters ``model`` holds (a tied weight counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

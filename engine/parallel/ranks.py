@@ -1,0 +1,61 @@
+"""Starting a tensor-parallel replica's follower ranks as Ray actors (the one Ray-aware module of the engine).
+
+The controller places a TP replica in a placement group of ``tp_size`` bundles (STRICT_PACK:
+one node), the leader in bundle 0. The leader starts rank r in bundle r. The followers are
+owned by the leader's actor, so Ray kills them when the leader dies or is killed: a replica
+lives and dies as a whole.
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.parallel.follower import TPFollower
+from engine.parallel.group import TPGroup, free_address
+
+
+def rendezvous_address() -> str:
+    """``host:port`` for rank 0 to listen on, on this node."""
+    return free_address(ray.util.get_node_ip_address())
+
+
+def start_followers(config: EngineConfig, address: str, replica_id: str, *, num_cpus: float, num_gpus: float = 0.0, num_threads: int = 1) -> list:
+    """Ranks 1 .. tp_size-1 of the replica whose leader listens at ``address``, in the leader's placement group."""
+    group = ray.util.get_current_placement_group()
+    actor = ray.remote(TPFollower)
+    followers = []
+    for rank in range(1, config.tp_size):
+        strategy = None
+        if group is not None:
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False)
+        followers.append(
+            actor.options(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                max_restarts=0,
+                max_concurrency=4,
+                scheduling_strategy=strategy,
+            ).remote(config, rank, address, num_threads)
+        )
+    return followers
+
+
+class TPEngineBuilder:
+    """Builds the leader's engine of a TP replica: followers start at once, the engine when called.
+
+    Call it on the thread that will step the engine (``EngineLoop`` does): the leader joins the
+    group there and the followers' loads run meanwhile.
+    """
+
+    def __init__(self, config: EngineConfig, replica_id: str, *, num_cpus: float, num_gpus: float = 0.0, num_threads: int = 1) -> None:
+        self.config = config
+        self.replica_id = replica_id
+        self.address = rendezvous_address()
+        self.followers = start_followers(config, self.address, replica_id, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=num_threads)
+
+    def __call__(self) -> LLMEngine:
+        tp = TPGroup.join(0, self.config.tp_size, self.address, collective_timeout_s=self.config.tp_collective_timeout_s)
+        return LLMEngine(self.config, worker_id=self.replica_id, tp=tp)

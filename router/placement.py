@@ -1,0 +1,69 @@
+"""Placing a tensor-parallel replica: one placement group per replica, its ranks on one node.
+
+A replica of TP size N is N processes that exchange activations every layer, so they must share
+a node: a STRICT_PACK placement group of N bundles, the leader in bundle 0 (with the replica's
+own CPUs and its pool's slot) and follower rank r in bundle r (``tp_rank_cpus`` each, or one
+GPU each where the replica runs on GPUs). Before asking Ray for it, the controller checks that
+some node could hold it at all, so an impossible size fails at once with a sentence saying what
+is needed and what exists, instead of a placement group that waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from router.errors import PlacementError
+
+
+def bundles(tp_size: int, leader_cpus: float, rank_cpus: float, pool_resource: str, gpus_per_rank: float = 0.0) -> list[dict[str, float]]:
+    """The placement group's bundles: the leader's first, then one per follower rank."""
+    leader = {"CPU": leader_cpus, pool_resource: 1.0}
+    rank = {"CPU": rank_cpus}
+    if gpus_per_rank:
+        leader["GPU"] = rank["GPU"] = gpus_per_rank
+    return [{k: v for k, v in leader.items() if v}] + [{k: v for k, v in rank.items() if v} for _ in range(tp_size - 1)]
+
+
+def check_fits(what: str, wanted: list[dict[str, float]], nodes: list[dict]) -> None:
+    """Raise PlacementError unless one alive node's total resources hold every bundle of ``wanted``."""
+    need: dict[str, float] = {}
+    for bundle in wanted:
+        for name, amount in bundle.items():
+            need[name] = need.get(name, 0.0) + amount
+    totals = [n["Resources"] for n in nodes if n.get("Alive", n.get("alive"))]
+    if any(all(node.get(k, 0.0) >= v for k, v in need.items()) for node in totals):
+        return
+    largest = max(totals, key=lambda t: tuple(t.get(k, 0.0) for k in need), default={})
+    needed = ", ".join(f"{_fmt(v)} {k}" for k, v in need.items())
+    has = ", ".join(f"{_fmt(largest.get(k, 0.0))} {k}" for k in need)
+    raise PlacementError(f"{what} needs {needed} on one node, but the largest node has {has} ({len(totals)} nodes alive)")
+
+
+async def reserve(what: str, wanted: list[dict[str, float]], timeout_s: float) -> PlacementGroup:
+    """A ready STRICT_PACK placement group of ``wanted``; PlacementError if no node could hold it
+    or it is not ready within ``timeout_s`` (others hold the resources)."""
+    check_fits(what, wanted, ray.nodes())
+    group = placement_group(wanted, strategy="STRICT_PACK")
+    try:
+        await asyncio.wait_for(group.ready(), timeout_s)
+    except asyncio.TimeoutError:
+        remove_placement_group(group)
+        free = ray.available_resources()
+        names = sorted({k for b in wanted for k in b})
+        raise PlacementError(
+            f"{what}: its ranks could not be placed within {timeout_s:.0f} s; free now: "
+            + ", ".join(f"{_fmt(free.get(k, 0.0))} {k}" for k in names)
+        ) from None
+    return group
+
+
+def release(group: PlacementGroup | None) -> None:
+    if group is not None:
+        remove_placement_group(group)
+
+
+def _fmt(value: float) -> str:
+    return f"{value:g}"
