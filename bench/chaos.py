@@ -1,47 +1,55 @@
 """Chaos soak: a live cluster under steady load while faults run, every answer checked.
 
-    python -m bench.chaos --duration-s 600 --json bench/out/chaos.json [--model smollm2-135m]
-
-A local cluster (2 prefill + 2 decode replicas, a Redis tier on a redis-server this bench starts)
-serves ``--clients`` closed-loop clients for ``--duration-s``. Each call is plain (greedy, must
-complete), cancelled after a few tokens, or given a short deadline. Meanwhile a schedule cycles
-through the infrastructure faults, ``rounds`` times each, evenly spread::
+``soak``: a local cluster (2 prefill + 2 decode replicas, a Redis tier on a redis-server this
+bench starts) serves ``--clients`` closed-loop clients for ``--duration-s``: greedy calls that
+must complete, calls cancelled after a few tokens, calls with short deadlines. Meanwhile the
+faults cycle, ``rounds`` times each, evenly spread::
 
     kill_prefill   ray.kill a random prefill replica (the controller replaces it)
     kill_decode    ray.kill a random decode replica (its calls migrate; it is replaced)
     restart_redis  stop redis-server (its data is lost), start it again on the same port
     drop_transfer  the next 2 hand-offs of a random prefill replica fail (decode recomputes)
 
-Every completed call is compared with a greedy reference for its prompt from an in-process
-engine of the same model; after the load stops, every pool must drain to all blocks free with no
-lease or NIXL handle open. A fault the cluster does not recover from within ``--recovery-s`` is
-reported in ``fault_log`` with ``recovered_s: null``, never hidden.
+Every completed call is checked against a greedy reference from an in-process engine; then every
+pool must drain, no block, lease or NIXL handle held. A fault not recovered from within
+``--recovery-s`` is reported with ``recovered_s: null``. ``pauses``: what one stream sees when
+its decode replica is killed or frozen.
 
-The KV cache is fp32 by default: with fp8 KV a greedy answer depends on what the cache held (a
-prefix read back quantized from the pool or a tier attends differently from one computed in the
-same pass), so a replacement replica's cold cache or a migration's re-prefill can change tokens
-without anything being wrong, and no single reference could check them.
+The KV cache is fp32 by default: with fp8 a prefix read back quantized attends differently from
+one computed in the same pass, so a greedy answer depends on what the cache held.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import os
 import random
-import tempfile
+import signal
 import threading
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
+import ray
 
-from bench.report import BenchError, emit_report, machine, percentile, positive, progress, run
+from bench.report import BenchError, arg_parser, emit_report, machine, percentile, positive, progress, run
+from bench.workload import greedy, local_cluster, random_tokens, redis_server
+from decode_worker.config import WorkerConfig
+from engine.config import EngineConfig
+from engine.errors import EngineError
+from engine.llm_engine import LLMEngine
+from router.client import SplitServeClient
+from router.config import RouterConfig
+from router.controller import ControllerConfig
+from router.launch import Cluster, ClusterConfig
 
 FAULTS = ("kill_prefill", "kill_decode", "restart_redis", "drop_transfer")
 EXPECTED = {"cancel": "CANCELLED", "deadline": "DEADLINE_EXCEEDED"}
 """The one status each kind of call may end with instead of completing."""
+PAUSES = {"kill_decode": (2, "kill"), "freeze_decode": (2, "freeze"), "kill_only_decode": (1, "kill")}
+"""Case -> (decode replicas, what happens to the one serving the stream)."""
 
 
 @dataclass
@@ -64,9 +72,10 @@ class Outcome:
 class Soak:
     """The cluster under test and what the bench recorded of it."""
 
-    cluster: object
-    client: object
+    cluster: Cluster
+    client: SplitServeClient
     redis: object
+    """The tests' ``RedisServer`` the cluster's Redis tier runs on."""
     prompts: list[list[int]]
     references: list[list[int]]
     max_tokens: int
@@ -80,10 +89,8 @@ class Soak:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument("--duration-s", type=positive, default=600, help="how long the load runs (default: 600)")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--model", default="smollm2-135m", help="bundled model name or checkpoint directory")
     parser.add_argument("--kv-dtype", default="fp32", help="fp32 (default) keeps greedy answers exact whatever the cache held; see the docstring")
     parser.add_argument("--clients", type=positive, default=4)
     parser.add_argument("--prompts", type=positive, default=24, help="distinct prompts; they share a prefix (default: 24)")
@@ -94,14 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = {}
     if "soak" in args.phases:
-        with tempfile.TemporaryDirectory(prefix="bench-chaos-") as workdir:
-            soak = _start(args, Path(workdir))
-            try:
-                report = _soak(soak, args)
-            finally:
-                soak.client.close()
-                soak.cluster.stop()
-                soak.redis.stop()
+        with redis_server("chaos") as redis:
+            engine = EngineConfig(model=args.model, kv_dtype=args.kv_dtype, num_kv_blocks=192, max_num_seqs=16, max_model_len=1024, redis_url=redis.url)
+            prompts, references = _references(engine, args)
+            config = ClusterConfig(
+                engine=engine,
+                worker=WorkerConfig(kv_transfer_timeout_s=10),
+                router=RouterConfig(port=0, worker_refresh_interval_s=0.2),
+                controller=ControllerConfig(health_check_interval_s=0.5, health_check_timeout_s=5, restart_backoff_s=1, stable_after_s=10),
+                num_prefill=2,
+                num_decode=2,
+            )
+            progress("chaos", "starting 2 prefill + 2 decode replicas with a Redis tier")
+            with local_cluster(config) as (cluster, client):
+                report = _soak(Soak(cluster, client, redis, prompts, references, args.max_tokens), args)
     if "pauses" in args.phases:
         report["pauses"] = _pauses(args)
         report.setdefault("machine", machine())
@@ -109,8 +122,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-PAUSES = {"kill_decode": (2, "kill"), "freeze_decode": (2, "freeze"), "kill_only_decode": (1, "kill")}
-"""Case -> (decode replicas, what happens to the one serving the stream)."""
+def _references(engine: EngineConfig, args) -> tuple[list[list[int]], list[list[int]]]:
+    """``--prompts`` prompts sharing a 96-token prefix, and each one's greedy answer from an in-process engine."""
+    progress("chaos", f"greedy references for {args.prompts} prompts from an in-process engine of {args.model}")
+    try:
+        reference = LLMEngine(engine)
+    except (EngineError, ValueError) as e:
+        raise BenchError(f"--model {args.model}: {e}") from None
+    rng = random.Random(args.seed)
+    vocab = reference.model_config.vocab_size
+    shared = random_tokens(rng, 96, vocab)
+    prompts = [shared + random_tokens(rng, rng.randrange(8, 64), vocab) for _ in range(args.prompts)]
+    references = [list(c.output_token_ids) for c in reference.generate(prompts, greedy(args.max_tokens))]
+    reference.close()
+    return prompts, references
+
+
+def _replicas(cluster: Cluster, pool: str | None = None) -> dict:
+    """Replica id -> actor handle of each replica (of ``pool``) the controller holds."""
+    return {s.replica_id: h for s, _, h in ray.get(cluster.controller.replicas.remote()) if pool in (None, s.pool)}
 
 
 def _pauses(args) -> dict:
@@ -118,105 +148,36 @@ def _pauses(args) -> dict:
     (SIGSTOP: it stops answering), on an aggregated cluster with the default controller and
     router settings: the longest gap between two of its tokens, whether its tokens equal an
     undisturbed run's, and how long until the pool is whole again."""
-    import os
-    import signal
-
-    import ray
-
-    from engine.config import EngineConfig
-    from router.client import SplitServeClient
-    from router.config import RouterConfig
-    from router.launch import Cluster, ClusterConfig
-
     results = {}
     for case, (num_decode, how) in PAUSES.items():
         progress("chaos", f"pauses: {case} ({num_decode} decode replica(s))")
         config = ClusterConfig(engine=EngineConfig(model=args.model, kv_dtype=args.kv_dtype), router=RouterConfig(port=0), num_decode=num_decode)
-        cluster = Cluster(config)
-        try:
-            status = cluster.start()
-            with SplitServeClient(status.grpc_address) as client:
-                greedy = dict(max_tokens=200, temperature=0, ignore_eos=True)
-                expected = [t for r in client.generate("Tell me about the sea.", **greedy) for t in r.token_ids]
-                stream = client.generate("Tell me about the sea.", **greedy)
-                ids = [t for _, r in zip(range(4), stream) for t in r.token_ids]
-                victim = next(r for r in client.cluster_status().replicas if r.num_running)
-                handle = {s.replica_id: h for s, _, h in ray.get(cluster.controller.replicas.remote())}[victim.replica_id]
-                pid = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
-                struck = last = time.monotonic()
-                if how == "kill":
-                    ray.kill(handle)
-                else:
-                    os.kill(pid, signal.SIGSTOP)
-                gaps = []
-                for response in stream:
-                    now = time.monotonic()
-                    gaps.append(now - last)
-                    last = now
-                    ids += response.token_ids
-                while len([r for r in client.cluster_status().replicas if r.replica_id != victim.replica_id]) < num_decode:
-                    time.sleep(0.1)
-                results[case] = {
-                    "max_gap_s": round(max(gaps), 3),
-                    "identical": ids == expected,
-                    "pool_whole_after_s": round(time.monotonic() - struck, 2),
-                }
-                if how == "freeze":
-                    with contextlib.suppress(ProcessLookupError):  # the controller has killed it already
-                        os.kill(pid, signal.SIGKILL)
-        finally:
-            cluster.stop()
+        with local_cluster(config) as (cluster, client):
+            sampling = dict(max_tokens=200, temperature=0, ignore_eos=True)
+            expected = [t for r in client.generate("Tell me about the sea.", **sampling) for t in r.token_ids]
+            stream = client.generate("Tell me about the sea.", **sampling)
+            ids = [t for _, r in zip(range(4), stream) for t in r.token_ids]
+            victim = next(r.replica_id for r in client.cluster_status().replicas if r.num_running)
+            handle = _replicas(cluster)[victim]
+            pid = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
+            struck = last = time.monotonic()
+            if how == "kill":
+                ray.kill(handle)
+            else:
+                os.kill(pid, signal.SIGSTOP)
+            gaps = []
+            for response in stream:
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+                ids += response.token_ids
+            while len([r for r in client.cluster_status().replicas if r.replica_id != victim]) < num_decode:
+                time.sleep(0.1)
+            results[case] = {"max_gap_s": round(max(gaps), 3), "identical": ids == expected, "pool_whole_after_s": round(time.monotonic() - struck, 2)}
+            if how == "freeze":
+                with contextlib.suppress(ProcessLookupError):  # the controller has killed it already
+                    os.kill(pid, signal.SIGKILL)
     return results
-
-
-def _start(args, workdir: Path) -> Soak:
-    from decode_worker.config import WorkerConfig
-    from engine.config import EngineConfig
-    from engine.errors import EngineError
-    from engine.llm_engine import LLMEngine
-    from engine.params import SamplingParams
-    from router.client import SplitServeClient
-    from router.config import RouterConfig
-    from router.controller import ControllerConfig
-    from router.launch import Cluster, ClusterConfig
-    from tests.redis_server import RedisServer  # dev tooling shared with the tests
-
-    try:
-        redis = RedisServer(workdir).start()
-    except RuntimeError as e:
-        raise BenchError(str(e)) from None
-    engine = EngineConfig(model=args.model, kv_dtype=args.kv_dtype, num_kv_blocks=192, max_num_seqs=16, max_model_len=1024, redis_url=redis.url)
-    progress("chaos", f"greedy references for {args.prompts} prompts from an in-process engine of {args.model}")
-    try:
-        reference_engine = LLMEngine(engine)
-    except (EngineError, ValueError) as e:
-        redis.stop()
-        raise BenchError(f"--model {args.model}: {e}") from None
-    rng = random.Random(args.seed)
-    vocab = reference_engine.model_config.vocab_size
-    shared = [rng.randrange(3, vocab) for _ in range(96)]
-    prompts = [shared + [rng.randrange(3, vocab) for _ in range(rng.randrange(8, 64))] for _ in range(args.prompts)]
-    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    references = [list(c.output_token_ids) for c in reference_engine.generate(prompts, greedy)]
-    reference_engine.close()
-    del reference_engine
-    config = ClusterConfig(
-        engine=engine,
-        worker=WorkerConfig(kv_transfer_timeout_s=10),
-        router=RouterConfig(port=0, worker_refresh_interval_s=0.2),
-        controller=ControllerConfig(health_check_interval_s=0.5, health_check_timeout_s=5, restart_backoff_s=1, stable_after_s=10),
-        num_prefill=2,
-        num_decode=2,
-    )
-    progress("chaos", "starting 2 prefill + 2 decode replicas with a Redis tier")
-    cluster = Cluster(config)
-    try:
-        status = cluster.start()
-    except BaseException:
-        cluster.stop()
-        redis.stop()
-        raise
-    return Soak(cluster, SplitServeClient(status.grpc_address), redis, prompts, references, args.max_tokens)
 
 
 def _soak(soak: Soak, args) -> dict:
@@ -271,8 +232,6 @@ def _faults(soak: Soak, interval_s: float, rounds: int, recovery_s: float, rng: 
 
 def _inject(soak: Soak, fault: str, rng: random.Random, recovery_s: float) -> tuple[str, float | None]:
     """Run one fault; returns what it hit and how long until the cluster was whole again (None: not within ``recovery_s``)."""
-    import ray
-
     started = time.monotonic()
     if fault == "restart_redis":
         soak.redis.stop()
@@ -280,7 +239,7 @@ def _inject(soak: Soak, fault: str, rng: random.Random, recovery_s: float) -> tu
         soak.redis.start()
         return "redis", round(time.monotonic() - started, 2)
     pool = "decode" if fault == "kill_decode" else "prefill"
-    replicas = {s.replica_id: h for s, _, h in ray.get(soak.cluster.controller.replicas.remote()) if s.pool == pool}
+    replicas = _replicas(soak.cluster, pool)
     if not replicas:
         return "none live", None
     target = rng.choice(sorted(replicas))
@@ -289,7 +248,7 @@ def _inject(soak: Soak, fault: str, rng: random.Random, recovery_s: float) -> tu
         return target, 0.0
     ray.kill(replicas[target])
     while time.monotonic() - started < recovery_s:
-        live = {s.replica_id for s, _, _ in ray.get(soak.cluster.controller.replicas.remote()) if s.pool == pool}
+        live = _replicas(soak.cluster, pool)
         if target not in live and len(live) == len(replicas):
             return target, round(time.monotonic() - started, 2)
         time.sleep(0.2)
@@ -298,22 +257,19 @@ def _inject(soak: Soak, fault: str, rng: random.Random, recovery_s: float) -> tu
 
 def _drain(soak: Soak, timeout_s: float) -> dict:
     """Blocks, leases and NIXL handles still held once the pools had ``timeout_s`` to drain."""
-    import ray
-
     deadline = time.monotonic() + timeout_s
     while True:
-        entries = ray.get(soak.cluster.controller.replicas.remote())
-        stats = ray.get([h.transfer_stats.remote() for _, _, h in entries])
+        handles = _replicas(soak.cluster)
         statuses = soak.client.cluster_status().replicas
-        held = {r.replica_id: r.num_kv_blocks - r.num_free_kv_blocks for r in statuses}
-        leased = {e[0].replica_id: (s.num_open_leases, s.num_open_handles) for e, s in zip(entries, stats)}
+        held = {r.replica_id: {"blocks": r.num_kv_blocks - r.num_free_kv_blocks, "leases": 0, "handles": 0} for r in statuses}
+        for rid, stats in zip(handles, ray.get([h.transfer_stats.remote() for h in handles.values()])):
+            held.setdefault(rid, {"blocks": 0}).update(leases=stats.num_open_leases, handles=stats.num_open_handles)
         leaks = {
-            "leaked_blocks": sum(held.values()),
-            "open_leases": sum(n for n, _ in leased.values()),
-            "open_handles": sum(n for _, n in leased.values()),
+            "leaked_blocks": sum(r["blocks"] for r in held.values()),
+            "open_leases": sum(r["leases"] for r in held.values()),
+            "open_handles": sum(r["handles"] for r in held.values()),
             "replicas": len(statuses),
-            "leaks_by_replica": {rid: {"blocks": held.get(rid, 0), "leases": leased.get(rid, (0, 0))[0], "handles": leased.get(rid, (0, 0))[1]}
-                                 for rid in sorted(set(held) | set(leased)) if held.get(rid) or any(leased.get(rid, (0, 0)))},
+            "leaks_by_replica": {rid: held[rid] for rid in sorted(held) if any(held[rid].values())},
         }
         if not any(leaks[k] for k in ("leaked_blocks", "open_leases", "open_handles")) or time.monotonic() > deadline:
             return leaks
@@ -343,10 +299,6 @@ def tally(outcomes: list[Outcome], references: list[list[int]], fault_log: list[
     by a cancel or deadline, or not), lost; faults by kind; TTFT of calls started within
     ``window_s`` after a fault began."""
     completed = [o for o in outcomes if o.status == "OK" and o.finished]
-    failed: dict[str, int] = {}
-    for o in outcomes:
-        if o.status != "OK":
-            failed[o.status] = failed.get(o.status, 0) + 1
     wrong, duplicated, wrong_examples = 0, 0, []
     for o in completed:
         reference = references[o.prompt]
@@ -362,7 +314,7 @@ def tally(outcomes: list[Outcome], references: list[list[int]], fault_log: list[
     return {
         "requests": len(outcomes),
         "completed": len(completed),
-        "failed_with_status": failed,
+        "failed_with_status": dict(Counter(o.status for o in outcomes if o.status != "OK")),
         "failed_unasked": sum(1 for o in outcomes if o.status != "OK" and EXPECTED.get(o.kind) != o.status),
         "lost": sum(1 for o in outcomes if o.status == "OK" and not o.finished),
         "wrong": wrong,

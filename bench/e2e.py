@@ -1,19 +1,15 @@
 """End to end: the cluster over gRPC against the same engine in this process, in one run.
 
-    python -m bench.e2e --json OUT --plot OUT.png
+Phases (``--phases``), for each pool layout (``--pools PREFILL:DECODE``) or, with ``--address``,
+for that running cluster as it is:
 
-Phases (``--phases``), for each pool layout (``--pools PREFILL:DECODE``, default ``0:1 1:1``) or,
-with ``--address HOST:PORT``, for that running cluster as it is:
-
-- ``sweep``: at each ``--concurrency``, a closed loop of N clients over seeded random prompts
-  through gRPC and, as the peer, through an in-process ``EngineLoop`` (the engine as a library,
-  on its own thread as in a worker), alternating ``--rounds`` times (this machine's speed drifts
-  between minutes). Every run gets new prompts, so none hits another's prefix cache. Per run:
-  output tokens/s, TTFT and inter-token latency percentiles, and the TTFT split into ``STAGES``.
-- ``interference``: prefill's cost to decode. ``--decode-streams`` long answers run alone, then
-  while one client sends ``--prefill-prompt-len``-token prompts back to back; their inter-token
-  latency either way. Aggregated, a prompt shares the decode worker's steps; disaggregated, it
-  runs on the prefill worker and only its KV reaches the decode worker.
+- ``sweep``: at each ``--concurrency`` N, a closed loop of N clients through gRPC and, the peer,
+  through an in-process ``EngineLoop`` (its own thread, as in a worker), alternating ``--rounds``
+  times (this machine's speed drifts between minutes), each run with new prompts (no prefix
+  cache hits). Per run: output tokens/s, TTFT and inter-token latency percentiles, and the TTFT
+  split into ``STAGES``.
+- ``interference``: ``--decode-streams`` answers alone, then while one client sends
+  ``--prefill-prompt-len``-token prompts back to back: their inter-token latency either way.
 """
 
 from __future__ import annotations
@@ -29,26 +25,24 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
 import grpc
 
-from bench.report import BenchError, check_ranges, emit_report, machine, percentile, plot, positive, progress, run, series
-from bench.workload import NUM_SPECIAL_TOKENS, BenchRequest, random_workload, variant
+from bench.report import BenchError, arg_parser, check_ranges, emit_report, machine, percentile, plot, positive, progress, run, series
+from bench.workload import NUM_SPECIAL_TOKENS, BenchRequest, greedy, local_cluster, random_workload, variant
 from decode_worker.config import WorkerConfig
 from engine.bundled import served_model_name
 from engine.config import EngineConfig, WorkerProcessConfig
 from engine.engine_loop import EngineLoop
 from engine.errors import UnknownModelError
 from engine.llm_engine import LLMEngine
-from engine.params import SamplingParams
 from engine.request import EngineRequest
 from prefill_worker.config import PrefillWorkerConfig
 from proto import splitserve_pb2 as pb
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.launch import Cluster, ClusterConfig
+from router.launch import ClusterConfig
 
 STAGES = ("hops", "request_plane", "pickup", "kv_handoff", "wait", "prefill", "handback")
 """Where a request's TTFT goes, in order; they add up to it:
@@ -118,9 +112,8 @@ def grpc_request(client: SplitServeClient, req: BenchRequest) -> Sample:
 
 async def engine_request(loop: EngineLoop, request_id: str, req: BenchRequest) -> Sample:
     t0 = time.monotonic()
-    params = SamplingParams(max_tokens=req.num_output_tokens, temperature=0, ignore_eos=True)
     events = []
-    async for out in loop.generate(EngineRequest(request_id, list(req.prompt_token_ids), None, params, None, arrival_s=t0)):
+    async for out in loop.generate(EngineRequest(request_id, list(req.prompt_token_ids), None, greedy(req.num_output_tokens), None, arrival_s=t0)):
         if out.new_token_ids:
             events.append((time.monotonic(), len(out.new_token_ids)))
     t = out.trace
@@ -205,30 +198,26 @@ def interference(client: SplitServeClient, streams: list[BenchRequest], prompt: 
     (each new: ``tags`` gives its first token, so no prompt finds another's KV cached)."""
     out = {"pools": pools, "decode_streams": len(streams), "prefill_prompt_len": len(prompt.prompt_token_ids)}
     for phase in ("quiet", "with_prefill"):
-        samples, stop, prompts_done = [], threading.Event(), [0]
-
-        def decode(req: BenchRequest) -> None:
-            samples.append(grpc_request(client, req))
+        stop, num_prompts = threading.Event(), 0
 
         def prefill() -> None:
-            while prompts_done[0] == 0 or not stop.is_set():
+            nonlocal num_prompts
+            while num_prompts == 0 or not stop.is_set():
                 grpc_request(client, variant([prompt], next(tags))[0])
-                prompts_done[0] += 1
+                num_prompts += 1
 
-        decoders = [threading.Thread(target=decode, args=(r,)) for r in variant(streams, next(tags))]
+        prefiller = threading.Thread(target=prefill, daemon=True)  # a failed stream must not leave it running
         start = time.monotonic()
-        prefiller = threading.Thread(target=prefill) if phase == "with_prefill" else None
-        for t in decoders + ([prefiller] if prefiller else []):
-            t.start()
-        for t in decoders:
-            t.join()
-        phase_s = time.monotonic() - start
+        with ThreadPoolExecutor(len(streams)) as decoders:
+            running = [decoders.submit(grpc_request, client, r) for r in variant(streams, next(tags))]
+            if phase == "with_prefill":
+                prefiller.start()
+            itl = [v for future in running for v in future.result().itl_s]
+        decode_s = time.monotonic() - start
         stop.set()
-        if prefiller:
-            prefiller.join()
-        itl = [v for s in samples for v in s.itl_s]
-        prompts = prompts_done[0] if prefiller else 0  # the last one may end after the streams: counted, not timed
-        out[phase] = {**latency(itl, "itl"), "itl_ms_mean": _ms(statistics.fmean(itl)), "decode_s": round(phase_s, 2), "prompts_prefilled": prompts}
+        if phase == "with_prefill":
+            prefiller.join()  # its last prompt may end after the streams: counted, not timed
+        out[phase] = {**latency(itl, "itl"), "itl_ms_mean": _ms(statistics.fmean(itl)), "decode_s": round(decode_s, 2), "prompts_prefilled": num_prompts}
         progress("e2e", f"interference {pools} {phase}: itl p90 {out[phase]['itl_ms_p90']} ms")
     out["itl_p90_ratio"] = round(out["with_prefill"]["itl_ms_p90"] / out["quiet"]["itl_ms_p90"], 3)
     return out
@@ -261,27 +250,20 @@ def connect(address: str, model: str) -> tuple[SplitServeClient, str]:
 
 
 @contextlib.contextmanager
-def local_cluster(engine: EngineConfig, num_prefill: int, num_decode: int) -> Iterator[SplitServeClient]:
+def local_client(engine: EngineConfig, num_prefill: int, num_decode: int) -> Iterator[SplitServeClient]:
     """A client of a local cluster whose engines share this machine's cores evenly; stopped after."""
     progress("e2e", f"starting a cluster: {num_prefill} prefill, {num_decode} decode")
     threads = max(1, (os.cpu_count() or 1) // (num_prefill + num_decode))
-    cluster = Cluster(ClusterConfig(
+    config = ClusterConfig(
         engine=engine, worker=WorkerConfig(num_threads=threads), prefill=PrefillWorkerConfig(num_threads=threads),
         router=RouterConfig(port=0), num_prefill=num_prefill, num_decode=num_decode,
-    ))
-    try:
-        cluster.start()
-        with SplitServeClient(cluster.router_status.grpc_address) as client:
-            yield client
-    finally:
-        cluster.stop()
+    )
+    with local_cluster(config) as (_, client):
+        yield client
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--plot", type=Path, help="PNG: throughput and TTFT p90 against concurrency")
+    parser = arg_parser(__doc__, plot="throughput and TTFT p90 against concurrency")
     parser.add_argument("--phases", nargs="+", default=["sweep", "interference"], choices=["sweep", "interference"])
     parser.add_argument("--pools", type=parse_pools, nargs="+", default=[(0, 1), (1, 1)], metavar="PREFILL:DECODE")
     parser.add_argument("--address", help="measure the router at HOST:PORT (its pools as they are) instead of local clusters")
@@ -321,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             raise BenchError(f"--prompt-len, --output-len, --prefill-prompt-len, --decode-output-len: a request of {longest} tokens exceeds {args.model}'s context of {loop.engine.max_model_len}")
         run_engine(loop, warmup, 2, "warmup")
         for pools in [remote[1]] if remote else [f"{p}:{d}" for p, d in args.pools]:
-            with contextlib.nullcontext(remote[0]) if remote else local_cluster(engine_config, *parse_pools(pools)) as client:
+            with contextlib.nullcontext(remote[0]) if remote else local_client(engine_config, *parse_pools(pools)) as client:
                 run_grpc(client, warmup, 2, pools)
                 for c in args.concurrency if "sweep" in args.phases else ():
                     for r, system in itertools.product(range(args.rounds), ("engine", "grpc")):

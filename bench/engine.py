@@ -1,29 +1,23 @@
 """Engine throughput and TTFT: splitserve's engine against transformers' ``generate``, one run.
 
-    python -m bench.engine --model smollm2-135m --json OUT
-
-Both systems get the same seeded requests (random prompt tokens, exact output lengths) at each
-concurrency. splitserve runs a closed loop: N requests in flight, the next one submitted as soon
-as one finishes. transformers runs static batches of N left-padded prompts; a batch lasts as
-long as its longest output, and only each request's own tokens are counted. TTFT is measured
-from the moment a request is handed to the system to its first output token.
+Both get the same seeded requests at each concurrency N. splitserve runs a closed loop of
+``LLMEngine.step()``, the next request joining when one finishes; transformers runs static
+batches of N left-padded prompts, each lasting as long as its longest output, and counts only
+each request's own tokens. TTFT runs from handing a request over to its first token.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from bench.report import BenchError, check_ranges, emit_report, machine, percentile, plot, positive, progress, run, series
-from bench.workload import BenchRequest, random_workload
+from bench.report import BenchError, arg_parser, check_ranges, emit_report, machine, percentile, plot, positive, progress, run, series
+from bench.workload import BenchRequest, greedy, random_workload
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
-from engine.params import SamplingParams
 
 SYSTEMS = ("splitserve", "transformers")
 
@@ -40,8 +34,7 @@ def run_splitserve(engine: LLMEngine, workload: list[BenchRequest], concurrency:
         while queue and len(in_flight) < concurrency:
             index, req = queue.pop(0)
             rid = f"bench-{concurrency}-{index}"
-            params = SamplingParams(max_tokens=req.num_output_tokens, temperature=0, ignore_eos=True)
-            engine.add_request(rid, list(req.prompt_token_ids), params)
+            engine.add_request(rid, list(req.prompt_token_ids), greedy(req.num_output_tokens))
             submitted[rid] = time.perf_counter()
             in_flight.add(rid)
         for out in engine.step():
@@ -73,12 +66,10 @@ def run_transformers(model, workload: list[BenchRequest], concurrency: int, pad_
     start = time.perf_counter()
     for first in range(0, len(workload), concurrency):
         batch = workload[first : first + concurrency]
-        width = max(len(r.prompt_token_ids) for r in batch)
-        input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, r in enumerate(batch):
-            input_ids[row, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
-            attention_mask[row, width - len(r.prompt_token_ids) :] = 1
+        prompts = [list(r.prompt_token_ids) for r in batch]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         max_new = max(r.num_output_tokens for r in batch)
         timer = _FirstTokenTimer()
         batch_start = time.perf_counter()
@@ -104,10 +95,7 @@ def _result(system: str, concurrency: int, num_output: int, wall_s: float, ttfts
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--json", type=Path, help="write the results here as well as to stdout")
-    parser.add_argument("--plot", type=Path, help="write tok/s and TTFT p50 against concurrency here (PNG)")
+    parser = arg_parser(__doc__, plot="tok/s and TTFT p50 against concurrency")
     parser.add_argument("--num-requests", type=positive, default=64)
     parser.add_argument("--concurrency", type=positive, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=positive, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))

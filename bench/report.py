@@ -9,6 +9,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -24,6 +25,18 @@ def run(name: str, main: Callable[[list[str] | None], int], argv: list[str] | No
     except BenchError as e:
         print(f"bench.{name}: {e}", file=sys.stderr, flush=True)
         return 2
+
+
+def arg_parser(doc: str, model: bool = True, plot: str | None = None) -> argparse.ArgumentParser:
+    """A bench's parser: ``doc`` as its help, ``--json PATH``, ``--model`` unless ``model`` is
+    False, and ``--plot PATH`` where ``plot`` says what the PNG shows."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="write the report here as well as to stdout")
+    if model:
+        parser.add_argument("--model", default="smollm2-135m", help="bundled model name or checkpoint directory (default: smollm2-135m)")
+    if plot is not None:
+        parser.add_argument("--plot", type=Path, help=f"write {plot} here (PNG)")
+    return parser
 
 
 def positive(text: str) -> int:
@@ -72,6 +85,18 @@ def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+def median_s(fn: Callable[[], object], repetitions: int, warmup: int = 2) -> float:
+    """Median wall-clock seconds of ``repetitions`` calls of ``fn``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repetitions):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def emit_report(report: dict, path: Path | None) -> None:

@@ -1,32 +1,23 @@
 """KV transfer: FP8 wire bytes, NIXL write throughput and codec speed, each beside a peer, one run.
 
-    python -m bench.transfer --json OUT
-
-Shapes are the model's (SmolLM2-135M by default: 30 layers, 3 KV heads, head_dim 64) with
-16-token blocks. A prompt of ``--num-tokens`` tokens is quantized into a prefill pool and written
-with one NIXL WRITE (UCX on loopback) into a decode pool held by a second process; each write is
-timed from the ``write_blocks`` call to its handle reporting DONE, and the bytes are checked on
-the decode side afterwards. The decode process polls its transport every millisecond, as a
-decode worker waiting for KV does. Peers measured in the same run: the same prompt in bf16 over
-the same path, the same blocks memcpy'd into another pool of one process, and a torch copy of
-the float K/V beside the codec. Codec GB/s counts float32 bytes: the K/V read by quantize, the
-K/V written by dequantize.
+A ``--num-tokens`` prompt in the model's KV shapes is quantized into a prefill pool and written
+with one NIXL WRITE (UCX on loopback) into scattered, then contiguous blocks of a decode pool in
+a second process, which polls its transport every millisecond as a waiting decode worker does.
+A write is timed from ``write_blocks`` to its handle reporting DONE; the landed bytes are checked.
+Peers: the prompt in bf16, the fp8 blocks memcpy'd in one process, and a torch copy beside the
+codec (GB/s of float32 K/V).
 """
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
-import statistics
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.report import BenchError, emit_report, machine, positive, progress, run
+from bench.report import BenchError, arg_parser, emit_report, machine, median_s, positive, progress, run
 from engine.bundled import resolve_model
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -59,17 +50,6 @@ def _decode_side(conn, layouts: dict[str, KVBlockLayout], num_blocks: int) -> No
             return
 
 
-def _median_s(fn, repetitions: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repetitions):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _gbps(num_bytes: int, seconds: float) -> float:
     return round(num_bytes / seconds / 1e9, 3)
 
@@ -77,10 +57,10 @@ def _gbps(num_bytes: int, seconds: float) -> float:
 def bench_codec(layout: KVBlockLayout, kv: torch.Tensor, repetitions: int) -> dict:
     out = torch.empty(kv.shape[0], layout.block_bytes, dtype=torch.uint8)
     float_bytes = kv.numel() * kv.element_size()
-    quantize_s = _median_s(lambda: quantize_blocks(kv, layout, out=out), repetitions)
-    dequantize_s = _median_s(lambda: dequantize_blocks(out, layout), repetitions)
+    quantize_s = median_s(lambda: quantize_blocks(kv, layout, out=out), repetitions)
+    dequantize_s = median_s(lambda: dequantize_blocks(out, layout), repetitions)
     copy = torch.empty_like(kv)
-    copy_s = _median_s(lambda: copy.copy_(kv), repetitions)
+    copy_s = median_s(lambda: copy.copy_(kv), repetitions)
     return {
         "codec_quantize_gbps": _gbps(float_bytes, quantize_s),
         "codec_dequantize_gbps": _gbps(float_bytes, dequantize_s),
@@ -99,7 +79,7 @@ def _bench_memcpy(pool: torch.Tensor, num_decode_blocks: int, block_ids: list[in
         for local_id, remote_id in enumerate(block_ids):
             np.copyto(decode_pool[remote_id], source[local_id])
 
-    seconds = _median_s(copy_blocks, repetitions)
+    seconds = median_s(copy_blocks, repetitions)
     return {"write_s_p50": round(seconds, 6), "gbps": _gbps(pool.numel(), seconds)}
 
 
@@ -130,7 +110,7 @@ def bench_nixl(layouts: dict[str, KVBlockLayout], kv: torch.Tensor, num_decode_b
                         handle.wait(30.0)
                         num_descriptors.append(handle.num_descriptors)
 
-                seconds = _median_s(write_once, repetitions)
+                seconds = median_s(write_once, repetitions)
                 conn.send(("blocks", (kv_dtype, remote_ids)))
                 if not torch.equal(conn.recv(), pool):
                     raise RuntimeError(f"{kv_dtype} {name} write: the decode pool does not hold the written bytes")
@@ -149,9 +129,7 @@ def bench_nixl(layouts: dict[str, KVBlockLayout], kv: torch.Tensor, num_decode_b
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--json", type=Path, help="write the results here as well as to stdout")
+    parser = arg_parser(__doc__)
     parser.add_argument("--num-tokens", type=positive, default=2048)
     parser.add_argument("--block-size", type=positive, default=EngineConfig.block_size)
     parser.add_argument("--repetitions", type=positive, default=20)

@@ -1,9 +1,18 @@
-"""Seeded synthetic workloads shared by the benchmarks."""
+"""What the benches drive: seeded synthetic workloads, local clusters and throwaway Redis servers."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
+
+from bench.report import BenchError
+from engine.params import SamplingParams
+from router.client import SplitServeClient
+from router.launch import Cluster, ClusterConfig
 
 NUM_SPECIAL_TOKENS = 32
 """Prompt token ids start above this, clear of SmolLM2's control tokens (ids 0-16)."""
@@ -17,12 +26,22 @@ class BenchRequest:
     num_output_tokens: int
 
 
+def greedy(max_tokens: int) -> SamplingParams:
+    """Greedy sampling of exactly ``max_tokens`` tokens (EOS ignored)."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def random_tokens(rng: random.Random, num_tokens: int, vocab_size: int) -> list[int]:
+    """``num_tokens`` token ids drawn uniformly above the special tokens."""
+    return [rng.randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(num_tokens)]
+
+
 def random_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int, seed: int) -> list[BenchRequest]:
     """Prompt and output lengths uniform over their inclusive ranges; token ids skip special tokens."""
     rng = random.Random(seed)
     out = []
     for _ in range(num_requests):
-        prompt = tuple(rng.randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(rng.randint(*prompt_len)))
+        prompt = tuple(random_tokens(rng, rng.randint(*prompt_len), vocab_size))
         out.append(BenchRequest(prompt, rng.randint(*output_len)))
     return out
 
@@ -31,3 +50,32 @@ def variant(workload: list[BenchRequest], tag: int) -> list[BenchRequest]:
     """The same lengths with new prompts: the first token becomes ``tag``, so every block key
     (each chains from the first block) differs from any other variant's."""
     return [replace(r, prompt_token_ids=(tag,) + r.prompt_token_ids[1:]) for r in workload]
+
+
+@contextlib.contextmanager
+def local_cluster(config: ClusterConfig) -> Iterator[tuple[Cluster, SplitServeClient]]:
+    """A local cluster started from ``config`` and a client of its router; both stopped after."""
+    cluster = Cluster(config)
+    try:
+        cluster.start()
+        with SplitServeClient(cluster.router_status.grpc_address) as client:
+            yield cluster, client
+    finally:
+        cluster.stop()
+
+
+@contextlib.contextmanager
+def redis_server(name: str):
+    """A throwaway redis-server on a free loopback port (the tests' ``RedisServer``), stopped after;
+    BenchError if it cannot start."""
+    from tests.redis_server import RedisServer  # dev tooling, imported only by a bench that needs it
+
+    with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as workdir:
+        try:
+            server = RedisServer(Path(workdir)).start()
+        except RuntimeError as e:
+            raise BenchError(str(e)) from None
+        try:
+            yield server
+        finally:
+            server.stop()
