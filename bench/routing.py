@@ -1,24 +1,24 @@
 """Trace replay of cache-aware routing: the real prefix index and policies against simulated workers.
 
-    python -m bench.routing --trace FILE --workers 8 --json OUT [--policies ...] [cluster flags]
+    python -m bench.routing --trace FILE [--generate mixed|multiturn|agent] --json OUT --plot OUT.png
 
-Replays a Mooncake-format trace (bench/traces.py) once per policy through the simulated cluster
-of bench/routing_sim.py (its docstring has the model and the H100 / Llama-3-70B-FP8 defaults),
-and reports, per policy, hit ratios per tier, load balance, TTFT percentiles and the wall-clock
-time of the real ``policy.choose`` calls, beside the trace's oracle hit ratio and the goals.
+With ``--generate`` a seeded trace (bench/traces.py) is written to FILE first. The trace is
+replayed once per policy through the simulated cluster of bench/routing_sim.py (its docstring
+has the model and its H100 defaults); per policy: hit ratios per tier, load balance, TTFT
+percentiles and the wall-clock time of the real ``policy.choose`` calls, beside the trace's
+oracle hit ratio and the goals.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
 from pathlib import Path
 
-from bench.report import BenchError, emit_report, machine, plot, progress, run
+from bench.report import BenchError, arg_parser, emit_report, machine, plot, positive, progress, run
 from bench.routing_sim import ClusterConfig, Replay, oracle_hit_ratio
-from bench.traces import TraceRequest, describe, read_trace
+from bench.traces import KINDS, TraceConfig, TraceRequest, describe, generate, read_trace, write_trace
 from router.cli_args import add_dataclass_args, dataclass_from_args
 from router.routing import POLICIES, PolicyConfig
 
@@ -45,21 +45,27 @@ def evaluate_goals(oracle: float, results: dict[str, dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", type=Path, required=True)
+    parser = arg_parser(__doc__, model=False, plot="hit ratio and TTFT p90 per policy")
+    parser.add_argument("--trace", type=Path, required=True, help="a Mooncake JSONL trace (with --generate: written first)")
+    parser.add_argument("--generate", choices=KINDS, help="write a seeded trace of this kind to --trace, then replay it")
+    parser.add_argument("--requests", type=positive, default=20000, help="requests of a generated trace (default: 20000)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of a generated trace (default: 0)")
     parser.add_argument("--workers", type=int, default=ClusterConfig.num_workers, help="prefill workers")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--plot", type=Path, help="write hit ratio and TTFT p90 per policy here (PNG)")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--warmup-s", type=float, default=180.0, help="requests before this time warm the cluster and are not counted (default: 180)")
     add_dataclass_args(parser, ClusterConfig, skip=("num_workers",))
     add_dataclass_args(parser, PolicyConfig, prefix="splitserve")
+    add_dataclass_args(parser, TraceConfig, prefix="trace")
     args = parser.parse_args(argv)
     try:
         config = dataclass_from_args(ClusterConfig, args, num_workers=args.workers)
         policy_config = dataclass_from_args(PolicyConfig, args, prefix="splitserve")
+        trace_config = dataclass_from_args(TraceConfig, args, prefix="trace")
     except ValueError as e:
         parser.error(str(e))
+    if args.generate:
+        progress("routing", f"generating a {args.generate} trace of {args.requests} requests (seed {args.seed}) into {args.trace}")
+        write_trace(generate(args.generate, args.requests, args.seed, trace_config), args.trace)
     trace = _read(args.trace, args.warmup_s)
     results = {}
     for name in args.policies:

@@ -1,46 +1,23 @@
-"""The simulated cluster behind bench.routing: prefill workers, tiers and the replay loop.
+"""The simulated cluster behind bench.routing: prefill workers, their KV tiers, and the replay loop.
 
-Each request of a Mooncake-format trace (bench/traces.py) is routed by the real policy code
-(router/routing.py) over the real ``PrefixIndex``, which learns where blocks live only from the
-KV events the simulated workers publish through real ``KVEventLog`` objects, ``event_delay_s``
-after they happen. Load reports reach the policy every ``report_interval_s``. Time is simulated
-(the policy's clock too); only ``decide_us`` is wall-clock: the real ``policy.choose`` call.
+Each request of a trace (bench/traces.py) is routed by the real policy (router/routing.py) over
+the real ``PrefixIndex``, fed only by the KV events the simulated workers publish through real
+``KVEventLog`` objects (``event_delay_s`` late, each batch the net change since the last); loads
+reach the policy every ``report_interval_s``. Time is simulated, the policy's clock too; only
+``decide_us`` is wall-clock.
 
-A simulated prefill worker ``prefill-i``::
+A prefill worker computes its FIFO queue one prompt at a time at ``prefill_tokens_per_s``, plus
+each cached block's load time from its fastest tier (the pool, its CPU tier, the cluster's one
+Redis); then the prompt's full blocks enter the pool. Each tier is an LRU that spills its victims
+to the next; a Redis victim leaves every worker that wrote it at once. TTFT is arrival to prefill
+completion (no KV hand-off). The first token holds one of the chosen decode worker's slots for
+``output_length / decode_tokens_per_s``; decode never delays a prefill.
 
-    arrivals ──> FIFO queue ──> prefill: the prompt's cached run is looked up when it starts,
-                                each block from its fastest tier (pool, own CPU tier, Redis);
-                                time = uncached / prefill_tokens_per_s
-                                     + cpu_tokens / cpu_load_tokens_per_s
-                                     + redis_tokens / redis_load_tokens_per_s
-                 on completion: the prompt's full blocks enter the pool (LRU, hits refreshed)
-    pool LRU victim ──> its CPU tier (LRU) ── victim ──> the cluster's one Redis LRU
-    Redis LRU victim: REMOVED (redis) from every worker that wrote it
-
-TTFT = arrival to prefill completion (queue wait included; the KV hand-off is not modelled).
-Decode: the first token starts a sequence on the policy's decode worker, which holds one of its
-``decode_slots`` for ``output_length / decode_tokens_per_s``; decode loads (busy share of slots)
-are reported with the prefill loads and passed to ``choose``. Decode never delays a prefill.
-
-Defaults: Llama-3-70B in FP8 on H100 SXM (80 GiB), one prefill replica = TP=2 (2 GPUs), KV of
-164,160 B/token (80 layers x 8 KV heads x 128 dims x 2 x 1 B, plus 320 B/token of FP8 scales):
-
-- pool 450,000 tokens: 2 x 85.9 GB x 0.90 = 154.6 GB, less 72.7 GB of weights (70.6B params in
-  FP8, embeddings and lm_head in bf16) and ~8 GB of activations, CUDA graphs, NCCL = 73.9 GB.
-- CPU tier 1,600,000: a TP=2 replica's quarter of an HGX node's 2 TiB host RAM, half of it (274.9 GB).
-- Redis 6,700,000: 1 TiB cluster-wide (e.g. 8 shards of 128 GiB maxmemory, allkeys-lru).
-- prefill 10,000 tokens/s: 141 GFLOP/token on 2 x 1,979 TFLOPS (FP8 dense) at 40% MFU = 11,200,
-  less for attention at long contexts.
-- CPU tier loads 300,000 tokens/s: PCIe Gen5 x16, ~25 GB/s effective per GPU, both GPUs at once.
-- Redis loads 30,000 tokens/s: ~5 GB/s per replica from several shards in parallel
-  (bench.kv_store measured 0.8 GB/s over one loopback connection).
-- decode: 8 decode workers of 256 sequences each, 30 tokens/s per sequence.
-
-Simplifications: prefill is one request at a time at a fixed tokens/s (no batching, no extra
-attention cost for long contexts); a cached block costs its load time whatever else runs; each
-event batch carries the net change of every tier since the previous batch (what a consumer ends
-up with is identical); a Redis eviction reaches the index at once (a real worker learns it on
-its next miss).
+Defaults: Llama-3-70B in FP8 on H100 SXM, a prefill replica on 2 GPUs (TP=2), 164,160 B of KV a
+token: a 450k-token pool (the 74 GB left of 2 x 80 GiB after weights and activations), a 1.6M CPU
+tier (half of a quarter of an HGX node's 2 TiB), 1 TiB of Redis cluster-wide (6.7M), prefill at
+40% MFU of FP8 dense (10k tokens/s), CPU-tier loads over PCIe Gen5 (300k tokens/s), Redis loads
+at ~5 GB/s a replica (30k tokens/s), and 8 decode workers of 256 sequences at 30 tokens/s.
 """
 
 from __future__ import annotations
@@ -52,14 +29,11 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.traces import TraceRequest
 from bench.report import percentile
+from bench.traces import BLOCK_TOKENS, TraceRequest
 from kv_store.events import EventKind, KVEventBatch, KVEventLog, Tier
 from router.prefix_index import CachedRun, PrefixIndex
 from router.routing import PolicyConfig, RouteRequest, WorkerLoad, make_policy
-
-
-BLOCK_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -177,7 +151,6 @@ class SimWorker:
 
     def __init__(self, worker_id: str, config: ClusterConfig, redis: SharedRedis, retain_batches: int = 1) -> None:
         self.worker_id = worker_id
-        self.config = config
         self.redis = redis
         self.pool: OrderedDict[int, None] = OrderedDict()
         self.cpu: OrderedDict[int, None] = OrderedDict()
@@ -208,30 +181,27 @@ class SimWorker:
         return CachedRun(*counts)
 
     def insert(self, keys: Sequence[int]) -> None:
-        """A prefill finished: its full blocks are the pool's most recently used."""
+        """A prefill finished: its full blocks become the pool's most recently used. The pool's
+        victims go to the CPU tier (or straight to Redis without one), the CPU tier's to Redis."""
         for key in keys:
-            if key in self.pool:
-                self.pool.move_to_end(key)
-                continue
-            self.pool[key] = None
-            self.changes.store(Tier.POOL, key)
-            if len(self.pool) > self.num_pool_blocks:
-                old, _ = self.pool.popitem(last=False)
-                self.changes.remove(Tier.POOL, old)
-                self._spill(old)
+            victim = self._put(self.pool, Tier.POOL, self.num_pool_blocks, key)
+            if victim is not None and self.num_cpu_blocks:
+                victim = self._put(self.cpu, Tier.CPU, self.num_cpu_blocks, victim)
+            if victim is not None:
+                self.redis.write(self, victim)
 
-    def _spill(self, key: int) -> None:
-        if not self.num_cpu_blocks:
-            self.redis.write(self, key)
-        elif key in self.cpu:
-            self.cpu.move_to_end(key)
-        else:
-            self.cpu[key] = None
-            self.changes.store(Tier.CPU, key)
-            if len(self.cpu) > self.num_cpu_blocks:
-                old, _ = self.cpu.popitem(last=False)
-                self.changes.remove(Tier.CPU, old)
-                self.redis.write(self, old)
+    def _put(self, lru: OrderedDict[int, None], tier: Tier, num_blocks: int, key: int) -> int | None:
+        """``key`` becomes the most recently used of ``lru``; returns the key it pushed out, if any."""
+        if key in lru:
+            lru.move_to_end(key)
+            return None
+        lru[key] = None
+        self.changes.store(tier, key)
+        if len(lru) <= num_blocks:
+            return None
+        old, _ = lru.popitem(last=False)
+        self.changes.remove(tier, old)
+        return old
 
     def load(self, now_s: float) -> WorkerLoad:
         tokens, running = self.queued_tokens, self.running

@@ -1,39 +1,21 @@
-"""Request traces in the Mooncake format, and a generator with the structure of production traffic.
+"""Request traces in the Mooncake format, and a seeded generator with the structure of production traffic.
 
-    python -m bench.traces --kind multiturn|agent|mixed --requests N --seed S --out FILE
+A trace is JSONL, one request a line, sorted by time:
+``{"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [0, 1, 46, ...]}``,
+with ``timestamp`` in ms and one hash id per 512-token block of the prompt, the last one for a
+partial block. Ids are chained like block keys: an equal id means an equal block *and* an equal
+prefix, so a partial block's id is never shared.
 
-Format: JSONL, one request a line, sorted by time, as in Mooncake's published traces::
-
-    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [0, 1, 46, ...]}
-
-``timestamp`` is ms since the trace began; ``hash_ids`` has one id per 512-token block of the
-prompt, the last one for a partial block (``ceil(input_length / 512)`` ids). Ids are chained
-like block keys: an equal id means an equal block *and* an equal prefix before it, so a partial
-block's id is never shared (it changes as soon as the block fills up).
-
-What the generator builds (every prompt starts with the same universal prefix, ids 0 and 1)::
-
-    [universal 1,200 tok][tenant system prompt  ][turn 1 user][answer][turn 2 user] ...  multiturn
-    [universal 1,200 tok][agent app's tool prompt, 6k-40k tok][task][call][tool result] ...  agent
-
-- multiturn: chats on one of ``num_tenants`` Zipf-popular tenants, each with its own system
-  prompt; a turn's prompt is the previous one, its answer and a new message (some paste a
-  document), and comes after the answer has streamed and the user has thought.
-- agent: loops on one of ``num_agent_apps`` Zipf-popular apps whose long tool prompt (some over
-  32k tokens) every session of the app shares; each step appends a tool call and its result.
-- mixed: sessions of both kinds, half each.
-
-Sessions start in on/off Poisson bursts (a burst rate, then a quiet rate of ``off_rate_share`` of
-it, alternating with exponential durations), scaled so the trace averages ``request_rate``
-(by default about half of bench.routing's default cluster, see ``DEFAULT_REQUEST_RATES``). They
-start ``warmup_s`` before the trace does: like a production trace, it opens onto running
-sessions whose earlier turns it does not contain. Everything is drawn from one
-``random.Random(seed)``: a seed gives the same file.
+The generator (``python -m bench.routing --generate KIND``) starts every prompt with one universal
+prefix. ``multiturn``: chats on Zipf-popular tenants, each turn the previous prompt, its answer
+and a new message (some paste a document). ``agent``: loops on Zipf-popular apps whose 6k-40k-token
+tool prompt every session of the app shares, each step appending a tool call and its result.
+``mixed``: half each. Sessions start in on/off Poisson bursts from ``warmup_s`` before the trace,
+which opens onto running sessions; one ``random.Random(seed)`` draws everything.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -41,8 +23,6 @@ import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-from router.cli_args import add_dataclass_args, dataclass_from_args
 
 BLOCK_TOKENS = 512
 """Tokens per hash id in the Mooncake format."""
@@ -65,9 +45,6 @@ class TraceRequest:
         """Ids of the prompt's full blocks: the only ones a cache can hold."""
         return self.hash_ids[: self.input_length // block_size]
 
-    def to_json(self) -> str:
-        return json.dumps({"timestamp": self.timestamp_ms, "input_length": self.input_length, "output_length": self.output_length, "hash_ids": list(self.hash_ids)}, separators=(",", ":"))
-
 
 def read_trace(path: Path) -> list[TraceRequest]:
     """A JSONL trace, sorted by timestamp (stable); ValueError naming the first line that is not a request."""
@@ -88,8 +65,9 @@ def read_trace(path: Path) -> list[TraceRequest]:
 def write_trace(requests: Iterable[TraceRequest], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        for request in requests:
-            f.write(request.to_json() + "\n")
+        for r in requests:
+            row = {"timestamp": r.timestamp_ms, "input_length": r.input_length, "output_length": r.output_length, "hash_ids": list(r.hash_ids)}
+            f.write(json.dumps(row, separators=(",", ":")) + "\n")
 
 
 @dataclass(frozen=True)
@@ -300,20 +278,3 @@ def describe(trace: Sequence[TraceRequest]) -> dict:
         "output_length_mean": sum(r.output_length for r in trace) / max(1, len(trace)),
     }
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kind", choices=KINDS, default="mixed")
-    parser.add_argument("--requests", type=int, default=20000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, required=True)
-    add_dataclass_args(parser, TraceConfig)
-    args = parser.parse_args(argv)
-    trace = generate(args.kind, args.requests, args.seed, dataclass_from_args(TraceConfig, args))
-    write_trace(trace, args.out)
-    print(json.dumps({"kind": args.kind, "seed": args.seed, "out": str(args.out), **describe(trace)}, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
