@@ -87,9 +87,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[index]
 
 
-def median_s(fn: Callable[[], object], repetitions: int, warmup: int = 2) -> float:
-    """Median wall-clock seconds of ``repetitions`` calls of ``fn``, after ``warmup`` untimed ones."""
-    for _ in range(warmup):
+def median_s(fn: Callable[[], object], repetitions: int) -> float:
+    """Median wall-clock seconds of ``repetitions`` calls of ``fn``, after two untimed ones."""
+    for _ in range(2):
         fn()
     times = []
     for _ in range(repetitions):
@@ -112,11 +112,11 @@ Series = dict[str, tuple[Sequence[float], Sequence[float]]]
 """A panel's lines: label -> (x values, y values)."""
 
 
-def series(rows: Sequence[dict], key: str, label: Callable[[dict], str], x: str = "concurrency") -> Series:
-    """One line per ``label(row)`` of ``row[key]`` over ``row[x]``; rows with one label and one x are averaged."""
+def series(rows: Sequence[dict], key: str, label: Callable[[dict], str]) -> Series:
+    """One line per ``label(row)`` of ``row[key]`` over ``row["concurrency"]``; rows with one label and one concurrency are averaged."""
     points: dict[str, dict[float, list[float]]] = {}
     for row in rows:
-        points.setdefault(label(row), {}).setdefault(row[x], []).append(row[key])
+        points.setdefault(label(row), {}).setdefault(row["concurrency"], []).append(row[key])
     return {name: (sorted(p), [statistics.fmean(p[k]) for k in sorted(p)]) for name, p in points.items()}
 
 

@@ -274,7 +274,7 @@ class Replay:
             now = request.timestamp_ms / 1000
             self._advance(now)
             self.now_s = now
-            keys = request.block_keys(BLOCK_TOKENS)
+            keys = request.block_keys()
             route = RouteRequest(f"r{i}", keys, request.input_length, BLOCK_TOKENS)
             start = time.perf_counter_ns()
             decision = self.policy.choose(route, self._loads, self._decode_loads)
@@ -374,7 +374,7 @@ class Replay:
         }
 
 
-def oracle_hit_ratio(trace: Sequence[TraceRequest], block_size: int = BLOCK_TOKENS, warmup_s: float = 0.0) -> float:
+def oracle_hit_ratio(trace: Sequence[TraceRequest], warmup_s: float = 0.0) -> float:
     """Share of prompt tokens an infinite single cache would serve: each prompt's leading full
     blocks whose ids an earlier request had (with chained ids that is every seen id). Requests
     before ``warmup_s`` fill the cache but are not counted."""
@@ -382,12 +382,12 @@ def oracle_hit_ratio(trace: Sequence[TraceRequest], block_size: int = BLOCK_TOKE
     hit = total = 0
     counted_from_ms = (trace[0].timestamp_ms if trace else 0) + warmup_s * 1000
     for request in trace:
-        keys = request.block_keys(block_size)
+        keys = request.block_keys()
         if request.timestamp_ms >= counted_from_ms:
             run = 0
             while run < len(keys) and keys[run] in seen:
                 run += 1
-            hit += run * block_size
+            hit += run * BLOCK_TOKENS
             total += request.input_length
         seen.update(keys)
     return hit / total if total else 0.0

@@ -41,9 +41,9 @@ class TraceRequest:
     output_length: int
     hash_ids: tuple[int, ...]
 
-    def block_keys(self, block_size: int = BLOCK_TOKENS) -> tuple[int, ...]:
+    def block_keys(self) -> tuple[int, ...]:
         """Ids of the prompt's full blocks: the only ones a cache can hold."""
-        return self.hash_ids[: self.input_length // block_size]
+        return self.hash_ids[: self.input_length // BLOCK_TOKENS]
 
 
 def read_trace(path: Path) -> list[TraceRequest]:
@@ -153,8 +153,8 @@ def _geometric(rng: random.Random, mean: float, high: int) -> int:
     return min(high, 1 + int(math.log(1 - rng.random()) / math.log(1 - 1 / mean)))
 
 
-def _zipf_weights(n: int, s: float = 1.0) -> list[float]:
-    return [1 / (i + 1) ** s for i in range(n)]
+def _zipf_weights(n: int) -> list[float]:
+    return [1 / (i + 1) for i in range(n)]
 
 
 class TraceGenerator:
