@@ -35,6 +35,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, T
 
 from decode_worker.config import WorkerConfig
 from decode_worker.kv_receiver import KVReceiver
+from decode_worker.rank import DecodeRank
 from decode_worker.request_plane import RequestPlaneServer, RequestPlaneStats
 from decode_worker.requests import to_engine_request, to_response
 from engine.config import EngineConfig
@@ -94,13 +95,19 @@ class DecodeWorker(EngineReplica):
     """One engine replica behind Ray calls: generate (streaming), tokenize, status, kv_endpoint."""
 
     pool = "decode"
+    follower_class = DecodeRank
 
     def __init__(self, replica_id: str, engine_config: EngineConfig, worker_config: WorkerConfig) -> None:
         super().__init__(replica_id, engine_config, worker_config)
         self.config = worker_config
         self.receiver: KVReceiver | None = None
+        self.rank_endpoints: tuple[KVEndpoint, ...] = ()
+        """Every rank's endpoint, rank 0 first (transport metadata included): what prefill workers connect to."""
         if worker_config.kv_transport != "none":
             self.receiver = _build_receiver(replica_id, self.engine, worker_config.kv_transport)
+            opened = [f.open_kv.remote(worker_config.kv_transport, replica_id, self.engine.namespace) for f in self.tp_followers]
+            self.rank_endpoints = (self.receiver.endpoint, *ray.get(opened))
+        self._request_ranks = tuple(replace(e, transport_metadata=b"") for e in self.rank_endpoints) if self.tp_followers else ()
         self.transfers = TransferStats()
         self._cleanups: set[asyncio.Task] = set()
         self._prefill_peers: dict[str, object] = {}
@@ -234,8 +241,11 @@ class DecodeWorker(EngineReplica):
             num_prompt_tokens=len(slot.prompt_token_ids),
             first_block_index=slot.first_block,
             timeout_s=self.config.kv_transfer_timeout_s,
+            decode_ranks=self._request_ranks,
         )
-        landed = self.receiver.expect(transfer.notif)
+        wait_s = self.config.kv_transfer_timeout_s + _NOTIF_GRACE_S
+        rank_waits = [f.await_kv.remote(transfer.notif, wait_s) for f in self.tp_followers]
+        landed = asyncio.gather(self.receiver.expect(transfer.notif), *(asyncio.ensure_future(ref) for ref in rank_waits))
         ref = prefill.prefill.remote(transfer, list(slot.prompt_token_ids), _first_token_params(request.params), request.tenant_salt)
         answer = asyncio.ensure_future(ref)
         try:
@@ -245,13 +255,13 @@ class DecodeWorker(EngineReplica):
             recompute = self.config.remote_prefill_failure == "recompute"
             logger.warning("replica %s: %s (%s)", self.replica_id, failure, "recomputing here" if recompute else "failing the request")
             await self.loop.call(lambda engine: engine.unpark_remote(slot.request_id, recompute))
-            self._end_lease_when_over(slot.request_id, ref, answer, transfer.notif)
+            self._end_lease_when_over(slot.request_id, ref, answer, transfer.notif, rank_waits)
             if not recompute:
                 raise
             self.transfers.num_recomputed += 1
             return
         except BaseException:  # the caller went away (cancel, disconnect, deadline) mid hand-off
-            self._end_lease_when_over(slot.request_id, ref, answer, transfer.notif)
+            self._end_lease_when_over(slot.request_id, ref, answer, transfer.notif, rank_waits)
             raise
         self.transfers.num_blocks_received += len(slot.block_ids)
         self.transfers.num_bytes_received += result.num_bytes
@@ -288,7 +298,7 @@ class DecodeWorker(EngineReplica):
             ) from None
         return result
 
-    def _end_lease_when_over(self, request_id: str, ref, answer: asyncio.Future, notif: bytes) -> None:
+    def _end_lease_when_over(self, request_id: str, ref, answer: asyncio.Future, notif: bytes, rank_waits=()) -> None:
         """Release the lease on the hand-off's blocks once the prefill side can no longer write
         them: its call has returned, failed, been cancelled, or its process is gone."""
 
@@ -300,6 +310,8 @@ class DecodeWorker(EngineReplica):
             except (Exception, asyncio.CancelledError, TaskCancelledError):
                 pass  # over, whichever way it ended
             self.receiver.forget(notif)
+            for wait in rank_waits:
+                ray.cancel(wait)  # each rank forgets the hand-off
             await self.loop.call(lambda engine: engine.release_lease(request_id))
 
         self._in_background(end())
@@ -311,8 +323,12 @@ class DecodeWorker(EngineReplica):
         task.add_done_callback(self._cleanups.discard)
 
     async def kv_endpoint(self) -> KVEndpoint | None:
-        """Where prefill workers write this worker's KV; None when it takes no remote prefill."""
+        """Where prefill workers write this worker's KV (rank 0's pool); None when it takes no remote prefill."""
         return self.receiver.endpoint if self.receiver else None
+
+    async def kv_endpoints(self) -> tuple[KVEndpoint, ...]:
+        """Every rank's endpoint, rank 0 first; empty when it takes no remote prefill."""
+        return self.rank_endpoints
 
     async def transfer_stats(self) -> TransferStats:
         return self.transfer_stats_now()
@@ -351,6 +367,7 @@ class DecodeWorker(EngineReplica):
         self.request_plane_server.close()
         for task in list(self._cleanups):
             task.cancel()
+        await asyncio.gather(*(f.close_kv.remote() for f in self.tp_followers), return_exceptions=True)
         self.stop_engine()
         if self.receiver is not None:
             self.receiver.close()
@@ -380,14 +397,14 @@ def _build_receiver(replica_id: str, engine: LLMEngine, transport_name: str) -> 
     # and a peer that cached the old agent's pool address must never write into the new one.
     agent_name = f"{replica_id}-{uuid.uuid4().hex[:8]}"
     transport = transport_class(transport_name)(agent_name, engine.kv_cache.buffer)
-    layout = engine.kv_cache.layout
+    heads = engine.runner.model.shard.kv_heads
     endpoint = KVEndpoint(
         agent_name=agent_name,
         transport_metadata=transport.metadata(),
         namespace=engine.namespace,
-        layout=layout,
+        layout=engine.kv_cache.layout,
         num_blocks=engine.kv_cache.num_blocks,
-        head_start=0,
-        head_end=layout.num_kv_heads,
+        head_start=heads.start,
+        head_end=heads.stop,
     )
     return KVReceiver(transport, endpoint)

@@ -18,7 +18,7 @@ from engine.cpus import move_serving_threads
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStatsCollector, TierStatsCollector, serve_metrics
-from engine.parallel.follower import rank_fields
+from engine.parallel.follower import TPFollower, rank_fields
 from engine.parallel.ranks import TPEngineBuilder
 from kv_store.events import KVEventBatch, KVSnapshot
 from kv_store.keys import KeyNamespace
@@ -29,6 +29,8 @@ class EngineReplica:
 
     pool = ""
     """"prefill" or "decode"."""
+    follower_class: type = TPFollower
+    """What the follower ranks of a tensor-parallel replica run: the role's subclass of TPFollower."""
 
     def __init__(self, replica_id: str, engine_config: EngineConfig, config: WorkerProcessConfig) -> None:
         engine_cpus = config.engine_cpu_set
@@ -42,7 +44,7 @@ class EngineReplica:
         self.tp_node_ip = ""
         build = lambda: LLMEngine(engine_config, worker_id=replica_id)  # noqa: E731
         if engine_config.tp_size > 1:
-            build = TPEngineBuilder(engine_config, replica_id, num_cpus=config.tp_rank_cpus, num_threads=num_threads)
+            build = TPEngineBuilder(engine_config, replica_id, num_cpus=config.tp_rank_cpus, num_threads=num_threads, follower_class=self.follower_class)
             self.tp_followers = build.followers
             self.tp_node_ip = build.address.rpartition(":")[0]
         self.loop = EngineLoop(

@@ -86,6 +86,8 @@ class ModelRunner:
         self.tp = tp or TPGroup.single()
         self.block_size = kv_cache.layout.block_size
         self.dtype = model.embed_tokens.weight.dtype
+        self.num_runs = 0
+        """Steps this rank has run to the end, K/V written: every rank of a group counts the same steps."""
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> dict[Request, int]:
@@ -100,11 +102,9 @@ class ModelRunner:
 
     def follow(self) -> int:
         """Follower: run the leader's plans until it sends None; returns the number of steps run."""
-        steps = 0
         while (plan := self.tp.receive_plan()) is not None:
             self.run(plan)
-            steps += 1
-        return steps
+        return self.num_runs
 
     def stop_followers(self) -> None:
         """Leader: tell the other ranks that no step follows."""
@@ -136,9 +136,9 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), batch)
         block_ids = torch.tensor(slot_block_ids, dtype=torch.long)
         self.kv_cache.write(batch.new_k, batch.new_v, block_ids, position_t % self.block_size)
-        if not plan.sample_rows:
-            return None
-        return self.model.compute_logits(hidden[list(plan.sample_rows)])
+        logits = self.model.compute_logits(hidden[list(plan.sample_rows)]) if plan.sample_rows else None
+        self.num_runs += 1
+        return logits
 
     def _decode_groups(self, decodes: tuple[PlannedChunk, ...]) -> tuple[DecodeGroup, ...]:
         groups: list[list[tuple[int, PlannedChunk]]] = []

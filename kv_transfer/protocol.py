@@ -4,10 +4,15 @@
 
     decode worker                                       prefill worker
     allocate blocks for the uncached prompt blocks
-    TransferRequest(decode endpoint, block_ids)  ---->  check_compatible(own endpoint, request.decode)
-                                                        compute, quantize, one WRITE per rank
-    pop_notifs(): request.notif from each rank   <----  (the write's notification)
-    add the sequence to the running batch        <----  TransferResult(status, first token)
+    TransferRequest(decode endpoints, block_ids) ---->  check_compatible(own endpoint, each decode rank's)
+                                                        compute; each rank WRITEs the heads it ships
+    each rank: a notification from every writer  <----  (writer_notif(rank, n): n writers into that rank)
+    add the sequence to the running batch        <----  TransferResult(status, first token, rank writes)
+
+Between tensor-parallel replicas each decode rank receives its KV heads from the prefill ranks
+that hold them, and each head from exactly one of them (kv_transfer/handoff.py plans who
+writes what); a decode rank knows it has everything when it has a notification from each of
+the ``n`` writers its notifications name.
 
 No torch here: the router and the controller handle endpoints too.
 """
@@ -21,7 +26,7 @@ from kv_store.keys import KeyNamespace
 from kv_store.layout import KVBlockLayout
 from kv_transfer.errors import HandOffError, KVTransferError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped whenever a message below or the meaning of a notification changes."""
 
 _NOTIF_PREFIX = b"splitserve-kv/1/"
@@ -80,9 +85,9 @@ class KVEndpoint:
 def check_compatible(local: KVEndpoint, remote: KVEndpoint) -> None:
     """Raise HandOffError naming every field that keeps ``local`` and ``remote`` from exchanging blocks.
 
-    They must agree on the protocol version, the namespace (except the TP shard fields), the
-    layers and head width of a block; and one's heads must contain the other's (a prefill rank's
-    heads lie within the decode worker's).
+    They must agree on the protocol version, the namespace (model, weights, KV dtype, block size;
+    not the TP shard fields), and the layers and head width of a block. Which heads go where is
+    the hand-off plan's business (kv_transfer/handoff.py), not a pairwise check.
     """
     differing: dict[str, tuple[object, object]] = {}
     if local.protocol_version != remote.protocol_version:
@@ -93,12 +98,6 @@ def check_compatible(local: KVEndpoint, remote: KVEndpoint) -> None:
     for name in ("num_layers", "head_dim"):
         if getattr(local.layout, name) != getattr(remote.layout, name):
             differing[name] = (getattr(local.layout, name), getattr(remote.layout, name))
-    ours, theirs = local.heads, remote.heads
-    nested = (ours.start >= theirs.start and ours.stop <= theirs.stop) or (
-        theirs.start >= ours.start and theirs.stop <= ours.stop
-    )
-    if not nested:
-        differing["heads"] = (f"[{ours.start}, {ours.stop})", f"[{theirs.start}, {theirs.stop})")
     if differing:
         parts = ", ".join(f"{name}: local={a!r} vs remote={b!r}" for name, (a, b) in differing.items())
         raise HandOffError(
@@ -119,8 +118,9 @@ class TransferRequest:
     request_id: str
     """The hand-off's id: unique among the hand-offs in flight (a request re-submitted gets a new one)."""
     decode: KVEndpoint
-    """The decode worker's endpoint, for the compatibility check; its transport metadata reached
-    the prefill worker before, through the controller (``add_kv_peers``), and is not repeated here."""
+    """The decode worker's endpoint (its leader rank's), for the compatibility check; its transport
+    metadata reached the prefill worker before, through the controller (``add_kv_peers``), and is
+    not repeated here."""
     block_ids: tuple[int, ...]
     """Decode pool block ids to fill, in prompt order."""
     num_prompt_tokens: int
@@ -131,9 +131,15 @@ class TransferRequest:
     """Time allowed, from the prefill worker's receipt of the request, until the write completes."""
     protocol_version: int = PROTOCOL_VERSION
     """Hand-off protocol spoken by the decode worker."""
+    decode_ranks: tuple[KVEndpoint, ...] = ()
+    """Every rank's endpoint of a tensor-parallel decode replica, rank 0 (``decode``) first; empty
+    for a replica of one rank. Every rank's pool has the same blocks: ``block_ids`` name them in each."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
+        object.__setattr__(self, "decode_ranks", tuple(self.decode_ranks))
+        if self.decode_ranks and self.decode_ranks[0].agent_name != self.decode.agent_name:
+            raise ValueError("decode_ranks: must start with the decode endpoint (rank 0)")
         if not self.request_id:
             raise ValueError("request_id: must not be empty")
         if self.num_prompt_tokens < 1:
@@ -167,17 +173,40 @@ class TransferRequest:
         return range(self.first_block_index, self.num_prompt_blocks)
 
     @property
-    def heads(self) -> range:
-        return self.decode.heads
+    def decode_endpoints(self) -> tuple[KVEndpoint, ...]:
+        """The decode replica's rank endpoints, rank 0 first."""
+        return self.decode_ranks or (self.decode,)
 
     @property
     def notif(self) -> bytes:
-        """The notification each prefill rank's write carries; the decode worker waits for it."""
+        """The hand-off's notification; each writer sends it with its rank appended (``writer_notif``)."""
         return _NOTIF_PREFIX + self.request_id.encode()
+
+    def writer_notif(self, writer_rank: int, num_writers: int) -> bytes:
+        """What prefill rank ``writer_rank``'s write carries into a decode rank that ``num_writers`` ranks write."""
+        return self.notif + f"{_WRITER_SEP}{writer_rank}/{num_writers}".encode()
+
+
+_WRITER_SEP = "|"
+
+
+def parse_notif(notif: bytes) -> tuple[bytes, int, int]:
+    """``(hand-off notification, writer rank, number of writers)`` of a writer's notification;
+    KVTransferError if it is not one."""
+    base, sep, writer = notif.rpartition(_WRITER_SEP.encode())
+    try:
+        rank, num_writers = (int(x) for x in writer.split(b"/"))
+    except ValueError:
+        rank, num_writers = -1, 0
+    if not sep or not base.startswith(_NOTIF_PREFIX) or len(base) == len(_NOTIF_PREFIX) or not 0 <= rank < num_writers:
+        raise KVTransferError(f"notification {notif[:64]!r} is not a splitserve KV hand-off notification")
+    return base, rank, num_writers
 
 
 def request_id_of(notif: bytes) -> str:
-    """The request id a notification (TransferRequest.notif) belongs to; KVTransferError if it is not one."""
+    """The request id a notification (TransferRequest.notif or a writer's) belongs to; KVTransferError if it is not one."""
+    if _WRITER_SEP.encode() in notif:
+        notif = parse_notif(notif)[0]
     if not notif.startswith(_NOTIF_PREFIX) or len(notif) == len(_NOTIF_PREFIX):
         raise KVTransferError(f"notification {notif[:64]!r} is not a splitserve KV hand-off notification")
     return notif[len(_NOTIF_PREFIX) :].decode()
@@ -189,6 +218,19 @@ class TransferStatus(str, Enum):
     DONE = "done"
     FAILED = "failed"
     TIMED_OUT = "timed_out"
+
+
+@dataclass(frozen=True)
+class RankWrite:
+    """One prefill rank's WRITE into one decode rank's pool during a hand-off."""
+
+    prefill_rank: int
+    decode_rank: int
+    head_start: int
+    """First model KV head written."""
+    head_end: int
+    num_blocks: int
+    num_bytes: int
 
 
 @dataclass(frozen=True)
@@ -211,6 +253,8 @@ class TransferResult:
     """Seconds from posting the write to its completion."""
     error: str = ""
     """Why the hand-off did not complete; empty when DONE."""
+    rank_writes: tuple[RankWrite, ...] = ()
+    """Which prefill rank wrote which KV heads into which decode rank, and how much."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", TransferStatus(self.status))

@@ -24,6 +24,8 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
+import ray
+from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 
 from engine.config import EngineConfig
 from engine.engine_loop import AdmissionQueueFull, EngineLoopFailed
@@ -34,15 +36,15 @@ from engine.params import SamplingParams
 from engine.replica import EngineReplica
 from engine.request import EngineRequest
 from kv_transfer.errors import HandOffError, KVTransferError
-from kv_transfer.nixl_transport import TransferState
+from kv_transfer.handoff import plan_head_writes, write_rank
 from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult, TransferStatus, check_compatible
 from kv_transfer.registry import transport_class
 from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.rank import PrefillRank
 from proto import splitserve_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.0002
 _GAUGES = frozenset({"num_open_leases", "num_open_handles"})
 
 
@@ -81,6 +83,7 @@ class PrefillWorker(EngineReplica):
     """Computes prompts and writes their KV blocks into decode workers' pools."""
 
     pool = "prefill"
+    follower_class = PrefillRank
 
     def __init__(self, replica_id: str, engine_config: EngineConfig, config: PrefillWorkerConfig) -> None:
         super().__init__(replica_id, engine_config, config)
@@ -88,15 +91,19 @@ class PrefillWorker(EngineReplica):
         agent_name = f"{replica_id}-{uuid.uuid4().hex[:8]}"
         self.transport = transport_class(config.kv_transport)(agent_name, self.engine.kv_cache.buffer)
         layout = self.engine.kv_cache.layout
+        heads = self.engine.runner.model.shard.kv_heads
         self.endpoint = KVEndpoint(
             agent_name=agent_name,
             transport_metadata=self.transport.metadata(),
             namespace=self.engine.namespace,
             layout=layout,
             num_blocks=self.engine.kv_cache.num_blocks,
-            head_start=0,
-            head_end=layout.num_kv_heads,
+            head_start=heads.start,
+            head_end=heads.stop,
         )
+        opened = [f.open_kv.remote(config.kv_transport, replica_id, self.engine.namespace) for f in self.tp_followers]
+        self.rank_endpoints: tuple[KVEndpoint, ...] = (self.endpoint, *ray.get(opened))
+        """Every rank's endpoint, rank 0 first: which KV heads each holds."""
         self.stats = PrefillStats()
         self.faults = FaultPlan()
         self.serve_metrics(CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, self.metrics_labels, _GAUGES))
@@ -108,7 +115,9 @@ class PrefillWorker(EngineReplica):
         self.stats.num_prefills += 1
         request_id = transfer.request_id
         try:
-            check_compatible(self.endpoint, transfer.decode)
+            for decode in transfer.decode_endpoints:
+                check_compatible(self.endpoint, decode)
+            plan = plan_head_writes([e.heads for e in self.rank_endpoints], [e.heads for e in transfer.decode_endpoints])
             if len(prompt_token_ids) != transfer.num_prompt_tokens:
                 raise KVTransferError(
                     f"prompt_token_ids: {len(prompt_token_ids)} tokens, the transfer request says {transfer.num_prompt_tokens}"
@@ -117,7 +126,7 @@ class PrefillWorker(EngineReplica):
             self.stats.num_refused += isinstance(e, HandOffError)
             return self._failed(request_id, TransferStatus.FAILED, str(e))
         try:
-            return await self._prefill_and_write(transfer, prompt_token_ids, params, tenant_salt)
+            return await self._prefill_and_write(transfer, plan, prompt_token_ids, params, tenant_salt)
         except (KVTransferError, InvalidRequestError, AdmissionQueueFull, EngineLoopFailed) as e:
             return self._failed(request_id, TransferStatus.FAILED, f"{type(e).__name__}: {e}")
         except asyncio.CancelledError:
@@ -127,7 +136,7 @@ class PrefillWorker(EngineReplica):
             if self.loop.alive:
                 await self.loop.call(lambda engine: engine.release_lease(request_id))
 
-    async def _prefill_and_write(self, transfer: TransferRequest, prompt_token_ids, params, tenant_salt) -> TransferResult:
+    async def _prefill_and_write(self, transfer: TransferRequest, plan, prompt_token_ids, params, tenant_salt) -> TransferResult:
         request_id = transfer.request_id
         deadline = time.monotonic() + transfer.timeout_s
 
@@ -136,35 +145,58 @@ class PrefillWorker(EngineReplica):
 
         async for _ in self.loop.generate(EngineRequest(request_id, list(prompt_token_ids), None, params, tenant_salt), admit):
             pass  # the admission, then the one output that finishes it
-        done = await self.loop.call(lambda engine: engine.take_prefilled(request_id))
+        done, num_runs = await self.loop.call(lambda engine: (engine.take_prefilled(request_id), engine.runner.num_runs))
         await self._apply_faults(request_id)
         if time.monotonic() > deadline:  # the decode worker has given up: write nothing into its pool
             return self._failed(request_id, TransferStatus.TIMED_OUT, f"prompt not computed within {transfer.timeout_s} s")
-        peer = transfer.decode.agent_name
-        if not self.transport.has_peer(peer):
-            raise KVTransferError(f"decode agent {peer!r} is unknown here: its endpoint never reached this worker (add_kv_peers)")
+        for w in plan:
+            peer = transfer.decode_endpoints[w.decode_rank].agent_name
+            if w.prefill_rank == 0 and not self.transport.has_peer(peer):
+                raise KVTransferError(f"decode agent {peer!r} is unknown here: its endpoint never reached this worker (add_kv_peers)")
         source = done.block_ids[transfer.first_block_index :]
         started = time.perf_counter()
-        handle = self.transport.write_blocks(peer, source, transfer.block_ids, transfer.notif)
         try:
-            while handle.poll() is TransferState.PROC:
-                if time.monotonic() > deadline:
-                    return self._failed(request_id, TransferStatus.TIMED_OUT, f"write not done within {transfer.timeout_s} s")
-                await asyncio.sleep(_POLL_S)
-        finally:
-            handle.release()  # aborts a write still in flight: after this nothing lands in the decode pool
+            writes = await self._write_all_ranks(transfer, plan, source, num_runs, deadline)
+        except KVTransferError as e:
+            status = TransferStatus.TIMED_OUT if time.monotonic() > deadline else TransferStatus.FAILED
+            return self._failed(request_id, status, str(e))
+        num_bytes = sum(w.num_bytes for w in writes)
         self.stats.num_done += 1
         self.stats.num_blocks_sent += len(source)
-        self.stats.num_bytes_sent += handle.num_bytes
+        self.stats.num_bytes_sent += num_bytes
         return TransferResult(
             request_id=request_id,
             status=TransferStatus.DONE,
             block_ids=transfer.block_ids,
             first_token_id=done.first_token,
             num_cached_tokens=done.num_cached_tokens,
-            num_bytes=handle.num_bytes,
+            num_bytes=num_bytes,
             transfer_s=time.perf_counter() - started,
+            rank_writes=writes,
         )
+
+    async def _write_all_ranks(self, transfer: TransferRequest, plan, source, num_runs: int, deadline: float) -> tuple:
+        """Every rank posts its own writes at once; returns once all are done, or raises once
+        none can land any more (a rank that is cancelled or fails releases its writes)."""
+        remaining = max(0.0, deadline - time.monotonic())
+        refs = [
+            f.write_kv.remote(transfer, [w for w in plan if w.prefill_rank == rank], source, num_runs, remaining)
+            for rank, f in enumerate(self.tp_followers, start=1)
+            if any(w.prefill_rank == rank for w in plan)
+        ]
+        followers = [asyncio.ensure_future(ref) for ref in refs]
+        own = asyncio.ensure_future(write_rank(self.transport, transfer, [w for w in plan if w.prefill_rank == 0], self.endpoint, source, deadline))
+        try:
+            results = await asyncio.gather(own, *followers)
+        except BaseException as e:
+            for ref in refs:
+                ray.cancel(ref)
+            own.cancel()
+            await asyncio.gather(own, *followers, return_exceptions=True)  # every write released before this returns
+            if isinstance(e, (RayTaskError, RayActorError, TaskCancelledError)):
+                raise KVTransferError(f"a rank's write failed: {getattr(e, 'cause', None) or e}") from e
+            raise
+        return tuple(w for rank_writes in results for w in rank_writes)
 
     async def _apply_faults(self, request_id: str) -> None:
         if self.faults.delay_s:
@@ -179,14 +211,21 @@ class PrefillWorker(EngineReplica):
         return TransferResult(request_id=request_id, status=status, error=error)
 
     async def add_kv_peers(self, endpoints: list[KVEndpoint]) -> None:
-        """Connect to decode workers' pools (their endpoints, as published through the controller)."""
+        """Connect every rank to decode workers' pools (their ranks' endpoints, as published through the controller)."""
         for endpoint in endpoints:
             self.transport.add_peer(endpoint.transport_metadata)
+        await asyncio.gather(*(f.add_kv_peers.remote(endpoints) for f in self.tp_followers))
+
+    async def remove_kv_peers(self, agent_names: list[str]) -> None:
+        """Forget the ranks of a decode worker that left the cluster."""
+        for name in agent_names:
+            if self.transport.has_peer(name):
+                self.transport.remove_peer(name)
+        await asyncio.gather(*(f.remove_kv_peers.remote(agent_names) for f in self.tp_followers), return_exceptions=True)
 
     async def remove_kv_peer(self, agent_name: str) -> None:
-        """Forget a decode worker that left the cluster."""
-        if self.transport.has_peer(agent_name):
-            self.transport.remove_peer(agent_name)
+        """Forget one decode agent (``remove_kv_peers`` of one name)."""
+        await self.remove_kv_peers([agent_name])
 
     async def inject_faults(self, fail_next: int = 0, delay_s: float = 0.0) -> None:
         """Make the next ``fail_next`` hand-offs fail and every hand-off wait ``delay_s`` before
@@ -195,6 +234,10 @@ class PrefillWorker(EngineReplica):
 
     async def kv_endpoint(self) -> KVEndpoint:
         return self.endpoint
+
+    async def kv_endpoints(self) -> tuple[KVEndpoint, ...]:
+        """Every rank's endpoint, rank 0 first."""
+        return self.rank_endpoints
 
     async def transfer_stats(self) -> PrefillStats:
         return self.transfer_stats_now()
@@ -209,5 +252,6 @@ class PrefillWorker(EngineReplica):
         return pb.ReplicaStatus(**await self.status_fields())
 
     async def shutdown(self) -> None:
+        await asyncio.gather(*(f.close_kv.remote() for f in self.tp_followers), return_exceptions=True)
         self.stop_engine()
         self.transport.close()

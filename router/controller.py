@@ -145,8 +145,8 @@ class _State:
     replicas: dict[str, _Replica] = field(default_factory=dict)
     pools: dict[str, _Pool] = field(default_factory=lambda: {pool: _Pool() for pool in POOLS})
     routers: dict[str, pb.RouterStatus] = field(default_factory=dict)
-    kv_endpoints: dict[str, object] = field(default_factory=dict)
-    """Decode replica id -> its KV endpoint (transport metadata included), as the worker published it."""
+    kv_endpoints: dict[str, tuple] = field(default_factory=dict)
+    """Decode replica id -> its ranks' KV endpoints (transport metadata included), as the worker published them."""
 
     def members(self, pool: str) -> list[str]:
         """Ids of the replicas of ``pool`` in the map, oldest first."""
@@ -282,14 +282,14 @@ class ClusterController:
         if pool == "decode":
             await handle.request_plane.remote()  # starts listening now: a port it cannot bind fails the start, not a request
             prefill = {rid: r.handle for rid, r in self._state.replicas.items() if r.status.pool == "prefill"}
-            endpoint = await handle.kv_endpoint.remote()
-            if endpoint is None:
+            endpoints = await handle.kv_endpoints.remote()
+            if not endpoints:
                 return  # this decode replica takes no remote prefill
-            self._state.kv_endpoints[replica_id] = endpoint
+            self._state.kv_endpoints[replica_id] = endpoints
             await handle.add_prefill_peers.remote(prefill)
-            await asyncio.gather(*(p.add_kv_peers.remote([endpoint]) for p in prefill.values()), return_exceptions=True)
+            await asyncio.gather(*(p.add_kv_peers.remote(list(endpoints)) for p in prefill.values()), return_exceptions=True)
         else:
-            await handle.add_kv_peers.remote(list(self._state.kv_endpoints.values()))
+            await handle.add_kv_peers.remote([e for endpoints in self._state.kv_endpoints.values() for e in endpoints])
             decode = [self._state.replicas[rid].handle for rid in self._state.kv_endpoints if rid in self._state.replicas]
             await asyncio.gather(*(d.add_prefill_peers.remote({replica_id: handle}) for d in decode), return_exceptions=True)
 
@@ -298,10 +298,11 @@ class ClusterController:
         replica = self._state.replicas.pop(replica_id, None)
         if replica is None:
             return False
-        endpoint = self._state.kv_endpoints.pop(replica_id, None)
-        if endpoint is not None:
+        endpoints = self._state.kv_endpoints.pop(replica_id, None)
+        if endpoints:
             prefill = [r.handle for r in self._state.replicas.values() if r.status.pool == "prefill"]
-            await asyncio.gather(*(p.remove_kv_peer.remote(endpoint.agent_name) for p in prefill), return_exceptions=True)
+            names = [e.agent_name for e in endpoints]
+            await asyncio.gather(*(p.remove_kv_peers.remote(names) for p in prefill), return_exceptions=True)
         if replica.status.pool == "prefill":
             decode = [self._state.replicas[rid].handle for rid in self._state.kv_endpoints if rid in self._state.replicas]
             await asyncio.gather(*(d.remove_prefill_peer.remote(replica_id) for d in decode), return_exceptions=True)

@@ -31,7 +31,6 @@ class TPFollower:
         self.rank = rank
         self.node_ip = address.rpartition(":")[0]
         self.runner: ModelRunner | None = None
-        self.num_steps = 0
         self.failure: BaseException | None = None
         self._built = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(address, num_threads), name=f"tp-rank-{rank}", daemon=True)
@@ -55,7 +54,7 @@ class TPFollower:
         finally:
             self._built.set()
         try:
-            self.num_steps = self.runner.follow()
+            self.runner.follow()
         except BaseException as e:  # the leader sees the broken collective; keep the reason for info()
             self.failure = e
         finally:
@@ -67,7 +66,7 @@ class TPFollower:
         return dict(
             rank_fields(self.rank, model, self.node_ip, alive=self._thread.is_alive()),
             failure=repr(self.failure) if self.failure else "",
-            num_steps=self.num_steps,
+            num_steps=self.runner.num_runs,
             num_kv_blocks=self.runner.kv_cache.num_blocks,
         )
 

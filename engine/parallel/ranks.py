@@ -22,10 +22,13 @@ def rendezvous_address() -> str:
     return free_address(ray.util.get_node_ip_address())
 
 
-def start_followers(config: EngineConfig, address: str, replica_id: str, *, num_cpus: float, num_gpus: float = 0.0, num_threads: int = 1) -> list:
-    """Ranks 1 .. tp_size-1 of the replica whose leader listens at ``address``, in the leader's placement group."""
+def start_followers(
+    config: EngineConfig, address: str, *, num_cpus: float, num_gpus: float = 0.0, num_threads: int = 1, follower_class: type = TPFollower
+) -> list:
+    """Ranks 1 .. tp_size-1 of the replica whose leader listens at ``address``, in the leader's
+    placement group. ``follower_class`` is TPFollower or a worker role's subclass of it."""
     group = ray.util.get_current_placement_group()
-    actor = ray.remote(TPFollower)
+    actor = ray.remote(follower_class)
     followers = []
     for rank in range(1, config.tp_size):
         strategy = None
@@ -36,7 +39,7 @@ def start_followers(config: EngineConfig, address: str, replica_id: str, *, num_
                 num_cpus=num_cpus,
                 num_gpus=num_gpus,
                 max_restarts=0,
-                max_concurrency=4,
+                max_concurrency=1000,
                 scheduling_strategy=strategy,
             ).remote(config, rank, address, num_threads)
         )
@@ -50,11 +53,15 @@ class TPEngineBuilder:
     group there and the followers' loads run meanwhile.
     """
 
-    def __init__(self, config: EngineConfig, replica_id: str, *, num_cpus: float, num_gpus: float = 0.0, num_threads: int = 1) -> None:
+    def __init__(
+        self, config: EngineConfig, replica_id: str, *, num_cpus: float, num_gpus: float = 0.0, num_threads: int = 1, follower_class: type = TPFollower
+    ) -> None:
         self.config = config
         self.replica_id = replica_id
         self.address = rendezvous_address()
-        self.followers = start_followers(config, self.address, replica_id, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=num_threads)
+        self.followers = start_followers(
+            config, self.address, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=num_threads, follower_class=follower_class
+        )
 
     def __call__(self) -> LLMEngine:
         tp = TPGroup.join(0, self.config.tp_size, self.address, collective_timeout_s=self.config.tp_collective_timeout_s)

@@ -18,6 +18,7 @@ from kv_transfer.protocol import (
     TransferResult,
     TransferStatus,
     check_compatible,
+    parse_notif,
     request_id_of,
 )
 from kv_transfer.registry import transport_class
@@ -67,11 +68,26 @@ def test_every_differing_field_is_named():
     assert "block_size: local=16 vs remote=32" in message
 
 
-def test_heads_that_do_not_nest_are_refused():
-    with pytest.raises(HandOffError, match=r"heads: local='\[0, 2\)' vs remote='\[1, 3\)'") as caught:
-        check_compatible(_endpoint(heads=(0, 2)), _endpoint("p", heads=(1, 3)))
-    assert set(caught.value.differing) == {"heads"}
-    assert isinstance(caught.value, KVTransferError)
+def test_ranks_with_different_heads_are_compatible_and_the_plan_places_heads():
+    check_compatible(_endpoint(heads=(0, 2), tp=(3, 0)), _endpoint("p", heads=(1, 3), tp=(3, 1)))  # heads are the plan's business
+
+
+def test_writer_notifications_name_the_rank_and_the_number_of_writers():
+    request = TransferRequest(request_id="req-1", decode=_endpoint(), block_ids=(3,), num_prompt_tokens=5)
+    notif = request.writer_notif(2, 3)
+    assert parse_notif(notif) == (request.notif, 2, 3)
+    assert request_id_of(notif) == "req-1"
+    for bad in (request.notif + b"|3/3", request.notif + b"|x/2", b"other|0/1"):
+        with pytest.raises(KVTransferError, match="not a splitserve KV hand-off notification"):
+            parse_notif(bad)
+
+
+def test_decode_ranks_start_with_the_decode_endpoint():
+    rank0, rank1 = _endpoint("d-0", heads=(0, 1), tp=(2, 0)), _endpoint("d-1", heads=(1, 2), tp=(2, 1))
+    request = TransferRequest(request_id="r", decode=rank0, block_ids=(1,), num_prompt_tokens=3, decode_ranks=(rank0, rank1))
+    assert request.decode_endpoints == (rank0, rank1)
+    with pytest.raises(ValueError, match="decode_ranks: must start with the decode endpoint"):
+        replace(request, decode_ranks=(rank1, rank0))
 
 
 def test_endpoint_validation():
@@ -88,7 +104,7 @@ def test_request_maps_blocks_to_the_prompt_tail():
     assert request.block_ids == (7, 3, 9)
     assert request.num_prompt_blocks == 5  # 4 full blocks of 16 and one of 6 tokens
     assert request.prompt_block_indices == range(2, 5)
-    assert request.heads == range(0, 2)
+    assert request.decode_endpoints[0].heads == range(0, 2)
     assert request_id_of(request.notif) == "req-1"
 
 

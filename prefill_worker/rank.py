@@ -1,0 +1,75 @@
+"""A follower rank of a tensor-parallel prefill replica: it writes the KV heads it holds straight
+into the decode ranks that need them (kv_transfer/handoff.py plans who writes what).
+
+The leader (PrefillWorker, rank 0) computes a prompt with every rank in lockstep, then asks each
+rank to post its own writes (``write_kv``) while it posts its own; nothing is gathered on the
+leader. A rank first waits until it has run the step that finished the prompt, since it may
+still be writing that step's K/V into its pool when the leader already has the token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import replace
+
+from engine.parallel.follower import TPFollower
+from kv_store.keys import KeyNamespace
+from kv_transfer.errors import KVTransferError
+from kv_transfer.handoff import HeadWrite, write_rank
+from kv_transfer.protocol import KVEndpoint, RankWrite, TransferRequest
+from kv_transfer.registry import transport_class
+
+_POLL_S = 0.0005
+
+
+class PrefillRank(TPFollower):
+    transport = None
+    endpoint: KVEndpoint | None = None
+
+    async def open_kv(self, transport_name: str, replica_id: str, namespace: KeyNamespace) -> KVEndpoint:
+        """Register this rank's pool with a transport agent of its own; its endpoint."""
+        kv_cache = self.runner.kv_cache
+        heads = self.runner.model.shard.kv_heads
+        agent_name = f"{replica_id}-rank{self.rank}-{uuid.uuid4().hex[:8]}"
+        self.transport = transport_class(transport_name)(agent_name, kv_cache.buffer)
+        self.endpoint = KVEndpoint(
+            agent_name=agent_name,
+            transport_metadata=self.transport.metadata(),
+            namespace=replace(namespace, tp_rank=self.rank),
+            layout=kv_cache.layout,
+            num_blocks=kv_cache.num_blocks,
+            head_start=heads.start,
+            head_end=heads.stop,
+        )
+        return self.endpoint
+
+    async def add_kv_peers(self, endpoints: Sequence[KVEndpoint]) -> None:
+        for endpoint in endpoints:
+            self.transport.add_peer(endpoint.transport_metadata)
+
+    async def remove_kv_peers(self, agent_names: Sequence[str]) -> None:
+        for name in agent_names:
+            if self.transport.has_peer(name):
+                self.transport.remove_peer(name)
+
+    async def write_kv(
+        self, transfer: TransferRequest, writes: Sequence[HeadWrite], local_block_ids: Sequence[int], after_runs: int, timeout_s: float
+    ) -> tuple[RankWrite, ...]:
+        """Post this rank's ``writes`` of ``local_block_ids`` once it has run ``after_runs`` steps;
+        KVTransferError if that or the writes take longer than ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.runner.num_runs < after_runs:
+            if time.monotonic() > deadline or not self.alive():
+                raise KVTransferError(f"rank {self.rank}: step {after_runs} not run within {timeout_s:.1f} s")
+            await asyncio.sleep(_POLL_S)
+        return await write_rank(self.transport, transfer, writes, self.endpoint, local_block_ids, deadline)
+
+    async def num_open_handles(self) -> int:
+        return self.transport.num_open_handles() if self.transport else 0
+
+    async def close_kv(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
