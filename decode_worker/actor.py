@@ -246,6 +246,7 @@ class DecodeWorker(EngineReplica):
         wait_s = self.config.kv_transfer_timeout_s + _NOTIF_GRACE_S
         rank_waits = [f.await_kv.remote(transfer.notif, wait_s) for f in self.tp_followers]
         landed = asyncio.gather(self.receiver.expect(transfer.notif), *(asyncio.ensure_future(ref) for ref in rank_waits))
+        landed.add_done_callback(lambda f: f.cancelled() or f.exception())  # a hand-off given up: its ranks' waits end cancelled, unread
         ref = prefill.prefill.remote(transfer, list(slot.prompt_token_ids), _first_token_params(request.params), request.tenant_salt)
         answer = asyncio.ensure_future(ref)
         try:

@@ -140,3 +140,36 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> str:
     """Start the Prometheus HTTP endpoint on a daemon thread; returns its URL."""
     server, _ = start_http_server(port, addr=host, registry=registry)
     return f"http://{host}:{server.server_port}/metrics"
+
+
+class KeyedCounterCollector(Collector):
+    """One counter whose samples are the entries of a ``{key tuple: value}`` snapshot, the key
+    parts as labels named ``keys`` (e.g. bytes per (tp_rank, decode_rank) pair)."""
+
+    def __init__(self, name: str, doc: str, snapshot: Callable[[], dict[tuple, float]], labels: dict[str, str], keys: tuple[str, ...]) -> None:
+        self._name, self._doc, self._snapshot, self._labels, self._keys = name, doc, snapshot, labels, keys
+
+    def collect(self) -> Iterator:
+        family = CounterMetricFamily(self._name, self._doc, labels=list(self._labels) + list(self._keys))
+        for key, value in sorted(self._snapshot().items()):
+            family.add_metric(list(self._labels.values()) + [str(k) for k in key], value)
+        yield family
+
+
+class TPRankCollector(Collector):
+    """Per rank of a tensor-parallel replica: whether it is up and the parameter bytes it holds,
+    as of the replica's last status probe (``tp_rank`` label)."""
+
+    def __init__(self, ranks: Callable[[], list[dict]], labels: dict[str, str]) -> None:
+        self._ranks = ranks
+        self._labels = labels
+
+    def collect(self) -> Iterator:
+        names, values = list(self._labels) + ["tp_rank"], list(self._labels.values())
+        up = GaugeMetricFamily("splitserve_tp_rank_up", "1 while the rank's process answers and its step loop runs.", labels=names)
+        params = GaugeMetricFamily("splitserve_tp_rank_parameter_bytes", "Bytes of model parameters the rank holds.", labels=names)
+        for rank in self._ranks():
+            up.add_metric(values + [str(rank["rank"])], 1.0 if rank["alive"] else 0.0)
+            params.add_metric(values + [str(rank["rank"])], rank.get("param_bytes", 0))
+        yield up
+        yield params

@@ -17,7 +17,7 @@ from engine.config import EngineConfig, WorkerProcessConfig
 from engine.cpus import move_serving_threads
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
-from engine.metrics import EngineStatsCollector, TierStatsCollector, serve_metrics
+from engine.metrics import EngineStatsCollector, TierStatsCollector, TPRankCollector, serve_metrics
 from engine.parallel.follower import TPFollower, rank_fields
 from engine.parallel.ranks import TPEngineBuilder
 from kv_store.events import KVEventBatch, KVSnapshot
@@ -59,12 +59,15 @@ class EngineReplica:
         self.metrics_labels = {"replica": replica_id, "pool": self.pool}
         self.metrics_url = ""
         self._metrics_config = config
+        self._tp_ranks: list[dict] = []
+        """Each rank's fields as of the last status probe (for metrics)."""
 
     def serve_metrics(self, *collectors: Collector) -> None:
         """Start the Prometheus endpoint: engine and tier metrics plus the role's ``collectors``."""
         registry = CollectorRegistry()
         registry.register(EngineStatsCollector(lambda: self.loop.stats, self.metrics_labels))
         registry.register(TierStatsCollector(self.engine.kv_store, self.metrics_labels))
+        registry.register(TPRankCollector(lambda: self._tp_ranks, self.metrics_labels))
         for collector in collectors:
             registry.register(collector)
         self.metrics_url = serve_metrics(registry, self._metrics_config.metrics_host, self._metrics_config.metrics_port)
@@ -106,6 +109,7 @@ class EngineReplica:
             else:
                 call.cancel()
                 ranks.append(dict(rank=rank, node_ip=self.tp_node_ip, alive=False))
+        self._tp_ranks = ranks
         return ranks
 
     async def status_fields(self) -> dict:

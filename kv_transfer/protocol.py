@@ -198,7 +198,7 @@ def parse_notif(notif: bytes) -> tuple[bytes, int, int]:
         rank, num_writers = (int(x) for x in writer.split(b"/"))
     except ValueError:
         rank, num_writers = -1, 0
-    if not sep or not base.startswith(_NOTIF_PREFIX) or len(base) == len(_NOTIF_PREFIX) or not 0 <= rank < num_writers:
+    if not sep or not base.startswith(_NOTIF_PREFIX) or len(base) == len(_NOTIF_PREFIX) or rank < 0 or num_writers < 1:
         raise KVTransferError(f"notification {notif[:64]!r} is not a splitserve KV hand-off notification")
     return base, rank, num_writers
 

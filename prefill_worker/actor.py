@@ -31,7 +31,7 @@ from engine.config import EngineConfig
 from engine.engine_loop import AdmissionQueueFull, EngineLoopFailed
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
-from engine.metrics import CountersCollector
+from engine.metrics import CountersCollector, KeyedCounterCollector
 from engine.params import SamplingParams
 from engine.replica import EngineReplica
 from engine.request import EngineRequest
@@ -105,8 +105,16 @@ class PrefillWorker(EngineReplica):
         self.rank_endpoints: tuple[KVEndpoint, ...] = (self.endpoint, *ray.get(opened))
         """Every rank's endpoint, rank 0 first: which KV heads each holds."""
         self.stats = PrefillStats()
+        self.rank_bytes: dict[tuple[int, int], int] = {}
+        """Bytes written per (prefill rank, decode rank) pair, over every hand-off."""
         self.faults = FaultPlan()
-        self.serve_metrics(CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, self.metrics_labels, _GAUGES))
+        self.serve_metrics(
+            CountersCollector("splitserve_kv_handoff", self.transfer_stats_now, self.metrics_labels, _GAUGES),
+            KeyedCounterCollector(
+                "splitserve_kv_handoff_rank_bytes", "Bytes of KV this prefill rank wrote into that decode rank.",
+                lambda: dict(self.rank_bytes), self.metrics_labels, ("tp_rank", "decode_rank"),
+            ),
+        )
 
     async def prefill(
         self, transfer: TransferRequest, prompt_token_ids: list[int], params: SamplingParams, tenant_salt: str | None = None
@@ -161,6 +169,9 @@ class PrefillWorker(EngineReplica):
             status = TransferStatus.TIMED_OUT if time.monotonic() > deadline else TransferStatus.FAILED
             return self._failed(request_id, status, str(e))
         num_bytes = sum(w.num_bytes for w in writes)
+        for w in writes:
+            pair = (w.prefill_rank, w.decode_rank)
+            self.rank_bytes[pair] = self.rank_bytes.get(pair, 0) + w.num_bytes
         self.stats.num_done += 1
         self.stats.num_blocks_sent += len(source)
         self.stats.num_bytes_sent += num_bytes
@@ -241,6 +252,10 @@ class PrefillWorker(EngineReplica):
 
     async def transfer_stats(self) -> PrefillStats:
         return self.transfer_stats_now()
+
+    async def rank_bytes_sent(self) -> dict[tuple[int, int], int]:
+        """Bytes written per (prefill rank, decode rank) pair since start."""
+        return dict(self.rank_bytes)
 
     def transfer_stats_now(self) -> PrefillStats:
         return replace(self.stats, num_open_leases=self.loop.stats.num_leases, num_open_handles=self.transport.num_open_handles())

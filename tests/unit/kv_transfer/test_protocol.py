@@ -76,8 +76,9 @@ def test_writer_notifications_name_the_rank_and_the_number_of_writers():
     request = TransferRequest(request_id="req-1", decode=_endpoint(), block_ids=(3,), num_prompt_tokens=5)
     notif = request.writer_notif(2, 3)
     assert parse_notif(notif) == (request.notif, 2, 3)
+    assert parse_notif(request.writer_notif(1, 1)) == (request.notif, 1, 1)  # the only writer into a rank may be prefill rank 1
     assert request_id_of(notif) == "req-1"
-    for bad in (request.notif + b"|3/3", request.notif + b"|x/2", b"other|0/1"):
+    for bad in (request.notif + b"|3/0", request.notif + b"|x/2", b"other|0/1"):
         with pytest.raises(KVTransferError, match="not a splitserve KV hand-off notification"):
             parse_notif(bad)
 
