@@ -1,0 +1,190 @@
+"""Tensor parallelism on CPU (gloo): prefill time, decode ITL and parameter bytes per rank at each
+TP size, and whether greedy output matches TP 1's.
+
+TP 1 is a plain engine; TP N is this process as rank 0 plus N-1 Ray actor ranks. Weights and the
+KV pool are fp32, and each prompt is prefilled in one step (the step budget is the longest
+prompt). A prefill is timed from submission to first token with the prefix cache reset first:
+the median of 3 runs up to 512 tokens, one run above. Decode ITL is the median step time once
+every request of the batch has its first token. Threads per rank: the usable cores at TP 1,
+cores // N (at least 1) at TP N, unless --threads sets one count for every size. Each TP size
+also reports the 1-minute load average before and after it: on a shared machine, other work
+shows up in every figure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.report import BenchError, arg_parser, emit_report, machine, plot, positive, progress, run
+from bench.workload import greedy, random_tokens
+from engine.bundled import resolve_model, served_model_name
+from engine.config import EngineConfig
+from engine.errors import EngineError
+from engine.llm_engine import LLMEngine, model_len
+from engine.model_config import ModelConfig
+from engine.parallel.follower import parameter_bytes
+from engine.parallel.sharding import check_tp_size
+
+IDENTITY_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,")
+DECODE_PROMPT_TOKENS = 128
+FULL = {"prompt_lengths": [512, 2048, 8000], "decode_tokens": 64, "identity_tokens": 24}
+QUICK = {"prompt_lengths": [32, 128], "decode_tokens": 4, "identity_tokens": 8}
+
+
+def size_list(text: str) -> list[int]:
+    """An argparse type: comma-separated positive whole numbers (``1,3``), sorted, without repeats."""
+    return sorted({positive(part) for part in text.split(",")})
+
+
+@contextlib.contextmanager
+def tp_engine(config: EngineConfig, num_threads: int):
+    """The leader's engine of a replica of ``config.tp_size`` ranks and its follower handles; all stopped after."""
+    import ray
+
+    from engine.parallel.ranks import TPEngineBuilder
+    from router.launch import init_ray
+
+    torch.set_num_threads(num_threads)
+    followers = []
+    try:
+        if config.tp_size == 1:
+            engine = LLMEngine(config)
+        else:
+            init_ray(None)
+            cpus_per_rank = round(min(1.0, len(os.sched_getaffinity(0)) / config.tp_size), 2)
+            builder = TPEngineBuilder(config, f"bench-tp{config.tp_size}", num_cpus=cpus_per_rank, num_threads=num_threads)
+            followers = builder.followers
+            engine = builder()
+        try:
+            yield engine, followers
+        finally:
+            engine.close()
+    finally:
+        for follower in followers:
+            ray.kill(follower)
+
+
+def prefill_s(engine: LLMEngine, prompt: list[int], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        engine.reset_prefix_cache()
+        start = time.perf_counter()
+        engine.generate([prompt], greedy(1))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def decode_itl_ms(engine: LLMEngine, prompts: list[list[int]], num_tokens: int) -> float:
+    request_ids = [f"decode-{len(prompts)}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(request_ids, prompts):
+        engine.add_request(request_id, prompt, greedy(num_tokens + 1))
+    started: set[str] = set()
+    while len(started) < len(request_ids):
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+    step_s = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        step_s.append(time.perf_counter() - start)
+    return 1000 * statistics.median(step_s)
+
+
+def measure(engine: LLMEngine, followers: list, lengths: list[int], batches: list[int], sizes: dict) -> tuple[dict, list[tuple[int, ...]]]:
+    """One TP size's figures and its greedy outputs of the identity prompts (the first run, so also the warm-up)."""
+    import ray
+
+    tp, rng, vocab = engine.config.tp_size, random.Random(0), engine.model_config.vocab_size
+    outputs = [c.output_token_ids for c in engine.generate(list(IDENTITY_PROMPTS), greedy(sizes["identity_tokens"]))]
+    result: dict = {"prefill_s": {}, "decode_itl_ms": {}}
+    for length in lengths:
+        result["prefill_s"][str(length)] = round(s := prefill_s(engine, random_tokens(rng, length, vocab), 3 if length <= 512 else 1), 4)
+        progress("parallel", f"TP {tp} prefill {length} tokens: {s:.3f} s")
+    for batch in batches:
+        prompts = [random_tokens(rng, sizes["decode_prompt_tokens"], vocab) for _ in range(batch)]
+        result["decode_itl_ms"][str(batch)] = round(ms := decode_itl_ms(engine, prompts, sizes["decode_tokens"]), 2)
+        progress("parallel", f"TP {tp} decode batch {batch}: {ms:.1f} ms per step")
+    result["param_bytes_per_rank"] = [parameter_bytes(engine.runner.model)] + [info["param_bytes"] for info in ray.get([f.info.remote() for f in followers])]
+    return result, outputs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arg_parser(__doc__, plot="prefill time over prompt length and decode ITL over batch, per TP size")
+    parser.add_argument("--tp", type=size_list, default=[1, 3], help="TP sizes, comma-separated; must include 1 (default: 1,3)")
+    parser.add_argument("--prompt-lengths", type=size_list, help="prefill prompt lengths in tokens (default: 512,2048,8000)")
+    parser.add_argument("--batches", type=size_list, default=[1, 16], help="decode batch sizes (default: 1,16)")
+    parser.add_argument("--decode-tokens", type=positive, help=f"decode steps timed per batch (default: {FULL['decode_tokens']})")
+    parser.add_argument("--threads", type=positive, help="torch threads of every rank at every TP size (default: see above)")
+    parser.add_argument("--quick", action="store_true", help=f"prompts of {QUICK['prompt_lengths']} tokens and {QUICK['decode_tokens']} decode steps")
+    args = parser.parse_args(argv)
+    if 1 not in args.tp:
+        parser.error("--tp: must include 1, the reference for token identity and parameter bytes")
+    sizes = dict(QUICK if args.quick else FULL, decode_prompt_tokens=16 if args.quick else DECODE_PROMPT_TOKENS)
+    lengths = args.prompt_lengths or sizes["prompt_lengths"]
+    sizes["decode_tokens"] = args.decode_tokens or sizes["decode_tokens"]
+
+    try:
+        model_config = ModelConfig.from_dir(resolve_model(args.model, None))
+        for tp in args.tp:
+            check_tp_size(served_model_name(args.model), model_config, tp)
+    except (EngineError, ValueError) as e:  # a model that is not there, or heads that do not split
+        raise BenchError(str(e)) from None
+    max_len = model_len(EngineConfig(model=args.model), model_config)
+    if max(lengths) >= max_len:
+        raise BenchError(f"--prompt-lengths: {max(lengths)} tokens and the first output token do not fit {args.model}'s context of {max_len}")
+    if sizes["decode_prompt_tokens"] + sizes["decode_tokens"] >= max_len:
+        raise BenchError(f"--decode-tokens: {sizes['decode_tokens']} after a {sizes['decode_prompt_tokens']}-token prompt do not fit {args.model}'s context of {max_len}")
+    cores = len(os.sched_getaffinity(0))
+    threads = {tp: args.threads or max(1, cores // tp) for tp in args.tp}
+    budget = max(max(lengths), max(args.batches) * sizes["decode_prompt_tokens"])
+    decode_seq_tokens, block_size = sizes["decode_prompt_tokens"] + sizes["decode_tokens"] + 1, EngineConfig.block_size
+    num_blocks = 32 + max(math.ceil((max(lengths) + 1) / block_size), max(args.batches) * math.ceil(decode_seq_tokens / block_size))
+
+    report_machine, results, outputs = machine(), {}, {}
+    for tp in args.tp:
+        progress("parallel", f"TP {tp}: loading {args.model} over {tp} rank(s), {threads[tp]} torch thread(s) each")
+        config = EngineConfig(model=args.model, kv_dtype="fp32", tp_size=tp, max_num_batched_tokens=budget, num_kv_blocks=num_blocks)
+        start, load_avg_1m = time.perf_counter(), os.getloadavg()[0]
+        with tp_engine(config, threads[tp]) as (engine, followers):
+            load_s = time.perf_counter() - start
+            results[tp], outputs[tp] = measure(engine, followers, lengths, args.batches, sizes)
+        results[tp].update(load_s=round(load_s, 2), threads_per_rank=threads[tp], token_identical=outputs[tp] == outputs[1],
+                           load_avg_1m=[round(load_avg_1m, 2), round(os.getloadavg()[0], 2)])
+        progress("parallel", f"TP {tp}: {results[tp]['param_bytes_per_rank']} parameter bytes per rank, identical to TP 1: {results[tp]['token_identical']}")
+
+    param_bytes = {str(tp): max(r["param_bytes_per_rank"]) for tp, r in results.items()}
+    report = {
+        "model": args.model,
+        "dtype": "float32",
+        "kv_dtype": "fp32",
+        "backend": "gloo",
+        "prefill_step_tokens": budget,
+        "decode_prompt_tokens": sizes["decode_prompt_tokens"],
+        "decode_tokens": sizes["decode_tokens"],
+        "identity": {"num_prompts": len(IDENTITY_PROMPTS), "num_tokens": sizes["identity_tokens"]},
+        "threads": {str(tp): n for tp, n in threads.items()},
+        "threads_rule": "--threads for every rank" if args.threads else "usable cores at TP 1, cores // TP (at least 1) per rank above",
+        "machine": report_machine,
+        "tp": {str(tp): r for tp, r in results.items()},
+        "token_identical": all(r["token_identical"] for r in results.values()),
+        "param_bytes_per_rank": param_bytes,
+        "param_bytes_ratio_to_tp1": {tp: round(n / param_bytes["1"], 4) for tp, n in param_bytes.items()},
+    }
+    emit_report(report, args.json)
+    if args.plot is not None:
+        plot(args.plot, f"bench.parallel: {args.model}, CPU (gloo)", [
+            ("prefill (s)", "prompt tokens", {f"TP {tp}": (lengths, [r["prefill_s"][str(n)] for n in lengths]) for tp, r in results.items()}),
+            ("decode ITL (ms)", "batch", {f"TP {tp}": (args.batches, [r["decode_itl_ms"][str(b)] for b in args.batches]) for tp, r in results.items()}),
+        ], logx=True, logy=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run("parallel", main))
