@@ -49,8 +49,16 @@ class EngineConfig:
     """CA certificate of the Redis server, for rediss:// URLs."""
     tp_size: int = 1
     """Tensor-parallel ranks the model is split over (one process each); the model's heads must allow it."""
+    ep_size: int = 1
+    """Expert-parallel ranks (MoE models): each holds 1/N of the experts and runs attention for
+    requests of its own (data-parallel attention); exclusive with tp_size > 1."""
     tp_collective_timeout_s: float = 30.0
     """How long a rank waits in an all-reduce for the others before the replica fails (a hung rank)."""
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes of one replica: its TP or EP size."""
+        return max(self.tp_size, self.ep_size)
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -70,8 +78,12 @@ class EngineConfig:
             raise ValueError(f"redis_url: {self.redis_url!r} is not a redis://, rediss:// or unix:// URL")
         if self.tp_size < 1:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
-        if self.tp_size > 1 and (self.cpu_kv_cache_bytes or self.redis_url is not None):
-            raise ValueError("tp_size: the CPU and Redis KV tiers hold whole blocks and serve TP 1 replicas only; set tp_size 1 or disable the tiers")
+        if self.ep_size < 1:
+            raise ValueError(f"ep_size: must be >= 1, got {self.ep_size}")
+        if self.tp_size > 1 and self.ep_size > 1:
+            raise ValueError(f"ep_size: a replica is tensor-parallel or expert-parallel, not both (tp_size {self.tp_size}, ep_size {self.ep_size})")
+        if self.num_ranks > 1 and (self.cpu_kv_cache_bytes or self.redis_url is not None):
+            raise ValueError("tp_size, ep_size: the CPU and Redis KV tiers serve replicas of one rank only; set both to 1 or disable the tiers")
         if not self.tp_collective_timeout_s > 0:
             raise ValueError(f"tp_collective_timeout_s: must be > 0, got {self.tp_collective_timeout_s}")
         if self.redis_ttl_s < 1:

@@ -22,7 +22,7 @@ from engine.loader.weights import load_weights, weights_fingerprint
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
-from engine.parallel.sharding import check_tp_size
+from engine.parallel.sharding import check_ep_size, check_tp_size
 from engine.params import SamplingParams
 from engine.request import FinishReason, Request, RequestOutput
 from engine.runner import ModelRunner
@@ -81,6 +81,8 @@ class RemotePrefill:
     block_ids: tuple[int, ...]
     """This pool's blocks for prompt blocks ``first_block, first_block + 1, ...``; leased."""
     num_cached_tokens: int
+    dp_rank: int = 0
+    """The data-parallel rank whose pool ``block_ids`` belong to (expert-parallel replicas)."""
 
 
 @dataclass(frozen=True)
@@ -114,13 +116,22 @@ def model_len(config: EngineConfig, mc: ModelConfig) -> int:
     return min(limits + ([mc.sliding_window] if mc.sliding_window else []))
 
 
-def build_shard(config: EngineConfig, mc: ModelConfig, checkpoint_dir: Path, max_model_len: int, tp: TPGroup) -> tuple[DecoderModel, PagedKVCache]:
-    """This rank's slice of the model, loaded, and its slice of the paged KV pool (its KV heads).
+def split_group(config: EngineConfig, group: TPGroup) -> tuple[TPGroup, TPGroup]:
+    """``(tp, ep)``: the group is the tensor-parallel one or the expert-parallel one (never both)."""
+    single = TPGroup.single()
+    return (group, single) if config.tp_size > 1 else (single, group) if config.ep_size > 1 else (single, single)
 
-    Every rank sizes its pool alike: the same number of blocks, so one block id names the same
-    tokens on every rank.
+
+def build_shard(
+    config: EngineConfig, mc: ModelConfig, checkpoint_dir: Path, max_model_len: int, tp: TPGroup, ep: TPGroup | None = None
+) -> tuple[DecoderModel, PagedKVCache]:
+    """This rank's slice of the model, loaded, and its slice of the paged KV pool.
+
+    Every rank sizes its pool alike. Tensor-parallel ranks hold their KV heads of the same
+    blocks (one block id names the same tokens on every rank); expert-parallel ranks hold every
+    head for requests of their own.
     """
-    model = DecoderModel.empty(mc, max_model_len, _TORCH_DTYPES[config.dtype], tp)
+    model = DecoderModel.empty(mc, max_model_len, _TORCH_DTYPES[config.dtype], tp, ep)
     load_weights(model, checkpoint_dir)
     layout = KVBlockLayout(mc.num_layers, model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
@@ -132,25 +143,30 @@ def build_shard(config: EngineConfig, mc: ModelConfig, checkpoint_dir: Path, max
 class LLMEngine:
     """Loads one model, owns its KV pool, and runs continuous batching over submitted requests."""
 
-    def __init__(self, config: EngineConfig, worker_id: str = "local", tp: TPGroup | None = None) -> None:
-        """``tp``: the joined tensor-parallel group this engine leads (rank 0), required when
-        ``config.tp_size > 1``; its other ranks run ``engine.parallel.follower.TPFollower``."""
-        tp = tp or TPGroup.single()
-        if tp.size != config.tp_size or not tp.is_leader:
-            raise ValueError(f"tp: an engine of tp_size {config.tp_size} needs rank 0 of a group of that size, got rank {tp.rank} of {tp.size}")
+    def __init__(self, config: EngineConfig, worker_id: str = "local", group: TPGroup | None = None) -> None:
+        """``group``: the joined group of this engine's ranks, which it leads (rank 0), required
+        when ``config.num_ranks > 1`` (tensor- or expert-parallel); its other ranks run
+        ``engine.parallel.follower.TPFollower``."""
+        group = group or TPGroup.single()
+        if group.size != config.num_ranks or not group.is_leader:
+            raise ValueError(f"group: an engine of {config.num_ranks} ranks needs rank 0 of a group of that size, got rank {group.rank} of {group.size}")
         self.config = config
         self.worker_id = worker_id
-        self.tp = tp
+        self.group = group
+        tp, ep = split_group(config, group)
         self.checkpoint_dir: Path = resolve_model(config.model, config.cache_dir)
         self.model_name = served_model_name(config.model)
         self.model_config = ModelConfig.from_dir(self.checkpoint_dir)
         check_tp_size(self.model_name, self.model_config, config.tp_size)
+        check_ep_size(self.model_name, self.model_config, config.ep_size)
         self.tokenizer = Tokenizer.from_dir(self.checkpoint_dir)
         mc = self.model_config
         self.max_model_len = model_len(config, mc)
-        model, self.kv_cache = build_shard(config, mc, self.checkpoint_dir, self.max_model_len, tp)
+        model, self.kv_cache = build_shard(config, mc, self.checkpoint_dir, self.max_model_len, tp, ep)
         layout, num_blocks = self.kv_cache.layout, self.kv_cache.num_blocks
-        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.pools = [BlockPool(num_blocks, enable_caching=config.enable_prefix_caching) for _ in range(ep.size)]
+        """One block pool per data-parallel rank; ``pools[r]``'s blocks are in rank r's KV cache."""
+        self.pool = self.pools[0]
         self.namespace = KeyNamespace(
             model_name=self.model_name,
             weights_fingerprint=weights_fingerprint(self.checkpoint_dir),
@@ -164,15 +180,15 @@ class LLMEngine:
         if config.redis_url is not None:
             redis = RedisTier(RedisTierConfig(config.redis_url, config.redis_ttl_s, tls_ca_file=config.redis_tls_ca_file), self.namespace, layout)
         self.kv_store = TieredKVStore(self.pool, self.kv_cache.buffer, self.kv_events, cpu, redis)
-        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, self.kv_store)
-        self.runner = ModelRunner(model, self.kv_cache, tp)
+        self.scheduler = Scheduler(self.pools, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, self.kv_store)
+        self.runner = ModelRunner(model, self.kv_cache, tp, ep)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._num_steps = self._num_step_tokens = 0
         self._step_s = self._step_cpu_s = 0.0
         self._prefilled: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
-        tp.barrier()  # every follower has its shard loaded: the first step's collectives will not wait on a load
+        group.barrier()  # every follower has its shard loaded: the first step's collectives will not wait on a load
 
     def add_request(
         self,
@@ -234,6 +250,7 @@ class LLMEngine:
             first_block=len(request.block_ids) - len(fresh),
             block_ids=tuple(fresh),
             num_cached_tokens=request.num_cached_tokens,
+            dp_rank=request.dp_rank,
         )
 
     def join_remote(self, request_id: str, first_token: int) -> RequestOutput | None:
@@ -334,13 +351,14 @@ class LLMEngine:
     def close(self) -> None:
         """Stop background work (the Redis tier's writer) and the follower ranks' step loops."""
         self.kv_store.close()
-        if self.tp.size > 1:
+        if self.group.size > 1:
             self.runner.stop_followers()
-            self.tp.close()
+            self.group.close()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block key, e.g. between benchmark runs over the same prompts."""
-        self.pool.reset_prefix_cache()
+        for pool in self.pools:
+            pool.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -349,9 +367,9 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_kv_blocks=self.pool.num_blocks,
-            num_free_kv_blocks=self.pool.num_free_blocks,
-            num_cached_kv_blocks=self.pool.num_cached_blocks,
+            num_kv_blocks=sum(p.num_blocks for p in self.pools),
+            num_free_kv_blocks=sum(p.num_free_blocks for p in self.pools),
+            num_cached_kv_blocks=sum(p.num_cached_blocks for p in self.pools),
             num_preemptions=self.scheduler.num_preemptions,
             num_aborted_requests=self.scheduler.num_aborted,
             num_computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,

@@ -40,10 +40,10 @@ class EngineReplica:
         sys.setswitchinterval(config.gil_switch_interval_s)
         self.replica_id = replica_id
         self.tp_followers: list = []
-        """Ray handles of ranks 1 .. tp_size-1 (owned by this actor: they die with it)."""
+        """Ray handles of ranks 1 .. num_ranks-1 (owned by this actor: they die with it)."""
         self.tp_node_ip = ""
         build = lambda: LLMEngine(engine_config, worker_id=replica_id)  # noqa: E731
-        if engine_config.tp_size > 1:
+        if engine_config.num_ranks > 1:
             build = TPEngineBuilder(engine_config, replica_id, num_cpus=config.tp_rank_cpus, num_threads=num_threads, follower_class=self.follower_class)
             self.tp_followers = build.followers
             self.tp_node_ip = build.address.rpartition(":")[0]

@@ -119,6 +119,8 @@ class Request:
     num_preemptions: int = 0
     hold_kv: bool = False
     """Lease the prompt's blocks when the request finishes (a prefill whose KV is shipped next)."""
+    dp_rank: int | None = None
+    """The data-parallel rank whose KV pool holds its blocks (expert-parallel replicas); None until admission picks one."""
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     arrival_s: float = field(default_factory=time.monotonic)

@@ -6,8 +6,11 @@ single long sequence does not make every short one attend over padding.
 
 Under tensor parallelism the leader (rank 0) turns the scheduler's chunks into a ``StepPlan``
 (plain ids and positions, no request objects), sends it to the other ranks, and every rank runs
-the same step on its shard; logits reach the leader only, which samples. A follower rank runs
-``ModelRunner.follow()``: receive a plan, run it, until the leader sends ``None``.
+the same step on its shard; logits reach the leader only, which samples. Under expert
+parallelism attention is data-parallel: the leader sends one plan per rank (each rank's own
+requests, an empty plan for an idle rank, which still steps so that the experts' all-to-alls
+never wait on it), and each rank's sampled rows are gathered on the leader. A follower rank runs
+``ModelRunner.follow()``: receive the plans, run its own, until the leader sends ``None``.
 """
 
 from __future__ import annotations
@@ -80,10 +83,14 @@ def _planned(chunk: ScheduledChunk, block_size: int) -> PlannedChunk:
 class ModelRunner:
     """Owns the model and the KV tensors; turns scheduled chunks into sampled tokens."""
 
-    def __init__(self, model: DecoderModel, kv_cache: PagedKVCache, tp: TPGroup | None = None) -> None:
+    def __init__(self, model: DecoderModel, kv_cache: PagedKVCache, tp: TPGroup | None = None, dp: TPGroup | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.tp = tp or TPGroup.single()
+        self.dp = dp or TPGroup.single()
+        """The data-parallel ranks of an expert-parallel replica (each with requests of its own)."""
+        self.ranks = self.tp if self.tp.size > 1 else self.dp
+        """The group that steps together, whose leader sends the plans."""
         self.block_size = kv_cache.layout.block_size
         self.dtype = model.embed_tokens.weight.dtype
         self.num_runs = 0
@@ -92,9 +99,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> dict[Request, int]:
         """Leader: run one step of ``chunks`` on every rank; the token sampled for each request that samples."""
-        plan, requests = StepPlan.of(chunks, self.block_size)
-        self.tp.send_plan(plan)
-        logits = self.run(plan)
+        plans, requests = [], []
+        for rank in range(self.dp.size):
+            plan, sampled = StepPlan.of([c for c in chunks if (c.request.dp_rank or 0) == rank], self.block_size)
+            plans.append(plan)
+            requests += sampled
+        self.ranks.send_plan(plans)
+        logits = self._run_own(plans)
         if not requests:
             return {}
         tokens = sample(logits, [r.params for r in requests], [r.seed for r in requests], [r.num_output_tokens for r in requests])
@@ -102,13 +113,27 @@ class ModelRunner:
 
     def follow(self) -> int:
         """Follower: run the leader's plans until it sends None; returns the number of steps run."""
-        while (plan := self.tp.receive_plan()) is not None:
-            self.run(plan)
+        while (plans := self.ranks.receive_plan()) is not None:
+            self._run_own(plans)
         return self.num_runs
 
     def stop_followers(self) -> None:
         """Leader: tell the other ranks that no step follows."""
-        self.tp.send_plan(None)
+        self.ranks.send_plan(None)
+
+    def _run_own(self, plans: list[StepPlan]) -> torch.Tensor | None:
+        """Run this rank's plan; on the leader, every rank's sampled logits in rank order."""
+        logits = self.run(plans[self.dp.rank])
+        if self.dp.size == 1:
+            return logits
+        counts = [len(p.sample_rows) for p in plans]
+        padded = logits.new_zeros((max(counts), logits.shape[1]))
+        padded[: len(logits)] = logits
+        gathered = self.dp.gather_to_leader(padded, dim=0)
+        if gathered is None:
+            return None
+        width = max(counts)
+        return torch.cat([gathered[r * width : r * width + n] for r, n in enumerate(counts)])
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor | None:
@@ -136,7 +161,8 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), batch)
         block_ids = torch.tensor(slot_block_ids, dtype=torch.long)
         self.kv_cache.write(batch.new_k, batch.new_v, block_ids, position_t % self.block_size)
-        logits = self.model.compute_logits(hidden[list(plan.sample_rows)]) if plan.sample_rows else None
+        # A data-parallel rank always computes (maybe zero rows of) logits: the leader gathers every rank's.
+        logits = self.model.compute_logits(hidden[list(plan.sample_rows)]) if plan.sample_rows or self.dp.size > 1 else None
         self.num_runs += 1
         return logits
 

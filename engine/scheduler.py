@@ -20,6 +20,11 @@ running batch with its prompt computed and its first token already sampled::
     park_remote() -> parked (blocks held, nothing scheduled) -> join_remote(first_token) -> running
                                                               -> requeue_remote()      -> waiting (recompute)
                                                               -> abort()               -> dropped
+
+An expert-parallel replica runs attention data-parallel: each of its ranks has a KV pool of its
+own (``pools[r]``) and computes its own requests. A request is given a rank when it is first
+admitted (the one with the longest cached prefix, then the least loaded) and keeps it; the
+token budget and the batch slots count per rank, and a request preempts only its own rank's.
 """
 
 from __future__ import annotations
@@ -51,9 +56,16 @@ class Scheduler:
     """Decides which tokens of which requests run each step, and owns their blocks."""
 
     def __init__(
-        self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, tiers: TieredKVStore | None = None
+        self,
+        pool: BlockPool | list[BlockPool],
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        tiers: TieredKVStore | None = None,
     ) -> None:
-        self.pool = pool
+        self.pools = pool if isinstance(pool, list) else [pool]
+        """One block pool per data-parallel rank (one for any replica but an expert-parallel one)."""
+        self.pool = self.pools[0]
         self.tiers = tiers
         """Lower KV tiers that admission looks in after the pool (CPU, Redis)."""
         self.block_size = block_size
@@ -66,6 +78,7 @@ class Scheduler:
         self.leases: dict[str, list[int]] = {}
         """Blocks a KV transfer may still read or write, by request id: each holds one extra
         reference, so the block cannot be freed or reused until ``release_lease``."""
+        self._lease_ranks: dict[str, int] = {}
         self.num_preemptions = 0
         self.num_aborted = 0
         self.num_computed_prompt_tokens = 0
@@ -85,42 +98,71 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
-        budget = self.max_num_batched_tokens
+        budget = [self.max_num_batched_tokens] * len(self.pools)
         chunks: list[ScheduledChunk] = []
         preempted = False
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and any(budget):
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            rank = request.dp_rank
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget[rank])
+            if num_new == 0:
+                index += 1
+                continue
             while not self._grow(request, num_new):
-                victim = self.running.pop()
+                victim = self._newest_running(rank)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
                 chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
-                budget -= num_new
+                budget[rank] -= num_new
                 index += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            request = self.waiting[0]
+        if preempted:
+            return chunks  # while a step preempts, it admits no new request
+        seqs = [0] * len(self.pools)
+        for request in self.running:
+            seqs[request.dp_rank] += 1
+        full = [False] * len(self.pools)
+        for request in list(self.waiting):
+            if all(full[r] or budget[r] == 0 or seqs[r] >= self.max_num_seqs for r in range(len(self.pools))):
+                break
+            rank = request.dp_rank if request.dp_rank is not None else self._choose_rank(request, seqs)
+            if full[rank] or budget[rank] == 0 or seqs[rank] >= self.max_num_seqs:
+                continue
+            request.dp_rank = rank
             hits = self._take_prefix(request)
             request.block_ids = list(hits)
             request.num_registered_blocks = len(hits)
             request.num_computed_tokens = len(hits) * self.block_size
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget[rank])
             if not self._grow(request, num_new):
                 self._release(request)
-                break
+                full[rank] = True
+                continue
             if request.num_preemptions == 0:
                 request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.running.append(request)
+            seqs[rank] += 1
             if request.first_scheduled_s is None:
                 request.first_scheduled_s = time.monotonic()
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
-            budget -= num_new
+            budget[rank] -= num_new
         return chunks
+
+    def _newest_running(self, rank: int) -> Request:
+        """The most recently admitted running request of ``rank`` (the preemption victim)."""
+        return next(r for r in reversed(self.running) if r.dp_rank == rank)
+
+    def _choose_rank(self, request: Request, seqs: list[int]) -> int:
+        """The rank with the longest cached prefix of ``request``, then the fewest running sequences."""
+        if len(self.pools) == 1:
+            return 0
+        keys = self._prefix_keys(request)
+        return max(range(len(self.pools)), key=lambda r: (len(self.pools[r].match_prefix(keys)), -seqs[r], -r))
 
     def update(self, chunks: list[ScheduledChunk], sampled: dict[Request, int]) -> list[Request]:
         """Advance the scheduled requests, append sampled tokens; return the requests with new output."""
@@ -139,23 +181,24 @@ class Scheduler:
             if request.finished:
                 self.running.remove(request)
                 if request.hold_kv:
-                    self.lease(request.request_id, request.block_ids)
+                    self.lease(request.request_id, request.block_ids, request.dp_rank)
                 self._release(request)
         return touched
 
-    def lease(self, request_id: str, block_ids: list[int]) -> None:
-        """Pin ``block_ids`` for a transfer until ``release_lease(request_id)``."""
+    def lease(self, request_id: str, block_ids: list[int], rank: int = 0) -> None:
+        """Pin ``block_ids`` (of ``rank``'s pool) for a transfer until ``release_lease(request_id)``."""
         if request_id in self.leases:
             raise ValueError(f"request {request_id!r} already holds a lease")
-        self.pool.acquire(block_ids)
+        self.pools[rank].acquire(block_ids)
         self.leases[request_id] = list(block_ids)
+        self._lease_ranks[request_id] = rank
 
     def release_lease(self, request_id: str) -> bool:
         """End a transfer's lease; False if there was none."""
         block_ids = self.leases.pop(request_id, None)
         if block_ids is None:
             return False
-        self.pool.release(reversed(block_ids))
+        self.pools[self._lease_ranks.pop(request_id)].release(reversed(block_ids))
         return True
 
     def park_remote(self, request: Request) -> list[int] | None:
@@ -163,11 +206,14 @@ class Scheduler:
         the blocks the prompt's KV must be written into (those past the prefix), or None (and
         hold nothing) when too few blocks are free. Those blocks are also leased under the
         request's id: whatever becomes of the request, they stay out of the free queue until the
-        transfer's owner calls ``release_lease``."""
+        transfer's owner calls ``release_lease``. The request's rank is the one admission would pick."""
+        if request.dp_rank is None:
+            seqs = [sum(1 for r in self.running if r.dp_rank == rank) for rank in range(len(self.pools))]
+            request.dp_rank = self._choose_rank(request, seqs)
         hits = self._take_prefix(request)
         request.block_ids = list(hits)
         needed = -(-request.num_prompt_tokens // self.block_size) - len(hits)
-        fresh = self.pool.allocate(needed)
+        fresh = self.pools[request.dp_rank].allocate(needed)
         if fresh is None:
             self._release(request)
             return None
@@ -175,7 +221,7 @@ class Scheduler:
         request.num_registered_blocks = len(hits)
         request.num_cached_tokens = len(hits) * self.block_size
         self.parked[request.request_id] = request
-        self.lease(request.request_id, fresh)
+        self.lease(request.request_id, fresh, request.dp_rank)
         return fresh
 
     def join_remote(self, request: Request, first_token: int) -> None:
@@ -213,16 +259,18 @@ class Scheduler:
         self.num_aborted += 1
 
     def peek_prefix(self, request: Request) -> list[int]:
-        """The pool's cached blocks admission would reuse for ``request``; takes nothing."""
-        return self.pool.match_prefix(self._prefix_keys(request))
+        """The cached blocks admission would reuse for ``request`` (on the rank it would pick); takes nothing."""
+        keys = self._prefix_keys(request)
+        return max((pool.match_prefix(keys) for pool in self.pools), key=len)
 
     def _take_prefix(self, request: Request) -> list[int]:
         """Blocks of the longest cached prefix, each with a reference taken: the pool's own hits,
         then blocks the lower tiers bring back into the pool."""
         keys = self._prefix_keys(request)
-        hits = self.pool.match_prefix(keys)
-        self.pool.acquire(hits)
-        if self.tiers is not None:
+        pool = self.pools[request.dp_rank]
+        hits = pool.match_prefix(keys)
+        pool.acquire(hits)
+        if self.tiers is not None and len(self.pools) == 1:
             self.tiers.count_pool_lookup(len(hits), len(keys))
             if len(hits) < len(keys):
                 hits = hits + self.tiers.load(keys[len(hits) :])
@@ -237,7 +285,7 @@ class Scheduler:
         needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(request.block_ids)
         if needed <= 0:
             return True
-        block_ids = self.pool.allocate(needed)
+        block_ids = self.pools[request.dp_rank].allocate(needed)
         if block_ids is None:
             return False
         request.block_ids += block_ids
@@ -248,8 +296,9 @@ class Scheduler:
         if num_full <= request.num_registered_blocks:
             return
         keys = request.keys_of_full_blocks(self.block_size, num_full)
+        pool = self.pools[request.dp_rank]
         for i in range(request.num_registered_blocks, num_full):
-            self.pool.cache(request.block_ids[i], keys[i])
+            pool.cache(request.block_ids[i], keys[i])
         request.num_registered_blocks = num_full
 
     def _preempt(self, request: Request) -> None:
@@ -259,7 +308,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:
-        self.pool.release(reversed(request.block_ids))
+        if request.dp_rank is not None:
+            self.pools[request.dp_rank].release(reversed(request.block_ids))
         request.block_ids = []
         request.num_computed_tokens = 0
         request.num_registered_blocks = 0

@@ -126,10 +126,18 @@ def _slices(model: DecoderModel, target: _Target, param: torch.Tensor, shape) ->
     module = model.get_submodule(module_name)
     if hasattr(module, "weight_slices"):
         return module.weight_slices(attr, target.part, shape)
-    dest = param.data if target.expert is None else param.data[target.expert]
+    held = getattr(module, "experts_held", None)  # an expert-parallel rank's experts
+    index: tuple = (slice(None),)
+    dest = param.data
+    if target.expert is not None:
+        if target.expert not in held:
+            return []
+        dest = dest[target.expert - held.start]
+    elif held is not None and attr in ("w13", "w2"):  # all experts stacked in one tensor
+        index = (slice(held.start, held.stop),)
     if target.num_rows is not None:
         dest = dest[target.row_start : target.row_start + target.num_rows]
-    return [(dest, (slice(None),))]
+    return [(dest, index)]
 
 
 def _expected_numel(model: DecoderModel, name: str, param: torch.Tensor) -> int:

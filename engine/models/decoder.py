@@ -25,7 +25,7 @@ from engine.parallel.sharding import TPShard
 class DecoderLayer(torch.nn.Module):
     """Pre-norm attention then pre-norm MLP, each with a residual connection."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, shard: TPShard, tp: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, shard: TPShard, tp: TPGroup, ep: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = PagedAttention(config, layer_index, shard, tp)
@@ -33,7 +33,7 @@ class DecoderLayer(torch.nn.Module):
         if config.moe is None:
             self.mlp: torch.nn.Module = GatedMLP(config.hidden_size, shard.intermediate, tp)
         else:
-            self.mlp = SparseMoE(config.hidden_size, config.moe, tp)
+            self.mlp = SparseMoE(config.hidden_size, config.moe, tp, ep)
 
     def forward(self, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
@@ -43,30 +43,39 @@ class DecoderLayer(torch.nn.Module):
 class DecoderModel(torch.nn.Module):
     """Embedding, decoder layers, final norm and LM head; forward works on a flat token batch."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup | None = None, ep: TPGroup | None = None) -> None:
         super().__init__()
         tp = tp or TPGroup.single()
+        self.ep = ep = ep or TPGroup.single()
         self.config = config
         self.shard = shard = TPShard(config, tp.rank, tp.size)
         self.embed_tokens = VocabParallelEmbedding(shard.vocab, config.vocab_size, config.hidden_size, tp)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, config.max_position_embeddings)
-        self.layers = torch.nn.ModuleList(DecoderLayer(config, i, shard, tp) for i in range(config.num_layers))
+        self.layers = torch.nn.ModuleList(DecoderLayer(config, i, shard, tp, ep) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(shard.vocab, config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     @classmethod
-    def empty(cls, config: ModelConfig, max_positions: int, dtype: torch.dtype, tp: TPGroup | None = None) -> DecoderModel:
+    def empty(cls, config: ModelConfig, max_positions: int, dtype: torch.dtype, tp: TPGroup | None = None, ep: TPGroup | None = None) -> DecoderModel:
         """A model with uninitialized weights (no time spent on random init), ready for load_weights."""
         with torch.device("meta"):
-            model = cls(config, max_positions, tp)
+            model = cls(config, max_positions, tp, ep)
         model.to_empty(device="cpu")
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_tokens"):
+                buffer.zero_()
         model.to(dtype)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.rotary.reset_tables()
         return model.eval()
+
+    def expert_tokens(self) -> torch.Tensor | None:
+        """``int64 [layers, experts held]``: (token, expert) pairs each held expert computed; None for a dense model."""
+        counts = [layer.mlp.expert_tokens for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+        return torch.stack(counts) if counts else None
 
     @property
     def num_kv_heads(self) -> int:

@@ -15,7 +15,7 @@ import torch
 
 from engine.bundled import resolve_model
 from engine.config import EngineConfig
-from engine.llm_engine import build_shard, model_len
+from engine.llm_engine import build_shard, model_len, split_group
 from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
 from engine.runner import ModelRunner
@@ -25,8 +25,8 @@ class TPFollower:
     """Rank ``rank`` (> 0) of a replica whose leader listens at ``address``."""
 
     def __init__(self, config: EngineConfig, rank: int, address: str, num_threads: int = 1) -> None:
-        if not 0 < rank < config.tp_size:
-            raise ValueError(f"rank: a follower's rank is in [1, {config.tp_size}), got {rank}")
+        if not 0 < rank < config.num_ranks:
+            raise ValueError(f"rank: a follower's rank is in [1, {config.num_ranks}), got {rank}")
         self.config = config
         self.rank = rank
         self.node_ip = address.rpartition(":")[0]
@@ -42,12 +42,13 @@ class TPFollower:
     def _run(self, address: str, num_threads: int) -> None:
         try:
             torch.set_num_threads(num_threads)
-            tp = TPGroup.join(self.rank, self.config.tp_size, address, collective_timeout_s=self.config.tp_collective_timeout_s)
+            group = TPGroup.join(self.rank, self.config.num_ranks, address, collective_timeout_s=self.config.tp_collective_timeout_s)
+            tp, ep = split_group(self.config, group)
             checkpoint_dir = resolve_model(self.config.model, self.config.cache_dir)
             model_config = ModelConfig.from_dir(checkpoint_dir)
-            model, kv_cache = build_shard(self.config, model_config, checkpoint_dir, model_len(self.config, model_config), tp)
-            self.runner = ModelRunner(model, kv_cache, tp)
-            tp.barrier()
+            model, kv_cache = build_shard(self.config, model_config, checkpoint_dir, model_len(self.config, model_config), tp, ep)
+            self.runner = ModelRunner(model, kv_cache, tp, ep)
+            group.barrier()
         except BaseException as e:  # reported by __init__
             self.failure = e
             return
@@ -58,7 +59,7 @@ class TPFollower:
         except BaseException as e:  # the leader sees the broken collective; keep the reason for info()
             self.failure = e
         finally:
-            tp.close()
+            group.close()
 
     def info(self) -> dict:
         """Rank, liveness, steps run and what the rank holds (for status and tests)."""
@@ -68,6 +69,7 @@ class TPFollower:
             failure=repr(self.failure) if self.failure else "",
             num_steps=self.runner.num_runs,
             num_kv_blocks=self.runner.kv_cache.num_blocks,
+            expert_tokens=expert_tokens.tolist() if (expert_tokens := model.expert_tokens()) is not None else [],
         )
 
     def alive(self) -> bool:

@@ -69,6 +69,23 @@ class TPGroup:
         dist.gather(tensor, parts, dst=0, group=self._compute)
         return torch.cat(parts, dim=dim) if self.is_leader else None
 
+    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int], receive_counts: list[int]) -> torch.Tensor:
+        """Rows ``tensor[sum(send_counts[:r]) : ...]`` go to rank r; returns the rows every rank
+        sent here, in rank order (``receive_counts[r]`` from rank r)."""
+        if self.size == 1:
+            return tensor
+        out = tensor.new_empty((sum(receive_counts), *tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor.contiguous(), receive_counts, send_counts, group=self._compute)
+        return out
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """``int64 [size]``: how many rows each rank will send here, given how many this rank sends each."""
+        if self.size == 1:
+            return send_counts
+        out = torch.empty_like(send_counts)
+        dist.all_to_all_single(out, send_counts, group=self._compute)
+        return out
+
     def send_plan(self, plan: object) -> None:
         """Leader: hand ``plan`` to every other rank (``None`` tells them to stop)."""
         if self.size > 1:

@@ -1,6 +1,6 @@
 """Starting a tensor-parallel replica's follower ranks as Ray actors (the one Ray-aware module of the engine).
 
-The controller places a TP replica in a placement group of ``tp_size`` bundles (STRICT_PACK:
+The controller places a TP (or EP) replica in a placement group of one bundle per rank (STRICT_PACK:
 one node), the leader in bundle 0. The leader starts rank r in bundle r. The followers are
 owned by the leader's actor, so Ray kills them when the leader dies or is killed: a replica
 lives and dies as a whole.
@@ -25,12 +25,12 @@ def rendezvous_address() -> str:
 def start_followers(
     config: EngineConfig, address: str, *, num_cpus: float, num_gpus: float = 0.0, num_threads: int = 1, follower_class: type = TPFollower
 ) -> list:
-    """Ranks 1 .. tp_size-1 of the replica whose leader listens at ``address``, in the leader's
+    """Ranks 1 .. num_ranks-1 of the replica whose leader listens at ``address``, in the leader's
     placement group. ``follower_class`` is TPFollower or a worker role's subclass of it."""
     group = ray.util.get_current_placement_group()
     actor = ray.remote(follower_class)
     followers = []
-    for rank in range(1, config.tp_size):
+    for rank in range(1, config.num_ranks):
         strategy = None
         if group is not None:
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False)
@@ -64,5 +64,5 @@ class TPEngineBuilder:
         )
 
     def __call__(self) -> LLMEngine:
-        tp = TPGroup.join(0, self.config.tp_size, self.address, collective_timeout_s=self.config.tp_collective_timeout_s)
-        return LLMEngine(self.config, worker_id=self.replica_id, tp=tp)
+        group = TPGroup.join(0, self.config.num_ranks, self.address, collective_timeout_s=self.config.tp_collective_timeout_s)
+        return LLMEngine(self.config, worker_id=self.replica_id, group=group)

@@ -46,6 +46,18 @@ def check_tp_size(model_name: str, config: ModelConfig, size: int) -> None:
         )
 
 
+def check_ep_size(model_name: str, config: ModelConfig, size: int) -> None:
+    """Raise UnsupportedModelError unless ``config``'s experts split evenly over ``size`` ranks."""
+    if size == 1:
+        return
+    if config.moe is None:
+        raise UnsupportedModelError(f"model {model_name!r} ({config.architecture}) has no experts: expert parallelism needs a mixture-of-experts model; run it with ep_size 1")
+    experts = config.moe.num_experts
+    if experts % size:
+        sizes = ", ".join(str(s) for s in range(1, experts + 1) if experts % s == 0)
+        raise UnsupportedModelError(f"model {model_name!r} has {experts} experts, which do not divide by expert parallel size {size}. Sizes that work: {sizes}")
+
+
 def split(total: int, size: int, rank: int) -> range:
     """Rank ``rank``'s contiguous share of ``total`` items split evenly (``total % size == 0``)."""
     per_rank = total // size
