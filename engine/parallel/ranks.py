@@ -65,4 +65,8 @@ class TPEngineBuilder:
 
     def __call__(self) -> LLMEngine:
         group = TPGroup.join(0, self.config.num_ranks, self.address, collective_timeout_s=self.config.tp_collective_timeout_s)
-        return LLMEngine(self.config, worker_id=self.replica_id, group=group)
+        try:
+            return LLMEngine(self.config, worker_id=self.replica_id, group=group)
+        except BaseException:  # a refused model or a failed load: leave no process group behind
+            group.close()
+            raise
