@@ -107,7 +107,8 @@ class DecodeWorker(EngineReplica):
             self.receiver = _build_receiver(replica_id, self.engine, worker_config.kv_transport)
             opened = [f.open_kv.remote(worker_config.kv_transport, replica_id, self.engine.namespace) for f in self.tp_followers]
             self.rank_endpoints = (self.receiver.endpoint, *ray.get(opened))
-        self._request_ranks = tuple(replace(e, transport_metadata=b"") for e in self.rank_endpoints) if self.tp_followers else ()
+        self._request_endpoints = tuple(replace(e, transport_metadata=b"") for e in self.rank_endpoints)
+        """What a TransferRequest carries of each rank's endpoint: the same without the transport metadata."""
         self.transfers = TransferStats()
         self._cleanups: set[asyncio.Task] = set()
         self._prefill_peers: dict[str, object] = {}
@@ -156,7 +157,7 @@ class DecodeWorker(EngineReplica):
         except AdmissionQueueFull as e:
             yield _error(wpb.RequestError.RESOURCE_EXHAUSTED, f"replica {self.replica_id}: {e}")
         except EngineLoopFailed as e:
-            yield _error(wpb.RequestError.UNAVAILABLE, f"replica {self.replica_id}: {e}")
+            yield _error(wpb.RequestError.REPLICA_FAILED, f"replica {self.replica_id}: {e}")
         except RemotePrefillFailed as e:
             yield _error(e.code, f"replica {self.replica_id}: {e}")
 
@@ -232,20 +233,22 @@ class DecodeWorker(EngineReplica):
     async def _remote_prefill(self, slot: RemotePrefill, request: EngineRequest, prefill, prefill_id: str) -> None:
         """Have ``prefill`` fill the slot's blocks, then join the batch; or apply the failure policy."""
         self.transfers.num_remote_prefills += 1
+        decode, decode_ranks, waiting_ranks = self._hand_off_target(slot)
         transfer = TransferRequest(
             # One id per hand-off, not per request: a request re-submitted after its decode replica
             # died must never meet its first hand-off, still running on the same prefill worker.
             request_id=f"{slot.request_id}#{secrets.token_hex(4)}",
-            decode=self.receiver.request_endpoint,
+            decode=decode,
             block_ids=slot.block_ids,
             num_prompt_tokens=len(slot.prompt_token_ids),
             first_block_index=slot.first_block,
             timeout_s=self.config.kv_transfer_timeout_s,
-            decode_ranks=self._request_ranks,
+            decode_ranks=decode_ranks,
         )
         wait_s = self.config.kv_transfer_timeout_s + _NOTIF_GRACE_S
-        rank_waits = [f.await_kv.remote(transfer.notif, wait_s) for f in self.tp_followers]
-        landed = asyncio.gather(self.receiver.expect(transfer.notif), *(asyncio.ensure_future(ref) for ref in rank_waits))
+        rank_waits = [self.tp_followers[r - 1].await_kv.remote(transfer.notif, wait_s) for r in waiting_ranks if r > 0]
+        own = [self.receiver.expect(transfer.notif)] if 0 in waiting_ranks else []
+        landed = asyncio.gather(*own, *(asyncio.ensure_future(ref) for ref in rank_waits))
         landed.add_done_callback(lambda f: f.cancelled() or f.exception())  # a hand-off given up: its ranks' waits end cancelled, unread
         ref = prefill.prefill.remote(transfer, list(slot.prompt_token_ids), _first_token_params(request.params), request.tenant_salt)
         answer = asyncio.ensure_future(ref)
@@ -275,6 +278,15 @@ class DecodeWorker(EngineReplica):
                 loop.deliver(output)
 
         await self.loop.call(join)
+
+    def _hand_off_target(self, slot: RemotePrefill) -> tuple[KVEndpoint, tuple[KVEndpoint, ...], list[int]]:
+        """``(decode endpoint, decode_ranks, ranks that wait)`` of a hand-off into ``slot``: every
+        rank of a tensor-parallel replica (each holds some heads of the blocks), only the slot's
+        rank of an expert-parallel one (each rank's pool holds requests of its own)."""
+        if self.engine.config.ep_size > 1:
+            return self._request_endpoints[slot.dp_rank], (), [slot.dp_rank]
+        ranks = self._request_endpoints if len(self._request_endpoints) > 1 else ()
+        return self._request_endpoints[0], ranks, list(range(len(self._request_endpoints)))
 
     async def _await_hand_off(self, answer: asyncio.Future, landed: asyncio.Future, prefill_id: str) -> TransferResult:
         """The prefill worker's successful answer once the write's notification is in; otherwise

@@ -17,7 +17,7 @@ from engine.config import EngineConfig, WorkerProcessConfig
 from engine.cpus import move_serving_threads
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
-from engine.metrics import EngineStatsCollector, TierStatsCollector, TPRankCollector, serve_metrics
+from engine.metrics import EngineStatsCollector, KeyedCounterCollector, TierStatsCollector, TPRankCollector, serve_metrics
 from engine.parallel.follower import TPFollower, rank_fields
 from engine.parallel.ranks import TPEngineBuilder
 from kv_store.events import KVEventBatch, KVSnapshot
@@ -61,6 +61,8 @@ class EngineReplica:
         self._metrics_config = config
         self._tp_ranks: list[dict] = []
         """Each rank's fields as of the last status probe (for metrics)."""
+        self._rank_expert_tokens: list[list[list[int]]] = []
+        """Per rank, per layer, tokens each expert it holds computed, as of the last status probe."""
 
     def serve_metrics(self, *collectors: Collector) -> None:
         """Start the Prometheus endpoint: engine and tier metrics plus the role's ``collectors``."""
@@ -68,6 +70,12 @@ class EngineReplica:
         registry.register(EngineStatsCollector(lambda: self.loop.stats, self.metrics_labels))
         registry.register(TierStatsCollector(self.engine.kv_store, self.metrics_labels))
         registry.register(TPRankCollector(lambda: self._tp_ranks, self.metrics_labels))
+        registry.register(
+            KeyedCounterCollector(
+                "splitserve_moe_expert_tokens", "Tokens the expert of the layer computed (routed tokens, every rank's).",
+                self.expert_load, self.metrics_labels, ("layer", "expert"),
+            )
+        )
         for collector in collectors:
             registry.register(collector)
         self.metrics_url = serve_metrics(registry, self._metrics_config.metrics_host, self._metrics_config.metrics_port)
@@ -98,7 +106,10 @@ class EngineReplica:
     async def tp_rank_fields(self, timeout_s: float = 5.0) -> list[dict]:
         """The fields of splitserve.v1.TPRank for each rank, the leader first. A follower that is
         gone, or does not answer within ``timeout_s``, is reported not alive."""
-        ranks = [rank_fields(0, self.engine.runner.model, self.tp_node_ip, self.loop.alive)]
+        model = self.engine.runner.model
+        ranks = [rank_fields(0, model, self.tp_node_ip, self.loop.alive)]
+        leader_tokens = model.expert_tokens()
+        expert_tokens = [leader_tokens.tolist() if leader_tokens is not None else []]
         calls = [asyncio.ensure_future(f.info.remote()) for f in self.tp_followers]
         if calls:
             await asyncio.wait(calls, timeout=timeout_s)
@@ -106,11 +117,34 @@ class EngineReplica:
             if call.done() and call.exception() is None:
                 info = call.result()
                 ranks.append({k: info[k] for k in ranks[0]})
+                expert_tokens.append(info["expert_tokens"])
             else:
                 call.cancel()
                 ranks.append(dict(rank=rank, node_ip=self.tp_node_ip, alive=False))
         self._tp_ranks = ranks
+        if len(expert_tokens) == len(ranks):  # keep the last complete picture otherwise
+            self._rank_expert_tokens = expert_tokens
         return ranks
+
+    def expert_load(self) -> dict[tuple[int, int], int]:
+        """Tokens computed per (layer, expert) of a mixture-of-experts model, over every rank; empty for a dense one."""
+        load = {}
+        for rank, rank_tokens in enumerate(self._rank_expert_tokens):
+            for layer, held in enumerate(rank_tokens):  # rank r holds experts [r * len(held), (r + 1) * len(held))
+                for i, tokens in enumerate(held):
+                    load[(layer, rank * len(held) + i)] = tokens
+        return load
+
+    def expert_status_fields(self) -> dict:
+        """ReplicaStatus's EP fields: size, the busiest rank's routed tokens over the mean, the hottest experts."""
+        ranks = [sum(sum(layer) for layer in r) for r in self._rank_expert_tokens]
+        mean = sum(ranks) / len(ranks) if ranks else 0.0
+        hottest = sorted(self.expert_load().items(), key=lambda item: -item[1])[:3]
+        return dict(
+            ep_size=self.engine.config.ep_size,
+            ep_load_max_over_mean=max(ranks) / mean if mean else 0.0,
+            hottest_experts=[dict(layer=layer, expert=expert, tokens=tokens) for (layer, expert), tokens in hottest if tokens],
+        )
 
     async def status_fields(self) -> dict:
         """The fields of splitserve.v1.ReplicaStatus; a dead engine thread, or a dead rank of a
@@ -122,8 +156,9 @@ class EngineReplica:
             pool=self.pool,
             model=self.engine.model_name,
             healthy=all(r["alive"] for r in ranks),
-            tp_size=len(ranks),
+            tp_size=self.engine.config.tp_size,
             tp_ranks=ranks,
+            **self.expert_status_fields(),
             num_running=s.num_running,
             num_waiting=s.num_waiting + s.num_parked,
             num_kv_blocks=s.num_kv_blocks,

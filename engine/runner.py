@@ -159,8 +159,9 @@ class ModelRunner:
             new_v=torch.empty(new_kv_shape, dtype=self.dtype),
         )
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), batch)
-        block_ids = torch.tensor(slot_block_ids, dtype=torch.long)
-        self.kv_cache.write(batch.new_k, batch.new_v, block_ids, position_t % self.block_size)
+        if positions:  # an idle data-parallel rank runs the step for its collectives, with nothing to store
+            block_ids = torch.tensor(slot_block_ids, dtype=torch.long)
+            self.kv_cache.write(batch.new_k, batch.new_v, block_ids, position_t % self.block_size)
         # A data-parallel rank always computes (maybe zero rows of) logits: the leader gathers every rank's.
         logits = self.model.compute_logits(hidden[list(plan.sample_rows)]) if plan.sample_rows or self.dp.size > 1 else None
         self.num_runs += 1

@@ -38,7 +38,7 @@ class PrefillRank(TPFollower):
         self.endpoint = KVEndpoint(
             agent_name=agent_name,
             transport_metadata=self.transport.metadata(),
-            namespace=replace(namespace, tp_rank=self.rank),
+            namespace=replace(namespace, tp_rank=self.rank) if namespace.tp_size > 1 else namespace,
             layout=kv_cache.layout,
             num_blocks=kv_cache.num_blocks,
             head_start=heads.start,

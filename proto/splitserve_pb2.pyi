@@ -168,7 +168,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "pool", "model", "healthy", "num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "metrics_url", "num_aborted_requests", "num_queued_prefill_tokens", "tp_size", "tp_ranks")
+    __slots__ = ("replica_id", "pool", "model", "healthy", "num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "metrics_url", "num_aborted_requests", "num_queued_prefill_tokens", "tp_size", "tp_ranks", "ep_size", "ep_load_max_over_mean", "hottest_experts")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,9 @@ class ReplicaStatus(_message.Message):
     NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EP_LOAD_MAX_OVER_MEAN_FIELD_NUMBER: _ClassVar[int]
+    HOTTEST_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     pool: str
     model: str
@@ -195,7 +198,20 @@ class ReplicaStatus(_message.Message):
     num_queued_prefill_tokens: int
     tp_size: int
     tp_ranks: _containers.RepeatedCompositeFieldContainer[TPRank]
-    def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., metrics_url: _Optional[str] = ..., num_aborted_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_ranks: _Optional[_Iterable[_Union[TPRank, _Mapping]]] = ...) -> None: ...
+    ep_size: int
+    ep_load_max_over_mean: float
+    hottest_experts: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
+    def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., metrics_url: _Optional[str] = ..., num_aborted_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_ranks: _Optional[_Iterable[_Union[TPRank, _Mapping]]] = ..., ep_size: _Optional[int] = ..., ep_load_max_over_mean: _Optional[float] = ..., hottest_experts: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ...) -> None: ...
+
+class ExpertLoad(_message.Message):
+    __slots__ = ("layer", "expert", "tokens")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    expert: int
+    tokens: int
+    def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class TPRank(_message.Message):
     __slots__ = ("rank", "node_ip", "pid", "alive", "param_bytes", "kv_head_start", "kv_head_end")

@@ -19,12 +19,14 @@ class RequestError(_message.Message):
         UNAVAILABLE: _ClassVar[RequestError.Code]
         INTERNAL: _ClassVar[RequestError.Code]
         FAILED_PRECONDITION: _ClassVar[RequestError.Code]
+        REPLICA_FAILED: _ClassVar[RequestError.Code]
     CODE_UNSPECIFIED: RequestError.Code
     INVALID_ARGUMENT: RequestError.Code
     RESOURCE_EXHAUSTED: RequestError.Code
     UNAVAILABLE: RequestError.Code
     INTERNAL: RequestError.Code
     FAILED_PRECONDITION: RequestError.Code
+    REPLICA_FAILED: RequestError.Code
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     code: RequestError.Code

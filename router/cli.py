@@ -92,6 +92,12 @@ def _run_status(args: argparse.Namespace) -> int:
         if r.tp_size > 1:
             ranks = ", ".join(f"{t.rank}: pid {t.pid} {'alive' if t.alive else 'DEAD'} heads {t.kv_head_start}-{t.kv_head_end}" for t in r.tp_ranks)
             print(f"{'':8} {'':12} tp {r.tp_size} on {r.tp_ranks[0].node_ip or 'one node'} (ranks {ranks})")
+        if r.ep_size > 1:
+            ranks = ", ".join(f"{t.rank}: pid {t.pid} {'alive' if t.alive else 'DEAD'}" for t in r.tp_ranks)
+            print(f"{'':8} {'':12} ep {r.ep_size} on {r.tp_ranks[0].node_ip or 'one node'} (ranks {ranks})")
+        if r.hottest_experts:
+            hot = ", ".join(f"layer {e.layer} expert {e.expert}: {e.tokens}" for e in r.hottest_experts)
+            print(f"{'':8} {'':12} experts: busiest EP rank {r.ep_load_max_over_mean:.2f}x the mean; hottest {hot}")
     for pool in status.pools:
         if not (pool.target_replicas or pool.num_replicas or pool.num_restarts):
             continue
@@ -121,6 +127,10 @@ def _add_up(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks of each prefill replica (default: %(default)s)")
     parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of each decode replica (default: %(default)s)")
+    parser.add_argument(
+        "--decode-ep", type=int, default=1,
+        help="expert-parallel ranks of each decode replica of a mixture-of-experts model: experts split, attention data-parallel (default: %(default)s)",
+    )
     parser.add_argument("--tls-cert", type=Path, help="server certificate (enables TLS)")
     parser.add_argument("--tls-key", type=Path, help="server private key")
     parser.add_argument("--tls-client-ca", type=Path, help="CA of client certificates (enables mutual TLS)")
@@ -130,7 +140,7 @@ def _add_up(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cluster-tls-key", type=Path, help="private key of --cluster-tls-cert")
     parser.add_argument("--cluster-tls-ca", type=Path, help="the cluster CA: peers whose certificate it did not sign are refused")
-    add_dataclass_args(parser, EngineConfig, skip=("tp_size",))
+    add_dataclass_args(parser, EngineConfig, skip=("tp_size", "ep_size"))
     add_dataclass_args(parser, RouterConfig, skip=("tls", "cluster_tls"))
     add_dataclass_args(parser, WorkerConfig, prefix="worker", skip=("cluster_tls",))
     add_dataclass_args(parser, PrefillWorkerConfig, prefix="prefill")
@@ -173,6 +183,7 @@ def _run_up(args: argparse.Namespace) -> int:
             ray_address=args.address,
             prefill_tp_size=args.prefill_tp,
             decode_tp_size=args.decode_tp,
+            decode_ep_size=args.decode_ep,
         )
     except (ValueError, TypeError) as e:
         print(f"splitserve up: {e}", file=sys.stderr)

@@ -93,8 +93,10 @@ class ReplicaSpec:
     num_cpus: float = 1.0
     """Logical CPUs the actor reserves."""
     tp_size: int = 1
-    """Tensor-parallel ranks of each replica: above 1, the replica is placed as a placement group
-    of that many bundles on one node (router/placement.py)."""
+    """Processes of each replica (its tensor- or expert-parallel ranks): above 1, the replica is
+    placed as a placement group of that many bundles on one node (router/placement.py)."""
+    rank_kind: str = "TP"
+    """What the ranks split, for messages: "TP" (the model) or "EP" (its experts)."""
     tp_rank_cpus: float = 1.0
     """Logical CPUs each follower rank reserves."""
     tp_rank_gpus: float = 0.0
@@ -254,7 +256,7 @@ class ClusterController:
             options = dict(num_cpus=spec.num_cpus, resources={pool_resource(spec.pool): 1})
             if spec.tp_size > 1:
                 wanted = placement.bundles(spec.tp_size, spec.num_cpus, spec.tp_rank_cpus, pool_resource(spec.pool), spec.tp_rank_gpus)
-                group = await placement.reserve(f"a TP {spec.tp_size} {spec.pool} replica", wanted, spec.placement_timeout_s)
+                group = await placement.reserve(f"a {spec.rank_kind} {spec.tp_size} {spec.pool} replica", wanted, spec.placement_timeout_s)
                 strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0, placement_group_capture_child_tasks=False)
                 options.update(scheduling_strategy=strategy, num_gpus=spec.tp_rank_gpus)
             handle = actor_class.options(

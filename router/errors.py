@@ -12,6 +12,7 @@ _WORKER_CODES = {
     wpb.RequestError.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     wpb.RequestError.INTERNAL: grpc.StatusCode.INTERNAL,
     wpb.RequestError.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    wpb.RequestError.REPLICA_FAILED: grpc.StatusCode.UNAVAILABLE,
 }
 
 

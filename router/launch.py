@@ -52,21 +52,26 @@ class ClusterConfig:
     """Tensor-parallel ranks of each prefill replica; None takes ``engine.tp_size``."""
     decode_tp_size: int | None = None
     """Tensor-parallel ranks of each decode replica; None takes ``engine.tp_size``."""
+    decode_ep_size: int | None = None
+    """Expert-parallel ranks of each decode replica (MoE models); None takes ``engine.ep_size``.
+    Prefill replicas never run expert-parallel."""
 
     def pool_engine(self, pool: str) -> EngineConfig:
-        """The engine config of ``pool``'s replicas: ``engine`` with the pool's TP size."""
-        size = self.prefill_tp_size if pool == "prefill" else self.decode_tp_size
-        return replace(self.engine, tp_size=size or self.engine.tp_size)
+        """The engine config of ``pool``'s replicas: ``engine`` with the pool's TP (and, for decode, EP) size."""
+        if pool == "prefill":
+            return replace(self.engine, tp_size=self.prefill_tp_size or self.engine.tp_size, ep_size=1)
+        return replace(self.engine, tp_size=self.decode_tp_size or self.engine.tp_size, ep_size=self.decode_ep_size or self.engine.ep_size)
 
     def replica_spec(self, pool: str) -> ReplicaSpec:
         """How the controller starts ``pool``'s replicas."""
         engine = self.pool_engine(pool)
         worker = self.prefill if pool == "prefill" else self.worker
         actor_class = PREFILL_WORKER_CLASS if pool == "prefill" else self.decode_worker_class
-        return ReplicaSpec(pool, actor_class, (engine, worker), tp_size=engine.tp_size, tp_rank_cpus=worker.tp_rank_cpus)
+        kind = "EP" if engine.ep_size > 1 else "TP"
+        return ReplicaSpec(pool, actor_class, (engine, worker), tp_size=engine.num_ranks, rank_kind=kind, tp_rank_cpus=worker.tp_rank_cpus)
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tp_size", "decode_tp_size"):
+        for name in ("prefill_tp_size", "decode_tp_size", "decode_ep_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for pool in POOLS:

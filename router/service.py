@@ -26,6 +26,7 @@ import grpc
 
 from proto import splitserve_pb2 as pb
 from proto import splitserve_pb2_grpc as pb_grpc
+from proto import worker_pb2 as wpb
 from kv_store.keys import block_keys
 from router.config import RouterConfig
 from router.errors import CallRejected, from_worker
@@ -146,6 +147,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             async with contextlib.aclosing(channel.generate(forwarded, prefill.replica_id if prefill else "", stream.token_ids)) as events:
                 async for event in events:
                     if event.HasField("error"):
+                        if event.error.code == wpb.RequestError.REPLICA_FAILED:
+                            raise WorkerDied(event.error.message)  # the call migrates, as when the process dies
                         raise from_worker(event.error)
                     now = time.perf_counter()
                     if prefill is not None:

@@ -8,6 +8,7 @@ below are what the leader (a Ray actor) asks of it; the Ray side is engine/paral
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -19,6 +20,8 @@ from engine.llm_engine import build_shard, model_len, split_group
 from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
 from engine.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class TPFollower:
@@ -57,6 +60,7 @@ class TPFollower:
         try:
             self.runner.follow()
         except BaseException as e:  # the leader sees the broken collective; keep the reason for info()
+            logger.exception("rank %d of a %d-rank replica: its step loop failed", self.rank, self.config.num_ranks)
             self.failure = e
         finally:
             group.close()

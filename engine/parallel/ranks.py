@@ -11,10 +11,13 @@ from __future__ import annotations
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model_config import ModelConfig
 from engine.parallel.follower import TPFollower
 from engine.parallel.group import TPGroup, free_address
+from engine.parallel.sharding import check_ep_size, check_tp_size
 
 
 def rendezvous_address() -> str:
@@ -58,6 +61,9 @@ class TPEngineBuilder:
     ) -> None:
         self.config = config
         self.replica_id = replica_id
+        model_config = ModelConfig.from_dir(resolve_model(config.model, config.cache_dir))
+        check_tp_size(served_model_name(config.model), model_config, config.tp_size)  # refuse before any follower starts
+        check_ep_size(served_model_name(config.model), model_config, config.ep_size)
         self.address = rendezvous_address()
         self.followers = start_followers(
             config, self.address, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=num_threads, follower_class=follower_class
@@ -67,6 +73,8 @@ class TPEngineBuilder:
         group = TPGroup.join(0, self.config.num_ranks, self.address, collective_timeout_s=self.config.tp_collective_timeout_s)
         try:
             return LLMEngine(self.config, worker_id=self.replica_id, group=group)
-        except BaseException:  # a refused model or a failed load: leave no process group behind
+        except BaseException:  # a failed load: leave no process group and no follower behind
             group.close()
+            for follower in self.followers:
+                ray.kill(follower)  # they may wait in the start-up barrier, which would hold this actor's exit
             raise

@@ -169,7 +169,7 @@ def process_gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
-def test_a_follower_rank_killed_mid_prefill_fails_the_replica_which_is_replaced(client, reference, engine_config):
+def test_a_follower_rank_killed_mid_prefill_fails_the_replica_whose_calls_migrate_to_its_replacement(client, reference, engine_config):
     [long_prompt] = random_prompts([1500], vocab=49152, seed=5)
     old = decode_replica(client)
     [pool] = [p for p in client.cluster_status().pools if p.pool == "decode"]
@@ -191,16 +191,12 @@ def test_a_follower_rank_killed_mid_prefill_fails_the_replica_which_is_replaced(
     caller.join(120)
     assert not caller.is_alive(), "the call neither finished nor failed"
 
-    if "error" in outcome:
-        error = outcome["error"]
-        assert error.code() == grpc.StatusCode.UNAVAILABLE
-        assert old.replica_id in error.details()
-        print(f"\nclient: {error.code().name} {error.details()!r}")
-    else:
-        engine = LLMEngine(engine_config)  # recomputed elsewhere: the tokens an undisturbed TP 1 run gives
-        [expected] = engine.generate([long_prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-        assert outcome["tokens"] == list(expected.output_token_ids)
-        print(f"\nclient: completed with {len(outcome['tokens'])} tokens")
+    # The replica's engine failed with the rank: the call migrates to the replacement and is recomputed there.
+    assert "error" not in outcome, outcome.get("error")
+    engine = LLMEngine(engine_config)  # the tokens an undisturbed TP 1 run gives
+    [expected] = engine.generate([long_prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.close()
+    assert outcome["tokens"] == list(expected.output_token_ids)
 
     def replaced():
         fresh = [
