@@ -28,7 +28,7 @@ import torch
 
 from bench.report import BenchError, arg_parser, emit_report, machine, plot, progress, run
 from bench.parallel import size_list
-from bench.workload import greedy, random_tokens
+from bench.workload import greedy, random_tokens, ranked_engine
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.layers.mlp import SparseMoE
@@ -36,9 +36,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
 from engine.parallel.follower import parameter_bytes
 from engine.parallel.group import TPGroup
-from engine.parallel.ranks import TPEngineBuilder
 from engine.parallel.sharding import check_ep_size
-from router.launch import init_ray
 
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
@@ -58,28 +56,6 @@ def make_model(out_dir: Path) -> Path:
     transformers.MixtralForCausalLM(transformers.MixtralConfig(**MODEL)).save_pretrained(out_dir)
     make_tiny_tokenizer(out_dir)
     return out_dir
-
-
-@contextlib.contextmanager
-def ep_engine(config: EngineConfig, num_threads: int):
-    """The leader's engine of a replica of ``config.ep_size`` ranks and its follower handles; all stopped after."""
-    torch.set_num_threads(num_threads)
-    followers = []
-    try:
-        if config.ep_size == 1:
-            engine = LLMEngine(config)
-        else:
-            init_ray(None)
-            builder = TPEngineBuilder(config, f"bench-ep{config.ep_size}", num_cpus=round(min(1.0, len(os.sched_getaffinity(0)) / config.ep_size), 2), num_threads=num_threads)
-            followers = builder.followers
-            engine = builder()
-        try:
-            yield engine, followers
-        finally:
-            engine.close()
-    finally:
-        for follower in followers:
-            ray.kill(follower)
 
 
 @contextlib.contextmanager
@@ -196,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             config = EngineConfig(model=str(model_dir), kv_dtype="fp32", ep_size=ep, num_kv_blocks=16 + max(args.batches) * seq_blocks,
                                   max_num_batched_tokens=max(args.batches) * sizes["prompt_tokens"])
             start = time.perf_counter()
-            with ep_engine(config, threads[ep]) as (engine, followers):
+            with ranked_engine(config, threads[ep], f"ep{ep}") as (engine, followers):
                 load_s = time.perf_counter() - start
                 results[ep], outputs[ep] = measure(engine, followers, args.batches, sizes, identity_prompts)
             results[ep].update(load_s=round(load_s, 2), threads_per_rank=threads[ep], token_identical=outputs[ep] == outputs[1])

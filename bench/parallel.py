@@ -13,7 +13,6 @@ shows up in every figure.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import random
@@ -24,7 +23,7 @@ import time
 import torch
 
 from bench.report import BenchError, arg_parser, emit_report, machine, plot, positive, progress, run
-from bench.workload import greedy, random_tokens
+from bench.workload import greedy, random_tokens, ranked_engine
 from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -42,34 +41,6 @@ QUICK = {"prompt_lengths": [32, 128], "decode_tokens": 4, "identity_tokens": 8}
 def size_list(text: str) -> list[int]:
     """An argparse type: comma-separated positive whole numbers (``1,3``), sorted, without repeats."""
     return sorted({positive(part) for part in text.split(",")})
-
-
-@contextlib.contextmanager
-def tp_engine(config: EngineConfig, num_threads: int):
-    """The leader's engine of a replica of ``config.tp_size`` ranks and its follower handles; all stopped after."""
-    import ray
-
-    from engine.parallel.ranks import TPEngineBuilder
-    from router.launch import init_ray
-
-    torch.set_num_threads(num_threads)
-    followers = []
-    try:
-        if config.tp_size == 1:
-            engine = LLMEngine(config)
-        else:
-            init_ray(None)
-            cpus_per_rank = round(min(1.0, len(os.sched_getaffinity(0)) / config.tp_size), 2)
-            builder = TPEngineBuilder(config, f"bench-tp{config.tp_size}", num_cpus=cpus_per_rank, num_threads=num_threads)
-            followers = builder.followers
-            engine = builder()
-        try:
-            yield engine, followers
-        finally:
-            engine.close()
-    finally:
-        for follower in followers:
-            ray.kill(follower)
 
 
 def prefill_s(engine: LLMEngine, prompt: list[int], repeats: int) -> float:
@@ -152,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         progress("parallel", f"TP {tp}: loading {args.model} over {tp} rank(s), {threads[tp]} torch thread(s) each")
         config = EngineConfig(model=args.model, kv_dtype="fp32", tp_size=tp, max_num_batched_tokens=budget, num_kv_blocks=num_blocks)
         start, load_avg_1m = time.perf_counter(), os.getloadavg()[0]
-        with tp_engine(config, threads[tp]) as (engine, followers):
+        with ranked_engine(config, threads[tp], f"tp{tp}") as (engine, followers):
             load_s = time.perf_counter() - start
             results[tp], outputs[tp] = measure(engine, followers, lengths, args.batches, sizes)
         results[tp].update(load_s=round(load_s, 2), threads_per_rank=threads[tp], token_identical=outputs[tp] == outputs[1],

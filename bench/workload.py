@@ -9,7 +9,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from bench.report import BenchError
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
 from router.client import SplitServeClient
 from router.launch import Cluster, ClusterConfig
@@ -79,3 +83,35 @@ def redis_server(name: str):
             yield server
         finally:
             server.stop()
+
+
+@contextlib.contextmanager
+def ranked_engine(config: EngineConfig, num_threads: int, name: str):
+    """The leader's engine of a replica of ``config.num_ranks`` ranks (TP or EP), in this process,
+    and its followers' handles (each rank a Ray actor with ``num_threads`` threads and its share
+    of the cores); all stopped after."""
+    import os
+
+    import ray
+
+    from engine.parallel.ranks import TPEngineBuilder
+    from router.launch import init_ray
+
+    torch.set_num_threads(num_threads)
+    followers = []
+    try:
+        if config.num_ranks == 1:
+            engine = LLMEngine(config)
+        else:
+            init_ray(None)
+            cpus_per_rank = round(min(1.0, len(os.sched_getaffinity(0)) / config.num_ranks), 2)
+            builder = TPEngineBuilder(config, f"bench-{name}", num_cpus=cpus_per_rank, num_threads=num_threads)
+            followers = builder.followers
+            engine = builder()
+        try:
+            yield engine, followers
+        finally:
+            engine.close()
+    finally:
+        for follower in followers:
+            ray.kill(follower)

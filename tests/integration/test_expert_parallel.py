@@ -23,6 +23,7 @@ from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
 from engine.parallel.follower import parameter_bytes
 from engine.parallel.ranks import TPEngineBuilder
+from tests.integration.parallel_engines import ParallelEngines, parallel_engines
 from tests.unit.engine.helpers import GREEDY, random_prompts, transformers_greedy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -39,47 +40,10 @@ TIGHT = dict(kv_dtype="fp32", num_kv_blocks=10, max_num_batched_tokens=16)
 FOLLOWER_CPUS = 0.25
 
 
-class Engines:
-    """EP 1 engines are kept; of the engines with followers only one lives at a time (a process
-    joins one group at once), so asking for another closes the current one and kills its actors."""
-
-    def __init__(self) -> None:
-        self._ep1: dict[EngineConfig, LLMEngine] = {}
-        self._config: EngineConfig | None = None
-        self._engine: LLMEngine | None = None
-        self.followers: list = []
-
-    def get(self, config: EngineConfig) -> LLMEngine:
-        if config.ep_size == 1:
-            if config not in self._ep1:
-                self._ep1[config] = LLMEngine(config)
-            return self._ep1[config]
-        if config != self._config:
-            self.close_ep()
-            builder = TPEngineBuilder(config, "test-ep", num_cpus=FOLLOWER_CPUS, num_threads=1)
-            self.followers = builder.followers
-            self._engine, self._config = builder(), config
-        return self._engine
-
-    def follower_infos(self) -> list[dict]:
-        return ray.get([f.info.remote() for f in self.followers])
-
-    def close_ep(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-        for follower in self.followers:
-            ray.kill(follower)
-        self._engine, self._config, self.followers = None, None, []
-
-
 @pytest.fixture(scope="module")
 def engines(ray_session):
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each follower: a spinning OpenMP team here starves the ranks it waits for
-    e = Engines()
-    yield e
-    e.close_ep()
-    torch.set_num_threads(num_threads)
+    with parallel_engines(FOLLOWER_CPUS, "test-ep") as e:
+        yield e
 
 
 @pytest.fixture(scope="module", params=[(m, ep) for m in MODELS for ep in EP_SIZES], ids=lambda p: f"{p[0]}-ep{p[1]}")
@@ -110,7 +74,7 @@ def greedy_run(engine: LLMEngine, prompts, params=GREEDY) -> tuple[list[tuple[in
     return [c.output_token_ids for c in engine.run_to_completion(ids)], ranks
 
 
-def expert_tokens(engines: Engines, engine: LLMEngine) -> torch.Tensor:
+def expert_tokens(engines: ParallelEngines, engine: LLMEngine) -> torch.Tensor:
     """``[layers, experts]``: tokens each expert has computed, over every rank (rank r holds the r-th run of experts)."""
     counts = [engine.runner.model.expert_tokens()] + [torch.tensor(info["expert_tokens"]) for info in engines.follower_infos()]
     return torch.cat(counts, dim=1)
@@ -203,7 +167,7 @@ def test_chunked_prefill_and_preemption_match_ep1_and_transformers(engines, case
     ],
 )
 def test_a_replica_the_model_cannot_split_is_refused_with_a_sentence_and_leaves_no_group(engines, tiny_checkpoint, name, ep, message):
-    engines.close_ep()
+    engines.close_parallel()
     config = EngineConfig(model=str(tiny_checkpoint(name)), ep_size=ep, **ROOMY)
     builder = TPEngineBuilder(config, "test-ep-refused", num_cpus=FOLLOWER_CPUS, num_threads=1)
     with pytest.raises(UnsupportedModelError) as refused:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import ray
 import torch
 
 from engine.config import EngineConfig
@@ -21,7 +20,7 @@ from engine.layers.norm import RMSNorm
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
 from engine.parallel.follower import parameter_bytes
-from engine.parallel.ranks import TPEngineBuilder
+from tests.integration.parallel_engines import parallel_engines
 from tests.unit.engine.helpers import GREEDY, random_prompts, run_staggered, transformers_greedy
 
 pytestmark = pytest.mark.integration
@@ -45,51 +44,10 @@ PASSAGE = (
 )
 
 
-class Engines:
-    """The engines a test asks for, built once per config. TP 1 engines are kept; of the engines
-    with followers only one lives at a time (a process joins one TP group at once), so asking for
-    another closes the current one and kills its follower actors."""
-
-    def __init__(self) -> None:
-        self._tp1: dict[EngineConfig, LLMEngine] = {}
-        self._config: EngineConfig | None = None
-        self._engine: LLMEngine | None = None
-        self.followers: list = []
-        """Ray handles of the live TP engine's ranks 1 .. N-1."""
-
-    def get(self, config: EngineConfig) -> LLMEngine:
-        if config.tp_size == 1:
-            if config not in self._tp1:
-                self._tp1[config] = LLMEngine(config)
-            return self._tp1[config]
-        if config != self._config:
-            self.close_tp()
-            builder = TPEngineBuilder(config, "test-tp", num_cpus=FOLLOWER_CPUS, num_threads=1)
-            self.followers = builder.followers
-            self._engine, self._config = builder(), config
-        return self._engine
-
-    def follower_infos(self) -> list[dict]:
-        return ray.get([f.info.remote() for f in self.followers])
-
-    def close_tp(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-        for follower in self.followers:
-            ray.kill(follower)
-        self._engine, self._config, self.followers = None, None, []
-
-
 @pytest.fixture(scope="module")
 def engines(ray_session):
-    # One torch thread here, as each follower has: on a small machine a leader's OpenMP team
-    # spinning on every core starves the followers it waits for in each all-reduce.
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    e = Engines()
-    yield e
-    e.close_tp()
-    torch.set_num_threads(num_threads)
+    with parallel_engines(FOLLOWER_CPUS, "test-tp") as e:
+        yield e
 
 
 def expected_rank_bytes(tp1_model, size: int) -> int:
