@@ -168,7 +168,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "pool", "model", "healthy", "num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "metrics_url", "num_aborted_requests", "num_queued_prefill_tokens", "tp_size", "tp_ranks", "ep_size", "ep_load_max_over_mean", "hottest_experts")
+    __slots__ = ("replica_id", "pool", "model", "healthy", "num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "metrics_url", "num_aborted_requests", "num_queued_prefill_tokens", "tp_size", "tp_ranks", "ep_size", "ep_load_max_over_mean", "hottest_experts", "draining")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class ReplicaStatus(_message.Message):
     EP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EP_LOAD_MAX_OVER_MEAN_FIELD_NUMBER: _ClassVar[int]
     HOTTEST_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     pool: str
     model: str
@@ -201,7 +202,8 @@ class ReplicaStatus(_message.Message):
     ep_size: int
     ep_load_max_over_mean: float
     hottest_experts: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
-    def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., metrics_url: _Optional[str] = ..., num_aborted_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_ranks: _Optional[_Iterable[_Union[TPRank, _Mapping]]] = ..., ep_size: _Optional[int] = ..., ep_load_max_over_mean: _Optional[float] = ..., hottest_experts: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., metrics_url: _Optional[str] = ..., num_aborted_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_ranks: _Optional[_Iterable[_Union[TPRank, _Mapping]]] = ..., ep_size: _Optional[int] = ..., ep_load_max_over_mean: _Optional[float] = ..., hottest_experts: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ExpertLoad(_message.Message):
     __slots__ = ("layer", "expert", "tokens")
@@ -244,7 +246,7 @@ class RouterStatus(_message.Message):
     def __init__(self, router_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_inflight: _Optional[int] = ..., metrics_url: _Optional[str] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
-    __slots__ = ("pool", "target_replicas", "num_replicas", "num_starting", "num_restarts", "num_failed_starts", "restart_backoff_s", "last_failure")
+    __slots__ = ("pool", "target_replicas", "num_replicas", "num_starting", "num_restarts", "num_failed_starts", "restart_backoff_s", "last_failure", "num_draining")
     POOL_FIELD_NUMBER: _ClassVar[int]
     TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +255,7 @@ class PoolStatus(_message.Message):
     NUM_FAILED_STARTS_FIELD_NUMBER: _ClassVar[int]
     RESTART_BACKOFF_S_FIELD_NUMBER: _ClassVar[int]
     LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAINING_FIELD_NUMBER: _ClassVar[int]
     pool: str
     target_replicas: int
     num_replicas: int
@@ -261,7 +264,8 @@ class PoolStatus(_message.Message):
     num_failed_starts: int
     restart_backoff_s: float
     last_failure: str
-    def __init__(self, pool: _Optional[str] = ..., target_replicas: _Optional[int] = ..., num_replicas: _Optional[int] = ..., num_starting: _Optional[int] = ..., num_restarts: _Optional[int] = ..., num_failed_starts: _Optional[int] = ..., restart_backoff_s: _Optional[float] = ..., last_failure: _Optional[str] = ...) -> None: ...
+    num_draining: int
+    def __init__(self, pool: _Optional[str] = ..., target_replicas: _Optional[int] = ..., num_replicas: _Optional[int] = ..., num_starting: _Optional[int] = ..., num_restarts: _Optional[int] = ..., num_failed_starts: _Optional[int] = ..., restart_backoff_s: _Optional[float] = ..., last_failure: _Optional[str] = ..., num_draining: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("replicas", "routers", "pools")

@@ -104,7 +104,7 @@ def _run_status(args: argparse.Namespace) -> int:
         backoff = f", next start in {pool.restart_backoff_s:.1f} s" if pool.restart_backoff_s else ""
         last = f", last failure: {pool.last_failure}" if pool.last_failure else ""
         print(
-            f"pool {pool.pool}: {pool.num_replicas}/{pool.target_replicas} replicas, {pool.num_starting} starting, "
+            f"pool {pool.pool}: {pool.num_replicas}/{pool.target_replicas} replicas, {pool.num_starting} starting, {pool.num_draining} draining, "
             f"{pool.num_restarts} restarts, {pool.num_failed_starts} failed starts{backoff}{last}"
         )
     for router in status.routers:

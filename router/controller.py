@@ -123,6 +123,8 @@ class _Replica:
     failed_checks: int = 0
     placement_group: object = None
     """The placement group of a tensor-parallel replica's ranks; removed with the replica."""
+    draining: bool = False
+    """Being removed: it takes no new request (routers see ``status.draining``) and is removed when idle."""
 
 
 @dataclass
@@ -232,6 +234,61 @@ class ClusterController:
         pool = self._state.pools[spec.pool]
         pool.spec, pool.target = spec, pool.target + 1
         return started
+
+    async def scale_pool(self, pool_name: str, target: int, drain_timeout_s: float = 300.0) -> None:
+        """Set a pool's size (the planner's action): start the replicas it lacks now, and drain
+        the newest surplus ones: they take no new request, finish the ones they have (or are
+        removed after ``drain_timeout_s``), then leave the map, which tells routers that their
+        cached prefixes are gone. A drain that brings the pool below ``target`` again is cancelled
+        by un-draining the replica instead of starting a new one. Raises for an unknown pool, a
+        pool never started, or a replica that fails to start."""
+        if pool_name not in POOLS:
+            raise ValueError(f"pool: {pool_name!r} is not one of {POOLS}")
+        if target < 0:
+            raise ValueError(f"target: must be >= 0, got {target}")
+        pool = self._state.pools[pool_name]
+        if pool.spec is None:
+            raise ValueError(f"pool {pool_name!r} was never started: no spec to start replicas from")
+        pool.target = target
+        active = [rid for rid in self._state.members(pool_name) if not self._state.replicas[rid].draining]
+        draining = [rid for rid in self._state.members(pool_name) if self._state.replicas[rid].draining]
+        for replica_id in draining[::-1][: max(0, target - len(active))]:  # take back the newest drains first
+            self._set_draining(replica_id, False)
+            active.append(replica_id)
+        for replica_id in active[target:][::-1]:
+            self._set_draining(replica_id, True)
+            task = asyncio.get_running_loop().create_task(self._drain(replica_id, drain_timeout_s))
+            self._replacements.add(task)
+            task.add_done_callback(self._replacements.discard)
+        missing = target - len(active) - pool.num_starting
+        if missing > 0:
+            try:
+                await asyncio.gather(*(self._start(pool.spec) for _ in range(missing)))
+            except Exception as e:
+                self._failed_start(pool, e)
+                raise
+
+    def _set_draining(self, replica_id: str, draining: bool) -> None:
+        replica = self._state.replicas[replica_id]
+        replica.draining = replica.status.draining = draining
+
+    async def _drain(self, replica_id: str, timeout_s: float) -> None:
+        """Remove ``replica_id`` once it holds no request (or after ``timeout_s``), unless un-drained meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            replica = self._state.replicas.get(replica_id)
+            if replica is None or not replica.draining:
+                return
+            try:
+                status = await asyncio.wait_for(replica.handle.status.remote(), self.config.health_check_timeout_s)
+            except (RayActorError, ActorUnavailableError, asyncio.TimeoutError):
+                break  # gone or stuck: nothing left to wait for
+            if status.num_running + status.num_waiting == 0:
+                break
+            await asyncio.sleep(0.5)
+        replica = self._state.replicas.get(replica_id)
+        if replica is not None and replica.draining:
+            await self._remove(replica_id)
 
     async def remove_replica(self, replica_id: str) -> bool:
         """Stop a replica for good: its pool's target shrinks by one (it is not replaced)."""
@@ -396,6 +453,7 @@ class ClusterController:
             num_failed_starts=pool.num_failed_starts,
             restart_backoff_s=max(0.0, pool.next_start_s - time.monotonic()),
             last_failure=pool.last_failure,
+            num_draining=sum(1 for rid in self._state.members(name) if self._state.replicas[rid].draining),
         )
 
     async def shutdown(self) -> None:
@@ -427,6 +485,7 @@ class ClusterController:
             await self._replica_died(replica_id, f"actor died: {str(e).splitlines()[0]}")
             return
         if status is not None and status.healthy:
+            status.draining = replica.draining
             replica.status, replica.failed_checks = status, 0
             return
         replica.failed_checks += 1

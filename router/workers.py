@@ -75,10 +75,12 @@ class WorkerDirectory:
         return refused
 
     def healthy(self, pool: str, model: str, exclude: set[str] = frozenset()) -> list[Replica]:
-        """Healthy replicas of ``pool`` serving ``model`` (any model when empty), but not those in ``exclude``."""
+        """Healthy replicas of ``pool`` serving ``model`` (any model when empty) that take new
+        requests (not draining), but not those in ``exclude``."""
         return [
             r for r in self.replicas.values()
-            if r.status.pool == pool and r.status.healthy and (not model or r.model.id == model) and r.replica_id not in exclude
+            if r.status.pool == pool and r.status.healthy and not r.status.draining
+            and (not model or r.model.id == model) and r.replica_id not in exclude
         ]
 
     def pick(self, pool: str, model: str, exclude: set[str] = frozenset()) -> Replica | None:

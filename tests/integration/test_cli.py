@@ -63,7 +63,7 @@ def test_up_serves_the_bundled_model_and_stops_cleanly_on_sigint(smollm2_dir, sm
         for pool in ("decode", "prefill"):
             [replica_line] = [line for line in status.stdout.splitlines() if line.startswith(pool)]
             assert "smollm2-135m" in replica_line and " true " in replica_line
-            assert f"pool {pool}: 1/1 replicas, 0 starting, 0 restarts, 0 failed starts" in status.stdout
+            assert f"pool {pool}: 1/1 replicas, 0 starting, 0 draining, 0 restarts, 0 failed starts" in status.stdout
 
         processes = psutil.Process(up.pid).children(recursive=True)
         assert processes, "up should run Ray and worker processes"
