@@ -43,6 +43,12 @@ class RouterMetrics:
         self.migration = histogram(
             "splitserve_migration_seconds", "A decode replica's death noticed to the migrated call's next event from another replica."
         )
+        self.prompt_tokens = Counter(
+            "splitserve_prompt_tokens", "Prompt tokens of finished Generate calls (what the planner sizes prefill by).", ["router"], registry=self.registry
+        ).labels(router_id)
+        self.output_tokens = Counter(
+            "splitserve_output_tokens", "Tokens streamed to clients (what the planner sizes decode by).", ["router"], registry=self.registry
+        ).labels(router_id)
         self.inflight = Gauge("splitserve_requests_inflight", "Generate calls in flight.", ["router"], registry=self.registry).labels(router_id)
 
     def routed(self, to_prefill_worker: bool, cached_tokens: int) -> None:

@@ -164,6 +164,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                         self.metrics.inter_token.observe((now - stream.last_s) / len(event.response.token_ids))
                     stream.last_s = now
                     stream.token_ids += event.response.token_ids
+                    self.metrics.output_tokens.inc(len(event.response.token_ids))
+                    if event.response.HasField("usage"):
+                        self.metrics.prompt_tokens.inc(event.response.usage.prompt_tokens)
                     if event.response.HasField("timings") and not stream.num_migrations:
                         self.metrics.path_first_token.observe(max(0.0, stream.ttft_s - event.response.timings.worker_first_token_s))
                     yield event.response
