@@ -1,0 +1,108 @@
+"""What the live planner reads each interval: the routers' Prometheus series, as interval deltas.
+
+Every router exports request counts, prompt and output tokens, and TTFT and inter-token latency
+histograms (router/metrics.py). The planner scrapes each router's ``/metrics`` (the URLs the
+controller's cluster status lists), sums the routers, and turns two scrapes into one interval:
+counts by difference, percentiles from the difference of the histogram buckets (as PromQL's
+``histogram_quantile`` does, linear within a bucket).
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+_COUNTERS = {
+    "splitserve_requests": "requests",
+    "splitserve_prompt_tokens": "prompt_tokens",
+    "splitserve_output_tokens": "output_tokens",
+}
+_HISTOGRAMS = {
+    "splitserve_time_to_first_token_seconds": "ttft",
+    "splitserve_inter_token_latency_seconds": "itl",
+}
+
+
+@dataclass
+class Scrape:
+    """Cumulative series summed over routers at one moment (``at_s``: time.monotonic)."""
+
+    at_s: float
+    counters: dict[str, float] = field(default_factory=dict)
+    buckets: dict[str, dict[float, float]] = field(default_factory=dict)
+    """Histogram name -> upper bound -> cumulative count."""
+
+
+@dataclass(frozen=True)
+class IntervalStats:
+    """What happened between two scrapes."""
+
+    duration_s: float
+    requests: float
+    prompt_tokens: float
+    output_tokens: float
+    ttft_p90_s: float | None
+    """None when no request got its first token in the interval."""
+    itl_p90_s: float | None
+
+
+def parse(text: str, at_s: float, into: Scrape | None = None) -> Scrape:
+    """Add one router's exposition ``text`` to ``into`` (a new Scrape when None)."""
+    scrape = into or Scrape(at_s)
+    for family in text_string_to_metric_families(text):
+        if family.name in _COUNTERS:
+            key = _COUNTERS[family.name]
+            total = sum(s.value for s in family.samples if s.name.endswith("_total"))
+            scrape.counters[key] = scrape.counters.get(key, 0.0) + total
+        elif family.name in _HISTOGRAMS:
+            buckets = scrape.buckets.setdefault(_HISTOGRAMS[family.name], {})
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    bound = float(sample.labels["le"])
+                    buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    return scrape
+
+
+def scrape(urls: list[str], at_s: float, timeout_s: float = 5.0) -> Scrape:
+    """Every router's series at once, summed. Raises OSError when a router cannot be read."""
+    out = Scrape(at_s)
+    for url in urls:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            parse(response.read().decode(), at_s, out)
+    return out
+
+
+def interval(before: Scrape, after: Scrape) -> IntervalStats:
+    """The interval between two scrapes (a router that restarted counts from zero again)."""
+
+    def delta(key: str) -> float:
+        return max(0.0, after.counters.get(key, 0.0) - before.counters.get(key, 0.0))
+
+    return IntervalStats(
+        duration_s=max(1e-9, after.at_s - before.at_s),
+        requests=delta("requests"),
+        prompt_tokens=delta("prompt_tokens"),
+        output_tokens=delta("output_tokens"),
+        ttft_p90_s=quantile(0.9, before.buckets.get("ttft", {}), after.buckets.get("ttft", {})),
+        itl_p90_s=quantile(0.9, before.buckets.get("itl", {}), after.buckets.get("itl", {})),
+    )
+
+
+def quantile(q: float, before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The q-quantile of the observations between two cumulative bucket snapshots; None if there were none."""
+    bounds = sorted(after)
+    counts = [max(0.0, after[b] - before.get(b, 0.0)) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    rank = q * counts[-1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in zip(bounds, counts):
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound  # beyond the last finite bucket: its bound is all we know
+            width = count - lower_count
+            return lower_bound + (bound - lower_bound) * ((rank - lower_count) / width if width else 1.0)
+        lower_bound, lower_count = bound, count
+    return lower_bound

@@ -1,0 +1,48 @@
+"""The live planner's view of the routers: interval deltas of their real Prometheus exposition."""
+
+import pytest
+from prometheus_client import generate_latest
+
+from planner.scrape import Scrape, interval, parse, quantile
+from router.metrics import RouterMetrics
+
+
+def _exposition(metrics: RouterMetrics) -> str:
+    return generate_latest(metrics.registry).decode()
+
+
+def test_two_routers_are_summed_and_an_interval_is_the_difference():
+    a, b = RouterMetrics("router-0"), RouterMetrics("router-1")
+    a.finished("OK")
+    a.prompt_tokens.inc(100)
+    before = parse(_exposition(b), 10.0, parse(_exposition(a), 10.0))
+    for metrics in (a, b):
+        metrics.finished("OK")
+        metrics.prompt_tokens.inc(1000)
+        metrics.output_tokens.inc(50)
+        for _ in range(9):
+            metrics.ttft.observe(0.2)
+        metrics.ttft.observe(3.0)
+    metrics.finished("UNAVAILABLE")
+    after = parse(_exposition(b), 15.0, parse(_exposition(a), 15.0))
+
+    stats = interval(before, after)
+    assert stats.duration_s == 5.0
+    assert (stats.requests, stats.prompt_tokens, stats.output_tokens) == (3, 2000, 100)
+    assert 0.1 < stats.ttft_p90_s <= 0.25  # 18 of 20 observations fell in the (0.1, 0.25] bucket
+    assert stats.itl_p90_s is None  # no inter-token latency observed
+
+
+def test_quantile_interpolates_within_the_bucket_like_histogram_quantile():
+    before = {0.1: 0.0, 1.0: 0.0, float("inf"): 0.0}
+    after = {0.1: 10.0, 1.0: 20.0, float("inf"): 20.0}
+    assert quantile(0.5, before, after) == pytest.approx(0.1)
+    assert quantile(0.75, before, after) == pytest.approx(0.55)  # halfway through (0.1, 1.0]
+    assert quantile(0.9, {}, {}) is None
+    assert quantile(0.99, before, {0.1: 0.0, 1.0: 0.0, float("inf"): 5.0}) == 1.0  # past the last bound
+
+
+def test_a_restarted_router_never_gives_negative_counts():
+    before = Scrape(0.0, counters={"requests": 50.0})
+    after = Scrape(10.0, counters={"requests": 3.0})
+    assert interval(before, after).requests == 0.0
