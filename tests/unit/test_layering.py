@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("proto", "kv_store", "kv_transfer", "engine", "prefill_worker", "decode_worker", "router")
+PACKAGES = ("proto", "kv_store", "kv_transfer", "engine", "prefill_worker", "decode_worker", "router", "planner")
 ALLOWED = {
     "proto": {"proto"},
     "kv_store": {"kv_store"},
@@ -15,6 +15,7 @@ ALLOWED = {
     "prefill_worker": {"prefill_worker", "engine", "kv_transfer", "kv_store", "proto"},
     "decode_worker": {"decode_worker", "engine", "kv_transfer", "kv_store", "proto"},
     "router": {"router", "proto", "kv_store"},
+    "planner": {"planner", "router", "proto", "kv_store"},
 }
 COMPOSITION_ROOTS = {
     # The launcher and the CLI build the workers' typed configs (no torch behind them) and name

@@ -1,0 +1,77 @@
+"""The SLA planner's settings: the SLOs it holds, how often it decides, and how it damps itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """What the planner aims for and the limits it keeps (defaults fit llama2-70b on H100, TP 4)."""
+
+    ttft_slo_s: float = 2.0
+    """Time to first token each request should meet."""
+    itl_slo_s: float = 0.1
+    """Mean inter-token latency each request should meet."""
+    attainment_target: float = 0.95
+    """Share of requests that should meet both SLOs; sets the queueing headroom of both pools."""
+    interval_s: float = 30.0
+    """Seconds between decisions; each observation covers one interval."""
+    min_prefill: int = 0
+    """Fewest prefill replicas; 0 lets the pool empty when prompts are few (decode prefills locally)."""
+    max_prefill: int = 16
+    """Most prefill replicas."""
+    min_decode: int = 1
+    """Fewest decode replicas (at least 1: someone has to decode)."""
+    max_decode: int = 16
+    """Most decode replicas."""
+    scale_down_cooldown_s: float = 300.0
+    """A pool shrinks only this long after its last change (growing is never held back)."""
+    scale_down_margin: float = 0.8
+    """Hysteresis: a pool shrinks only to a count that would carry the load at this share of its capacity."""
+    prefill_zero_load: float = 0.1
+    """Prompt load, in prefill replicas, below which the prefill pool may go to zero (with min_prefill 0)."""
+    max_decode_batch: int = 256
+    """Most sequences one decode replica runs at once (its KV capacity), whatever the ITL allows."""
+    kv_usage_high: float = 0.9
+    """Decode KV use above which the decode pool grows by one whatever the model says."""
+    correction_min: float = 0.5
+    """Lowest observed/predicted latency ratio the planner believes."""
+    correction_max: float = 2.0
+    """Highest observed/predicted latency ratio the planner believes."""
+    correction_smoothing: float = 0.5
+    """Weight of the newest ratio in the running correction factor (1: only the newest)."""
+    startup_s: float = 60.0
+    """Seconds a new replica takes to become ready; the load forecast looks this far past the next interval."""
+    predictor_alpha: float = 0.5
+    """Weight of the newest interval in the forecast's level."""
+    predictor_beta: float = 0.3
+    """Weight of the newest change of level in the forecast's trend (0: no trend)."""
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_slo_s", "itl_slo_s", "interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be above 0 seconds, got {getattr(self, name)}.")
+        if not 0 < self.attainment_target < 1:
+            raise ValueError(f"attainment_target must be between 0 and 1 (exclusive), got {self.attainment_target}.")
+        if not 0 <= self.min_prefill <= self.max_prefill or self.max_prefill < 1:
+            raise ValueError(f"min_prefill and max_prefill must satisfy 0 <= min <= max and max >= 1, got {self.min_prefill} and {self.max_prefill}.")
+        if not 1 <= self.min_decode <= self.max_decode:
+            raise ValueError(f"min_decode and max_decode must satisfy 1 <= min <= max, got {self.min_decode} and {self.max_decode}.")
+        if self.scale_down_cooldown_s < 0:
+            raise ValueError(f"scale_down_cooldown_s must be 0 or more, got {self.scale_down_cooldown_s}.")
+        for name in ("scale_down_margin", "correction_smoothing", "predictor_alpha"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}.")
+        if not 0 <= self.predictor_beta <= 1:
+            raise ValueError(f"predictor_beta must be in [0, 1], got {self.predictor_beta}.")
+        if self.startup_s < 0:
+            raise ValueError(f"startup_s must be 0 or more, got {self.startup_s}.")
+        if not 0 <= self.prefill_zero_load < 1:
+            raise ValueError(f"prefill_zero_load must be in [0, 1) prefill replicas, got {self.prefill_zero_load}.")
+        if self.max_decode_batch < 1:
+            raise ValueError(f"max_decode_batch must be at least 1, got {self.max_decode_batch}.")
+        if not 0 < self.kv_usage_high <= 1:
+            raise ValueError(f"kv_usage_high must be in (0, 1], got {self.kv_usage_high}.")
+        if not 0 < self.correction_min <= 1 <= self.correction_max:
+            raise ValueError(f"correction_min and correction_max must satisfy 0 < min <= 1 <= max, got {self.correction_min} and {self.correction_max}.")

@@ -1,0 +1,226 @@
+"""The SLA planner's decision: how many prefill and decode replicas the next interval needs.
+
+Every interval the live loop (or bench.planner's replay) hands ``SLAPlanner.decide`` one
+``Observation`` and the pools as the connector sees them, and applies the ``Decision``'s targets.
+
+    observation ──► LoadPredictor ──► forecast ─┐
+         │                                      ├─► need per pool ──► settle ──► targets
+         └──► observed/predicted latency ──► corrections (clamped, smoothed)  (hysteresis, cooldown,
+                                                                               min/max, warm-up)
+
+Prefill: a replica serves prompts of the forecast mean length L in S = prefill_s(L) seconds.
+Treating each replica as an M/M/1 queue whose waits scale with S' = c_p * S, the share of
+requests whose TTFT passes the SLO is rho * exp(-(1 - rho) * (SLO - S') / S'); the planner keeps
+rho at most where that share is 1 - attainment_target, and counts the queued prompt tokens as load
+to clear within one interval. The correction c_p (observed mean TTFT over the model's, with
+Sakasegawa's pooled-queue wait) scales the waits, not the load: what the model misses is mostly
+the spread of prompt lengths, which lengthens queues without adding work.
+Decode: the largest batch whose corrected ITL meets the SLO, less z * sqrt(batch) for the
+fluctuation of a Poisson batch (z at the attainment target), sets one replica's token rate.
+When the prompt load is under ``prefill_zero_load`` replicas the prefill pool may go to zero and
+that load is added to the decode pool's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from statistics import NormalDist
+
+from planner.config import PlannerConfig
+from planner.connector import POOLS, PoolReplicas
+from planner.perf_model import PerfModel
+from planner.predictor import LoadForecast, LoadPredictor
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the cluster did in the interval that just ended (the series Prometheus scrapes)."""
+
+    time_s: float
+    """End of the interval on the planner's clock (monotonic seconds); cooldowns are measured on it."""
+    duration_s: float
+    """Length of the interval."""
+    num_requests: int
+    """Requests that arrived."""
+    num_prompt_tokens: int
+    """Prompt tokens of those requests."""
+    num_output_tokens: int
+    """Output tokens of those requests."""
+    ttft_s_mean: float | None = None
+    """Mean TTFT of requests whose first token came in the interval (None: none came)."""
+    ttft_s_p90: float | None = None
+    """90th percentile of the same."""
+    itl_s_mean: float | None = None
+    """Mean ITL of requests that finished in the interval (None: none finished)."""
+    itl_s_p90: float | None = None
+    """90th percentile of the same."""
+    queued_prefill_tokens: int = 0
+    """Prefill pool: prompt tokens waiting or being prefilled at the end of the interval."""
+    kv_usage: float | None = None
+    """Decode pool: share of its KV blocks in use at the end of the interval (None: unknown)."""
+
+    def __post_init__(self) -> None:
+        if self.duration_s <= 0 or min(self.num_requests, self.num_prompt_tokens, self.num_output_tokens, self.queued_prefill_tokens) < 0:
+            raise ValueError("an observation needs duration_s above 0 and no negative count.")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the planner wants, and why."""
+
+    time_s: float
+    """The observation's time."""
+    targets: Mapping[str, int]
+    """Replicas each pool should be set to."""
+    needed: Mapping[str, int]
+    """Replicas the corrected model says each pool needs, before hysteresis, cooldown and limits."""
+    forecast: LoadForecast
+    """The load the targets are sized for."""
+    corrections: Mapping[str, float]
+    """Observed/predicted latency factor per pool (TTFT for prefill, ITL for decode)."""
+    reasons: Mapping[str, str]
+    """One sentence per pool saying why its target is what it is."""
+    infeasible: tuple[str, ...] = ()
+    """Pools whose SLO no allowed count meets: held at max and reported (an event per interval)."""
+
+
+def _wait_tail(rho: float, service_s: float, slack_s: float) -> float:
+    """Share of requests an M/M/1 queue at load ``rho`` keeps waiting longer than ``slack_s``."""
+    return rho * math.exp(-(1 - rho) * slack_s / service_s)
+
+
+def _pooled_wait_share(rho: float, num_replicas: int) -> float:
+    """Mean wait over service time of ``num_replicas`` replicas sharing one queue at load ``rho``
+    (Sakasegawa's M/M/c approximation): what the router's least-queued choice achieves."""
+    return rho ** (math.sqrt(2 * (num_replicas + 1)) - 1) / (num_replicas * (1 - rho))
+
+
+class SLAPlanner:
+    """Decides pool targets from observations; deterministic, no I/O, no clock of its own.
+
+    It keeps state between calls (the load history, correction factors, when each pool last
+    changed), so call ``decide`` once per interval, in order, with the pools as they are now.
+    """
+
+    def __init__(self, config: PlannerConfig, perf_model: PerfModel) -> None:
+        self.config = config
+        self.perf_model = perf_model
+        self.predictor = LoadPredictor(config.predictor_alpha, config.predictor_beta, 1 + config.startup_s / config.interval_s)
+        self.corrections = {pool: 1.0 for pool in POOLS}
+        self._last_change_s = {pool: -math.inf for pool in POOLS}
+        self._last_ready: dict[str, int] = {}
+        self._prompt_tokens = float(perf_model.prefill[0][0])
+        self._z = NormalDist().inv_cdf(config.attainment_target)
+
+    def decide(self, observation: Observation, pools: Mapping[str, PoolReplicas]) -> Decision:
+        """Targets for every pool in ``POOLS`` (``pools`` must hold them all)."""
+        obs, config = observation, self.config
+        self.predictor.observe(obs.num_requests / obs.duration_s, obs.num_prompt_tokens / obs.duration_s, obs.num_output_tokens / obs.duration_s)
+        forecast = self.predictor.forecast()
+        if forecast.request_rate > 0:
+            self._prompt_tokens = max(1.0, forecast.mean_prompt_tokens)
+        self._correct(obs, pools)
+
+        prefill_load, prefill_cap, prefill_why = self._prefill_load(forecast, obs.queued_prefill_tokens)
+        prefill_need = self._prefill_count(prefill_load, prefill_cap)
+        prefill_need_down = self._prefill_count(prefill_load / config.scale_down_margin, prefill_cap)
+        decode_load, decode_why = self._decode_load(forecast)
+        decode_need = self._decode_count(decode_load + (prefill_load if prefill_need == 0 else 0.0))
+        decode_need_down = self._decode_count((decode_load + (prefill_load if prefill_need_down == 0 else 0.0)) / config.scale_down_margin)
+        decode = pools["decode"]
+        if obs.kv_usage is not None and obs.kv_usage > config.kv_usage_high:
+            decode_need = max(decode_need, decode.ready + 1)
+
+        targets, reasons, infeasible = {}, {}, []
+        missing = {"prefill": (obs.ttft_s_p90 or 0.0) > config.ttft_slo_s, "decode": (obs.itl_s_p90 or 0.0) > config.itl_slo_s}
+        for pool, need, need_down, why in (("prefill", prefill_need, prefill_need_down, prefill_why), ("decode", decode_need, decode_need_down, decode_why)):
+            targets[pool], reasons[pool], flagged = self._settle(pool, need, need_down, pools[pool], obs.time_s, why, missing[pool])
+            if flagged:
+                infeasible.append(pool)
+        return Decision(obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons, tuple(infeasible))
+
+    def _correct(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> None:
+        """Updates the correction factors from the interval's mean latencies, sized on ready replicas."""
+        config, perf = self.config, self.perf_model
+        ratios = {}
+        # An interval in which a pool's ready count changed mixes two sizes: it corrects nothing.
+        steady = {pool: pools[pool].ready == self._last_ready.get(pool) for pool in POOLS}
+        self._last_ready = {pool: pools[pool].ready for pool in POOLS}
+        prefill_ready = pools["prefill"].ready
+        if steady["prefill"] and obs.ttft_s_mean and prefill_ready and obs.num_requests and obs.num_prompt_tokens:
+            prompt_tokens = obs.num_prompt_tokens / obs.num_requests
+            service_s = perf.prefill_s(prompt_tokens)
+            rho = obs.num_prompt_tokens / obs.duration_s * service_s / prompt_tokens / prefill_ready
+            if rho < 0.7:  # beyond, the queueing term dominates and says little about the model
+                ratios["prefill"] = obs.ttft_s_mean / (service_s * (1 + _pooled_wait_share(rho, prefill_ready)))
+        decode_ready = pools["decode"].ready
+        if steady["decode"] and obs.itl_s_mean and decode_ready and obs.num_output_tokens:
+            batch = obs.num_output_tokens / obs.duration_s * obs.itl_s_mean / decode_ready
+            ratios["decode"] = obs.itl_s_mean / perf.itl_s(batch)
+        for pool, ratio in ratios.items():
+            ratio = min(config.correction_max, max(config.correction_min, ratio))
+            self.corrections[pool] += config.correction_smoothing * (ratio - self.corrections[pool])
+
+    def _prefill_load(self, forecast: LoadForecast, queued_tokens: int) -> tuple[float, float, str]:
+        """(load in prefill replicas, highest load per replica that meets the TTFT SLO or 0, why)."""
+        config = self.config
+        prompt_tokens = self._prompt_tokens
+        service_s = self.perf_model.prefill_s(prompt_tokens)
+        wait_scale_s = self.corrections["prefill"] * service_s
+        load = (forecast.prompt_tokens_per_s + queued_tokens / config.interval_s) * service_s / prompt_tokens
+        why = f"{forecast.prompt_tokens_per_s:.0f} prompt tokens/s (+{queued_tokens} queued) of {prompt_tokens:.0f} tokens at {service_s:.3f} s each"
+        if wait_scale_s >= config.ttft_slo_s:
+            return load, 0.0, why
+        low, high, tail = 0.0, 1.0, 1 - config.attainment_target
+        for _ in range(40):
+            mid = (low + high) / 2
+            low, high = (mid, high) if _wait_tail(mid, wait_scale_s, config.ttft_slo_s - wait_scale_s) <= tail else (low, mid)
+        return load, low, why
+
+    def _prefill_count(self, load: float, per_replica: float) -> int:
+        if per_replica == 0:
+            return self.config.max_prefill + 1
+        if load < self.config.prefill_zero_load:
+            return 0
+        return max(1, math.ceil(load / per_replica - 1e-9))
+
+    def _decode_count(self, load: float) -> int:
+        return self.config.max_decode + 1 if math.isinf(load) else max(1, math.ceil(load - 1e-9))
+
+    def _decode_load(self, forecast: LoadForecast) -> tuple[float, str]:
+        """(load in decode replicas, why); infinite when no batch meets the ITL SLO."""
+        config, perf, correction = self.config, self.perf_model, self.corrections["decode"]
+        batch_at_slo = perf.largest_batch(config.itl_slo_s / correction, config.max_decode_batch)
+        if batch_at_slo == 0:
+            return math.inf, f"one sequence alone takes {correction * perf.itl_s(1):.3f} s per token"
+        batch = max(1.0, ((-self._z + math.sqrt(self._z**2 + 4 * batch_at_slo)) / 2) ** 2)
+        tokens_per_s = batch / (correction * perf.itl_s(batch))
+        return forecast.output_tokens_per_s / tokens_per_s, f"{forecast.output_tokens_per_s:.0f} output tokens/s at {tokens_per_s:.0f} per replica (batch {batch:.0f})"
+
+    def _settle(self, pool: str, need: int, need_down: int, replicas: PoolReplicas, now_s: float, why: str, missing_slo: bool) -> tuple[int, str, bool]:
+        """(target, reason, infeasible) for one pool, from what it needs to grow and to shrink."""
+        config = self.config
+        low, high = (config.min_prefill, config.max_prefill) if pool == "prefill" else (config.min_decode, config.max_decode)
+        current = replicas.target
+        target, flagged = current, False
+        if need > high:
+            target, flagged = high, True
+            reason = f"no count up to {high} meets the SLO for {why}: holding at max {high}"
+        elif need > current:
+            target, reason = need, f"up to {need} for {why}"
+        elif need_down < current and replicas.starting:
+            reason = f"holding at {current}: {replicas.starting} replicas still starting"
+        elif need_down < current and missing_slo:
+            reason = f"holding at {current}: the SLO was missed last interval"
+        elif need_down < current and now_s - self._last_change_s[pool] < config.scale_down_cooldown_s:
+            reason = f"holding at {current}: cooling down since the change at {self._last_change_s[pool]:.0f} s"
+        elif need_down < current:
+            target, reason = need_down, f"down to {max(low, need_down)} for {why}"
+        else:
+            reason = f"holding at {current} for {why}"
+        target = max(low, min(high, target))
+        if target != current:
+            self._last_change_s[pool] = now_s
+        return target, reason, flagged

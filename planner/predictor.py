@@ -1,0 +1,71 @@
+"""Next-interval load: request rate and prompt and output token rates.
+
+Each series is smoothed with Holt's linear method (a level and a trend, both EWMAs) and forecast
+``horizon`` intervals ahead: ``max(level, level + horizon * trend)``. The horizon is the time a
+replica asked for now takes to serve (one interval plus its start-up), so a ramp is met by
+replicas that are warm when it arrives, not one start-up late. A falling trend never pulls the
+forecast below the level: the pools shrink only as fast as the level decays, and the policy's
+hysteresis and cooldown hold them back further. Token rates are forecast directly rather than
+rate times mean length, so a burst of long prompts at a steady request rate is seen as one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoadForecast:
+    """The load expected in the next interval."""
+
+    request_rate: float
+    """Requests per second."""
+    prompt_tokens_per_s: float
+    """Prompt tokens arriving per second."""
+    output_tokens_per_s: float
+    """Tokens to generate per second."""
+
+    @property
+    def mean_prompt_tokens(self) -> float:
+        return self.prompt_tokens_per_s / self.request_rate if self.request_rate > 0 else 0.0
+
+    @property
+    def mean_output_tokens(self) -> float:
+        return self.output_tokens_per_s / self.request_rate if self.request_rate > 0 else 0.0
+
+
+class _Holt:
+    def __init__(self, alpha: float, beta: float) -> None:
+        self.alpha, self.beta = alpha, beta
+        self.level: float | None = None
+        self.trend = 0.0
+
+    def add(self, value: float) -> None:
+        if self.level is None:
+            self.level = value
+            return
+        level = self.alpha * value + (1 - self.alpha) * (self.level + self.trend)
+        self.trend = self.beta * (level - self.level) + (1 - self.beta) * self.trend
+        self.level = level
+
+    def forecast(self, horizon: float) -> float:
+        if self.level is None:
+            return 0.0
+        return max(0.0, self.level, self.level + horizon * self.trend)
+
+
+class LoadPredictor:
+    """Forecasts the load ``horizon`` intervals ahead from the intervals observed so far (module docstring)."""
+
+    def __init__(self, alpha: float = 0.5, beta: float = 0.3, horizon: float = 3.0) -> None:
+        self.horizon = horizon
+        self._series = [_Holt(alpha, beta) for _ in range(3)]
+
+    def observe(self, request_rate: float, prompt_tokens_per_s: float, output_tokens_per_s: float) -> None:
+        """Adds one interval's measured rates."""
+        for series, value in zip(self._series, (request_rate, prompt_tokens_per_s, output_tokens_per_s)):
+            series.add(value)
+
+    def forecast(self) -> LoadForecast:
+        """The load ``horizon`` intervals ahead; all zeros before the first observation."""
+        return LoadForecast(*(s.forecast(self.horizon) for s in self._series))

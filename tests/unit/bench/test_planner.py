@@ -1,0 +1,79 @@
+"""bench.planner end to end on a small generated trace: structure, the invariants, the plot, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import planner as bench_planner
+from bench.report import run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL = ["--max-prefill", "4", "--max-decode", "4"]
+
+
+@pytest.fixture
+def trace_path(tmp_path):
+    path = tmp_path / "bursty.csv"
+    bench_planner.write_csv(bench_planner.generate_bursty(seed=1, duration_s=900.0, base_rate=3.0), path)
+    return path
+
+
+def test_every_policy_is_replayed_and_the_books_balance(trace_path, tmp_path, capsys):
+    out, png = tmp_path / "planner.json", tmp_path / "planner.png"
+    assert bench_planner.main(["--trace", str(trace_path), *SMALL, "--json", str(out), "--plot", str(png)]) == 0
+
+    captured = capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert json.loads(captured.out) == report
+    assert set(report) == {"trace", "trace_stats", "perf_model", "cost_scale", "planner_config", "policies", "goals", "machine"}
+    assert report["perf_model"] == "splitwise llama2-70b h100-80gb TP4"
+    assert list(report["policies"]) == ["splitserve", "static", "hpa"]
+    span_h = report["trace_stats"]["span_s"] / 3600
+    for name, result in report["policies"].items():
+        assert result["replica_hours"] == pytest.approx(result["prefill_replica_hours"] + result["decode_replica_hours"])
+        assert 0 <= result["slo_attainment"] <= 1 and result["direction_changes"] >= 0
+        assert f"] {name}: attainment " in captured.err
+    static = report["policies"]["static"]
+    assert static["slo_attainment"] >= report["planner_config"]["attainment_target"]
+    assert static["direction_changes"] == 0
+    assert static["prefill_replica_hours"] == pytest.approx(static["split"]["prefill"] * span_h)
+    assert static["decode_replica_hours"] == pytest.approx(static["split"]["decode"] * span_h)
+    assert set(report["goals"]) == {"attainment_within_0.01_of_static", "replica_hours_over_static", "direction_changes_below_hpa"}
+    assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_the_generator_is_seeded(tmp_path):
+    assert bench_planner.generate_bursty(seed=3, duration_s=600.0) == bench_planner.generate_bursty(seed=3, duration_s=600.0)
+    assert bench_planner.generate_bursty(seed=3, duration_s=600.0) != bench_planner.generate_bursty(seed=4, duration_s=600.0)
+
+
+def _one_sentence(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("bench.planner: ") and "Traceback" not in err
+    return err
+
+
+def test_a_malformed_csv_line_is_named_by_its_number(tmp_path, capsys):
+    path = tmp_path / "bad.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-11-16 18:15:50.99,many,109\n")
+    assert run("planner", bench_planner.main, ["--trace", str(path)]) == 2
+    assert "line 3 is not TIMESTAMP,ContextTokens,GeneratedTokens" in _one_sentence(capsys)
+
+
+def test_a_malformed_mooncake_line_is_named_by_its_number(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [0]}\nnot json\n')
+    assert run("planner", bench_planner.main, ["--trace", str(path)]) == 2
+    assert "line 2 is not a request" in _one_sentence(capsys)
+
+
+def test_a_missing_trace_and_a_missing_header_are_one_sentence(tmp_path, capsys):
+    missing = tmp_path / "missing.csv"
+    assert run("planner", bench_planner.main, ["--trace", str(missing)]) == 2
+    assert "no such file" in _one_sentence(capsys)
+    headless = tmp_path / "headless.csv"
+    headless.write_text("1,2,3\n")
+    assert run("planner", bench_planner.main, ["--trace", str(headless)]) == 2
+    assert "line 1 is not the header" in _one_sentence(capsys)
