@@ -46,6 +46,8 @@ class IntervalStats:
     ttft_p90_s: float | None
     """None when no request got its first token in the interval."""
     itl_p90_s: float | None
+    ttft_mean_s: float | None = None
+    itl_mean_s: float | None = None
 
 
 def parse(text: str, at_s: float, into: Scrape | None = None) -> Scrape:
@@ -58,10 +60,14 @@ def parse(text: str, at_s: float, into: Scrape | None = None) -> Scrape:
             scrape.counters[key] = scrape.counters.get(key, 0.0) + total
         elif family.name in _HISTOGRAMS:
             buckets = scrape.buckets.setdefault(_HISTOGRAMS[family.name], {})
+            name = _HISTOGRAMS[family.name]
             for sample in family.samples:
                 if sample.name.endswith("_bucket"):
                     bound = float(sample.labels["le"])
                     buckets[bound] = buckets.get(bound, 0.0) + sample.value
+                elif sample.name.endswith(("_sum", "_count")):
+                    key = f"{name}{sample.name[sample.name.rindex('_'):]}"
+                    scrape.counters[key] = scrape.counters.get(key, 0.0) + sample.value
     return scrape
 
 
@@ -87,6 +93,8 @@ def interval(before: Scrape, after: Scrape) -> IntervalStats:
         output_tokens=delta("output_tokens"),
         ttft_p90_s=quantile(0.9, before.buckets.get("ttft", {}), after.buckets.get("ttft", {})),
         itl_p90_s=quantile(0.9, before.buckets.get("itl", {}), after.buckets.get("itl", {})),
+        ttft_mean_s=delta("ttft_sum") / delta("ttft_count") if delta("ttft_count") else None,
+        itl_mean_s=delta("itl_sum") / delta("itl_count") if delta("itl_count") else None,
     )
 
 

@@ -1,4 +1,4 @@
-"""``splitserve``: up (start a cluster), generate (stream an answer), status (pools and replicas)."""
+"""``splitserve``: up (start a cluster), generate (stream an answer), status (pools and replicas), plan (the SLA planner)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_up(commands.add_parser("up", help="start a cluster (local Ray by default) and serve gRPC until Ctrl-C"))
     _add_generate(commands.add_parser("generate", help="stream the answer to a prompt"))
     _add_status(commands.add_parser("status", help="print the pools, replicas, their load and KV use"))
+    from planner.cli import add_plan  # the planner sits above the router; this is the one entry point
+
+    add_plan(commands.add_parser("plan", help="scale the prefill and decode pools to meet TTFT/ITL targets"))
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -21,7 +21,7 @@ COMPOSITION_ROOTS = {
     # The launcher and the CLI build the workers' typed configs (no torch behind them) and name
     # the worker actor class by import path; nothing else in the router touches worker code.
     "router/launch.py": {"engine.config", "decode_worker.config", "prefill_worker.config"},
-    "router/cli.py": {"engine.config", "decode_worker.config", "prefill_worker.config"},
+    "router/cli.py": {"engine.config", "decode_worker.config", "prefill_worker.config", "planner.cli"},
 }
 
 

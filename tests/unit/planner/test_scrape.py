@@ -30,7 +30,8 @@ def test_two_routers_are_summed_and_an_interval_is_the_difference():
     assert stats.duration_s == 5.0
     assert (stats.requests, stats.prompt_tokens, stats.output_tokens) == (3, 2000, 100)
     assert 0.1 < stats.ttft_p90_s <= 0.25  # 18 of 20 observations fell in the (0.1, 0.25] bucket
-    assert stats.itl_p90_s is None  # no inter-token latency observed
+    assert stats.ttft_mean_s == pytest.approx((18 * 0.2 + 2 * 3.0) / 20)
+    assert stats.itl_p90_s is None and stats.itl_mean_s is None  # no inter-token latency observed
 
 
 def test_quantile_interpolates_within_the_bucket_like_histogram_quantile():

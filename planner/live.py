@@ -1,0 +1,176 @@
+"""The planner beside a running cluster: every interval, observe, decide, act.
+
+::
+
+    ClusterSource.observe()  ─ the routers' series (planner/scrape.py) + the replicas' queues and KV use
+            │                   (from the router's Admin.GetClusterStatus)
+            ▼
+    SLAPlanner.decide(observation, connector.pools())   (planner/policy.py: no I/O)
+            │
+            ▼
+    connector.set_replicas(pool, target)   for every pool whose target changed (not with --dry-run)
+
+Every decision is logged with its inputs as one JSON line and exported as ``splitserve_planner_*``
+metrics. A connector that fails is logged and counted, and the planner waits a doubling backoff
+before it acts again; it never stops. A pool whose SLO no allowed count meets is reported once per
+interval (a warning and ``splitserve_planner_infeasible_total``) while the planner holds it at max.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from planner.connector import POOLS, Connector, ConnectorError
+from planner.policy import Decision, Observation, SLAPlanner
+from planner.scrape import Scrape, interval, scrape
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterSource:
+    """Observations of a cluster through its router's gRPC admin API (``status()``: a callable
+    returning splitserve.v1.ClusterStatus, e.g. ``SplitServeClient.cluster_status``)."""
+
+    def __init__(self, status) -> None:
+        self._status = status
+        self._last: Scrape | None = None
+
+    async def observe(self, now_s: float) -> Observation | None:
+        """The interval since the previous call; None on the first call (it only takes the baseline)."""
+        status = await asyncio.to_thread(self._status)
+        urls = [r.metrics_url for r in status.routers if r.metrics_url]
+        current = await asyncio.to_thread(scrape, urls, now_s)
+        previous, self._last = self._last, current
+        if previous is None:
+            return None
+        stats = interval(previous, current)
+        decode = [r for r in status.replicas if r.pool == "decode" and r.num_kv_blocks]
+        prefill_queue = sum(r.num_queued_prefill_tokens for r in status.replicas if r.pool == "prefill")
+        kv_usage = None
+        if decode:
+            kv_usage = sum(r.num_kv_blocks - r.num_free_kv_blocks for r in decode) / sum(r.num_kv_blocks for r in decode)
+        return Observation(
+            time_s=now_s,
+            duration_s=stats.duration_s,
+            num_requests=round(stats.requests),
+            num_prompt_tokens=round(stats.prompt_tokens),
+            num_output_tokens=round(stats.output_tokens),
+            ttft_s_mean=stats.ttft_mean_s,
+            ttft_s_p90=stats.ttft_p90_s,
+            itl_s_mean=stats.itl_mean_s,
+            itl_s_p90=stats.itl_p90_s,
+            queued_prefill_tokens=prefill_queue,
+            kv_usage=kv_usage,
+        )
+
+
+class PlannerMetrics:
+    """``splitserve_planner_*``: desired, needed and ready replicas per pool, the forecast, the corrections, events."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.desired = Gauge("splitserve_planner_desired_replicas", "Replicas the planner set the pool to.", ["pool"], registry=r)
+        self.needed = Gauge("splitserve_planner_needed_replicas", "Replicas the corrected model says the pool needs.", ["pool"], registry=r)
+        self.ready = Gauge("splitserve_planner_ready_replicas", "Warm replicas of the pool at the decision.", ["pool"], registry=r)
+        self.correction = Gauge("splitserve_planner_correction_factor", "Observed over predicted latency, per pool.", ["pool"], registry=r)
+        self.forecast = Gauge("splitserve_planner_predicted_load", "The load the targets are sized for.", ["quantity"], registry=r)
+        self.infeasible = Counter("splitserve_planner_infeasible", "Intervals a pool's SLO could not be met by any allowed count.", ["pool"], registry=r)
+        self.connector_errors = Counter("splitserve_planner_connector_errors", "Actions the cluster refused or failed.", registry=r)
+        self.decisions = Counter("splitserve_planner_decisions", "Intervals decided.", registry=r)
+
+
+class PlannerLoop:
+    """Runs ``planner`` against ``connector`` every ``interval_s``; ``dry_run`` only logs."""
+
+    def __init__(
+        self, planner: SLAPlanner, connector: Connector, source: ClusterSource, *, dry_run: bool = False,
+        metrics: PlannerMetrics | None = None, backoff_s: float = 5.0, max_backoff_s: float = 300.0,
+    ) -> None:
+        self.planner = planner
+        self.connector = connector
+        self.source = source
+        self.dry_run = dry_run
+        self.metrics = metrics or PlannerMetrics()
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._failures = 0
+        self._resume_s = 0.0
+        self.decisions: list[Decision] = []
+        """Every decision so far, oldest first."""
+
+    async def step(self, now_s: float | None = None) -> Decision | None:
+        """One interval: observe, decide, act. None while the first observation is being taken."""
+        now_s = time.monotonic() if now_s is None else now_s
+        observation = await self.source.observe(now_s)
+        if observation is None:
+            return None
+        try:
+            pools = await self.connector.pools()
+        except ConnectorError as e:
+            self._failed(now_s, e)
+            return None
+        decision = self.planner.decide(observation, pools)
+        self.decisions.append(decision)
+        self._record(observation, pools, decision)
+        if self.dry_run or now_s < self._resume_s:
+            return decision
+        for pool in POOLS:
+            if decision.targets[pool] == pools[pool].target:
+                continue
+            try:
+                await self.connector.set_replicas(pool, decision.targets[pool])
+            except ConnectorError as e:
+                self._failed(now_s, e)
+                break
+        else:
+            self._failures = 0
+        return decision
+
+    async def run(self, interval_s: float, stop: asyncio.Event) -> None:
+        """Step every ``interval_s`` until ``stop`` is set; an error in a step is logged, never fatal."""
+        while not stop.is_set():
+            try:
+                await self.step()
+            except Exception:  # noqa: BLE001 - a planner that crashes scales nothing
+                logger.exception("planner: interval failed; trying again next interval")
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def _failed(self, now_s: float, error: ConnectorError) -> None:
+        self._failures += 1
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (self._failures - 1))
+        self._resume_s = now_s + delay
+        self.metrics.connector_errors.inc()
+        logger.warning("planner: connector failed (%s); acting again in %.0f s", error, delay)
+
+    def _record(self, observation: Observation, pools, decision: Decision) -> None:
+        m = self.metrics
+        m.decisions.inc()
+        for pool in POOLS:
+            m.desired.labels(pool).set(decision.targets[pool])
+            m.needed.labels(pool).set(decision.needed[pool])
+            m.ready.labels(pool).set(pools[pool].ready)
+            m.correction.labels(pool).set(decision.corrections.get(pool, 1.0))
+        forecast = decision.forecast
+        m.forecast.labels("request_rate").set(forecast.request_rate)
+        m.forecast.labels("prompt_tokens_per_s").set(forecast.prompt_tokens_per_s)
+        m.forecast.labels("output_tokens_per_s").set(forecast.output_tokens_per_s)
+        for pool in decision.infeasible:
+            m.infeasible.labels(pool).inc()
+            logger.warning("planner: no allowed %s count meets its SLO; holding at max (%s)", pool, decision.reasons.get(pool, ""))
+        logger.info("planner: %s", json.dumps({
+            "observation": dataclasses.asdict(observation),
+            "pools": {p: dataclasses.asdict(v) for p, v in pools.items()},
+            "targets": dict(decision.targets), "needed": dict(decision.needed),
+            "forecast": dataclasses.asdict(forecast), "corrections": dict(decision.corrections),
+            "reasons": dict(decision.reasons), "infeasible": list(decision.infeasible), "dry_run": self.dry_run,
+        }))

@@ -1,0 +1,82 @@
+"""The planner loop's own duties: act only on changes, dry runs, connector errors with backoff, events."""
+
+import asyncio
+
+from planner.config import PlannerConfig
+from planner.connector import ConnectorError, PoolReplicas
+from planner.live import PlannerLoop, PlannerMetrics
+from planner.perf_model import PerfModel
+from planner.policy import Observation, SLAPlanner
+
+PROFILE = PerfModel(prefill=[(1, 0.01), (1000, 1.0)], decode=[(1, 0.02), (64, 0.6)])
+
+
+class FakeSource:
+    """Stands in for the cluster's metrics: a fixed load every interval."""
+
+    def __init__(self, prompt_tokens_per_s: float) -> None:
+        self.rate = prompt_tokens_per_s
+
+    async def observe(self, now_s: float) -> Observation:
+        return Observation(time_s=now_s, duration_s=10.0, num_requests=round(self.rate / 100), num_prompt_tokens=round(self.rate * 10), num_output_tokens=10)
+
+
+class FakeConnector:
+    """Stands in for the cluster's controller: pools as set, and refusals on demand."""
+
+    def __init__(self) -> None:
+        self.targets = {"prefill": 1, "decode": 1}
+        self.calls: list[tuple[str, int]] = []
+        self.refuse = 0
+
+    async def pools(self):
+        return {p: PoolReplicas(p, n, n) for p, n in self.targets.items()}
+
+    async def set_replicas(self, pool: str, target: int) -> None:
+        self.calls.append((pool, target))
+        if self.refuse:
+            self.refuse -= 1
+            raise ConnectorError("the controller refused")
+        self.targets[pool] = target
+
+
+def _loop(source, connector, **kwargs):
+    config = PlannerConfig(interval_s=10.0, max_prefill=4, startup_s=0.0)
+    return PlannerLoop(SLAPlanner(config, PROFILE), connector, source, metrics=PlannerMetrics(), backoff_s=20.0, **kwargs)
+
+
+def test_a_prompt_burst_grows_prefill_and_only_changes_are_sent():
+    connector = FakeConnector()
+    loop = _loop(FakeSource(2500), connector)
+    for t in (0.0, 10.0, 20.0):
+        asyncio.run(loop.step(t))
+    assert connector.targets["prefill"] >= 3 and connector.targets["decode"] == 1
+    assert len(connector.calls) == len(set(connector.calls))  # a target already set is never sent again
+    assert loop.metrics.desired.labels("prefill")._value.get() == connector.targets["prefill"]
+
+
+def test_a_dry_run_decides_but_changes_nothing():
+    connector = FakeConnector()
+    loop = _loop(FakeSource(2500), connector, dry_run=True)
+    decision = asyncio.run(loop.step(0.0))
+    assert decision.targets["prefill"] > 1 and connector.calls == []
+
+
+def test_a_refusing_connector_is_counted_and_retried_after_a_backoff():
+    connector = FakeConnector()
+    connector.refuse = 1
+    loop = _loop(FakeSource(2500), connector)
+    asyncio.run(loop.step(0.0))
+    asyncio.run(loop.step(10.0))  # within the 20 s backoff: decides, does not act
+    assert len(connector.calls) == 1 and loop.metrics.connector_errors._value.get() == 1
+    asyncio.run(loop.step(30.0))
+    assert connector.calls[-1][0] == "prefill" and connector.targets["prefill"] > 1
+
+
+def test_an_slo_no_count_meets_is_an_event_per_interval_while_holding_at_max():
+    connector = FakeConnector()
+    loop = _loop(FakeSource(1e6), connector)
+    for t in (0.0, 10.0, 20.0):
+        asyncio.run(loop.step(t))
+    assert connector.targets["prefill"] == 4
+    assert loop.metrics.infeasible.labels("prefill")._value.get() == 3
