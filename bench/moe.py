@@ -28,7 +28,7 @@ import torch
 
 from bench.report import BenchError, arg_parser, emit_report, machine, plot, progress, run
 from bench.parallel import size_list
-from bench.workload import greedy, random_tokens, ranked_engine
+from bench.workload import greedy, random_tokens, ranked_engine, start_decoding
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.layers.mlp import SparseMoE
@@ -82,12 +82,7 @@ def timed_exchanges():
 
 def decode_steps(engine: LLMEngine, prompts: list[list[int]], num_tokens: int) -> tuple[list[float], list[float]]:
     """Seconds of each decode step once every request has its first token, and of all-to-all within it."""
-    request_ids = [f"decode-{len(prompts)}-{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(request_ids, prompts):
-        engine.add_request(request_id, prompt, greedy(num_tokens + 1))
-    started: set[str] = set()
-    while len(started) < len(request_ids):
-        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+    start_decoding(engine, prompts, num_tokens)
     step_s, exchange_s = [], []
     with timed_exchanges() as spent:
         while engine.has_unfinished_requests():

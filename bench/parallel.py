@@ -23,7 +23,7 @@ import time
 import torch
 
 from bench.report import BenchError, arg_parser, emit_report, machine, plot, positive, progress, run
-from bench.workload import greedy, random_tokens, ranked_engine
+from bench.workload import greedy, random_tokens, ranked_engine, start_decoding
 from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -54,12 +54,7 @@ def prefill_s(engine: LLMEngine, prompt: list[int], repeats: int) -> float:
 
 
 def decode_itl_ms(engine: LLMEngine, prompts: list[list[int]], num_tokens: int) -> float:
-    request_ids = [f"decode-{len(prompts)}-{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(request_ids, prompts):
-        engine.add_request(request_id, prompt, greedy(num_tokens + 1))
-    started: set[str] = set()
-    while len(started) < len(request_ids):
-        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+    start_decoding(engine, prompts, num_tokens)
     step_s = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()

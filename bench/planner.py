@@ -41,7 +41,7 @@ from planner.perf_model import PerfModel, load_profile, load_splitwise_csv
 from planner.policy import Observation, SLAPlanner
 
 CSV_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
-DEFAULT_PERF = Path(__file__).resolve().parents[2] / "shared" / "data" / "splitwise_perf_model.csv"
+DEFAULT_PERF = Path(__file__).resolve().parents[1] / "planner" / "data" / "splitwise_perf_model.csv"
 HPA_TARGET = 0.7
 """HPA's utilisation target: prefill busy share, decode batch as a share of the batch at the ITL SLO."""
 
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generate", choices=("bursty",), help="write a seeded bursty trace to --trace, then replay it")
     parser.add_argument("--seed", type=int, default=0, help="seed of a generated trace (default: 0)")
     parser.add_argument("--duration-s", type=float, default=3600.0, help="length of a generated trace (default: 3600)")
-    parser.add_argument("--perf-model", type=Path, default=DEFAULT_PERF, help="Splitwise CSV or profile JSON (default: ../shared/data/splitwise_perf_model.csv)")
+    parser.add_argument("--perf-model", type=Path, default=DEFAULT_PERF, help="Splitwise CSV or profile JSON (default: planner/data/splitwise_perf_model.csv)")
     parser.add_argument("--perf-rows", nargs=3, default=["llama2-70b", "h100-80gb", "4"], metavar=("MODEL", "HARDWARE", "TP"), help="Splitwise row set (default: llama2-70b h100-80gb 4)")
     parser.add_argument("--cost-scale", type=float, default=1.0, help="simulated costs over the perf model's (the planner's correction must find it; default: 1)")
     parser.add_argument("--policies", nargs="+", choices=("splitserve", "static", "hpa"), default=["splitserve", "static", "hpa"])

@@ -40,6 +40,17 @@ def random_tokens(rng: random.Random, num_tokens: int, vocab_size: int) -> list[
     return [rng.randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(num_tokens)]
 
 
+def start_decoding(engine: LLMEngine, prompts: list[list[int]], num_tokens: int) -> None:
+    """Add one greedy request per prompt (``num_tokens`` after the first) and step until every one
+    has its first token: what follows is steady decode."""
+    request_ids = [f"decode-{len(prompts)}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(request_ids, prompts):
+        engine.add_request(request_id, prompt, greedy(num_tokens + 1))
+    started: set[str] = set()
+    while len(started) < len(request_ids):
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+
+
 def random_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int, seed: int) -> list[BenchRequest]:
     """Prompt and output lengths uniform over their inclusive ranges; token ids skip special tokens."""
     rng = random.Random(seed)

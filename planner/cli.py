@@ -15,7 +15,7 @@ import signal
 from pathlib import Path
 
 EXIT_USAGE = 2
-DEFAULT_PERF_MODEL = Path(__file__).resolve().parents[2] / "shared" / "data" / "splitwise_perf_model.csv"
+DEFAULT_PERF_MODEL = Path(__file__).resolve().parent / "data" / "splitwise_perf_model.csv"
 
 
 def add_plan(parser: argparse.ArgumentParser) -> None:

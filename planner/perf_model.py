@@ -1,7 +1,7 @@
 """What one replica costs: prefill seconds by prompt length and decode ITL by batch size.
 
 Two sources, one shape. ``load_splitwise_csv`` reads the Splitwise artifact
-(``../shared/data/splitwise_perf_model.csv``): prefill from its batch-1 rows (``prompt_time`` by
+(``planner/data/splitwise_perf_model.csv``, a copy of ``../shared/data``'s): prefill from its batch-1 rows (``prompt_time`` by
 ``prompt_size``), decode from its 512-token-prompt rows (``token_time`` by ``batch_size``), repeats
 averaged. ``load_profile`` reads what ``python -m planner.profile`` writes on a live cluster::
 

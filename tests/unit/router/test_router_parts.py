@@ -54,6 +54,16 @@ def test_pick_prefers_the_least_loaded_healthy_replica_of_the_model():
     assert d.served_models() == ["m", "other"]
 
 
+def test_a_draining_replica_gets_no_new_request_but_stays_known():
+    d = WorkerDirectory()
+    idle_but_draining, busy = _entry("a", running=0), _entry("b", running=5)
+    idle_but_draining[0].draining = True
+    d.update([idle_but_draining, busy])
+    assert d.pick("decode", "m").replica_id == "b"  # the idlest replica is draining: not picked
+    assert set(d.replicas) == {"a", "b"}  # still in the view: its running streams keep their channel
+    assert d.served_models() == ["m"]
+
+
 def test_pick_counts_this_routers_own_inflight_requests_between_refreshes():
     d = WorkerDirectory()
     d.update([_entry("a"), _entry("b")])
