@@ -101,3 +101,24 @@ def test_an_unknown_pool_is_a_connector_error_naming_it(cluster):
     with pytest.raises(ConnectorError, match="'gpu' is not one of"):
         asyncio.run(RayConnector().set_replicas("gpu", 1))
 
+
+
+def test_planner_profile_measures_the_cluster_into_a_profile_the_planner_loads(cluster, tmp_path, capsys):
+    from planner import profile
+    from planner.perf_model import load_profile
+
+    out = tmp_path / "profile.json"
+    argv = ["--addr", cluster.router_status.grpc_address, "--json", str(out), "--prompt-lengths", "16,200", "--batches", "1,4", "--decode-tokens", "8", "--repeats", "1"]
+    assert profile.main(argv) == 0
+    model = load_profile(out)
+    assert [p[0] for p in model.prefill] == [16, 200] and [p[0] for p in model.decode] == [1, 4]
+    assert all(s > 0 for _, s in model.prefill + model.decode)
+    assert "prefill of 200 tokens" in capsys.readouterr().err  # a progress line per measurement
+
+
+def test_planner_profile_of_a_router_that_is_not_there_is_one_sentence(tmp_path, capsys):
+    from planner import profile
+
+    assert profile.main(["--addr", "127.0.0.1:1", "--json", str(tmp_path / "p.json"), "--repeats", "1"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("python -m planner.profile: the router at 127.0.0.1:1 answered UNAVAILABLE")
