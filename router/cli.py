@@ -165,6 +165,8 @@ def _run_up(args: argparse.Namespace) -> int:
 
     from ray.exceptions import RayTaskError
 
+    from router.errors import cause_line
+
     try:
         tls = None
         if args.tls_cert or args.tls_key:
@@ -209,7 +211,7 @@ def _run_up(args: argparse.Namespace) -> int:
         try:
             status = cluster.start()
         except RayTaskError as e:  # a replica could not start: say why in one sentence
-            print(f"splitserve up: {_cause(e)}", file=sys.stderr)
+            print(f"splitserve up: {cause_line(e)}", file=sys.stderr)
             return EXIT_UNAVAILABLE
         print(f"splitserve: serving gRPC on {status.grpc_address} (metrics {status.metrics_url})", flush=True)
         tls_flag = " --tls-ca CA.pem" if tls else ""
@@ -223,14 +225,6 @@ def _run_up(args: argparse.Namespace) -> int:
         ray.shutdown()
     print("splitserve: stopped", flush=True)
     return 0
-
-
-def _cause(error: BaseException) -> str:
-    """The first line of what went wrong inside a Ray actor (not Ray's wrapping of it)."""
-    cause = getattr(error, "cause", None) or error
-    while getattr(cause, "cause", None) is not None:
-        cause = cause.cause
-    return str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
 
 
 if __name__ == "__main__":

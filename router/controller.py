@@ -220,12 +220,7 @@ class ClusterController:
         members = self._state.members(spec.pool)
         for replica_id in members[num_replicas:][::-1]:
             await self._remove(replica_id)
-        missing = num_replicas - len(members) - pool.num_starting
-        try:
-            return list(await asyncio.gather(*(self._start(spec) for _ in range(missing))))
-        except Exception as e:  # the pool stays short: replacements follow after the backoff
-            self._failed_start(pool, e)
-            raise
+        return await self._start_missing(pool, spec, num_replicas - len(members) - pool.num_starting)
 
     async def add_replica(self, spec: ReplicaSpec) -> pb.ReplicaStatus:
         """Grow ``spec.pool`` by one replica started from ``spec``; returns its first status.
@@ -260,13 +255,16 @@ class ClusterController:
             task = asyncio.get_running_loop().create_task(self._drain(replica_id, drain_timeout_s))
             self._replacements.add(task)
             task.add_done_callback(self._replacements.discard)
-        missing = target - len(active) - pool.num_starting
-        if missing > 0:
-            try:
-                await asyncio.gather(*(self._start(pool.spec) for _ in range(missing)))
-            except Exception as e:
-                self._failed_start(pool, e)
-                raise
+        await self._start_missing(pool, pool.spec, target - len(active) - pool.num_starting)
+
+    async def _start_missing(self, pool: _Pool, spec: ReplicaSpec, missing: int) -> list[pb.ReplicaStatus]:
+        """Start ``missing`` replicas at once (none when it is 0 or less); their statuses. If one
+        fails, the pool stays short: the failure is counted and replacements follow after the backoff."""
+        try:
+            return list(await asyncio.gather(*(self._start(spec) for _ in range(missing))))
+        except Exception as e:
+            self._failed_start(pool, e)
+            raise
 
     def _set_draining(self, replica_id: str, draining: bool) -> None:
         replica = self._state.replicas[replica_id]

@@ -35,3 +35,12 @@ def from_worker(error: wpb.RequestError) -> CallRejected:
 
 class PlacementError(RuntimeError):
     """A replica's processes cannot be placed on the cluster; the message says what is needed and what exists."""
+
+
+def cause_line(error: BaseException) -> str:
+    """The first line of what went wrong inside a Ray actor: the innermost ``cause`` of a
+    RayTaskError (not Ray's wrapping and traceback), or the error itself."""
+    cause = getattr(error, "cause", None) or error
+    while getattr(cause, "cause", None) is not None:
+        cause = cause.cause
+    return str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__

@@ -14,6 +14,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from planner.connector import POOLS, ConnectorError, PoolReplicas
 from router.controller import CONTROLLER_NAME, NAMESPACE
+from router.errors import cause_line
 
 
 class RayConnector:
@@ -27,7 +28,7 @@ class RayConnector:
         try:
             status = await self.controller.cluster_status.remote()
         except (RayActorError, RayTaskError) as e:
-            raise ConnectorError(f"cluster status from the controller failed: {_first_line(e)}") from e
+            raise ConnectorError(f"cluster status from the controller failed: {cause_line(e)}") from e
         out = {}
         for pool in status.pools:
             members = [r for r in status.replicas if r.pool == pool.pool]
@@ -44,9 +45,5 @@ class RayConnector:
         try:
             await self.controller.scale_pool.remote(pool, target, self.drain_timeout_s)
         except (RayActorError, RayTaskError) as e:
-            raise ConnectorError(f"scaling pool {pool} to {target} failed: {_first_line(e)}") from e
+            raise ConnectorError(f"scaling pool {pool} to {target} failed: {cause_line(e)}") from e
 
-
-def _first_line(error: BaseException) -> str:
-    cause = getattr(error, "cause", None) or error
-    return (str(cause).strip().splitlines() or [type(cause).__name__])[0]
