@@ -1,0 +1,97 @@
+{{/* The RayCluster's name; every other object's name starts with it. */}}
+{{- define "splitserve.fullname" -}}
+{{- default .Release.Name .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "splitserve.labels" -}}
+app.kubernetes.io/name: splitserve
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "splitserve.image" -}}
+{{ printf "%s:%s" .Values.image.repository .Values.image.tag }}
+{{- end -}}
+
+{{/* Labels KubeRay puts on the pods of one group of the RayCluster: Service selectors. */}}
+{{- define "splitserve.headSelector" -}}
+ray.io/cluster: {{ include "splitserve.fullname" . }}
+ray.io/node-type: head
+{{- end -}}
+
+{{- define "splitserve.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+redis://{{ include "splitserve.fullname" . }}-redis:6379/0
+{{- else -}}
+{{ .Values.redis.externalUrl }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Checks the schema cannot express (it cannot compare two fields); each fails the install with a
+sentence naming the values involved.
+*/}}
+{{- define "splitserve.validate" -}}
+{{- range $pool := list "prefill" "decode" }}
+{{- $p := index $.Values $pool }}
+{{- if or (lt (int $p.replicas) (int $p.minReplicas)) (gt (int $p.replicas) (int $p.maxReplicas)) }}
+{{- fail (printf "%s.replicas (%d) must lie within %s.minReplicas (%d) and %s.maxReplicas (%d)" $pool (int $p.replicas) $pool (int $p.minReplicas) $pool (int $p.maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- $ranks := max (int .Values.prefill.tp) (int .Values.decode.tp) (int .Values.decode.ep) }}
+{{- if and (gt $ranks 1) (or .Values.redis.enabled .Values.redis.externalUrl (gt (int64 .Values.engine.cpuKvCacheBytes) 0)) }}
+{{- fail "the CPU and Redis KV tiers serve replicas of one rank only: with prefill.tp, decode.tp or decode.ep above 1, set redis.enabled false, redis.externalUrl \"\" and engine.cpuKvCacheBytes 0" }}
+{{- end }}
+{{- if and .Values.redis.enabled .Values.redis.externalUrl }}
+{{- fail "redis.enabled starts a Redis StatefulSet and redis.externalUrl names another server: set one of them" }}
+{{- end }}
+{{- if and .Values.planner.enabled (or .Values.tls.enabled .Values.auth.enabled) }}
+{{- fail "planner.enabled with tls.enabled or auth.enabled: `splitserve plan` has no flags yet for the router's CA or token, so it could not read the cluster; set planner.enabled false (scale by hand) or turn tls/auth off" }}
+{{- end }}
+{{- end -}}
+
+{{/* The volumes every Ray pod mounts: shared memory, the conversion cache, the model claim. */}}
+{{- define "splitserve.volumes" -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .shmSize }}
+- name: cache
+  emptyDir: {}
+{{- if .root.Values.model.pvc.claimName }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ .root.Values.model.pvc.claimName }}
+    readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "splitserve.volumeMounts" -}}
+- name: dshm
+  mountPath: /dev/shm
+- name: cache
+  mountPath: /var/cache/splitserve
+{{- if .Values.model.pvc.claimName }}
+- name: model
+  mountPath: {{ .Values.model.pvc.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "splitserve.env" -}}
+- name: SPLITSERVE_CACHE_DIR
+  value: /var/cache/splitserve
+- name: RAY_USAGE_STATS_ENABLED
+  value: "0"
+{{- end -}}
+
+{{/* The metrics Services' scrape annotations, when no ServiceMonitor does that job. */}}
+{{- define "splitserve.scrapeAnnotations" -}}
+{{- if not .root.Values.metrics.serviceMonitor.enabled -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+{{- end -}}
+{{- end -}}
