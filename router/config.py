@@ -33,7 +33,9 @@ class RouterConfig:
     host: str = "127.0.0.1"
     """Address the gRPC server binds to."""
     port: int = 50051
-    """gRPC port; 0 picks a free one."""
+    """gRPC port (splitserve's API and KServe v2 / Triton's GRPCInferenceService); 0 picks a free one."""
+    http_port: int | None = None
+    """Port of the OpenAI-compatible and KServe v2 HTTP API on ``host``; 0 picks a free one; None serves no HTTP."""
     tls: TLSConfig | None = None
     """TLS settings; None serves plaintext."""
     cluster_tls: ClusterTLSConfig | None = None
@@ -76,8 +78,8 @@ class RouterConfig:
             raise ValueError(f"routing_memory_s: must be >= 0, got {self.routing_memory_s}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens: must be >= 0, got {self.local_prefill_max_tokens}")
-        for name in ("port", "metrics_port"):
-            if not 0 <= getattr(self, name) <= 65535:
+        for name in ("port", "metrics_port", "http_port"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a port")
         for name in ("max_inflight_requests", "max_prompt_chars", "max_prompt_token_ids"):
             if getattr(self, name) < 1:

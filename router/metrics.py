@@ -49,6 +49,14 @@ class RouterMetrics:
         self.output_tokens = Counter(
             "splitserve_output_tokens", "Tokens streamed to clients (what the planner sizes decode by).", ["router"], registry=self.registry
         ).labels(router_id)
+        self._http_requests = Counter(
+            "splitserve_http_requests", "HTTP requests (OpenAI and KServe APIs) by method, route and status code.",
+            ["router", "method", "route", "status"], registry=self.registry,
+        )
+        self._http_latency = Histogram(
+            "splitserve_http_request_duration_seconds", "HTTP request start to its response's end (a stream's included), by route.",
+            ["router", "route"], buckets=_LATENCY_BUCKETS_S, registry=self.registry,
+        )
         self.inflight = Gauge("splitserve_requests_inflight", "Generate calls in flight.", ["router"], registry=self.registry).labels(router_id)
 
     def routed(self, to_prefill_worker: bool, cached_tokens: int) -> None:
@@ -60,3 +68,8 @@ class RouterMetrics:
 
     def finished(self, status: str) -> None:
         self._requests.labels(self.router_id, status).inc()
+
+    def http_finished(self, method: str, route: str, status: int, duration_s: float) -> None:
+        """``route``: the path template that matched (``/v1/chat/completions``), so ids never become labels."""
+        self._http_requests.labels(self.router_id, method, route, str(status)).inc()
+        self._http_latency.labels(self.router_id, route).observe(duration_s)

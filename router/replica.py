@@ -1,4 +1,5 @@
-"""RouterReplica: an async Ray actor that serves the gRPC API.
+"""RouterReplica: an async Ray actor that serves the gRPC API (and, with ``http_port`` set, the
+OpenAI-compatible and KServe v2 HTTP API from the same event loop).
 
 It keeps a WorkerDirectory fresh from the controller in the background and flips its health
 service to SERVING while at least one decode replica is healthy. When routing is cache-aware (two
@@ -18,8 +19,10 @@ from prometheus_client import start_http_server
 
 from kv_store.events import EventGap
 from proto import splitserve_pb2 as pb
+from router.auth import read_token
 from router.config import RouterConfig
 from router.controller import CONTROLLER_NAME, NAMESPACE
+from router.http.app import HttpServer, build_app
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
 from router.routing import PolicyConfig, make_policy
@@ -41,6 +44,7 @@ class RouterReplica:
         self.metrics = RouterMetrics(router_id)
         self._controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
         self._server: RunningServer | None = None
+        self._http: HttpServer | None = None
         self._refresh_task: asyncio.Task | None = None
         self._events_task: asyncio.Task | None = None
         self.index = PrefixIndex()
@@ -56,6 +60,10 @@ class RouterReplica:
         await self._refresh()
         admin = AdminService(self._cluster_status)
         self._server = await start_server(self.config, self._generation, admin)
+        if self.config.http_port is not None:
+            token = read_token(self.config.token_file) if self.config.token_file else None
+            self._http = HttpServer(build_app(self._generation, self.metrics, token), self.config)
+            await self._http.start()
         await self._server.set_serving(bool(self.directory.served_models()))
         self._refresh_task = asyncio.get_running_loop().create_task(self._refresh_forever())
         self._events_task = asyncio.get_running_loop().create_task(self._follow_kv_events_forever())
@@ -71,6 +79,8 @@ class RouterReplica:
         if self._server is not None:
             await self._server.set_serving(False)
             await self._server.server.stop(grace_s)
+        if self._http is not None:
+            await self._http.stop(grace_s)
         self.channels.close()
         await self._controller.unregister_router.remote(self.router_id)
 
@@ -103,6 +113,13 @@ class RouterReplica:
             logger.error("router %s: %s", self.router_id, message)
         if self._server is not None:
             await self._server.set_serving(bool(self.directory.served_models()))
+
+    async def http_address(self) -> str:
+        """``host:port`` of the HTTP API ("" when ``http_port`` is None)."""
+        if self._http is None:
+            return ""
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::") else socket.gethostname()
+        return f"{host}:{self._http.port}"
 
     async def channel_stats(self) -> ChannelStats:
         """How many batches and events this router's worker channels carried."""

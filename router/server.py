@@ -1,4 +1,4 @@
-"""Assemble a router's gRPC server: Generation, Admin, health, reflection, TLS and token auth."""
+"""Assemble a router's gRPC server: Generation, Admin, KServe v2 inference, health, reflection, TLS and token auth."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from proto import splitserve_pb2 as pb
 from router.auth import BearerTokenInterceptor, read_token, server_credentials
 from router.config import RouterConfig
+from router.http import kserve_grpc
 from router.service import AdminService, GenerationService
 
 SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[n].full_name for n in ("Generation", "Admin"))
@@ -37,9 +38,10 @@ async def start_server(config: RouterConfig, generation: GenerationService, admi
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
     _add_service(server, "Generation", generation)
     _add_service(server, "Admin", admin)
+    kserve_grpc.add_kserve_service(server, generation)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection((*SERVICE_NAMES, kserve_grpc.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
     if config.tls is not None:
         port = server.add_secure_port(address, server_credentials(config.tls))

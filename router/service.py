@@ -75,6 +75,19 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.num_inflight = 0
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async with contextlib.aclosing(self.generate(request)) as responses:
+                async for response in responses:
+                    yield response
+        except CallRejected as rejected:
+            await _abort(context, rejected)
+
+    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """One generation, for every front end of this router (gRPC Generate, the OpenAI and
+        KServe APIs): admission, routing, tenant salt, migration and metrics in one place.
+        Raises CallRejected for a refused or failed call. Closing the iterator early (the client
+        left) cancels the request on its worker, which frees its blocks: callers hold it in
+        ``contextlib.aclosing`` so that happens at once, not when it is garbage-collected."""
         start = time.perf_counter()
         status = "OK"
         self.num_inflight += 1
@@ -86,8 +99,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 yield response
         except CallRejected as rejected:
             status = rejected.code.name
-            await _abort(context, rejected)
-        except asyncio.CancelledError:
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
             status = "CANCELLED"
             raise
         finally:
