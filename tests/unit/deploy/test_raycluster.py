@@ -1,0 +1,142 @@
+"""The RayCluster follows the contract with the entrypoints: one image, our own commands
+(KubeRay's `ray start` switched off), a prefill and a decode worker group whose pods request
+their replica's GPUs, advertise their pool's Ray resource, and drain before they are killed."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from router.cli import _add_up
+from router.controller import pool_resource
+from tests.unit.deploy.chart import EXAMPLES, container, example_values, find, flag, render_example, worker_group
+
+HEAD_ONLY_FLAGS = {"--ray-port", "--http-port"}
+"""Flags of `splitserve head` that `splitserve up` does not have (the contract's additions)."""
+
+
+def _up_flags() -> set[str]:
+    parser = argparse.ArgumentParser()
+    _add_up(parser)
+    return {s for action in parser._actions for s in action.option_strings}
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_kuberay_runs_our_commands_and_its_autoscaler_is_off(example, example_objects):
+    raycluster = find(example_objects[example], "RayCluster")
+    assert raycluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    assert raycluster["spec"]["enableInTreeAutoscaling"] is False
+    assert [g["groupName"] for g in raycluster["spec"]["workerGroupSpecs"]] == ["prefill", "decode"]
+    templates = [raycluster["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in raycluster["spec"]["workerGroupSpecs"]]
+    images = {container(t)["image"] for t in templates}
+    assert len(images) == 1
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_head_command(example, example_objects):
+    values = example_values(example)
+    head = container(find(example_objects[example], "RayCluster")["spec"]["headGroupSpec"]["template"])
+    args = head["args"]
+    assert head["command"] == ["splitserve"] and args[0] == "head"
+    assert flag(args, "--model") == values["model"]["name"]
+    assert flag(args, "--ray-port") == "6379" and flag(args, "--port") == "50051"
+    assert flag(args, "--host") == "0.0.0.0" and flag(args, "--metrics-host") == "0.0.0.0"
+    assert flag(args, "--prefill-tp") == str(values["prefill"].get("tp", 1))
+    assert flag(args, "--decode-tp") == str(values["decode"].get("tp", 1))
+    assert flag(args, "--decode-ep") == str(values["decode"].get("ep", 1))
+    assert "--prefill" not in args and "--decode" not in args, "pool sizes belong to the worker groups"
+    unknown = {a for a in args if a.startswith("--")} - _up_flags() - HEAD_ONLY_FLAGS
+    assert not unknown, f"flags neither `splitserve up` nor the head contract know: {unknown}"
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_worker_group(example, pool, example_objects):
+    values = example_values(example)
+    p = values[pool]
+    size = max(p.get("tp", 1), p.get("ep", 1))
+    gpus = size if values["gpusPerNode"] > 0 else 0
+    group = worker_group(find(example_objects[example], "RayCluster"), pool)
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (p["replicas"], p["minReplicas"], p["maxReplicas"])
+    pod = group["template"]["spec"]
+    worker = container(group["template"])
+    args = worker["args"]
+    assert args[:3] == ["worker", "--pool", pool]
+    assert flag(args, "--address") == "$(FQ_RAY_IP):6379"
+    assert flag(args, "--num-gpus") == str(gpus)
+    assert flag(args, "--num-cpus") == str(p["cpus"])
+    drain_s = int(flag(args, "--drain-timeout-s"))
+    assert pod["terminationGracePeriodSeconds"] == drain_s + 30
+    for side in ("requests", "limits"):
+        assert worker["resources"][side].get("nvidia.com/gpu") == (str(gpus) if gpus else None)
+    assert group["rayStartParams"]["resources"] == f'"{{\\"{pool_resource(pool)}\\": 1}}"'
+    assert group["rayStartParams"]["num-gpus"] == str(gpus)
+    shm = {v["name"]: v for v in pod["volumes"]}["dshm"]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]
+    assert pod.get("tolerations", []) == p.get("tolerations", [])
+    assert pod.get("nodeSelector", {}) == p.get("nodeSelector", {})
+
+
+def test_prefill_may_scale_to_zero(example_objects):
+    group = worker_group(find(example_objects["values-gpu-llama-8b"], "RayCluster"), "prefill")
+    assert group["minReplicas"] == 0
+
+
+def test_model_from_a_claim_is_mounted_read_only_in_every_pod(example_objects):
+    raycluster = find(example_objects["values-gpu-llama-8b"], "RayCluster")
+    for template in [raycluster["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in raycluster["spec"]["workerGroupSpecs"]]:
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "llama-weights", "readOnly": True}
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in container(template)["volumeMounts"]
+
+
+def test_model_baked_into_the_image_mounts_no_claim(example_objects):
+    raycluster = find(example_objects["values-moe-ep"], "RayCluster")
+    assert "model" not in {v["name"] for v in raycluster["spec"]["headGroupSpec"]["template"]["spec"]["volumes"]}
+    assert flag(container(raycluster["spec"]["headGroupSpec"]["template"])["args"], "--model") == "/opt/models/Qwen3-30B-A3B"
+
+
+def test_tls_and_token_come_from_secrets(example_objects):
+    head = find(example_objects["values-moe-ep"], "RayCluster")["spec"]["headGroupSpec"]["template"]
+    volumes = {v["name"]: v for v in head["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "splitserve-api-tls"
+    assert volumes["auth"]["secret"]["secretName"] == "splitserve-api-token"
+    args = container(head)["args"]
+    assert flag(args, "--tls-cert") == "/etc/splitserve/tls/tls.crt"
+    assert flag(args, "--tls-key") == "/etc/splitserve/tls/tls.key"
+    assert flag(args, "--token-file") == "/etc/splitserve/auth/token"
+
+
+def test_redis_in_the_release_is_a_statefulset_with_a_claim(example_objects):
+    objects = example_objects["values-cpu-dev"]
+    redis = find(objects, "StatefulSet", "splitserve-redis")
+    assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "2Gi"
+    find(objects, "Service", "splitserve-redis")
+    head = container(find(objects, "RayCluster")["spec"]["headGroupSpec"]["template"])
+    assert flag(head["args"], "--redis-url") == "redis://splitserve-redis:6379/0"
+
+
+def test_external_redis_starts_no_statefulset(example_objects):
+    objects = example_objects["values-gpu-llama-8b"]
+    assert not [o for o in objects if o["kind"] == "StatefulSet"]
+    head = container(find(objects, "RayCluster")["spec"]["headGroupSpec"]["template"])
+    assert flag(head["args"], "--redis-url") == "redis://kv-cache-redis.llm.svc:6379/0"
+
+
+def test_router_service_ports(example_objects):
+    with_http = find(example_objects["values-cpu-dev"], "Service", "splitserve-router")
+    assert {p["name"]: p["port"] for p in with_http["spec"]["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9400}
+    without_http = find(example_objects["values-gpu-70b-tp"], "Service", "splitserve-router")
+    assert {p["name"] for p in without_http["spec"]["ports"]} == {"grpc", "metrics"}
+    assert with_http["spec"]["selector"] == {"ray.io/cluster": "splitserve", "ray.io/node-type": "head"}
+
+
+def test_release_name_names_the_raycluster():
+    objects = render_example("values-cpu-dev")
+    assert find(objects, "RayCluster")["metadata"]["name"] == "splitserve"
+    from tests.unit.deploy.chart import render
+
+    other = render.render_objects(example_values("values-cpu-dev"), name="prod-a")
+    assert find(other, "RayCluster")["metadata"]["name"] == "prod-a"
