@@ -140,3 +140,18 @@ def test_release_name_names_the_raycluster():
 
     other = render.render_objects(example_values("values-cpu-dev"), name="prod-a")
     assert find(other, "RayCluster")["metadata"]["name"] == "prod-a"
+
+
+def test_head_is_ready_when_the_router_serves(example_objects):
+    plain = container(find(example_objects["values-cpu-dev"], "RayCluster")["spec"]["headGroupSpec"]["template"])
+    assert plain["readinessProbe"]["grpc"] == {"port": 50051}
+    with_tls = container(find(example_objects["values-moe-ep"], "RayCluster")["spec"]["headGroupSpec"]["template"])
+    assert "grpc" not in with_tls["readinessProbe"], "the kubelet's gRPC probe cannot speak TLS"
+    assert with_tls["readinessProbe"]["tcpSocket"] == {"port": "grpc"}
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_worker_is_ready_when_its_replica_serves_metrics(pool, example_objects):
+    worker = container(worker_group(find(example_objects["values-gpu-llama-8b"], "RayCluster"), pool)["template"])
+    assert worker["readinessProbe"]["tcpSocket"] == {"port": "metrics"}
+    assert {"name": "metrics", "containerPort": 9402} in worker["ports"]

@@ -47,6 +47,13 @@ the controller places that pool's replicas only here. Called with dict root, poo
           ports:
             - name: metrics
               containerPort: {{ $p.metricsPort }}
+          # Ready once the controller has started this pod's replica (its metrics endpoint is
+          # up): the planner counts a group's Ready pods as its warm replicas.
+          readinessProbe:
+            tcpSocket:
+              port: metrics
+            periodSeconds: 10
+            failureThreshold: 3
           env:
             {{- include "splitserve.env" .root | nindent 12 }}
           resources:
