@@ -12,7 +12,7 @@ from router.cli import _add_up
 from router.controller import pool_resource
 from tests.unit.deploy.chart import EXAMPLES, container, example_values, find, flag, render_example, worker_group
 
-HEAD_ONLY_FLAGS = {"--ray-port", "--http-port"}
+HEAD_ONLY_FLAGS = {"--ray-port"}
 """Flags of `splitserve head` that `splitserve up` does not have (the contract's additions)."""
 
 
