@@ -8,8 +8,10 @@ import argparse
 import pytest
 
 from planner.cli import add_plan
+from planner.config import PlannerConfig
 from planner.connectors import kubernetes as connector
-from tests.unit.deploy.chart import EXAMPLES, container, example_values, find, flag, render, worker_group
+from router.cli_args import dataclass_from_args
+from tests.unit.deploy.chart import EXAMPLES, container, example_values, find, render, worker_group
 
 PLANNED = [e for e in EXAMPLES if example_values(e).get("planner", {}).get("enabled", True)]
 
@@ -59,6 +61,8 @@ def test_planner_command_parses_and_matches_the_groups(example, example_objects)
         assert group["groupName"] == connector.DEFAULT_GROUP_NAMES[pool]
         assert getattr(args, f"min_{pool}") == group["minReplicas"]
         assert getattr(args, f"max_{pool}") == group["maxReplicas"]
+    config = dataclass_from_args(PlannerConfig, args)  # the planner's own checks of its settings
+    assert config.interval_s == example_values(example)["planner"]["intervalS"]
 
 
 def test_planner_is_the_only_replica(example_objects):

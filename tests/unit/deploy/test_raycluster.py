@@ -10,7 +10,7 @@ import pytest
 
 from router.cli import _add_up
 from router.controller import pool_resource
-from tests.unit.deploy.chart import EXAMPLES, container, example_values, find, flag, render_example, worker_group
+from tests.unit.deploy.chart import EXAMPLES, container, example_values, find, flag, render, render_example, worker_group
 
 HEAD_ONLY_FLAGS = {"--ray-port"}
 """Flags of `splitserve head` that `splitserve up` does not have (the contract's additions)."""
@@ -136,8 +136,6 @@ def test_router_service_ports(example_objects):
 def test_release_name_names_the_raycluster():
     objects = render_example("values-cpu-dev")
     assert find(objects, "RayCluster")["metadata"]["name"] == "splitserve"
-    from tests.unit.deploy.chart import render
-
     other = render.render_objects(example_values("values-cpu-dev"), name="prod-a")
     assert find(other, "RayCluster")["metadata"]["name"] == "prod-a"
 

@@ -3,12 +3,12 @@ values.schema.json, dashboard) matches what the code builds now."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from helm_python.chart import lint
 
 from tests.unit.deploy.chart import EXAMPLES, example_values, render
-
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 def test_there_are_four_examples():
@@ -41,8 +41,6 @@ def test_lint_fails_on_values_the_schema_refuses():
 
 def test_golden_check_catches_an_edited_template(tmp_path, monkeypatch):
     """The golden test means something: the same render from an edited copy of the chart differs."""
-    import shutil
-
     chart = tmp_path / "splitserve"
     shutil.copytree(render.CHART_DIR, chart)
     template = chart / "templates" / "service-router.yaml"
