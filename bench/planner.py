@@ -342,10 +342,23 @@ class HPA:
         return targets
 
 
+def warm_start(trace, perf, config) -> tuple[int, int]:
+    """(prefill, decode) replicas the planner sizes for the trace's first interval: the split both
+    dynamic policies start at, ready, as if they had been running before the trace began (a
+    trace starts with traffic already flowing; starting at one replica each would charge them
+    for a cold start that the static split, sized for the whole trace, never pays)."""
+    first = [a for a in trace if a.time_s < config.interval_s]
+    observation = Observation(config.interval_s, config.interval_s, len(first), sum(a.prompt_tokens for a in first), sum(a.output_tokens for a in first))
+    pools = {pool: PoolReplicas(pool, 1, 1) for pool in POOLS}
+    needed = SLAPlanner(config, perf).decide(observation, pools).needed
+    return (min(config.max_prefill, max(config.min_prefill, needed["prefill"])), min(config.max_decode, max(config.min_decode, needed["decode"])))
+
+
 def replay(trace, perf, config, policy, cost_scale=1.0) -> tuple[dict, list]:
     """``policy``'s result and timeline on ``trace`` (replicas start in ``config.startup_s``);
     ``static`` searches the cheapest split reaching ``config.attainment_target``."""
     sim = lambda controller, initial: Simulation(trace, perf, config, controller, initial, cost_scale)  # noqa: E731
+    start = warm_start(trace, perf, config)
     if policy == "splitserve":
         planner, infeasible = SLAPlanner(config, perf), []
 
@@ -354,12 +367,12 @@ def replay(trace, perf, config, policy, cost_scale=1.0) -> tuple[dict, list]:
             infeasible.extend(decision.infeasible)
             return dict(decision.targets)
 
-        s = sim(controller, (1, 1))
+        s = sim(controller, start)
         result = s.run()
         result.update(infeasible_intervals=len(infeasible), final_corrections=planner.corrections)
         return result, s.timeline
     if policy == "hpa":
-        s = sim(HPA(config), (1, 1))
+        s = sim(HPA(config), start)
         return s.run(), s.timeline
     target = config.attainment_target
     for total in range(1, config.max_prefill + config.max_decode + 1):

@@ -23,6 +23,8 @@ def add_plan(parser: argparse.ArgumentParser) -> None:
     from router.cli_args import add_dataclass_args
 
     parser.add_argument("--addr", default="localhost:50051", help="router address HOST:PORT (default: %(default)s)")
+    parser.add_argument("--tls-ca", type=Path, help="CA certificate to verify the router with (when the router serves TLS)")
+    parser.add_argument("--token-file", type=Path, help="file holding the bearer token (when the router requires one)")
     parser.add_argument("--connector", choices=("ray", "kubernetes"), default="ray", help="how replicas are started and stopped (default: %(default)s)")
     parser.add_argument("--ray-address", default="auto", help="Ray cluster to join for the ray connector (default: %(default)s)")
     parser.add_argument("--kube-namespace", default="default", help="namespace of the RayCluster (kubernetes connector)")
@@ -52,6 +54,8 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         config = dataclass_from_args(PlannerConfig, args)
         perf_model = load_profile(args.profile) if args.profile else load_splitwise_csv(args.perf_model_csv)
+        token = args.token_file.read_text().strip() if args.token_file else None
+        client = SplitServeClient(args.addr, tls_ca_file=args.tls_ca, token=token)
     except (ValueError, OSError) as e:
         print(f"splitserve plan: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -65,7 +69,7 @@ def run_plan(args: argparse.Namespace) -> int:
     metrics = PlannerMetrics()
     server, _ = start_http_server(args.metrics_port, registry=metrics.registry)
     print(f"splitserve plan: deciding every {config.interval_s:g} s{' (dry run)' if args.dry_run else ''}; metrics on port {server.server_port}", flush=True)
-    with SplitServeClient(args.addr) as client:
+    with client:
         loop = PlannerLoop(SLAPlanner(config, perf_model), connector, ClusterSource(client.cluster_status), dry_run=args.dry_run, metrics=metrics)
 
         async def main() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from planner.predictor import LoadForecast, LoadPredictor
@@ -16,20 +18,31 @@ def test_a_steady_load_is_forecast_exactly():
     for _ in range(5):
         predictor.observe(4.0, 4000.0, 800.0)
     forecast = predictor.forecast()
-    assert forecast == LoadForecast(4.0, 4000.0, 800.0)
-    assert forecast.mean_prompt_tokens == 1000.0 and forecast.mean_output_tokens == 200.0
+    assert (forecast.request_rate, forecast.prompt_tokens_per_s, forecast.output_tokens_per_s) == pytest.approx((4.0, 4000.0, 800.0))
+    assert forecast.mean_prompt_tokens == pytest.approx(1000.0) and forecast.mean_output_tokens == pytest.approx(200.0)
 
 
-def test_a_rise_is_extrapolated_over_the_horizon():
+def test_a_rise_is_extrapolated_as_growth_over_the_horizon():
     predictor = LoadPredictor(alpha=0.5, beta=0.3, horizon=3)
-    predictor.observe(10.0, 0.0, 0.0)
-    predictor.observe(30.0, 0.0, 0.0)
-    # level 20, trend 0.3 * 10 = 3, three intervals ahead: 29
-    assert predictor.forecast().request_rate == pytest.approx(29.0)
+    predictor.observe(9.0, 0.0, 0.0)
+    predictor.observe(99.0, 0.0, 0.0)
+    # On log(1 + rate): level ln(10 * 100) / 2 = ln(31.6), trend 0.3 * ln(3.16) per interval,
+    # three intervals ahead: 31.6 * 3.16 ** 0.9 - 1
+    expected = math.sqrt(1000.0) * math.sqrt(10.0) ** 0.9 - 1
+    assert predictor.forecast().request_rate == pytest.approx(expected)
+    assert predictor.forecast().request_rate > math.sqrt(1000.0) - 1  # ahead of the level
+
+
+def test_a_steady_growth_factor_is_met_ahead():
+    """A load doubling every interval is forecast well above its last value (a linear trend lags)."""
+    predictor = LoadPredictor(alpha=0.5, beta=0.5, horizon=3)
+    for k in range(8):
+        predictor.observe(2.0**k, 0.0, 0.0)
+    assert predictor.forecast().request_rate > 2.0**7
 
 
 def test_a_fall_keeps_the_level():
     predictor = LoadPredictor(alpha=0.5, beta=0.3, horizon=3)
-    predictor.observe(30.0, 0.0, 0.0)
-    predictor.observe(10.0, 0.0, 0.0)
-    assert predictor.forecast().request_rate == pytest.approx(20.0)  # level 20, trend -3 ignored
+    predictor.observe(99.0, 0.0, 0.0)
+    predictor.observe(9.0, 0.0, 0.0)
+    assert predictor.forecast().request_rate == pytest.approx(math.sqrt(1000.0) - 1)  # level only, falling trend ignored
