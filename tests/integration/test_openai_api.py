@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
@@ -162,3 +160,28 @@ def test_a_dropped_stream_frees_its_blocks(base_url, grpc_client, model):
     wait_until(lambda: pool_is_idle(grpc_client))
     [after] = grpc_client.cluster_status().replicas
     assert after.num_aborted_requests == before.num_aborted_requests + 1
+
+
+def test_bench_clients_reports_http_next_to_grpc(cluster, base_url, tmp_path):
+    """bench.clients' report shape (aiperf left out: it needs its own venv and a minute)."""
+    from bench.clients import main
+
+    out = tmp_path / "clients.json"
+    argv = ["--address", cluster.router_status.grpc_address, "--http-address", base_url.removeprefix("http://"), "--drivers", "http", "grpc",
+            "--concurrency", "2", "--num-requests", "2", "--prompt-len", "8", "--output-len", "4", "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    [row] = report["runs"]
+    assert set(row) == {"concurrency", "http", "grpc", "http_vs_grpc"}
+    for driver in ("http", "grpc"):
+        assert set(row[driver]) == {"num_requests", "output_tok_per_s", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p90", "itl_ms_mean", "itl_ms_p50", "itl_ms_p90"}
+        assert row[driver]["num_requests"] == 2
+    assert set(row["http_vs_grpc"]) == {"output_tok_per_s_ratio", "ttft_ms_p50_ratio", "itl_ms_p50_ratio", "ttft_ms_p50_added"}
+
+
+def test_bench_clients_exits_2_when_no_cluster_is_up(capsys):
+    from bench.clients import main
+    from bench.report import run
+
+    assert run("clients", main, ["--address", "127.0.0.1:1", "--http-address", "127.0.0.1:1", "--drivers", "grpc"]) == 2
+    assert "bench.clients: no splitserve router answers gRPC at 127.0.0.1:1" in capsys.readouterr().err
