@@ -126,3 +126,16 @@ def test_http_requests_are_counted_by_route_template():
     labels = {"router": "r0", "method": "GET", "route": "/v2/models/{model:path}"}
     assert metrics.registry.get_sample_value("splitserve_http_requests_total", {**labels, "status": "200"}) == 1
     assert metrics.registry.get_sample_value("splitserve_http_requests_total", {**labels, "status": "404"}) == 1
+
+
+def test_http_port_is_a_splitserve_up_flag_and_off_by_default():
+    import argparse
+
+    from router.cli_args import add_dataclass_args, dataclass_from_args
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, RouterConfig, skip=("tls", "cluster_tls"))
+    assert dataclass_from_args(RouterConfig, parser.parse_args(["--http-port", "8000"]), tls=None, cluster_tls=None).http_port == 8000
+    assert dataclass_from_args(RouterConfig, parser.parse_args([]), tls=None, cluster_tls=None).http_port is None
+    with pytest.raises(ValueError, match="http_port: 70000 is not a port"):
+        RouterConfig(http_port=70000)
