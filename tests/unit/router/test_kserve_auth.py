@@ -1,0 +1,60 @@
+"""The bearer token guards the KServe gRPC service as it guards splitserve's, streams included,
+and a bad request on a ModelStreamInfer stream is an error_message, not the end of the stream.
+A real grpc.aio server on loopback with the router's interceptor; no worker behind it."""
+
+import asyncio
+
+import grpc
+import pytest
+from tritonclient.grpc import service_pb2 as kpb
+from tritonclient.grpc import service_pb2_grpc as kpb_grpc
+
+from router.auth import BearerTokenInterceptor
+from router.config import RouterConfig
+from router.http.kserve_grpc import add_kserve_service
+from router.metrics import RouterMetrics
+from router.prefix_index import PrefixIndex
+from router.routing import make_policy
+from router.service import GenerationService
+from router.worker_calls import WorkerChannels
+from router.workers import WorkerDirectory
+
+pytestmark = pytest.mark.integration
+
+
+async def _calls(metadata) -> list[str]:
+    server = grpc.aio.server(interceptors=[BearerTokenInterceptor("s3cret")])
+    service = GenerationService(RouterConfig(), WorkerDirectory(), RouterMetrics("r0"), make_policy("splitserve", PrefixIndex()), WorkerChannels("r0"))
+    add_kserve_service(server, service)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    seen = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = kpb_grpc.GRPCInferenceServiceStub(channel)
+            try:
+                seen.append(f"live={(await stub.ServerLive(kpb.ServerLiveRequest(), metadata=metadata)).live}")
+            except grpc.aio.AioRpcError as e:
+                seen.append(f"live: {e.code().name} {e.details()}")
+            call = stub.ModelStreamInfer(metadata=metadata)
+            try:
+                for model in ("m", "m"):
+                    await call.write(kpb.ModelInferRequest(model_name=model))
+                await call.done_writing()
+                seen += [f"stream: {r.error_message}" async for r in call]
+            except grpc.aio.AioRpcError as e:
+                seen.append(f"stream: {e.code().name} {e.details()}")
+    finally:
+        await server.stop(0)
+    return seen
+
+
+def test_a_wrong_token_is_unauthenticated_on_unary_and_stream_calls():
+    assert asyncio.run(_calls((("authorization", "Bearer nope"),))) == [
+        "live: UNAUTHENTICATED missing or invalid bearer token",
+        "stream: UNAUTHENTICATED missing or invalid bearer token",
+    ]
+
+
+def test_each_bad_request_on_a_stream_gets_its_own_error():
+    assert asyncio.run(_calls((("authorization", "Bearer s3cret"),))) == ["live=True", "stream: no live decode worker", "stream: no live decode worker"]
