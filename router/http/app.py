@@ -55,8 +55,15 @@ def build_app(service: GenerationService, metrics: RouterMetrics, token: str | N
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         return error_response(request.url.path, APIError(error.status_code, f"{request.method} {request.url.path}: {error.detail}"))
 
-    app.add_middleware(_Guard, metrics=metrics, token=token)
+    app.add_middleware(_Guard, metrics=metrics, token=token, max_body_bytes=max_body_bytes(service.config))
     return app
+
+
+def max_body_bytes(config: RouterConfig) -> int:
+    """The largest request body read: room for the longest prompt the router accepts (4 UTF-8
+    bytes a character, or 12 JSON bytes a token id) and 1 MiB of the rest. A larger one is a 413
+    before it is read, so a huge body cannot fill the router's memory."""
+    return max(4 * config.max_prompt_chars, 12 * config.max_prompt_token_ids) + (1 << 20)
 
 
 def error_response(path: str, error: APIError) -> JSONResponse:
@@ -70,9 +77,10 @@ class _Guard:
     BaseHTTPMiddleware would sit between a stream and its ``receive`` channel and hide the
     client's disconnect from the handlers that cancel on it."""
 
-    def __init__(self, app: ASGIApp, metrics: RouterMetrics, token: str | None) -> None:
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics, token: str | None, max_body_bytes: int) -> None:
         self.app = app
         self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
         self._expected = f"Bearer {token}".encode() if token else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -98,12 +106,15 @@ class _Guard:
             self.metrics.http_finished(scope["method"], route, status[0], time.perf_counter() - start)
 
     def _refusal(self, scope: Scope) -> APIError | None:
-        if self._expected is None or scope["path"].startswith(_OPEN_PATHS):
-            return None
-        presented = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(presented, self._expected):
-            return None
-        return APIError(401, "missing or invalid bearer token" if presented else "missing bearer token", code="invalid_api_key")
+        headers = dict(scope["headers"])
+        if self._expected is not None and not scope["path"].startswith(_OPEN_PATHS):
+            presented = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(presented, self._expected):
+                return APIError(401, "missing or invalid bearer token" if presented else "missing bearer token", code="invalid_api_key")
+        length = headers.get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return APIError(413, f"request body: {int(length)} bytes exceed the limit of {self.max_body_bytes}", code="request_too_large")
+        return None
 
 
 class _ActorServer(uvicorn.Server):

@@ -10,7 +10,7 @@ import pytest
 
 from proto import splitserve_pb2 as pb
 from router.config import RouterConfig
-from router.http.app import build_app
+from router.http.app import build_app, max_body_bytes
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
 from router.routing import make_policy
@@ -139,3 +139,10 @@ def test_http_port_is_a_splitserve_up_flag_and_off_by_default():
     assert dataclass_from_args(RouterConfig, parser.parse_args([]), tls=None, cluster_tls=None).http_port is None
     with pytest.raises(ValueError, match="http_port: 70000 is not a port"):
         RouterConfig(http_port=70000)
+
+
+def test_a_body_past_the_limit_is_413_before_it_is_read():
+    app, service, _ = make_app()
+    limit = max_body_bytes(service.config)
+    status, body = call(app, "POST", "/v1/completions", headers={"Content-Length": str(limit + 1)})
+    assert (status, body["error"]["message"]) == (413, f"request body: {limit + 1} bytes exceed the limit of {limit}")
