@@ -1,14 +1,16 @@
-"""``splitserve``: up (start a cluster), generate (stream an answer), status (pools and replicas), plan (the SLA planner)."""
+"""``splitserve``: up (start a cluster), head / worker (one node of a cluster, as Kubernetes pods
+run them), generate (stream an answer), status (pools and replicas), plan (the SLA planner)."""
 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import threading
 from pathlib import Path
 
 import grpc
+
+from router.ray_node import stop_on_signals
 
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
@@ -16,16 +18,23 @@ EXIT_REJECTED = 4
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and its options (each one's ``run`` in its defaults)."""
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     _add_up(commands.add_parser("up", help="start a cluster (local Ray by default) and serve gRPC until Ctrl-C"))
+    _add_head(commands.add_parser("head", help="start this host's Ray head, the controller and a router; pools follow the worker nodes"))
+    _add_worker(commands.add_parser("worker", help="join a head as one replica slot of a pool; drain it on SIGTERM"))
     _add_generate(commands.add_parser("generate", help="stream the answer to a prompt"))
     _add_status(commands.add_parser("status", help="print the pools, replicas, their load and KV use"))
     from planner.cli import add_plan  # the planner sits above the router; this is the one entry point
 
     add_plan(commands.add_parser("plan", help="scale the prefill and decode pools to meet TTFT/ITL targets"))
-    args = parser.parse_args(argv)
-    return args.run(args)
+    return parser
 
 
 def _add_client_options(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +125,45 @@ def _run_status(args: argparse.Namespace) -> int:
 
 
 def _add_up(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    parser.add_argument("--decode", type=int, default=1, help="decode replicas (default: %(default)s)")
+    parser.add_argument(
+        "--prefill", type=int, default=1, help="prefill replicas; 0 runs aggregated, decode replicas prefilling their own requests (default: %(default)s)"
+    )
+    _add_cluster_options(parser)
+    parser.set_defaults(run=_run_up)
+
+
+def _add_head(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ray-port", type=int, default=6379, help="port of Ray's GCS, which worker nodes join (default: %(default)s)")
+    parser.add_argument("--node-ip-address", default=None, help="IP address this Ray node advertises, e.g. the pod's (default: the one Ray picks)")
+    parser.add_argument(
+        "--ray-start-args", default="",
+        help="further `ray start` options as one string, e.g. \"--dashboard-port 8265 --metrics-export-port 8080\"",
+    )
+    _add_cluster_options(parser)
+    parser.set_defaults(run=_run_head)
+
+
+def _add_worker(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pool", required=True, help="the pool whose replica this node holds: prefill or decode")
+    parser.add_argument("--address", required=True, help="the head's Ray GCS, HOST:PORT")
+    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs this node offers Ray (default: what Ray detects)")
+    parser.add_argument("--num-gpus", type=int, default=None, help="GPUs this node offers Ray (default: what Ray detects)")
+    parser.add_argument(
+        "--drain-timeout-s", type=float, default=300.0,
+        help="on SIGTERM, how long the node's replica may take to finish its running requests (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--connect-timeout-s", type=float, default=60.0, help="how long to wait for the head to accept connections (default: %(default)s)"
+    )
+    parser.add_argument("--node-ip-address", default=None, help="IP address this Ray node advertises, e.g. the pod's (default: the one Ray picks)")
+    parser.add_argument("--ray-start-args", default="", help="further `ray start` options as one string")
+    parser.set_defaults(run=_run_worker)
+
+
+def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    """The options ``up`` and ``head`` share: what the replicas and the router run with."""
     from decode_worker.config import WorkerConfig
     from engine.config import EngineConfig
     from prefill_worker.config import PrefillWorkerConfig
@@ -123,11 +171,6 @@ def _add_up(parser: argparse.ArgumentParser) -> None:
     from router.config import RouterConfig
     from router.controller import ControllerConfig
 
-    parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
-    parser.add_argument("--decode", type=int, default=1, help="decode replicas (default: %(default)s)")
-    parser.add_argument(
-        "--prefill", type=int, default=1, help="prefill replicas; 0 runs aggregated, decode replicas prefilling their own requests (default: %(default)s)"
-    )
     parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks of each prefill replica (default: %(default)s)")
     parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of each decode replica (default: %(default)s)")
     parser.add_argument(
@@ -147,74 +190,124 @@ def _add_up(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser, RouterConfig, skip=("tls", "cluster_tls"))
     add_dataclass_args(parser, WorkerConfig, prefix="worker", skip=("cluster_tls",))
     add_dataclass_args(parser, PrefillWorkerConfig, prefix="prefill")
-    add_dataclass_args(parser, ControllerConfig, prefix="controller")
-    parser.set_defaults(run=_run_up)
+    add_dataclass_args(parser, ControllerConfig, prefix="controller", skip=("follow_nodes",))
 
 
-def _run_up(args: argparse.Namespace) -> int:
-    import os
-
+def _cluster_config(args: argparse.Namespace, **fields):
+    """The ClusterConfig of ``_add_cluster_options``' options and ``fields`` (pool sizes, Ray
+    address, whether the controller follows the nodes); ValueError or TypeError for a bad value."""
     from decode_worker.config import WorkerConfig
     from engine.config import EngineConfig
     from prefill_worker.config import PrefillWorkerConfig
-    from proto.tls import ClusterTLSConfig, ray_tls_env
+    from proto.tls import ClusterTLSConfig
     from router.cli_args import dataclass_from_args
     from router.config import RouterConfig, TLSConfig
     from router.controller import ControllerConfig
-    from router.launch import Cluster, ClusterConfig
+    from router.launch import ClusterConfig
 
-    from ray.exceptions import RayTaskError
+    tls = None
+    if args.tls_cert or args.tls_key:
+        tls = TLSConfig(cert_file=args.tls_cert, key_file=args.tls_key, client_ca_file=args.tls_client_ca)
+    cluster_tls = None
+    cluster_tls_files = (args.cluster_tls_cert, args.cluster_tls_key, args.cluster_tls_ca)
+    if any(cluster_tls_files):
+        if not all(cluster_tls_files):
+            raise ValueError("cluster_tls: --cluster-tls-cert, --cluster-tls-key and --cluster-tls-ca go together")
+        cluster_tls = ClusterTLSConfig(*cluster_tls_files)
+    follow_nodes = fields.pop("follow_nodes", False)
+    return ClusterConfig(
+        engine=dataclass_from_args(EngineConfig, args),
+        worker=dataclass_from_args(WorkerConfig, args, prefix="worker", cluster_tls=cluster_tls),
+        prefill=dataclass_from_args(PrefillWorkerConfig, args, prefix="prefill"),
+        router=dataclass_from_args(RouterConfig, args, tls=tls, cluster_tls=cluster_tls),
+        controller=dataclass_from_args(ControllerConfig, args, prefix="controller", follow_nodes=follow_nodes),
+        prefill_tp_size=args.prefill_tp,
+        decode_tp_size=args.decode_tp,
+        decode_ep_size=args.decode_ep,
+        **fields,
+    )
 
-    from router.errors import cause_line
 
-    try:
-        tls = None
-        if args.tls_cert or args.tls_key:
-            tls = TLSConfig(cert_file=args.tls_cert, key_file=args.tls_key, client_ca_file=args.tls_client_ca)
-        cluster_tls = None
-        cluster_tls_files = (args.cluster_tls_cert, args.cluster_tls_key, args.cluster_tls_ca)
-        if any(cluster_tls_files):
-            if not all(cluster_tls_files):
-                raise ValueError("cluster_tls: --cluster-tls-cert, --cluster-tls-key and --cluster-tls-ca go together")
-            cluster_tls = ClusterTLSConfig(*cluster_tls_files)
-        config = ClusterConfig(
-            engine=dataclass_from_args(EngineConfig, args),
-            worker=dataclass_from_args(WorkerConfig, args, prefix="worker", cluster_tls=cluster_tls),
-            prefill=dataclass_from_args(PrefillWorkerConfig, args, prefix="prefill"),
-            router=dataclass_from_args(RouterConfig, args, tls=tls, cluster_tls=cluster_tls),
-            controller=dataclass_from_args(ControllerConfig, args, prefix="controller"),
-            num_decode=args.decode,
-            num_prefill=args.prefill,
-            ray_address=args.address,
-            prefill_tp_size=args.prefill_tp,
-            decode_tp_size=args.decode_tp,
-            decode_ep_size=args.decode_ep,
-        )
-    except (ValueError, TypeError) as e:
-        print(f"splitserve up: {e}", file=sys.stderr)
-        return EXIT_USAGE
+def _restart_with_ray_tls(command: str, config) -> None:
+    """Ray takes its TLS settings from the environment when it is imported, which it already is:
+    start again with them (same pid), so this process and every Ray process it starts use TLS."""
+    import os
 
+    from proto.tls import ray_tls_env
+
+    cluster_tls = config.router.cluster_tls
     ray_env = ray_tls_env(cluster_tls) if cluster_tls else {}
-    if sys.argv[1:2] == ["up"] and any(os.environ.get(k) != v for k, v in ray_env.items()):
-        # Ray takes its TLS settings from the environment when it is imported, which it already is:
-        # start again with them (same pid), so this process and every Ray process it starts use TLS.
+    if sys.argv[1:2] == [command] and any(os.environ.get(k) != v for k, v in ray_env.items()):
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", "router.cli", *sys.argv[1:]], {**os.environ, **ray_env})
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    cluster = Cluster(config)
+
+def _run_up(args: argparse.Namespace) -> int:
+    try:
+        config = _cluster_config(args, num_decode=args.decode, num_prefill=args.prefill, ray_address=args.address)
+    except (ValueError, TypeError) as e:
+        print(f"splitserve up: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    _restart_with_ray_tls("up", config)
+    stop = stop_on_signals(threading.Event())
     mode = f"{config.num_prefill} prefill + {config.num_decode} decode replica(s)" if config.num_prefill else f"{config.num_decode} decode replica(s), aggregated"
     print(f"splitserve: starting {mode} of {config.engine.model} ...", flush=True)
+    return _serve("up", config, stop)
+
+
+def _run_head(args: argparse.Namespace) -> int:
+    from router.ray_node import HeadNodeConfig, RayNode, RayNodeError, split_ray_start_args
+
+    try:
+        head = HeadNodeConfig(ray_port=args.ray_port, node_ip_address=args.node_ip_address, ray_start_args=split_ray_start_args(args.ray_start_args))
+        config = _cluster_config(args, num_decode=0, num_prefill=0, follow_nodes=True)
+    except (ValueError, TypeError) as e:
+        print(f"splitserve head: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    _restart_with_ray_tls("head", config)
+    stop = stop_on_signals(threading.Event())
+    from dataclasses import replace
+
+    import ray
+
+    node_ip = head.node_ip_address or ray.util.get_node_ip_address()
+    node = RayNode(head.command(node_ip), on_exit=stop.set)
+    try:
+        node.start(head.start_timeout_s)
+    except RayNodeError as e:
+        print(f"splitserve head: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    try:
+        config = replace(config, ray_address=f"{node_ip}:{head.ray_port}")
+        print(f"splitserve: Ray head on {config.ray_address}; starting the controller and router-0 for {config.engine.model}; "
+              "each worker node that joins gets a replica of its pool", flush=True)
+        code = _serve("head", config, stop)
+        ended_by_itself = node.returncode
+    finally:
+        node.stop()
+    if ended_by_itself is not None:
+        print(f"splitserve head: its Ray node stopped on its own (ray start exit code {ended_by_itself})", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    return code
+
+
+def _serve(command: str, config, stop: threading.Event) -> int:
+    """Start the cluster of ``config``, serve until ``stop`` is set, then stop it."""
+    from ray.exceptions import RayTaskError
+
+    from router.errors import cause_line
+    from router.launch import Cluster
+
+    cluster = Cluster(config)
     try:
         try:
             status = cluster.start()
         except RayTaskError as e:  # a replica could not start: say why in one sentence
-            print(f"splitserve up: {cause_line(e)}", file=sys.stderr)
+            print(f"splitserve {command}: {cause_line(e)}", file=sys.stderr)
             return EXIT_UNAVAILABLE
+        stop_on_signals(stop)  # again: ray.init put its own SIGTERM handler in place of ours
         print(f"splitserve: serving gRPC on {status.grpc_address} (metrics {status.metrics_url})", flush=True)
-        tls_flag = " --tls-ca CA.pem" if tls else ""
+        tls_flag = " --tls-ca CA.pem" if config.router.tls else ""
         print(f"try: splitserve generate --addr {status.grpc_address}{tls_flag} \"What is the capital of France?\"", flush=True)
         stop.wait()
         print("splitserve: shutting down", flush=True)
@@ -224,6 +317,26 @@ def _run_up(args: argparse.Namespace) -> int:
 
         ray.shutdown()
     print("splitserve: stopped", flush=True)
+    return 0
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from router.ray_node import RayNodeError, WorkerNodeConfig, run_worker, split_ray_start_args
+
+    try:
+        config = WorkerNodeConfig(
+            pool=args.pool, address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
+            drain_timeout_s=args.drain_timeout_s, connect_timeout_s=args.connect_timeout_s,
+            node_ip_address=args.node_ip_address, ray_start_args=split_ray_start_args(args.ray_start_args),
+        )
+    except ValueError as e:
+        print(f"splitserve worker: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        run_worker(config)
+    except RayNodeError as e:
+        print(f"splitserve worker: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     return 0
 
 

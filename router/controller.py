@@ -20,6 +20,12 @@ It is also where workers exchange KV transport metadata: each decode replica's e
 to every prefill replica (``add_kv_peers``) when either joins, so a hand-off never waits for a
 connection set-up. Plain asyncio inside; Ray only creates and calls
 actors; endpoints pass through as opaque objects.
+
+Pool sizes come from ``set_pool`` / ``scale_pool`` (``splitserve up``, the planner on Ray), or,
+with ``follow_nodes`` (``splitserve head`` on Kubernetes), from the Ray nodes themselves: each
+health round reads ``ray.nodes()``, keeps one replica pinned to every slot of a pool's resource
+(router/node_slots.py) and forgets the replicas of nodes that are gone. A worker pod that is
+being stopped calls ``drain_node`` first, so its replicas finish what they run before its node goes.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import importlib
 import itertools
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import ray
@@ -36,81 +43,19 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from proto import splitserve_pb2 as pb
 from router import placement
+from router.controller_config import CONTROLLER_NAME, NAMESPACE, POOLS, ControllerConfig, ReplicaSpec, pool_resource
+from router.node_slots import alive_node_ids, node_slots, slots_to_fill
+
+__all__ = ["CONTROLLER_NAME", "NAMESPACE", "POOLS", "ClusterController", "ControllerConfig", "ReplicaSpec", "pool_resource"]
 
 logger = logging.getLogger(__name__)
 
-CONTROLLER_NAME = "splitserve-controller"
-NAMESPACE = "splitserve"
-POOLS = ("prefill", "decode")
-
-
-@dataclass(frozen=True)
-class ControllerConfig:
-    """Health checking of worker replicas."""
-
-    health_check_interval_s: float = 2.0
-    """Seconds between two status probes of a replica."""
-    health_check_timeout_s: float = 10.0
-    """A probe that takes longer counts as failed."""
-    max_failed_health_checks: int = 3
-    """Consecutive failed probes after which a replica is dropped from the map and killed."""
-    metrics_host: str = "127.0.0.1"
-    """Address of the controller's Prometheus endpoint."""
-    metrics_port: int = 0
-    """Port of the controller's Prometheus endpoint; 0 picks a free one."""
-    restart_backoff_s: float = 1.0
-    """Delay before the next replacement once one failed to start or died young; doubles each time."""
-    max_restart_backoff_s: float = 60.0
-    """Longest delay between replacements."""
-    stable_after_s: float = 30.0
-    """A replica that ran this long counts as healthy: its death is replaced at once, with no backoff."""
-
-    def __post_init__(self) -> None:
-        if self.health_check_interval_s <= 0 or self.health_check_timeout_s <= 0:
-            raise ValueError("health_check_interval_s and health_check_timeout_s: must be > 0")
-        if not 0 < self.restart_backoff_s <= self.max_restart_backoff_s:
-            raise ValueError(f"restart_backoff_s: must be > 0 and <= max_restart_backoff_s, got {self.restart_backoff_s} / {self.max_restart_backoff_s}")
-        if self.stable_after_s < 0:
-            raise ValueError(f"stable_after_s: must be >= 0, got {self.stable_after_s}")
-        if self.max_failed_health_checks < 1:
-            raise ValueError(f"max_failed_health_checks: must be >= 1, got {self.max_failed_health_checks}")
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """How to start one worker replica of a pool."""
-
-    pool: str
-    """"prefill" or "decode"."""
-    actor_class: str
-    """``module:Class`` of the worker actor."""
-    init_args: tuple
-    """Arguments after the replica id, e.g. (EngineConfig, WorkerConfig)."""
-    num_cpus: float = 1.0
-    """Logical CPUs the actor reserves."""
-    tp_size: int = 1
-    """Processes of each replica (its tensor- or expert-parallel ranks): above 1, the replica is
-    placed as a placement group of that many bundles on one node (router/placement.py)."""
-    rank_kind: str = "TP"
-    """What the ranks split, for messages: "TP" (the model) or "EP" (its experts)."""
-    tp_rank_cpus: float = 1.0
-    """Logical CPUs each follower rank reserves."""
-    tp_rank_gpus: float = 0.0
-    """GPUs each rank reserves (the leader too); 0 on CPU."""
-    placement_timeout_s: float = 120.0
-    """How long a replica's placement group may wait for resources before its start fails."""
-
-    def __post_init__(self) -> None:
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
-        if self.pool not in POOLS:
-            raise ValueError(f"pool: {self.pool!r} is not one of {POOLS}")
-        if ":" not in self.actor_class:
-            raise ValueError(f"actor_class: {self.actor_class!r} is not module:Class")
+_DRAIN_POLL_S = 0.2
+"""How often drain_node looks whether its node is empty yet."""
 
 
 @dataclass
@@ -125,6 +70,8 @@ class _Replica:
     """The placement group of a tensor-parallel replica's ranks; removed with the replica."""
     draining: bool = False
     """Being removed: it takes no new request (routers see ``status.draining``) and is removed when idle."""
+    node_id: str = ""
+    """The Ray node it runs on (its leader's, for a replica of several ranks)."""
 
 
 @dataclass
@@ -189,11 +136,6 @@ def _reason(error: Exception) -> str:
     return text.splitlines()[-1] if text else repr(error)
 
 
-def pool_resource(pool: str) -> str:
-    """The custom Ray resource a node offers per replica slot of ``pool``."""
-    return f"splitserve_{pool}"
-
-
 class ClusterController:
     """Pools, replicas, routers and health. Run as a named async Ray actor."""
 
@@ -204,6 +146,10 @@ class ClusterController:
         self._health_task: asyncio.Task | None = None
         self._replacements: set[asyncio.Task] = set()
         self._introducing = asyncio.Lock()
+        self._draining_nodes: dict[str, float] = {}
+        """Node id -> drain timeout of the nodes being drained: their slots count for no pool."""
+        self._starting_on: Counter[tuple[str, str]] = Counter()
+        """(pool, node id) -> replicas being started there by the node follower."""
         registry = CollectorRegistry()
         registry.register(_ReplicaCollector(self._state))
         server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
@@ -241,21 +187,99 @@ class ClusterController:
             raise ValueError(f"pool: {pool_name!r} is not one of {POOLS}")
         if target < 0:
             raise ValueError(f"target: must be >= 0, got {target}")
+        if self.config.follow_nodes:
+            raise ValueError(f"pool {pool_name!r} follows the Ray nodes (follow_nodes): scale its worker group instead")
         pool = self._state.pools[pool_name]
         if pool.spec is None:
             raise ValueError(f"pool {pool_name!r} was never started: no spec to start replicas from")
         pool.target = target
-        active = [rid for rid in self._state.members(pool_name) if not self._state.replicas[rid].draining]
-        draining = [rid for rid in self._state.members(pool_name) if self._state.replicas[rid].draining]
+        members = [self._state.replicas[rid] for rid in self._state.members(pool_name)]
+        active = [r.status.replica_id for r in members if not r.draining]
+        draining = [r.status.replica_id for r in members if r.draining and r.node_id not in self._draining_nodes]
         for replica_id in draining[::-1][: max(0, target - len(active))]:  # take back the newest drains first
             self._set_draining(replica_id, False)
             active.append(replica_id)
         for replica_id in active[target:][::-1]:
-            self._set_draining(replica_id, True)
-            task = asyncio.get_running_loop().create_task(self._drain(replica_id, drain_timeout_s))
-            self._replacements.add(task)
-            task.add_done_callback(self._replacements.discard)
+            self._drain_in_background(replica_id, drain_timeout_s)
         await self._start_missing(pool, pool.spec, target - len(active) - pool.num_starting)
+
+    async def drain_node(self, node_id: str, timeout_s: float = 300.0) -> list[str]:
+        """Drain every replica on Ray node ``node_id`` (its pod is being stopped): routers send
+        them nothing new, their running requests finish (or they are removed after ``timeout_s``),
+        then they leave the map, which tells routers that their cached prefixes are gone. The
+        node's slots count for no pool from now on, so nothing replaces them there; a replica
+        still starting there is drained once it has started. Returns when none is left on the
+        node, with the ids of the replicas drained."""
+        if timeout_s < 0:
+            raise ValueError(f"timeout_s: must be >= 0, got {timeout_s}")
+        self._draining_nodes[node_id] = timeout_s
+        deadline = time.monotonic() + timeout_s
+        drained = []
+        while True:
+            on_node = [rid for rid, r in self._state.replicas.items() if r.node_id == node_id]
+            for replica_id in on_node:
+                if not self._state.replicas[replica_id].draining:
+                    self._drain_in_background(replica_id, max(0.0, deadline - time.monotonic()))
+                    drained.append(replica_id)
+                    if not self.config.follow_nodes:  # its pool shrinks: no replacement anywhere
+                        pool = self._state.pools[self._state.replicas[replica_id].status.pool]
+                        pool.target = max(0, pool.target - 1)
+            starting = sum(n for (_, nid), n in self._starting_on.items() if nid == node_id)
+            if not on_node and not starting:
+                return drained
+            if time.monotonic() > deadline + self.config.health_check_timeout_s:
+                logger.warning("controller: node %s still holds %s after its drain timeout", node_id, on_node)
+                return drained
+            await asyncio.sleep(_DRAIN_POLL_S)
+
+    async def follow_nodes(self, specs: list[ReplicaSpec]) -> None:
+        """Start keeping each pool of ``specs`` at one replica per slot of its resource on the
+        alive nodes (``node_slots``): fill the slots now, then every health round."""
+        if not self.config.follow_nodes:
+            raise ValueError("follow_nodes: off in this controller's config; set_pool sizes its pools")
+        for spec in specs:
+            self._state.pools[spec.pool].spec = spec
+        self._ensure_health_loop()
+        await self._follow_nodes_once()
+
+    async def _follow_nodes_once(self) -> None:
+        """One round of following the nodes: forget the replicas of nodes that are gone, drain
+        those that started on a draining node, set each pool's target to its slots and start a
+        replica in every free slot (unless the pool is backing off after failures)."""
+        nodes = await asyncio.to_thread(ray.nodes)
+        alive = alive_node_ids(nodes)
+        for node_id in [n for n in self._draining_nodes if n not in alive]:
+            del self._draining_nodes[node_id]
+        for replica_id, replica in list(self._state.replicas.items()):
+            if replica.node_id and replica.node_id not in alive:
+                logger.warning("controller: node %s of replica %s is gone; forgetting the replica", replica.node_id, replica_id)
+                await self._remove(replica_id)
+            elif replica.node_id in self._draining_nodes and not replica.draining:
+                self._drain_in_background(replica_id, self._draining_nodes[replica.node_id])
+        for name, pool in self._state.pools.items():
+            if pool.spec is None:
+                continue
+            slots = node_slots(nodes, pool_resource(name), exclude=self._draining_nodes)
+            pool.target = sum(slots.values())
+            if time.monotonic() < pool.next_start_s:
+                continue
+            used = Counter(self._state.replicas[rid].node_id for rid in self._state.members(name))
+            used.update({nid: n for (p, nid), n in self._starting_on.items() if p == name})
+            for node_id in slots_to_fill(slots, used):
+                self._spawn(self._start_on(pool, node_id))
+
+    async def _start_on(self, pool: _Pool, node_id: str) -> None:
+        key = (pool.spec.pool, node_id)
+        self._starting_on[key] += 1
+        try:
+            status = await self._start(pool.spec, node_id)
+            logger.info("controller: replica %s started on node %s", status.replica_id, node_id)
+        except Exception as e:  # the slot stays free: retried after the backoff
+            self._failed_start(pool, e)
+        finally:
+            self._starting_on[key] -= 1
+            if not self._starting_on[key]:
+                del self._starting_on[key]
 
     async def _start_missing(self, pool: _Pool, spec: ReplicaSpec, missing: int) -> list[pb.ReplicaStatus]:
         """Start ``missing`` replicas at once (none when it is 0 or less); their statuses. If one
@@ -269,6 +293,20 @@ class ClusterController:
     def _set_draining(self, replica_id: str, draining: bool) -> None:
         replica = self._state.replicas[replica_id]
         replica.draining = replica.status.draining = draining
+
+    def _drain_in_background(self, replica_id: str, timeout_s: float) -> None:
+        self._set_draining(replica_id, True)
+        self._spawn(self._drain(replica_id, timeout_s))
+
+    def _spawn(self, coroutine) -> None:
+        """Run ``coroutine`` as a task the controller keeps (and cancels at shutdown)."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._replacements.add(task)
+        task.add_done_callback(self._replacements.discard)
+
+    def _ensure_health_loop(self) -> None:
+        if self._health_task is None:
+            self._health_task = asyncio.get_running_loop().create_task(self._check_health_forever())
 
     async def _drain(self, replica_id: str, timeout_s: float) -> None:
         """Remove ``replica_id`` once it holds no request (or after ``timeout_s``), unless un-drained meanwhile."""
@@ -297,10 +335,10 @@ class ClusterController:
         pool.target = max(0, pool.target - 1)
         return await self._remove(replica_id)
 
-    async def _start(self, spec: ReplicaSpec) -> pb.ReplicaStatus:
-        """Start a replica and wait until its model is loaded and it is introduced to the others."""
-        if self._health_task is None:
-            self._health_task = asyncio.get_running_loop().create_task(self._check_health_forever())
+    async def _start(self, spec: ReplicaSpec, node_id: str | None = None) -> pb.ReplicaStatus:
+        """Start a replica (on Ray node ``node_id``, or where Ray finds room) and wait until its
+        model is loaded and it is introduced to the others."""
+        self._ensure_health_loop()
         module, _, name = spec.actor_class.partition(":")
         actor_class = ray.remote(getattr(importlib.import_module(module), name))
         replica_id = f"{spec.pool}-{next(self._ids[spec.pool])}"
@@ -311,17 +349,21 @@ class ClusterController:
             options = dict(num_cpus=spec.num_cpus, resources={pool_resource(spec.pool): 1})
             if spec.tp_size > 1:
                 wanted = placement.bundles(spec.tp_size, spec.num_cpus, spec.tp_rank_cpus, pool_resource(spec.pool), spec.tp_rank_gpus)
-                group = await placement.reserve(f"a {spec.rank_kind} {spec.tp_size} {spec.pool} replica", wanted, spec.placement_timeout_s)
+                group = await placement.reserve(f"a {spec.rank_kind} {spec.tp_size} {spec.pool} replica", wanted, spec.placement_timeout_s, node_id)
                 strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0, placement_group_capture_child_tasks=False)
                 options.update(scheduling_strategy=strategy, num_gpus=spec.tp_rank_gpus)
+            elif node_id is not None:
+                options.update(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
             handle = actor_class.options(
                 name=f"splitserve-{replica_id}", namespace=NAMESPACE, max_concurrency=10_000, max_restarts=0, **options
             ).remote(replica_id, *spec.init_args)
             model = await handle.model_info.remote()
             status = await handle.status.remote()
+            node_id = node_id or await handle.__ray_call__.remote(placement.actor_node_id)
             async with self._introducing:  # one at a time: each sees every replica introduced before it
                 await self._introduce(replica_id, spec.pool, handle)
-                self._state.replicas[replica_id] = _Replica(handle, model, status, time.monotonic(), placement_group=group)  # routers may pick it from now on
+                replica = _Replica(handle, model, status, time.monotonic(), placement_group=group, node_id=node_id)
+                self._state.replicas[replica_id] = replica  # routers may pick it from now on
         except BaseException:
             self._state.kv_endpoints.pop(replica_id, None)
             if handle is not None:
@@ -400,15 +442,16 @@ class ClusterController:
         pool.next_start_s = time.monotonic() + delay
 
     def _heal(self) -> None:
-        """Start a replacement for every replica a pool lacks, unless its backoff runs."""
+        """Start a replacement for every replica a pool lacks, unless its backoff runs. Pools
+        that follow the nodes are refilled by the next node round instead (in their own slots)."""
+        if self.config.follow_nodes:
+            return
         now = time.monotonic()
         for name, pool in self._state.pools.items():
             if pool.spec is None or now < pool.next_start_s:
                 continue
             for _ in range(pool.target - len(self._state.members(name)) - pool.num_starting):
-                task = asyncio.get_running_loop().create_task(self._replace(pool))
-                self._replacements.add(task)
-                task.add_done_callback(self._replacements.discard)
+                self._spawn(self._replace(pool))
 
     async def _replace(self, pool: _Pool) -> None:
         try:
@@ -468,6 +511,11 @@ class ClusterController:
     async def _check_health_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
+            if self.config.follow_nodes:
+                try:
+                    await self._follow_nodes_once()
+                except Exception:  # the GCS may be briefly unreachable: try again next round
+                    logger.exception("controller: following the Ray nodes failed")
             await asyncio.gather(*(self._check(rid) for rid in list(self._state.replicas)))
             self._heal()
 

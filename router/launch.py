@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
@@ -41,7 +42,7 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     num_decode: int = 1
-    """Decode replicas to start."""
+    """Decode replicas to start (0 when ``controller.follow_nodes`` sizes the pools)."""
     num_prefill: int = 0
     """Prefill replicas to start; 0 runs aggregated (decode replicas prefill their own requests)."""
     ray_address: str | None = None
@@ -76,7 +77,11 @@ class ClusterConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for pool in POOLS:
             self.pool_engine(pool)  # validates the TP size against the tiers
-        if self.num_decode < 1:
+        if self.controller.follow_nodes and (self.num_decode or self.num_prefill):
+            raise ValueError(
+                f"num_decode, num_prefill: must be 0 when controller.follow_nodes sizes the pools, got {self.num_decode}, {self.num_prefill}"
+            )
+        if self.num_decode < 1 and not self.controller.follow_nodes:
             raise ValueError(f"num_decode: must be >= 1, got {self.num_decode}")
         if self.num_prefill < 0:
             raise ValueError(f"num_prefill: must be >= 0, got {self.num_prefill}")
@@ -124,6 +129,12 @@ def init_ray(address: str | None, cluster_tls: ClusterTLSConfig | None = None) -
     )
 
 
+def _this_node() -> NodeAffinitySchedulingStrategy:
+    """Pin an actor to the Ray node of this process: the controller and the routers need no CPU,
+    so Ray could put them anywhere, and a worker node (a pod that scales away) is the wrong place."""
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
 class Cluster:
     """Handles on a running cluster's controller and router; ``stop`` tears down what it started."""
 
@@ -135,24 +146,30 @@ class Cluster:
         self.router_status: pb.RouterStatus | None = None
 
     def start(self) -> pb.RouterStatus:
+        """Start the controller and the router on this process's Ray node, and the replicas:
+        ``num_decode`` / ``num_prefill`` of them, started before this returns, or, when the
+        controller follows the nodes, one per slot of the nodes that have joined, in the background."""
         init_ray(self.config.ray_address, self.config.router.cluster_tls)
         self.controller = (
             ray.remote(ClusterController)
-            .options(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000)
+            .options(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000, scheduling_strategy=_this_node())
             .remote(self.config.controller)
         )
         decode, prefill = self.config.replica_spec("decode"), self.config.replica_spec("prefill")
-        ray.get([self.controller.set_pool.remote(decode, self.config.num_decode), self.controller.set_pool.remote(prefill, self.config.num_prefill)])
+        if self.config.controller.follow_nodes:
+            ray.get(self.controller.follow_nodes.remote([decode, prefill]))
+        else:
+            ray.get([self.controller.set_pool.remote(decode, self.config.num_decode), self.controller.set_pool.remote(prefill, self.config.num_prefill)])
         self.router = self.start_router(self.router_id, self.config.router)
         self.router_status = ray.get(self.router.start.remote())
         return self.router_status
 
     @staticmethod
     def start_router(router_id: str, config: RouterConfig):
-        """A RouterReplica actor (not yet started: call ``start`` on it)."""
+        """A RouterReplica actor on this process's Ray node (not yet started: call ``start`` on it)."""
         return (
             ray.remote(RouterReplica)
-            .options(name=f"splitserve-{router_id}", namespace=NAMESPACE, num_cpus=0, max_concurrency=10_000)
+            .options(name=f"splitserve-{router_id}", namespace=NAMESPACE, num_cpus=0, max_concurrency=10_000, scheduling_strategy=_this_node())
             .remote(router_id, config)
         )
 

@@ -17,6 +17,9 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 
 from router.errors import PlacementError
 
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label Ray gives every node, holding its id: a placement group's bundles select a node by it."""
+
 
 def bundles(tp_size: int, leader_cpus: float, rank_cpus: float, pool_resource: str, gpus_per_rank: float = 0.0) -> list[dict[str, float]]:
     """The placement group's bundles: the leader's first, then one per follower rank."""
@@ -42,11 +45,16 @@ def check_fits(what: str, wanted: list[dict[str, float]], nodes: list[dict]) -> 
     raise PlacementError(f"{what} needs {needed} on one node, but the largest node has {has} ({len(totals)} nodes alive)")
 
 
-async def reserve(what: str, wanted: list[dict[str, float]], timeout_s: float) -> PlacementGroup:
-    """A ready STRICT_PACK placement group of ``wanted``; PlacementError if no node could hold it
-    or it is not ready within ``timeout_s`` (others hold the resources)."""
-    check_fits(what, wanted, ray.nodes())
-    group = placement_group(wanted, strategy="STRICT_PACK")
+async def reserve(what: str, wanted: list[dict[str, float]], timeout_s: float, node_id: str | None = None) -> PlacementGroup:
+    """A ready STRICT_PACK placement group of ``wanted`` (on Ray node ``node_id`` when given);
+    PlacementError if no node could hold it or it is not ready within ``timeout_s`` (others hold
+    the resources)."""
+    nodes = await asyncio.to_thread(ray.nodes)
+    if node_id is not None:
+        what, nodes = f"{what} on node {node_id}", [n for n in nodes if n["NodeID"] == node_id]
+    check_fits(what, wanted, nodes)
+    selector = [{NODE_ID_LABEL: node_id} for _ in wanted] if node_id is not None else None
+    group = placement_group(wanted, strategy="STRICT_PACK", bundle_label_selector=selector)
     try:
         await asyncio.wait_for(group.ready(), timeout_s)
     except asyncio.TimeoutError:
@@ -58,6 +66,11 @@ async def reserve(what: str, wanted: list[dict[str, float]], timeout_s: float) -
             + ", ".join(f"{_fmt(free.get(k, 0.0))} {k}" for k in names)
         ) from None
     return group
+
+
+def actor_node_id(actor) -> str:
+    """Run inside an actor (``handle.__ray_call__.remote(actor_node_id)``): the id of its Ray node."""
+    return ray.get_runtime_context().get_node_id()
 
 
 def release(group: PlacementGroup | None) -> None:

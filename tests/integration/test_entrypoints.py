@@ -1,0 +1,195 @@
+"""The pods' command lines on one host: `splitserve head`, one `splitserve worker --pool prefill`
+and one `splitserve worker --pool decode`, each a separate process that starts its own Ray node
+(`ray start --block`) and joins one Ray cluster over loopback, as the chart's pods do.
+
+The pytest process may run the session's own local Ray (ray_session) beside this cluster, so
+this cluster never uses `ray stop`: its Ray gets its own ports and temp dir, every process is
+stopped by a signal to it, and the test ends by checking that none of them is left.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+
+from tests.integration.conftest import wait_until
+from tests.redis_server import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+CLI = [sys.executable, "-m", "router.cli"]
+
+
+PORT_FLAGS = (
+    "--node-manager-port", "--object-manager-port", "--dashboard-agent-grpc-port", "--dashboard-agent-listen-port",
+    "--metrics-export-port", "--runtime-env-agent-port",
+)
+
+
+def ray_start_args(*extra: str) -> str:
+    """``ray start`` options of one node. Every port of its own, given up front: with port 0 the
+    raylet waits for each agent to write the port it took (on a busy 2-core machine a dashboard
+    agent outlasted that wait and took the node down), and two nodes starting at once on one
+    host raced for the same one. No log monitor (nothing reads worker logs here) and the smallest
+    useful object store (100 MB): three nodes on one small machine."""
+    ports = [f"{flag} {free_port()}" for flag in PORT_FLAGS]
+    return " ".join([*ports, "--include-log-monitor false", "--object-store-memory 100000000", *extra])
+
+
+class Role:
+    """One entrypoint process: its output lines and the processes it started."""
+
+    def __init__(self, name: str, args: list[str]) -> None:
+        self.name = name
+        env = {**os.environ, "RAY_ADDRESS": ""}  # never the address of another Ray on this host
+        self.process = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True).start()
+
+    def wait_for(self, needle: str, timeout_s: float) -> str:
+        """The first line (from now on) containing ``needle``."""
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout_s)
+            except queue.Empty:
+                raise AssertionError(f"{self.name}: no line containing {needle!r} within {timeout_s} s; last lines: {self.seen[-15:]}") from None
+            self.seen.append(line)
+            if needle in line:
+                return line
+
+    def drain_output(self) -> list[str]:
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        return self.seen
+
+    def tree(self) -> list[psutil.Process]:
+        """This process and every process below it (its Ray node and that node's workers)."""
+        try:
+            root = psutil.Process(self.process.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, timeout_s: float) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit within {timeout_s} s of SIGTERM; last lines: {self.drain_output()[-15:]}") from None
+
+
+def _kill_all(processes: list[psutil.Process]) -> None:
+    for p in processes:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(processes, timeout=10)
+
+
+def _pools(client) -> dict[str, tuple[int, int, int]]:
+    """Pool -> (healthy replicas, replicas, target)."""
+    status = client.cluster_status()
+    healthy = {pool.pool: sum(1 for r in status.replicas if r.pool == pool.pool and r.healthy) for pool in status.pools}
+    return {pool.pool: (healthy[pool.pool], pool.num_replicas, pool.target_replicas) for pool in status.pools}
+
+
+@pytest.fixture
+def ray_temp_dir():
+    """A short temp dir of this cluster's own (Ray's socket paths must stay under 108 characters)."""
+    path = tempfile.mkdtemp(prefix="ssray-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_head_and_one_worker_per_pool_serve_then_drain_and_stop(tiny_llama_dir, ray_temp_dir):
+    from router.client import SplitServeClient
+
+    ray_port, grpc_port = free_port(), free_port()
+    address = f"127.0.0.1:{ray_port}"
+    head_ray_args = ray_start_args(
+        f"--temp-dir {ray_temp_dir}", f"--ray-client-server-port {free_port()}", f"--dashboard-port {free_port()}", "--include-dashboard false"
+    )
+    head = Role("head", [
+        "head", "--ray-port", str(ray_port), "--node-ip-address", "127.0.0.1", "--ray-start-args", head_ray_args,
+        "--port", str(grpc_port), "--model", str(tiny_llama_dir), "--kv-dtype", "fp32", "--num-kv-blocks", "64", "--max-model-len", "256",
+        "--controller-health-check-interval-s", "0.5", "--worker-refresh-interval-s", "0.2",
+    ])
+    roles = [head]
+    every_process: list[psutil.Process] = []
+    client = SplitServeClient(f"127.0.0.1:{grpc_port}")
+    try:
+        head.wait_for(f"serving gRPC on 127.0.0.1:{grpc_port}", timeout_s=120)
+        # No worker node yet: both pools are empty, and a request says why it cannot be served.
+        assert _pools(client) == {"prefill": (0, 0, 0), "decode": (0, 0, 0)}
+        with pytest.raises(grpc.RpcError) as refused:
+            list(client.generate("hello", max_tokens=4))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "no live decode worker" in refused.value.details()
+
+        worker_args = ["--address", address, "--num-cpus", "1", "--node-ip-address", "127.0.0.1"]
+        decode = Role("decode worker", ["worker", "--pool", "decode", "--drain-timeout-s", "60", *worker_args, "--ray-start-args", ray_start_args()])
+        prefill = Role("prefill worker", ["worker", "--pool", "prefill", *worker_args, "--ray-start-args", ray_start_args()])
+        roles += [decode, prefill]
+        decode_node = decode.wait_for("with one decode slot", timeout_s=120).split(" node ")[1].split()[0]
+        prefill.wait_for("with one prefill slot", timeout_s=120)
+        wait_until(lambda: _pools(client) == {"prefill": (1, 1, 1), "decode": (1, 1, 1)}, timeout_s=120, interval_s=0.25)
+
+        # Disaggregated across the nodes: the prompt prefilled on the prefill node, its KV handed
+        # off to the decode node. (The router's view of the pools trails the controller's by a
+        # refresh, so the first calls may find no decode replica yet or prefill locally.)
+        responses = wait_until(lambda: _disaggregated_answer(client), timeout_s=60, interval_s=0.2)
+        assert sum(len(r.token_ids) for r in responses) == 6
+        assert responses[-1].timings.kv_handoff_s > 0
+
+        every_process = [p for role in roles for p in role.tree()]
+        assert len(every_process) >= 9  # 3 entrypoints, 3 `ray start`s, their daemons and 2 replicas
+
+        # SIGTERM to the decode worker: its replica is drained through the controller and the
+        # pool goes to 0 (nothing replaces it on the head or the prefill node); the worker exits 0.
+        assert decode.stop(timeout_s=90) == 0
+        lines = decode.drain_output()
+        assert any(f"draining node {decode_node}" in line for line in lines)
+        assert any("drained decode-0" in line for line in lines)
+        assert _pools(client)["decode"] == (0, 0, 0)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(client.generate("hello", max_tokens=4))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        assert prefill.stop(timeout_s=90) == 0
+        assert any("drained prefill-0" in line for line in prefill.drain_output())
+        assert _pools(client)["prefill"] == (0, 0, 0)
+
+        assert head.stop(timeout_s=90) == 0
+        head.wait_for("splitserve: stopped", timeout_s=5)
+        _, alive = psutil.wait_procs(every_process, timeout=30)
+        assert alive == [], f"left running: {[(p.pid, p.name()) for p in alive]}"
+    finally:
+        client.close()
+        _kill_all([p for role in roles for p in role.tree()] + every_process)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if ray_temp_dir in " ".join(p.info["cmdline"] or ())]
+    current = Path(tempfile.gettempdir(), "ray", "ray_current_cluster")  # what ray.init(address="auto") reads
+    assert not (current.exists() and current.read_text().strip() == address)
+
+
+def _disaggregated_answer(client):
+    """The responses to a 40-token prompt (whole 16-token blocks to hand off) if a prefill
+    replica computed it; None if the decode replica did, or the router knows no decode replica yet."""
+    try:
+        responses = list(client.generate([(7 * i) % 400 + 20 for i in range(40)], max_tokens=6, ignore_eos=True))
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            return None
+        raise
+    return responses if responses[-1].timings.prefill_steps == 0 else None
