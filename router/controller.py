@@ -36,17 +36,15 @@ import itertools
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 import ray
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from proto import splitserve_pb2 as pb
 from router import placement
+from router.cluster_map import ClusterMap, MapReplica, PoolState, ReplicaCollector
 from router.controller_config import CONTROLLER_NAME, NAMESPACE, POOLS, ControllerConfig, ReplicaSpec, pool_resource
 from router.node_slots import alive_node_ids, node_slots, slots_to_fill
 
@@ -54,78 +52,11 @@ __all__ = ["CONTROLLER_NAME", "NAMESPACE", "POOLS", "ClusterController", "Contro
 
 logger = logging.getLogger(__name__)
 
+_ReplicaCollector, _State = ReplicaCollector, ClusterMap
+"""The names these had here before router/cluster_map.py (tests/unit/deploy reads the exported metrics through them)."""
+
 _DRAIN_POLL_S = 0.2
 """How often drain_node looks whether its node is empty yet."""
-
-
-@dataclass
-class _Replica:
-    handle: object
-    model: pb.ModelInfo
-    status: pb.ReplicaStatus
-    started_s: float
-    """``time.monotonic`` when it joined the map."""
-    failed_checks: int = 0
-    placement_group: object = None
-    """The placement group of a tensor-parallel replica's ranks; removed with the replica."""
-    draining: bool = False
-    """Being removed: it takes no new request (routers see ``status.draining``) and is removed when idle."""
-    node_id: str = ""
-    """The Ray node it runs on (its leader's, for a replica of several ranks)."""
-
-
-@dataclass
-class _Pool:
-    """What the controller keeps a pool at, and its history of replacements."""
-
-    spec: ReplicaSpec | None = None
-    """How its replicas start; None until the first replica of the pool is asked for."""
-    target: int = 0
-    num_starting: int = 0
-    num_restarts: int = 0
-    num_failed_starts: int = 0
-    num_young_failures: int = 0
-    """Replacements in a row that failed to start or died before ``stable_after_s``."""
-    next_start_s: float = 0.0
-    """``time.monotonic`` before which no replacement starts (the backoff)."""
-    last_failure: str = ""
-
-
-@dataclass
-class _State:
-    replicas: dict[str, _Replica] = field(default_factory=dict)
-    pools: dict[str, _Pool] = field(default_factory=lambda: {pool: _Pool() for pool in POOLS})
-    routers: dict[str, pb.RouterStatus] = field(default_factory=dict)
-    kv_endpoints: dict[str, tuple] = field(default_factory=dict)
-    """Decode replica id -> its ranks' KV endpoints (transport metadata included), as the worker published them."""
-
-    def members(self, pool: str) -> list[str]:
-        """Ids of the replicas of ``pool`` in the map, oldest first."""
-        return [rid for rid, r in self.replicas.items() if r.status.pool == pool]
-
-
-class _ReplicaCollector(Collector):
-    """Replicas per pool and health, read from the cluster map at scrape time."""
-
-    def __init__(self, state: _State) -> None:
-        self._state = state
-
-    def collect(self):
-        gauge = GaugeMetricFamily("splitserve_replicas", "Worker replicas in the cluster map.", labels=["pool", "healthy"])
-        target = GaugeMetricFamily("splitserve_pool_target_replicas", "Replicas the controller keeps each pool at.", labels=["pool"])
-        starting = GaugeMetricFamily("splitserve_pool_starting_replicas", "Replacements being started.", labels=["pool"])
-        restarts = CounterMetricFamily("splitserve_replica_restarts", "Replacements started for replicas that died.", labels=["pool"])
-        failed = CounterMetricFamily("splitserve_replica_failed_starts", "Replacements that failed to start.", labels=["pool"])
-        for pool in POOLS:
-            for healthy in (True, False):
-                count = sum(1 for r in self._state.replicas.values() if r.status.pool == pool and r.status.healthy == healthy)
-                gauge.add_metric([pool, str(healthy).lower()], count)
-            state = self._state.pools[pool]
-            target.add_metric([pool], state.target)
-            starting.add_metric([pool], state.num_starting)
-            restarts.add_metric([pool], state.num_restarts)
-            failed.add_metric([pool], state.num_failed_starts)
-        yield from (gauge, target, starting, restarts, failed)
 
 
 def _reason(error: Exception) -> str:
@@ -141,7 +72,7 @@ class ClusterController:
 
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
-        self._state = _State()
+        self._state = ClusterMap()
         self._ids = {pool: itertools.count() for pool in POOLS}
         self._health_task: asyncio.Task | None = None
         self._replacements: set[asyncio.Task] = set()
@@ -151,7 +82,7 @@ class ClusterController:
         self._starting_on: Counter[tuple[str, str]] = Counter()
         """(pool, node id) -> replicas being started there by the node follower."""
         registry = CollectorRegistry()
-        registry.register(_ReplicaCollector(self._state))
+        registry.register(ReplicaCollector(self._state))
         server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
         self.metrics_url = f"http://{config.metrics_host}:{server.server_port}/metrics"
 
@@ -266,11 +197,11 @@ class ClusterController:
             used = Counter(self._state.replicas[rid].node_id for rid in self._state.members(name))
             used.update({nid: n for (p, nid), n in self._starting_on.items() if p == name})
             for node_id in slots_to_fill(slots, used):
+                self._starting_on[(name, node_id)] += 1  # counted now: the next round must not start it again
                 self._spawn(self._start_on(pool, node_id))
 
-    async def _start_on(self, pool: _Pool, node_id: str) -> None:
+    async def _start_on(self, pool: PoolState, node_id: str) -> None:
         key = (pool.spec.pool, node_id)
-        self._starting_on[key] += 1
         try:
             status = await self._start(pool.spec, node_id)
             logger.info("controller: replica %s started on node %s", status.replica_id, node_id)
@@ -281,7 +212,7 @@ class ClusterController:
             if not self._starting_on[key]:
                 del self._starting_on[key]
 
-    async def _start_missing(self, pool: _Pool, spec: ReplicaSpec, missing: int) -> list[pb.ReplicaStatus]:
+    async def _start_missing(self, pool: PoolState, spec: ReplicaSpec, missing: int) -> list[pb.ReplicaStatus]:
         """Start ``missing`` replicas at once (none when it is 0 or less); their statuses. If one
         fails, the pool stays short: the failure is counted and replacements follow after the backoff."""
         try:
@@ -362,7 +293,7 @@ class ClusterController:
             node_id = node_id or await handle.__ray_call__.remote(placement.actor_node_id)
             async with self._introducing:  # one at a time: each sees every replica introduced before it
                 await self._introduce(replica_id, spec.pool, handle)
-                replica = _Replica(handle, model, status, time.monotonic(), placement_group=group, node_id=node_id)
+                replica = MapReplica(handle, model, status, time.monotonic(), placement_group=group, node_id=node_id)
                 self._state.replicas[replica_id] = replica  # routers may pick it from now on
         except BaseException:
             self._state.kv_endpoints.pop(replica_id, None)
@@ -429,14 +360,14 @@ class ClusterController:
         await self._remove(replica_id)
         self._heal()
 
-    def _failed_start(self, pool: _Pool, error: Exception) -> None:
+    def _failed_start(self, pool: PoolState, error: Exception) -> None:
         pool.num_failed_starts += 1
         pool.last_failure = f"start failed: {_reason(error)}"
         self._back_off(pool)
         logger.warning("controller: a replica of pool %s failed to start (%s); next try in %.1f s",
                        pool.spec.pool, pool.last_failure, pool.next_start_s - time.monotonic())
 
-    def _back_off(self, pool: _Pool) -> None:
+    def _back_off(self, pool: PoolState) -> None:
         pool.num_young_failures += 1
         delay = min(self.config.max_restart_backoff_s, self.config.restart_backoff_s * 2 ** (pool.num_young_failures - 1))
         pool.next_start_s = time.monotonic() + delay
@@ -453,7 +384,7 @@ class ClusterController:
             for _ in range(pool.target - len(self._state.members(name)) - pool.num_starting):
                 self._spawn(self._replace(pool))
 
-    async def _replace(self, pool: _Pool) -> None:
+    async def _replace(self, pool: PoolState) -> None:
         try:
             status = await self._start(pool.spec)
         except Exception as e:  # a replacement that cannot start is retried after the backoff
