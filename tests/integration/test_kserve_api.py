@@ -29,7 +29,7 @@ SAMPLING = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_llama_dir):
     config = ClusterConfig(
-        engine=EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=64, max_num_seqs=8, max_model_len=256),
+        engine=EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=64, max_num_seqs=8, max_model_len=512),
         worker=WorkerConfig(max_waiting_requests=8),
         router=RouterConfig(port=0, http_port=0, worker_refresh_interval_s=0.1),
     )
@@ -165,7 +165,7 @@ def test_a_cancelled_grpc_stream_frees_its_blocks(cluster, model, ours):
     client = grpcclient.InferenceServerClient(cluster.router_status.grpc_address)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(model, llm_inputs(grpcclient, PROMPT, True, {"max_tokens": 200, "ignore_eos": True}))
+    client.async_stream_infer(model, llm_inputs(grpcclient, PROMPT, True, {"max_tokens": 450, "ignore_eos": True}))
     assert results.get(timeout=30)[1] is None
     client.stop_stream(cancel_requests=True)
     after = wait_until(idle)

@@ -21,12 +21,14 @@ from tests.unit.engine.helpers import random_prompts
 pytestmark = pytest.mark.integration
 
 NUM_BLOCKS = 64
+LONG_MAX_TOKENS = 450
+"""Seconds of decoding on the tiny model: long enough to be cut short (as test_generate_api's LONG)."""
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_llama_dir):
     config = ClusterConfig(
-        engine=EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=NUM_BLOCKS, max_num_seqs=8, max_model_len=256),
+        engine=EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=NUM_BLOCKS, max_num_seqs=8, max_model_len=512),
         worker=WorkerConfig(max_waiting_requests=8),
         router=RouterConfig(port=0, http_port=0, worker_refresh_interval_s=0.1),
     )
@@ -132,8 +134,8 @@ def test_errors_have_the_openai_shape_and_the_server_keeps_serving(sdk, base_url
         sdk.completions.create(model=model, prompt="hi", max_tokens=0)
     assert e.value.body["message"] == "max_tokens: must be in [1, 2147483647], got 0"
     with pytest.raises(openai.BadRequestError) as e:
-        sdk.completions.create(model=model, prompt="x " * 400, max_tokens=1)  # past max_model_len: the engine refuses it
-    assert e.value.body["param"] == "prompt" and "do not fit the context of 256 tokens" in e.value.body["message"]
+        sdk.completions.create(model=model, prompt="x " * 800, max_tokens=1)  # past max_model_len: the engine refuses it
+    assert e.value.body["param"] == "prompt" and "do not fit the context of 512 tokens" in e.value.body["message"]
     for body, message in [
         (b"{not json", "request body: not valid JSON"),
         (json.dumps({"model": model}).encode(), "messages: required"),
@@ -150,7 +152,7 @@ def test_errors_have_the_openai_shape_and_the_server_keeps_serving(sdk, base_url
 def test_a_dropped_stream_frees_its_blocks(base_url, grpc_client, model):
     wait_until(lambda: pool_is_idle(grpc_client))
     [before] = grpc_client.cluster_status().replicas
-    body = {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 200, "stream": True, "ignore_eos": True}
+    body = {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": LONG_MAX_TOKENS, "stream": True, "ignore_eos": True}
     with requests.post(f"{base_url}/v1/chat/completions", json=body, stream=True) as reply:
         lines = reply.iter_lines()
         assert next(line for line in lines if line).startswith(b"data: ")
@@ -185,3 +187,14 @@ def test_bench_clients_exits_2_when_no_cluster_is_up(capsys):
 
     assert run("clients", main, ["--address", "127.0.0.1:1", "--http-address", "127.0.0.1:1", "--drivers", "grpc"]) == 2
     assert "bench.clients: no splitserve router answers gRPC at 127.0.0.1:1" in capsys.readouterr().err
+
+
+def test_a_client_that_gives_up_on_a_whole_completion_frees_its_blocks(base_url, grpc_client, model):
+    wait_until(lambda: pool_is_idle(grpc_client))
+    [before] = grpc_client.cluster_status().replicas
+    body = {"model": model, "prompt": "Count:", "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True}
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{base_url}/v1/completions", json=body, timeout=(5, 0.3))  # gives up (and closes) seconds before its last token
+    wait_until(lambda: pool_is_idle(grpc_client))
+    [after] = grpc_client.cluster_status().replicas
+    assert after.num_aborted_requests == before.num_aborted_requests + 1
