@@ -256,7 +256,9 @@ def _run_up(args: argparse.Namespace) -> int:
 
 
 def _run_head(args: argparse.Namespace) -> int:
-    from router.ray_node import HeadNodeConfig, RayNode, RayNodeError, split_ray_start_args
+    from dataclasses import replace
+
+    from router.ray_node import HeadNodeConfig, RayNode, RayNodeError, check_port_free, split_ray_start_args
 
     try:
         head = HeadNodeConfig(ray_port=args.ray_port, node_ip_address=args.node_ip_address, ray_start_args=split_ray_start_args(args.ray_start_args))
@@ -265,11 +267,14 @@ def _run_head(args: argparse.Namespace) -> int:
         print(f"splitserve head: {e}", file=sys.stderr)
         return EXIT_USAGE
     _restart_with_ray_tls("head", config)
-    stop = stop_on_signals(threading.Event())
-    from dataclasses import replace
-
+    try:
+        check_port_free(head.ray_port)
+    except RayNodeError as e:
+        print(f"splitserve head: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     import ray
 
+    stop = stop_on_signals(threading.Event())
     node_ip = head.node_ip_address or ray.util.get_node_ip_address()
     node = RayNode(head.command(node_ip), on_exit=stop.set)
     try:

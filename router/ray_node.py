@@ -136,6 +136,17 @@ def split_ray_start_args(text: str) -> tuple[str, ...]:
     return tuple(shlex.split(text))
 
 
+def check_port_free(port: int) -> None:
+    """RayNodeError unless ``port`` can be bound on every interface, as Ray's GCS will bind it
+    (``ray start`` would otherwise fail after a minute of retries with a less direct message)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            raise RayNodeError(f"ray_port: {port} is in use on this host ({(e.strerror or str(e)).lower()})") from None
+
+
 def stop_on_signals(stop: threading.Event) -> threading.Event:
     """Make SIGINT and SIGTERM (Ctrl-C, Kubernetes stopping the pod) set ``stop``; returns it.
     Call it again after ``ray.init``: Ray installs its own SIGTERM handler there, which ends
@@ -183,10 +194,6 @@ class RayNode:
     def returncode(self) -> int | None:
         return self._process.returncode if self._process is not None and self._ended.is_set() else None
 
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
     def start(self, timeout_s: float) -> None:
         """Run ``ray start`` and wait until its node is up; RayNodeError if it exits or takes longer."""
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}  # a head or worker is one node of many
@@ -230,9 +237,13 @@ class RayNode:
             self._on_exit()
 
     def _failure_line(self) -> str:
+        """The line of ``ray start``'s last output that best says what went wrong."""
         lines = list(self._last_lines)
-        errors = [line for line in lines if "error" in line.lower() or "PANIC" in line]
-        return (errors or lines or ["no output"])[-1]
+        for marker in ("Error:", "Exception:", "PANIC", "Check failed"):
+            matching = [line for line in lines if marker in line]
+            if matching:
+                return matching[-1]
+        return (lines or ["no output"])[-1]
 
 
 def node_id_named(node_name: str, timeout_s: float = 30.0) -> str:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import re
 import shlex
+import socket
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,13 @@ def test_head_refuses_a_bad_option_before_starting_ray(capsys):
     assert capsys.readouterr().err.startswith("splitserve head: kv_dtype: 'int3' is not one of")
     assert cli.main(["head", "--ray-start-args", "--port 1234"]) == cli.EXIT_USAGE
     assert capsys.readouterr().err == "splitserve head: ray_start_args: --port is set by splitserve itself; use its own option\n"
+
+
+def test_a_ray_port_in_use_is_named_before_ray_starts(capsys):
+    port = free_port()
+    with socket.create_server(("127.0.0.1", port)):
+        assert cli.main(["head", "--ray-port", str(port)]) == cli.EXIT_UNAVAILABLE
+    assert capsys.readouterr().err == f"splitserve head: ray_port: {port} is in use on this host (address already in use)\n"
 
 
 def test_a_cluster_that_follows_the_nodes_takes_no_pool_sizes():
