@@ -172,6 +172,56 @@ def test_a_controller_refuses_the_other_way_of_sizing_its_pools():
     assert asyncio.run(following.drain_node("no-such-node", timeout_s=1.0)) == []  # nothing there: done at once
 
 
+def test_a_follow_round_fills_each_free_slot_on_its_node_and_forgets_replicas_of_gone_nodes(monkeypatch):
+    """The controller's rounds over ray.nodes(), its starts recorded instead of run (a start needs
+    a worker actor: tests/integration/test_entrypoints.py starts them for real)."""
+    import ray
+
+    from proto import splitserve_pb2 as pb
+    from router.cluster_map import MapReplica
+    from router.controller import ReplicaSpec
+
+    controller = ClusterController(ControllerConfig(follow_nodes=True))
+    started, removed = [], []
+
+    def join(replica_id: str, pool: str, node_id: str) -> None:
+        status = pb.ReplicaStatus(replica_id=replica_id, pool=pool, healthy=True)
+        controller._state.replicas[replica_id] = MapReplica(None, pb.ModelInfo(), status, 0.0, node_id=node_id)
+
+    async def record_start(spec, node_id=None):
+        started.append((spec.pool, node_id))
+        join(f"{spec.pool}-{len(started)}", spec.pool, node_id)
+        return controller._state.replicas[f"{spec.pool}-{len(started)}"].status
+
+    async def record_remove(replica_id):
+        removed.append(replica_id)
+        return controller._state.replicas.pop(replica_id, None) is not None
+
+    monkeypatch.setattr(controller, "_start", record_start)
+    monkeypatch.setattr(controller, "_remove", record_remove)
+    monkeypatch.setattr(ray, "nodes", lambda: NODES)
+    join("decode-0", "decode", "decode-a")
+    join("decode-9", "decode", "decode-gone")
+
+    async def rounds():
+        assert await controller.drain_node("decode-b", timeout_s=1.0) == []  # its pod is stopping before anything ran there
+        await controller.follow_nodes([ReplicaSpec("decode", "m:Decode", ()), ReplicaSpec("prefill", "m:Prefill", ())])
+        await asyncio.sleep(0)  # the starts it spawned run
+        first = (list(started), list(removed), {p: controller._state.pools[p].target for p in ("prefill", "decode")})
+        await controller._follow_nodes_once()
+        await asyncio.sleep(0)
+        await controller.shutdown()
+        return first
+
+    first = asyncio.run(rounds())
+    assert first == (
+        [("prefill", "prefill-a")],  # decode-a's slot holds decode-0; decode-b's two slots are draining
+        ["decode-9"],  # its node is not among the alive ones
+        {"prefill": 1, "decode": 1},
+    )
+    assert started == [("prefill", "prefill-a")]  # the next round finds every slot filled
+
+
 def _dockerfile_instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined, comments dropped."""
     text = re.sub(r"\\\n", " ", (DOCKER / "Dockerfile").read_text())
