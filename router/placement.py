@@ -5,7 +5,9 @@ a node: a STRICT_PACK placement group of N bundles, the leader in bundle 0 (with
 own CPUs and its pool's slot) and follower rank r in bundle r (``tp_rank_cpus`` each, or one
 GPU each where the replica runs on GPUs). Before asking Ray for it, the controller checks that
 some node could hold it at all, so an impossible size fails at once with a sentence saying what
-is needed and what exists, instead of a placement group that waits forever.
+is needed and what exists, instead of a placement group that waits forever. When the controller
+follows the nodes (Kubernetes), the group is pinned to one node by the ``ray.io/node-id`` label
+Ray gives every node.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ async def reserve(what: str, wanted: list[dict[str, float]], timeout_s: float, n
     the resources)."""
     nodes = await asyncio.to_thread(ray.nodes)
     if node_id is not None:
-        what, nodes = f"{what} on node {node_id}", [n for n in nodes if n["NodeID"] == node_id]
+        what, nodes = f"{what} on node {node_id}", [n for n in nodes if n["NodeID"] == node_id and n.get("Alive")]
+        if not nodes:
+            raise PlacementError(f"{what}: no such alive Ray node")
     check_fits(what, wanted, nodes)
     selector = [{NODE_ID_LABEL: node_id} for _ in wanted] if node_id is not None else None
     group = placement_group(wanted, strategy="STRICT_PACK", bundle_label_selector=selector)

@@ -193,3 +193,28 @@ def _disaggregated_answer(client):
             return None
         raise
     return responses if responses[-1].timings.prefill_steps == 0 else None
+
+
+def test_a_replica_of_several_ranks_is_placed_on_the_node_it_is_pinned_to(ray_session):
+    """What the controller does for a TP replica in a slot: a STRICT_PACK group whose bundles
+    select the slot's node by its ``ray.io/node-id`` label; a node that is not there is refused
+    at once, by name."""
+    import asyncio
+
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    from router import placement
+    from router.errors import PlacementError
+
+    node_id = ray.get_runtime_context().get_node_id()
+    wanted = placement.bundles(2, 1.0, 1.0, "splitserve_prefill")
+    group = asyncio.run(placement.reserve("a TP 2 prefill replica", wanted, 30.0, node_id))
+    try:
+        assert set(placement_group_table(group)["bundles_to_node_id"].values()) == {node_id}
+    finally:
+        placement.release(group)
+    with pytest.raises(PlacementError, match="^a TP 2 prefill replica on node f{56}: no such alive Ray node$"):
+        asyncio.run(placement.reserve("a TP 2 prefill replica", wanted, 30.0, "f" * 56))
+    with pytest.raises(PlacementError, match=f"^a TP 2 prefill replica on node {node_id} needs 2 CPU, 1 splitserve_prefill, 1 GPU on one node"):
+        asyncio.run(placement.reserve("a TP 2 prefill replica", placement.bundles(2, 1.0, 1.0, "splitserve_prefill", 0.5), 30.0, node_id))
