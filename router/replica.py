@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
@@ -34,6 +33,12 @@ from router.workers import Replica, WorkerDirectory, worker_load
 logger = logging.getLogger(__name__)
 
 
+def _advertised(bind_host: str) -> str:
+    """The address others reach a server bound to ``bind_host`` at: the node's IP (a pod's IP on
+    Kubernetes) for a wildcard bind, which is no address to dial (the planner would scrape itself)."""
+    return ray.util.get_node_ip_address() if bind_host in ("0.0.0.0", "::", "") else bind_host
+
+
 class RouterReplica:
     """One router: gRPC server, worker directory, metrics endpoint."""
 
@@ -53,7 +58,7 @@ class RouterReplica:
         self.channels = WorkerChannels(router_id, config.cluster_tls)
         self._generation = GenerationService(config, self.directory, self.metrics, self.policy, self.channels)
         metrics_server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=self.metrics.registry)
-        self.metrics_url = f"http://{config.metrics_host}:{metrics_server.server_port}/metrics"
+        self.metrics_url = f"http://{_advertised(config.metrics_host)}:{metrics_server.server_port}/metrics"
 
     async def start(self) -> pb.RouterStatus:
         """Fetch the worker map, start serving, register with the controller."""
@@ -85,10 +90,9 @@ class RouterReplica:
         await self._controller.unregister_router.remote(self.router_id)
 
     def _status(self) -> pb.RouterStatus:
-        host = self.config.host if self.config.host not in ("0.0.0.0", "::") else socket.gethostname()
         return pb.RouterStatus(
             router_id=self.router_id,
-            grpc_address=f"{host}:{self._server.port}" if self._server else "",
+            grpc_address=f"{_advertised(self.config.host)}:{self._server.port}" if self._server else "",
             num_inflight=self._generation.num_inflight,
             metrics_url=self.metrics_url,
         )
@@ -118,8 +122,7 @@ class RouterReplica:
         """``host:port`` of the HTTP API ("" when ``http_port`` is None)."""
         if self._http is None:
             return ""
-        host = self.config.host if self.config.host not in ("0.0.0.0", "::") else socket.gethostname()
-        return f"{host}:{self._http.port}"
+        return f"{_advertised(self.config.host)}:{self._http.port}"
 
     async def channel_stats(self) -> ChannelStats:
         """How many batches and events this router's worker channels carried."""

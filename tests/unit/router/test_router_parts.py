@@ -126,3 +126,14 @@ def test_cli_options_come_from_the_config_dataclasses():
     assert dataclass_from_args(WorkerConfig, args, prefix="worker").metrics_port == 9100
     assert "Tokens per KV block." in parser.format_help()
     assert field_docs(EngineConfig)["kv_dtype"].startswith("KV pool storage")
+
+
+def test_a_wildcard_bind_is_advertised_as_the_nodes_address():
+    """A router bound to 0.0.0.0 (a pod) reports an address others can dial, not the wildcard."""
+    import ray
+
+    from router.replica import _advertised
+
+    assert _advertised("127.0.0.1") == "127.0.0.1"
+    for wildcard in ("0.0.0.0", "::"):
+        assert _advertised(wildcard) == ray.util.get_node_ip_address() not in ("0.0.0.0", "::", "")
