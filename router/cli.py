@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from router.ray_node import stop_on_signals
+from router.ray_node import HeadNodeConfig, WorkerNodeConfig, stop_on_signals
 
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
@@ -135,7 +135,7 @@ def _add_up(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_head(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ray-port", type=int, default=6379, help="port of Ray's GCS, which worker nodes join (default: %(default)s)")
+    parser.add_argument("--ray-port", type=int, default=HeadNodeConfig.ray_port, help="port of Ray's GCS, which worker nodes join (default: %(default)s)")
     parser.add_argument("--node-ip-address", default=None, help="IP address this Ray node advertises, e.g. the pod's (default: the one Ray picks)")
     parser.add_argument(
         "--ray-start-args", default="",
@@ -151,11 +151,11 @@ def _add_worker(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs this node offers Ray (default: what Ray detects)")
     parser.add_argument("--num-gpus", type=int, default=None, help="GPUs this node offers Ray (default: what Ray detects)")
     parser.add_argument(
-        "--drain-timeout-s", type=float, default=300.0,
+        "--drain-timeout-s", type=float, default=WorkerNodeConfig.drain_timeout_s,
         help="on SIGTERM, how long the node's replica may take to finish its running requests (default: %(default)s)",
     )
     parser.add_argument(
-        "--connect-timeout-s", type=float, default=60.0, help="how long to wait for the head to accept connections (default: %(default)s)"
+        "--connect-timeout-s", type=float, default=WorkerNodeConfig.connect_timeout_s, help="how long to wait for the head to accept connections (default: %(default)s)"
     )
     parser.add_argument("--node-ip-address", default=None, help="IP address this Ray node advertises, e.g. the pod's (default: the one Ray picks)")
     parser.add_argument("--ray-start-args", default="", help="further `ray start` options as one string")
@@ -258,7 +258,7 @@ def _run_up(args: argparse.Namespace) -> int:
 def _run_head(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from router.ray_node import HeadNodeConfig, RayNode, RayNodeError, check_port_free, split_ray_start_args
+    from router.ray_node import RayNode, RayNodeError, check_port_free, split_ray_start_args
 
     try:
         head = HeadNodeConfig(ray_port=args.ray_port, node_ip_address=args.node_ip_address, ray_start_args=split_ray_start_args(args.ray_start_args))
@@ -326,7 +326,7 @@ def _serve(command: str, config, stop: threading.Event) -> int:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from router.ray_node import RayNodeError, WorkerNodeConfig, run_worker, split_ray_start_args
+    from router.ray_node import RayNodeError, run_worker, split_ray_start_args
 
     try:
         config = WorkerNodeConfig(
