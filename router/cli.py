@@ -286,7 +286,7 @@ def _run_head(args: argparse.Namespace) -> int:
         config = replace(config, ray_address=f"{node_ip}:{head.ray_port}")
         print(f"splitserve: Ray head on {config.ray_address}; starting the controller and router-0 for {config.engine.model}; "
               "each worker node that joins gets a replica of its pool", flush=True)
-        code = _serve("head", config, stop)
+        code = _serve("head", config, stop, ray_alive=lambda: node.returncode is None)
         ended_by_itself = node.returncode
     finally:
         node.stop()
@@ -296,8 +296,9 @@ def _run_head(args: argparse.Namespace) -> int:
     return code
 
 
-def _serve(command: str, config, stop: threading.Event) -> int:
-    """Start the cluster of ``config``, serve until ``stop`` is set, then stop it."""
+def _serve(command: str, config, stop: threading.Event, ray_alive=lambda: True) -> int:
+    """Start the cluster of ``config``, serve until ``stop`` is set, then stop it (unless
+    ``ray_alive()`` says Ray itself is gone: calls to its actors would wait forever)."""
     from ray.exceptions import RayTaskError
 
     from router.errors import cause_line
@@ -317,7 +318,8 @@ def _serve(command: str, config, stop: threading.Event) -> int:
         stop.wait()
         print("splitserve: shutting down", flush=True)
     finally:
-        cluster.stop()
+        if ray_alive():
+            cluster.stop()
         import ray
 
         ray.shutdown()
