@@ -38,6 +38,10 @@ class LoadForecast:
         return self.output_tokens_per_s / self.request_rate if self.request_rate > 0 else 0.0
 
 
+MAX_GROWTH = math.log(2.0)
+"""The fastest growth a trend may project: a doubling per interval (a step up is not a trend)."""
+
+
 class _Holt:
     """Holt's level and trend on log(1 + rate): the trend is a growth factor per interval."""
 
@@ -58,7 +62,7 @@ class _Holt:
     def forecast(self, horizon: float) -> float:
         if self.level is None:
             return 0.0
-        return math.expm1(self.level + horizon * max(0.0, self.trend))
+        return math.expm1(self.level + horizon * min(MAX_GROWTH, max(0.0, self.trend)))
 
 
 class LoadPredictor:

@@ -67,11 +67,13 @@ def test_long_outputs_grow_decode_only():
     p = planner()
     steady(p, 5, (1, 1))
     first = p.decide(observe(1300, 5, output_tokens=1000), pools(1, 1))
-    assert first.targets["prefill"] == 1 and first.targets["decode"] >= 6  # most of the 7 it needs, at once
+    # A 20x step reads as growth (capped at a doubling per interval): decode grows past the 7 it needs.
+    assert first.targets["prefill"] == 1 and first.targets["decode"] >= 7
     decision = steady(p, 5, (1, first.targets["decode"]), times=settle(1330), output_tokens=1000)
     assert decision.needed == {"prefill": 1, "decode": 7}  # 5,000 tokens/s over 780
-    assert dict(decision.targets) == {"prefill": 1, "decode": 9}  # shrinking to 7 needs 6.41 / 0.8 -> 9
-    assert decision.needed == {"prefill": 1, "decode": 7}
+    # The margin keeps it above what it needs: shrinking to 7 needs 6.41 / 0.8 -> 9 (8 while the
+    # level was still rising toward 5,000 when the cooldown ended).
+    assert decision.targets["prefill"] == 1 and 7 < decision.targets["decode"] <= 9
 
 
 def test_hysteresis_and_cooldown_hold_a_pool_until_the_lower_count_is_comfortably_enough():

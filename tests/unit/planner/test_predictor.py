@@ -46,3 +46,11 @@ def test_a_fall_keeps_the_level():
     predictor.observe(99.0, 0.0, 0.0)
     predictor.observe(9.0, 0.0, 0.0)
     assert predictor.forecast().request_rate == pytest.approx(math.sqrt(1000.0) - 1)  # level only, falling trend ignored
+
+
+def test_a_step_up_projects_at_most_a_doubling_per_interval():
+    predictor = LoadPredictor(alpha=0.5, beta=0.5, horizon=3)
+    predictor.observe(49.0, 0.0, 0.0)
+    predictor.observe(9999.0, 0.0, 0.0)
+    # level: the geometric mean of 50 and 10,000 (on 1 + rate); the 14x growth is capped at 2x per interval
+    assert predictor.forecast().request_rate == pytest.approx(math.sqrt(50 * 10_000) * 2**3 - 1)
