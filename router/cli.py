@@ -171,6 +171,10 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     from router.config import RouterConfig
     from router.controller import ControllerConfig
 
+    parser.add_argument(
+        "--routers", type=int, default=1,
+        help="router replicas, router-i on --port + i (and metrics/HTTP ports + i); all route alike from the same KV events (default: %(default)s)",
+    )
     parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks of each prefill replica (default: %(default)s)")
     parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of each decode replica (default: %(default)s)")
     parser.add_argument(
@@ -224,6 +228,7 @@ def _cluster_config(args: argparse.Namespace, **fields):
         prefill_tp_size=args.prefill_tp,
         decode_tp_size=args.decode_tp,
         decode_ep_size=args.decode_ep,
+        num_routers=args.routers,
         **fields,
     )
 
@@ -312,7 +317,8 @@ def _serve(command: str, config, stop: threading.Event, ray_alive=lambda: True) 
             print(f"splitserve {command}: {cause_line(e)}", file=sys.stderr)
             return EXIT_UNAVAILABLE
         stop_on_signals(stop)  # again: ray.init put its own SIGTERM handler in place of ours
-        print(f"splitserve: serving gRPC on {status.grpc_address} (metrics {status.metrics_url})", flush=True)
+        for router in cluster.router_statuses:
+            print(f"splitserve: {router.router_id} serving gRPC on {router.grpc_address} (metrics {router.metrics_url})", flush=True)
         tls_flag = " --tls-ca CA.pem" if config.router.tls else ""
         print(f"try: splitserve generate --addr {status.grpc_address}{tls_flag} \"What is the capital of France?\"", flush=True)
         stop.wait()

@@ -1,4 +1,4 @@
-"""Start a splitserve cluster on Ray: the controller, worker replicas and one router.
+"""Start a splitserve cluster on Ray: the controller, worker replicas and the routers.
 
 This is the composition root: the one place outside the workers that names worker code, and
 only by import path (``decode_worker.actor:DecodeWorker``, ``prefill_worker.actor:PrefillWorker``)
@@ -45,6 +45,10 @@ class ClusterConfig:
     """Decode replicas to start (0 when ``controller.follow_nodes`` sizes the pools)."""
     num_prefill: int = 0
     """Prefill replicas to start; 0 runs aggregated (decode replicas prefill their own requests)."""
+    num_routers: int = 1
+    """Router replicas: router-i listens on ``router.port + i`` (and metrics/HTTP ports + i) unless
+    a port is 0 (a free one each). Each follows every worker's KV events itself, so their prefix
+    indexes hold the same blocks and they route the same request alike."""
     ray_address: str | None = None
     """Join this Ray cluster; None starts a local one on 127.0.0.1."""
     decode_worker_class: str = DECODE_WORKER_CLASS
@@ -62,6 +66,11 @@ class ClusterConfig:
         if pool == "prefill":
             return replace(self.engine, tp_size=self.prefill_tp_size or self.engine.tp_size, ep_size=1)
         return replace(self.engine, tp_size=self.decode_tp_size or self.engine.tp_size, ep_size=self.decode_ep_size or self.engine.ep_size)
+
+    def router_config(self, index: int) -> RouterConfig:
+        """Router ``index``'s config: ``router`` with each fixed port moved up by ``index``."""
+        shifted = {name: getattr(self.router, name) + index for name in ("port", "metrics_port", "http_port") if getattr(self.router, name)}
+        return replace(self.router, **shifted)
 
     def replica_spec(self, pool: str) -> ReplicaSpec:
         """How the controller starts ``pool``'s replicas."""
@@ -81,6 +90,8 @@ class ClusterConfig:
             raise ValueError(
                 f"num_decode, num_prefill: must be 0 when controller.follow_nodes sizes the pools, got {self.num_decode}, {self.num_prefill}"
             )
+        if self.num_routers < 1:
+            raise ValueError(f"num_routers: must be >= 1, got {self.num_routers}")
         if self.num_decode < 1 and not self.controller.follow_nodes:
             raise ValueError(f"num_decode: must be >= 1, got {self.num_decode}")
         if self.num_prefill < 0:
@@ -136,17 +147,27 @@ def _this_node() -> NodeAffinitySchedulingStrategy:
 
 
 class Cluster:
-    """Handles on a running cluster's controller and router; ``stop`` tears down what it started."""
+    """Handles on a running cluster's controller and routers; ``stop`` tears down what it started."""
 
-    def __init__(self, config: ClusterConfig, router_id: str = "router-0") -> None:
+    def __init__(self, config: ClusterConfig) -> None:
         self.config = config
-        self.router_id = router_id
         self.controller = None
-        self.router = None
-        self.router_status: pb.RouterStatus | None = None
+        self.routers: list = []
+        """RouterReplica handles, router-0 first."""
+        self.router_statuses: list[pb.RouterStatus] = []
+
+    @property
+    def router(self):
+        """router-0's handle (None before ``start``)."""
+        return self.routers[0] if self.routers else None
+
+    @property
+    def router_status(self) -> pb.RouterStatus | None:
+        """router-0's status (None before ``start``)."""
+        return self.router_statuses[0] if self.router_statuses else None
 
     def start(self) -> pb.RouterStatus:
-        """Start the controller and the router on this process's Ray node, and the replicas:
+        """Start the controller and the routers on this process's Ray node, and the replicas:
         ``num_decode`` / ``num_prefill`` of them, started before this returns, or, when the
         controller follows the nodes, one per slot of the nodes that have joined, in the background."""
         init_ray(self.config.ray_address, self.config.router.cluster_tls)
@@ -160,8 +181,9 @@ class Cluster:
             ray.get(self.controller.follow_nodes.remote([decode, prefill]))
         else:
             ray.get([self.controller.set_pool.remote(decode, self.config.num_decode), self.controller.set_pool.remote(prefill, self.config.num_prefill)])
-        self.router = self.start_router(self.router_id, self.config.router)
-        self.router_status = ray.get(self.router.start.remote())
+        for i in range(self.config.num_routers):
+            self.routers.append(self.start_router(f"router-{i}", self.config.router_config(i)))
+        self.router_statuses = ray.get([router.start.remote() for router in self.routers])
         return self.router_status
 
     @staticmethod
@@ -174,11 +196,12 @@ class Cluster:
         )
 
     def stop(self) -> None:
-        """Stop the router and every replica, then the controller."""
-        if self.router is not None:
-            ray.get(self.router.stop.remote())
-            ray.kill(self.router)
-            self.router = None
+        """Stop the routers and every replica, then the controller."""
+        if self.routers:
+            ray.get([router.stop.remote() for router in self.routers])
+            for router in self.routers:
+                ray.kill(router)
+            self.routers, self.router_statuses = [], []
         if self.controller is not None:
             ray.get(self.controller.shutdown.remote())
             ray.kill(self.controller)

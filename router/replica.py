@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from prometheus_client import start_http_server
 
-from kv_store.events import EventGap
+from kv_store.events import EventGap, Tier
 from proto import splitserve_pb2 as pb
 from router.auth import read_token
 from router.config import RouterConfig
@@ -131,6 +131,11 @@ class RouterReplica:
     async def prefix_index_seq(self, worker_id: str) -> int:
         """The last KV event batch of ``worker_id`` this router applied (-1: not followed)."""
         return self.index.seq(worker_id) if worker_id in self.index.workers else -1
+
+    async def prefix_index_view(self) -> dict[str, tuple[int, ...]]:
+        """Per followed worker: the last KV event batch applied and its keys per tier (pool, CPU,
+        Redis). Routers fed the same event stream report the same view."""
+        return {w: (self.index.seq(w), *(self.index.num_keys(w, tier) for tier in Tier)) for w in self.index.workers}
 
     async def _follow_kv_events_forever(self) -> None:
         while True:

@@ -137,3 +137,14 @@ def test_a_wildcard_bind_is_advertised_as_the_nodes_address():
     assert _advertised("127.0.0.1") == "127.0.0.1"
     for wildcard in ("0.0.0.0", "::"):
         assert _advertised(wildcard) == ray.util.get_node_ip_address() not in ("0.0.0.0", "::", "")
+
+
+def test_router_i_listens_on_each_fixed_port_plus_i():
+    from router.config import RouterConfig
+    from router.launch import ClusterConfig
+
+    config = ClusterConfig(router=RouterConfig(port=50051, metrics_port=0, http_port=8000), num_routers=3)
+    assert [(c.port, c.metrics_port, c.http_port) for c in map(config.router_config, range(3))] == [(50051, 0, 8000), (50052, 0, 8001), (50053, 0, 8002)]
+    assert ClusterConfig(router=RouterConfig(port=0)).router_config(1).port == 0  # 0: a free port each
+    with pytest.raises(ValueError, match="num_routers: must be >= 1, got 0"):
+        ClusterConfig(num_routers=0)
