@@ -104,10 +104,18 @@ def test_redis_with_multi_rank_replicas_fails_with_a_sentence():
     assert "the CPU and Redis KV tiers serve replicas of one rank only" in message
 
 
-def test_planner_with_tls_fails_with_a_sentence():
+@pytest.mark.parametrize("off", [None, "tls", "auth"])
+def test_planner_with_tls_or_token_is_no_longer_refused(off):
     values = _with("values-moe-ep", "planner.enabled", True)
-    message = _refusal(values, HelmRenderError)
-    assert "`splitserve plan` has no flags yet for the router's CA or token" in message
+    if off:
+        values[off]["enabled"] = False
+    planners = [o for o in render.render_objects(values) if o["kind"] == "Deployment"]
+    assert [p["metadata"]["name"] for p in planners] == ["splitserve-planner"]
+
+
+def test_a_ca_key_that_is_no_file_name_is_refused():
+    message = _refusal(_with("values-moe-ep", "tls.caKey", "../ca.crt"))
+    assert "at '/tls/caKey': '../ca.crt' does not match pattern '^[-._a-zA-Z0-9]+$'" in message
 
 
 def test_the_sdk_schema_check_agrees_with_render():

@@ -47,9 +47,6 @@ sentence naming the values involved.
 {{- if and .Values.redis.enabled .Values.redis.externalUrl }}
 {{- fail "redis.enabled starts a Redis StatefulSet and redis.externalUrl names another server: set one of them" }}
 {{- end }}
-{{- if and .Values.planner.enabled (or .Values.tls.enabled .Values.auth.enabled) }}
-{{- fail "planner.enabled with tls.enabled or auth.enabled: `splitserve plan` has no flags yet for the router's CA or token, so it could not read the cluster; set planner.enabled false (scale by hand) or turn tls/auth off" }}
-{{- end }}
 {{- end -}}
 
 {{/* The volumes every Ray pod mounts: shared memory, the conversion cache, the model claim. */}}
