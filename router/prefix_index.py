@@ -10,16 +10,29 @@ CPU tier, then the Redis tier, which every worker shares)::
     worker A  pool pool cpu  --            -> run 3: pool 2, cpu 1
     worker B  --   (k0 in Redis) ...       -> Redis counts for everyone: run from Redis
 
-Key membership is kept as one bit per worker in ``key -> bitmask`` maps, so a lookup costs a
-few dict reads per key plus work only where the tier pattern changes, not per worker per key.
+One dict maps each key to one int holding a bit per worker per tier, in lanes of ``_lane_bits``::
+
+    entry = pool_mask | cpu_mask << L | redis_writers << 2L | remembered << 3L    (L = _lane_bits)
+
+so a lookup is one C-level ``map(dict.get)`` over a chunk of keys and a ``groupby`` over the
+values: Python only runs where the tier pattern changes, not per key (a 32k-token prompt on
+16-token blocks is 2,048 keys). A router may also ``remember`` where it just sent a prompt's
+blocks, before any event says so; those count as pool blocks until ``forget_expired``.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import groupby, repeat
+from operator import or_
 
 from kv_store.events import EventGap, EventKind, KeySets, KVEventBatch, KVSnapshot, Tier
+
+_CHUNK = 256
+"""Keys looked up per ``map`` call: a run that ends early stops the lookup within one chunk."""
+_TIER_LANE = {Tier.POOL: 0, Tier.CPU: 1, Tier.REDIS: 2}
 
 
 @dataclass(frozen=True)
@@ -36,14 +49,19 @@ class CachedRun:
 
 
 class PrefixIndex:
-    """Per-worker key sets (for exact sequencing) and per-tier ``key -> worker bitmask`` maps."""
+    """Per-worker key sets (for exact sequencing) and one ``key -> tier lanes of worker bits`` map."""
 
     def __init__(self) -> None:
         self._sets: dict[str, KeySets] = {}
         self._bits: dict[str, int] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
-        self._masks: dict[Tier, dict[int, int]] = {t: {} for t in Tier}
+        self._lane_bits = 64
+        self._entries: dict[int, int] = {}
+        self._remembered: dict[int, int] = {}
+        """Key -> pool bits this router sent the key to lately (no event yet)."""
+        self._remembered_until: dict[int, float] = {}
+        self._remember_order: deque[tuple[float, tuple[int, ...]]] = deque()
 
     @property
     def workers(self) -> list[str]:
@@ -68,6 +86,9 @@ class PrefixIndex:
         bit = self._bits.pop(worker_id)
         for tier, keys in sets.keys.items():
             self._drop(tier, keys, bit)
+        for key, mask in list(self._remembered.items()):
+            self._remembered[key] = mask & ~(1 << bit)
+            self._set_remembered(key, mask & ~(1 << bit))
         self._free_bits.append(bit)
 
     def apply(self, batch: KVEventBatch) -> None:
@@ -104,28 +125,59 @@ class PrefixIndex:
         for tier, keys in fresh.keys.items():
             self._add(tier, keys, bit)
 
+    def remember(self, worker_id: str, keys: Sequence[int], until_s: float) -> None:
+        """Count ``keys`` as in ``worker_id``'s pool until ``until_s`` (this router just sent them
+        there; the KV events will say so later)."""
+        if not keys:
+            return
+        self.add_worker(worker_id)
+        flag = 1 << self._bits[worker_id]
+        remembered, entries = self._remembered, self._entries
+        remembered.update(zip(keys, map(or_, map(remembered.get, keys, repeat(0)), repeat(flag))))
+        lane_flag = flag << 3 * self._lane_bits
+        entries.update(zip(keys, map(or_, map(entries.get, keys, repeat(0)), repeat(lane_flag))))
+        self._remembered_until.update(zip(keys, repeat(until_s)))
+        self._remember_order.append((until_s, tuple(keys)))
+
+    def forget_expired(self, now_s: float) -> None:
+        """Drop remembered keys whose last ``remember`` ended by ``now_s``."""
+        order, until = self._remember_order, self._remembered_until
+        while order and order[0][0] <= now_s:
+            for key in order.popleft()[1]:
+                last = until.get(key)
+                if last is not None and last <= now_s:
+                    del until[key]
+                    del self._remembered[key]
+                    self._set_remembered(key, 0)
+
+    def oldest_remembered_s(self) -> float | None:
+        """When the oldest remembered keys expire (None: nothing remembered)."""
+        return self._remember_order[0][0] if self._remember_order else None
+
     def match(self, keys: Sequence[int], workers: Iterable[str] | None = None) -> dict[str, CachedRun]:
         """Each worker's longest cached run of ``keys`` from the first, split by serving tier."""
         names = list(self._sets) if workers is None else list(workers)
         known = [w for w in names if w in self._bits]  # a worker with no events yet holds nothing
-        wanted = 0
+        alive = 0
         for name in known:
-            wanted |= 1 << self._bits[name]
+            alive |= 1 << self._bits[name]
         counts = {name: [0, 0, 0] for name in names}
-        pool, cpu, redis = (self._masks[t] for t in Tier)
-        alive = wanted
-        segment = None
-        length = 0
-        for key in keys:
-            in_pool = pool.get(key, 0) & alive
-            in_cpu = cpu.get(key, 0) & alive & ~in_pool
-            in_redis = alive & ~in_pool & ~in_cpu if redis.get(key, 0) else 0
-            pattern = (in_pool, in_cpu, in_redis)
-            if pattern != segment:
-                self._credit(counts, known, segment, length)
-                segment, length = pattern, 0
-            length += 1
-            alive = in_pool | in_cpu | in_redis
+        lane = self._lane_bits
+        entries = self._entries
+        segment, length = None, 0
+        for start in range(0, len(keys) if alive else 0, _CHUNK):
+            for value, group in groupby(map(entries.get, keys[start : start + _CHUNK], repeat(0))):
+                in_pool = (value | value >> 3 * lane) & alive
+                in_cpu = value >> lane & alive & ~in_pool
+                in_redis = alive & ~in_pool & ~in_cpu if value >> 2 * lane & ((1 << lane) - 1) else 0
+                alive = in_pool | in_cpu | in_redis
+                if not alive:
+                    break
+                pattern = (in_pool, in_cpu, in_redis)
+                if pattern != segment:
+                    self._credit(counts, known, segment, length)
+                    segment, length = pattern, 0
+                length += len(list(group))
             if not alive:
                 break
         self._credit(counts, known, segment, length)
@@ -145,22 +197,43 @@ class PrefixIndex:
                         counts[name][tier_index] += length
 
     def _add(self, tier: Tier, keys: Iterable[int], bit: int) -> None:
-        masks = self._masks[tier]
-        flag = 1 << bit
+        entries = self._entries
+        flag = 1 << (bit + _TIER_LANE[tier] * self._lane_bits)
         for key in keys:
-            masks[key] = masks.get(key, 0) | flag
+            entries[key] = entries.get(key, 0) | flag
 
     def _drop(self, tier: Tier, keys: Iterable[int], bit: int) -> None:
-        masks = self._masks[tier]
-        clear = ~(1 << bit)
+        entries = self._entries
+        clear = ~(1 << (bit + _TIER_LANE[tier] * self._lane_bits))
         for key in keys:
-            mask = masks.get(key, 0) & clear
+            mask = entries.get(key, 0) & clear
             if mask:
-                masks[key] = mask
+                entries[key] = mask
             else:
-                masks.pop(key, None)
+                entries.pop(key, None)
+
+    def _set_remembered(self, key: int, mask: int) -> None:
+        """Write ``mask`` into the remembered lane of ``key``'s entry."""
+        shift = 3 * self._lane_bits
+        value = self._entries.get(key, 0) & ~(((1 << self._lane_bits) - 1) << shift) | mask << shift
+        if value:
+            self._entries[key] = value
+        else:
+            self._entries.pop(key, None)
 
     def _take_bit(self) -> int:
         bit = self._next_bit
         self._next_bit += 1
+        if bit >= self._lane_bits:
+            self._widen_lanes()
         return bit
+
+    def _widen_lanes(self) -> None:
+        """More workers than a lane has bits: double the lanes and re-encode every key."""
+        self._lane_bits *= 2
+        self._entries = {}
+        for worker_id, sets in self._sets.items():
+            for tier, keys in sets.keys.items():
+                self._add(tier, keys, self._bits[worker_id])
+        for key, mask in self._remembered.items():
+            self._set_remembered(key, mask)

@@ -12,11 +12,14 @@ The cost model, per prefill worker ``w``, in tokens of prefill work::
             + balance_weight * (recent_work(w) - min recent_work)                 sticky follow-ups
             + decode_weight * decode_load(w)                                   (0 by default)
 
-    uncached(w) = prompt_tokens - B * (c_pool*pool + c_cpu*cpu + c_redis*redis)(w)
+    uncached(w) = prompt_tokens - B * (pool + cpu + redis)(w)           computed
+                + B * cpu(w) * prefill_rate / cpu_load_rate                 loaded from CPU
+                + B * redis(w) * prefill_rate / redis_load_rate             loaded from Redis
 
-where ``pool/cpu/redis`` are the blocks of the prompt's cached run on ``w`` by serving tier and
-the credits (1.0 / 0.75 / 0.5 by default) price a block fetched from a lower tier as partly
-recomputed. ``prefill_weight`` > 1 makes new work count for more than waiting work: the queue
+where ``pool/cpu/redis`` are the blocks of the prompt's cached run on ``w`` by serving tier:
+``uncached(w) / prefill_rate`` is this prompt's own time on ``w`` (compute plus tier loads, as
+Dynamo's and llm-d's scorers estimate it), so every term is in tokens of prefill time and a tier
+is worth what its load speed says, not a fitted credit. ``prefill_weight`` > 1 makes new work count for more than waiting work: the queue
 delays one request, while recomputing a prefix another worker holds costs the whole cluster.
 New work also delays every request that will queue behind it, and a worker's queue predicts
 how many will: hence ``queue_weight`` per request queued there at the last report. Without it,
@@ -45,13 +48,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kv_store.events import EventKind, KVEvent, KVEventBatch, Tier
+from kv_store.events import Tier
 from router.prefix_index import CachedRun, PrefixIndex
 
 POLICIES = ("splitserve", "round_robin", "least_loaded", "sglang_cache_aware")
@@ -94,12 +96,12 @@ class Decision:
 class PolicyConfig:
     """Knobs of the splitserve policy."""
 
-    credit_pool: float = 1.0
-    """Share of a block's compute saved when it is in the worker's pool."""
-    credit_cpu: float = 0.75
-    """... in the worker's CPU tier."""
-    credit_redis: float = 0.5
-    """... in the Redis tier."""
+    prefill_tokens_per_s: float = 10_000.0
+    """Prompt tokens a prefill worker computes per second."""
+    cpu_load_tokens_per_s: float = 300_000.0
+    """Cached tokens a worker loads from its CPU tier per second."""
+    redis_load_tokens_per_s: float = 30_000.0
+    """Cached tokens a worker loads from the Redis tier per second."""
     memory_s: float = 2.0
     """How long the policy counts its own recent decisions as cached blocks."""
     temperature: float = 0.0
@@ -118,9 +120,9 @@ class PolicyConfig:
     """Tokens of cost per unit of decode load on a worker that also decodes."""
 
     def __post_init__(self) -> None:
-        for name in ("credit_pool", "credit_cpu", "credit_redis"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
+        for name in ("prefill_tokens_per_s", "cpu_load_tokens_per_s", "redis_load_tokens_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.memory_s < 0 or self.temperature < 0 or self.local_prefill_max_tokens < 0:
             raise ValueError("memory_s, temperature and local_prefill_max_tokens: must be >= 0")
         if min(self.prefill_weight, self.queue_weight, self.balance_weight) < 0:
@@ -224,15 +226,13 @@ class SplitservePolicy(RoutingPolicy):
     def __init__(self, index: PrefixIndex, config: PolicyConfig = PolicyConfig(), clock=time.monotonic, seed: int = 0) -> None:
         super().__init__(index, clock)
         self.config = config
-        self._recent = PrefixIndex()
-        """This policy's own decisions of the last ``memory_s`` seconds, as pool blocks."""
-        self._recent_expiry: deque[tuple[float, str, list[int]]] = deque()
-        self._latest: dict[tuple[str, int], float] = {}
         self._rng = random.Random(seed)
         self._counter = itertools.count()
         self._recent_work: dict[str, float] = {}
         """Per worker: uncached tokens sent before its last report, decayed over ``balance_window_s``."""
         self._recent_work_at = clock()
+        self._cpu_cost = config.prefill_tokens_per_s / config.cpu_load_tokens_per_s
+        self._redis_cost = config.prefill_tokens_per_s / config.redis_load_tokens_per_s
 
     def _choose(self, request, prefill, decode):
         config = self.config
@@ -244,37 +244,43 @@ class SplitservePolicy(RoutingPolicy):
                 return Decision(None, decode_id, run)
         if not prefill:
             return Decision(None, decode_id, self.index.match(keys, [decode_id])[decode_id])
-        names = [w.worker_id for w in prefill]
-        runs = self.index.match(keys, names)
-        self._expire()
-        recent = self._recent.match(keys, names)
-        tokens = request.num_prompt_tokens
+        self._expire_if_late()
+        runs = self.index.match(keys, [w.worker_id for w in prefill])
         recent_work = self._decayed_recent_work()
-        least_recent_work = min(recent_work.get(name, 0.0) for name in names)
+        least_recent_work = min(recent_work.get(w.worker_id, 0.0) for w in prefill)
         costs = {}
         for load in prefill:
-            run = runs[load.worker_id]
-            remembered = recent[load.worker_id].blocks
-            if remembered > run.blocks:  # our own recent decision: treat as pool blocks
-                run = CachedRun(pool=remembered)
-                runs[load.worker_id] = run
-            saved = request.block_size * (config.credit_pool * run.pool + config.credit_cpu * run.cpu + config.credit_redis * run.redis)
-            work = max(0.0, tokens - saved)
+            work = self.work_tokens(request, runs[load.worker_id])
             weight = config.prefill_weight + config.queue_weight * load.num_queued_requests
             balance = config.balance_weight * (recent_work.get(load.worker_id, 0.0) - least_recent_work)
             costs[load.worker_id] = self.queued_tokens(load) + weight * work + balance + config.decode_weight * load.decode_load
-        worker = self._pick(costs, prefill, tokens)
-        self._remember(worker, keys)
+        worker = self._pick(costs, prefill, request.num_prompt_tokens)
+        if config.memory_s:
+            self.index.remember(worker, keys[runs[worker].blocks :], self.clock() + config.memory_s)
         return Decision(worker, decode_id, runs[worker], costs[worker])
+
+    def work_tokens(self, request: RouteRequest, run: CachedRun) -> float:
+        """Prefill time of the prompt on a worker holding ``run``, in tokens of compute."""
+        block = request.block_size
+        computed = max(0, request.num_prompt_tokens - run.blocks * block)
+        return computed + block * (run.cpu * self._cpu_cost + run.redis * self._redis_cost)
 
     def report(self, load: WorkerLoad) -> None:
         """The work sent to the worker before this report moves from the queue term (the report
-        includes it) to the recent-work average."""
+        includes it) to the recent-work average; remembered decisions past ``memory_s`` go
+        (here, off the request's path)."""
         sent = self._sent.get(load.worker_id)
         if sent is not None:
             recent_work = self._decayed_recent_work()
             recent_work[load.worker_id] = recent_work.get(load.worker_id, 0.0) + sent[0]
+        self.index.forget_expired(self.clock())
         super().report(load)
+
+    def _expire_if_late(self) -> None:
+        """Without load reports (a router with one prefill worker, a test) expire here instead."""
+        oldest = self.index.oldest_remembered_s()
+        if oldest is not None and oldest + self.config.memory_s <= self.clock():
+            self.index.forget_expired(self.clock())
 
     def _decayed_recent_work(self) -> dict[str, float]:
         now = self.clock()
@@ -298,26 +304,6 @@ class SplitservePolicy(RoutingPolicy):
         lowest = min(self.queued_tokens(w) for w in tied)
         tied = sorted(w.worker_id for w in tied if self.queued_tokens(w) == lowest)
         return tied[next(self._counter) % len(tied)]
-
-    def _remember(self, worker: str, keys: Sequence[int]) -> None:
-        if not self.config.memory_s or not keys:
-            return
-        expiry = self.clock() + self.config.memory_s
-        self._recent.add_worker(worker)
-        self._recent.apply(KVEventBatch(worker, self._recent.seq(worker) + 1, (KVEvent(EventKind.STORED, Tier.POOL, tuple(keys)),)))
-        for key in keys:
-            self._latest[(worker, key)] = expiry
-        self._recent_expiry.append((expiry, worker, list(keys)))
-
-    def _expire(self) -> None:
-        now = self.clock()
-        while self._recent_expiry and self._recent_expiry[0][0] <= now:
-            _, worker, keys = self._recent_expiry.popleft()
-            gone = tuple(k for k in keys if self._latest.get((worker, k), now + 1) <= now)
-            for key in gone:
-                del self._latest[(worker, key)]
-            if gone:
-                self._recent.apply(KVEventBatch(worker, self._recent.seq(worker) + 1, (KVEvent(EventKind.REMOVED, Tier.POOL, gone),)))
 
 
 def make_policy(name: str, index: PrefixIndex, config: PolicyConfig = PolicyConfig(), clock=time.monotonic) -> RoutingPolicy:

@@ -27,9 +27,9 @@ import grpc
 from proto import splitserve_pb2 as pb
 from proto import splitserve_pb2_grpc as pb_grpc
 from proto import worker_pb2 as wpb
-from kv_store.keys import block_keys
+from router.block_hashing import BlockHasher
 from router.config import RouterConfig
-from router.errors import CallRejected, from_worker
+from router.errors import CallRejected, from_worker, invalid
 from router.metrics import RouterMetrics
 from router.routing import RouteRequest, RoutingPolicy
 from router.validation import check_generate, check_model, check_prompt_size
@@ -73,6 +73,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.policy = policy
         self.channels = channels
         self.num_inflight = 0
+        self._hashers: dict[int, BlockHasher] = {}
+        """Per block size: the prompts' block keys, hashed once across a session's turns."""
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
@@ -200,14 +202,25 @@ class GenerationService(pb_grpc.GenerationServicer):
         routing tokenizes the prompt here (once: the worker gets the token ids) to hash its blocks."""
         prefills = self.directory.healthy("prefill", request.model)
         if not self.cache_aware(len(prefills)):
+            check_fits_context(len(request.prompt_token_ids), [*prefills, decode])
             return prefills[0] if prefills else None
+        if not request.prompt_token_ids:
+            await self._tokenize_prompt(request, decode)
+        return self.route(request, prefills, decode)
+
+    def route(self, request: pb.GenerateRequest, prefills: list[Replica], decode: Replica) -> Replica | None:
+        """The routing decision proper, on the event loop: hash the prompt's blocks (reusing the
+        keys of a prefix seen before), refuse a prompt no worker's context holds, ask the policy."""
+        token_ids = request.prompt_token_ids
+        check_fits_context(len(token_ids), [*prefills, decode])
         namespace = prefills[0].namespace or decode.namespace
-        token_ids = list(request.prompt_token_ids) or await self._tokenize_prompt(request, decode)
         keys = []
+        block_size = namespace.block_size if namespace is not None else 16
         if namespace is not None:
-            block_size = namespace.block_size
-            keys = block_keys(token_ids[: (len(token_ids) - 1) // block_size * block_size], block_size, namespace.root_key(request.tenant_salt or None))
-        route = RouteRequest(request.request_id, keys, len(token_ids), namespace.block_size if namespace else 16)
+            hasher = self._hashers.get(block_size) or self._hashers.setdefault(block_size, BlockHasher(block_size))
+            full = (len(token_ids) - 1) // block_size * block_size  # the last token is always computed
+            keys = hasher.keys(token_ids, namespace.root_key(request.tenant_salt or None), num_tokens=full)
+        route = RouteRequest(request.request_id, keys, len(token_ids), block_size)
         decision = self.policy.choose(route, [worker_load(p) for p in prefills], [worker_load(decode)])
         self.metrics.routed(decision.prefill is not None, decision.cached.blocks * route.block_size)
         return self.directory.replicas.get(decision.prefill) if decision.prefill else None
@@ -251,6 +264,13 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def GetClusterStatus(self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
         return await self._cluster_status()
+
+
+def check_fits_context(num_prompt_tokens: int, replicas: list[Replica]) -> None:
+    """Refuse, before routing, a prompt longer than the context of every worker it could go to."""
+    longest = max((r.model.max_model_len for r in replicas), default=0)
+    if longest and num_prompt_tokens >= longest:
+        raise invalid("prompt", f"{num_prompt_tokens} tokens do not fit the longest context of any worker ({longest} tokens)")
 
 
 async def _tokenize_on(replica: Replica, request: pb.TokenizeRequest) -> pb.TokenizeResponse:

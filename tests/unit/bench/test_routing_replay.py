@@ -141,6 +141,7 @@ def test_the_index_fed_by_events_matches_the_simulated_caches():
         assert sets.keys[Tier.REDIS] == written
         assert len(worker.pool) == worker.num_pool_blocks  # full: evictions happened
     assert len(replay.redis.keys) == replay.redis.num_blocks
+    replay.index.forget_expired(float("inf"))  # the policy's memory of its last decisions
     for index in (fresh, replay.index):  # the router's own index, after the last event arrived
         for request in trace[::7]:
             keys = request.block_keys()

@@ -1,0 +1,124 @@
+"""The router's block keys of a prompt, hashed once: turns of a session reuse their prefix's keys.
+
+The keys are kv_store.keys' chained XXH3 (the workers' keys): ``key_i = H(key_{i-1}, block_i)``.
+Chaining makes hashing sequential, one Python step per block (2,048 at 32k tokens on 16-token
+blocks), so the router remembers the keys of recent prompts and, for a new prompt, hashes only
+the blocks past the longest prefix it has seen. Finding that prefix must not itself cost a step
+per block, so every block also gets a *fingerprint* of its prefix computed with numpy at once::
+
+    g_j  = mix(sum_t token_{j,t} * R_t, j)              per block, vectorized
+    fp_i = root_mix + g_0 + g_1 + ... + g_i  (mod 2^64)  a cumulative sum, vectorized
+
+A seen prompt puts ``fp_i -> its record`` for every block ``i``; since it puts all of them at
+once, "``fp_i`` is known" holds for a prefix of ``i`` and a binary search finds the longest one.
+The record found is checked token for token (one ``numpy`` compare) before its keys are reused,
+so a fingerprint collision costs a rehash, never a wrong key. Records live in two generations of
+``max_blocks`` fingerprints each: when the young one fills, the old one is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import repeat
+
+import numpy as np
+import xxhash
+
+_MULTIPLIERS = np.random.default_rng(0x5EED).integers(1, 2**63, size=4096, dtype=np.uint64) | np.uint64(1)
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+_H = xxhash.xxh3_64_intdigest
+
+
+@dataclass(frozen=True)
+class _Record:
+    root_key: int
+    token_ids: np.ndarray
+    """The prompt's full blocks' tokens, uint32."""
+    keys: list[int]
+
+
+class BlockHasher:
+    """Block keys of prompts for one block size, reusing the keys of recent prompts' prefixes."""
+
+    def __init__(self, block_size: int, max_blocks: int = 262_144) -> None:
+        if not 1 <= block_size <= len(_MULTIPLIERS):
+            raise ValueError(f"block_size: must be in [1, {len(_MULTIPLIERS)}], got {block_size}")
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks: must be >= 1, got {max_blocks}")
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self._young: dict[int, _Record] = {}
+        self._old: dict[int, _Record] = {}
+        self.num_hashed_blocks = 0
+        """Blocks hashed from scratch so far (the rest were reused)."""
+
+    def keys(self, token_ids: Sequence[int] | np.ndarray, root_key: int, num_tokens: int | None = None) -> list[int]:
+        """Keys of the full blocks of ``token_ids[:num_tokens]`` (what ``kv_store.keys.block_keys``
+        returns). A protobuf repeated field is read as a buffer, without a Python int per token."""
+        try:
+            tokens = np.ascontiguousarray(np.asarray(token_ids, dtype=np.uint32)[:num_tokens])
+        except OverflowError as e:
+            raise ValueError(f"token_ids: not all u32 token ids ({e})") from None
+        num_blocks = len(tokens) // self.block_size
+        if num_blocks == 0:
+            return []
+        tokens = tokens[: num_blocks * self.block_size]
+        fingerprints = self._fingerprints(tokens, root_key)
+        known, record = self._longest_known(fingerprints, tokens, root_key)
+        keys = record.keys[:known] if record is not None else []
+        keys += self._hash(tokens, known, keys[-1] if keys else root_key)
+        num_young = known if record is not None and self._young.get(fingerprints[known - 1]) is record else 0
+        self._store(_Record(root_key, tokens, keys), fingerprints, num_young)
+        return keys
+
+    def _fingerprints(self, tokens: np.ndarray, root_key: int) -> list[int]:
+        if self.block_size % 2 == 0:  # two tokens per u64: half the multiplies
+            blocks = tokens.view(np.uint64).reshape(-1, self.block_size // 2)
+        else:
+            blocks = tokens.reshape(-1, self.block_size).astype(np.uint64)
+        per_block = (blocks * _MULTIPLIERS[: blocks.shape[1]]).sum(axis=1, dtype=np.uint64)
+        per_block ^= np.arange(1, len(per_block) + 1, dtype=np.uint64) * _MIX
+        per_block *= _MIX
+        per_block ^= per_block >> np.uint64(31)
+        per_block[0] = (int(per_block[0]) + root_key) & 0xFFFF_FFFF_FFFF_FFFF
+        return np.cumsum(per_block, dtype=np.uint64).tolist()
+
+    def _lookup(self, fingerprint: int) -> _Record | None:
+        return self._young.get(fingerprint) or self._old.get(fingerprint)
+
+    def _longest_known(self, fingerprints: list[int], tokens: np.ndarray, root_key: int) -> tuple[int, _Record | None]:
+        """How many leading blocks a seen prompt shares with this one, and that prompt's record."""
+        low, high = 0, len(fingerprints)  # blocks [0, low) known; [high, ...) not
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._lookup(fingerprints[middle - 1]) is not None:
+                low = middle
+            else:
+                high = middle - 1
+        if low == 0:
+            return 0, None
+        record = self._lookup(fingerprints[low - 1])
+        end = low * self.block_size
+        if record.root_key != root_key or len(record.token_ids) < end or not np.array_equal(record.token_ids[:end], tokens[:end]):
+            return 0, None  # a fingerprint collision: hash from scratch
+        return low, record
+
+    def _hash(self, tokens: np.ndarray, start_block: int, parent_key: int) -> list[int]:
+        data = tokens[start_block * self.block_size :].astype("<u4", copy=False).tobytes()
+        step = self.block_size * 4
+        keys = []
+        append = keys.append
+        for offset in range(0, len(data), step):
+            parent_key = _H(parent_key.to_bytes(8, "little") + data[offset : offset + step])
+            append(parent_key)
+        self.num_hashed_blocks += len(keys)
+        return keys
+
+    def _store(self, record: _Record, fingerprints: list[int], num_young: int) -> None:
+        """Point every block's fingerprint at ``record``; the first ``num_young`` already point
+        at a young record with the same prefix (so the young generation stays prefix-closed)."""
+        if len(self._young) + len(fingerprints) > self.max_blocks:
+            self._old, self._young = self._young, {}
+            num_young = 0
+        self._young.update(zip(fingerprints[num_young:], repeat(record)))
