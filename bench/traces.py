@@ -10,7 +10,10 @@ The generator (``python -m bench.routing --generate KIND``) starts every prompt 
 prefix. ``multiturn``: chats on Zipf-popular tenants, each turn the previous prompt, its answer
 and a new message (some paste a document). ``agent``: loops on Zipf-popular apps whose 6k-40k-token
 tool prompt every session of the app shares, each step appending a tool call and its result.
-``mixed``: half each. Sessions start in on/off Poisson bursts from ``warmup_s`` before the trace,
+``mixed``: half each. ``short``: many short chats (1-4 short turns). ``deep``: few long
+sessions (document QA, ~20 turns) on a handful of 16k-48k-token shared documents. ``tool``: agent
+loops sharing one long tool prompt, each step a short call and result. ``noisy``: ``mixed`` with
+10% of its requests replaced by prompts that share nothing. Sessions start in on/off Poisson bursts from ``warmup_s`` before the trace,
 which opens onto running sessions; one ``random.Random(seed)`` draws everything.
 """
 
@@ -26,8 +29,8 @@ from pathlib import Path
 
 BLOCK_TOKENS = 512
 """Tokens per hash id in the Mooncake format."""
-KINDS = ("multiturn", "agent", "mixed")
-DEFAULT_REQUEST_RATES = {"multiturn": 24.0, "agent": 28.0, "mixed": 22.0}
+KINDS = ("multiturn", "agent", "mixed", "short", "deep", "tool", "noisy")
+DEFAULT_REQUEST_RATES = {"multiturn": 24.0, "agent": 28.0, "mixed": 22.0, "short": 40.0, "deep": 14.0, "tool": 30.0, "noisy": 14.0}
 """About half the prefill capacity of bench.routing's default 8-worker cluster under a
 cache-aware policy (its ``prefill_busy_share`` ~0.4-0.5), bursts going well above."""
 
@@ -46,8 +49,12 @@ class TraceRequest:
         return self.hash_ids[: self.input_length // BLOCK_TOKENS]
 
 
+class TraceLineError(ValueError):
+    """A line of a trace file that is not a request; the message names the line number."""
+
+
 def read_trace(path: Path) -> list[TraceRequest]:
-    """A JSONL trace, sorted by timestamp (stable); ValueError naming the first line that is not a request."""
+    """A JSONL trace, sorted by timestamp (stable); TraceLineError naming the first line that is not a request."""
     out = []
     with open(path) as f:
         for number, line in enumerate(f, 1):
@@ -57,7 +64,7 @@ def read_trace(path: Path) -> list[TraceRequest]:
                 row = json.loads(line)
                 out.append(TraceRequest(int(row["timestamp"]), int(row["input_length"]), int(row["output_length"]), tuple(int(h) for h in row["hash_ids"])))
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"line {number} is not a request ({type(e).__name__}: {e})") from None
+                raise TraceLineError(f"line {number} is not a request ({type(e).__name__}: {e})") from None
     out.sort(key=lambda r: r.timestamp_ms)
     return out
 
@@ -175,6 +182,10 @@ class TraceGenerator:
         lengths = [int(config.tool_prompt_tokens_min * ratio ** (i / max(1, n - 1))) for i in range(n)]
         rng.shuffle(lengths)  # popularity (Zipf by position) independent of length
         self.apps = [universal.extended(length, self.ids) for length in lengths]
+        if kind == "deep":  # drawn only here, so the other kinds' traces stay as they were
+            self.documents = [universal.extended(rng.randrange(16000, 48000), self.ids) for _ in range(4)]
+        if kind == "tool":
+            self.tool_prompt = universal.extended(12000, self.ids)
 
     def generate(self, num_requests: int) -> list[TraceRequest]:
         """The first ``num_requests`` requests at or after time 0 of sessions that started from
@@ -199,21 +210,37 @@ class TraceGenerator:
                     rows.append((ms, number, index, step))
             number += 1
         rows.sort(key=lambda r: r[:3])
-        return [TraceRequest(ms, s.input_length, s.output_length, s.hash_ids) for ms, _, _, s in rows[:num_requests]]
+        trace = [TraceRequest(ms, s.input_length, s.output_length, s.hash_ids) for ms, _, _, s in rows[:num_requests]]
+        return self._unshared(trace, 0.1) if self.kind == "noisy" else trace
+
+    def _unshared(self, trace: list[TraceRequest], share: float) -> list[TraceRequest]:
+        """``trace`` with a ``share`` of its requests given fresh ids: prompts that share nothing."""
+        chosen = set(self.rng.sample(range(len(trace)), round(share * len(trace))))
+        return [
+            TraceRequest(r.timestamp_ms, r.input_length, r.output_length, tuple(itertools.islice(self.ids, len(r.hash_ids)))) if i in chosen else r
+            for i, r in enumerate(trace)
+        ]
 
     def session(self) -> list[SessionStep]:
-        """A session of the generator's kind (for ``mixed``, either kind)."""
-        agent = self.kind == "agent" or (self.kind == "mixed" and self.rng.random() < 0.5)
+        """A session of the generator's kind (for ``mixed`` and ``noisy``, a chat or an agent loop)."""
+        if self.kind == "short":
+            return self.conversation(turns=_geometric(self.rng, 1.8, 4), user_median=80)
+        if self.kind == "deep":
+            return self.conversation(self.rng.choice(self.documents), _geometric(self.rng, 20, 60), user_median=200)
+        if self.kind == "tool":
+            return self.agent_loop(self.tool_prompt, result_median=150)
+        agent = self.kind == "agent" or (self.kind in ("mixed", "noisy") and self.rng.random() < 0.5)
         return self.agent_loop() if agent else self.conversation()
 
-    def conversation(self) -> list[SessionStep]:
-        """A chat on a Zipf-chosen tenant; each prompt is the previous one, its answer and a new message."""
+    def conversation(self, context: _Prompt | None = None, turns: int | None = None, user_median: int = 120) -> list[SessionStep]:
+        """A chat on ``context`` (a Zipf-chosen tenant's system prompt by default); each prompt is
+        the previous one, its answer and a new message."""
         rng, config = self.rng, self.config
-        context = rng.choices(self.tenants, _zipf_weights(len(self.tenants)))[0]
+        context = context or rng.choices(self.tenants, _zipf_weights(len(self.tenants)))[0]
         steps, t = [], 0.0
-        for turn in range(_geometric(rng, 5, 30)):
+        for turn in range(turns or _geometric(rng, 5, 30)):
             pasted = rng.random() < (0.25 if turn == 0 else 0.08)
-            user = _lognormal(rng, 3000, 0.9, 300, 30000) if pasted else _lognormal(rng, 120, 1.0, 5, 2000)
+            user = _lognormal(rng, 3000, 0.9, 300, 30000) if pasted else _lognormal(rng, user_median, 1.0, 5, 2000)
             prompt = context.extended(user, self.ids)
             if prompt.num_tokens > config.max_context_tokens:
                 break
@@ -223,10 +250,11 @@ class TraceGenerator:
             t += 0.5 + answer / config.stream_tokens_per_s + rng.expovariate(1 / config.think_s_mean)
         return steps
 
-    def agent_loop(self) -> list[SessionStep]:
-        """A loop on a Zipf-chosen app; each step appends the last tool call and its result."""
+    def agent_loop(self, app: _Prompt | None = None, result_median: int = 600) -> list[SessionStep]:
+        """A loop on ``app``'s tool prompt (a Zipf-chosen app's by default); each step appends
+        the last tool call and its result."""
         rng, config = self.rng, self.config
-        app = rng.choices(self.apps, _zipf_weights(len(self.apps)))[0]
+        app = app or rng.choices(self.apps, _zipf_weights(len(self.apps)))[0]
         context = app.extended(_lognormal(rng, 400, 0.8, 30, 4000), self.ids)
         steps, t = [], 0.0
         for _ in range(max(2, _geometric(rng, 10, 40))):
@@ -234,7 +262,7 @@ class TraceGenerator:
                 break
             call = _lognormal(rng, 120, 0.7, 10, 1000)
             steps.append(SessionStep(t, context.num_tokens, call, context.hash_ids(self.ids)))
-            context = context.extended(call + _lognormal(rng, 600, 1.0, 20, 8000), self.ids)
+            context = context.extended(call + _lognormal(rng, result_median, 1.0, 20, 8000), self.ids)
             t += 0.3 + call / config.stream_tokens_per_s + rng.expovariate(1 / config.tool_s_mean)
         return steps
 
