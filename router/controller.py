@@ -52,8 +52,6 @@ __all__ = ["CONTROLLER_NAME", "NAMESPACE", "POOLS", "ClusterController", "Contro
 
 logger = logging.getLogger(__name__)
 
-_ReplicaCollector, _State = ReplicaCollector, ClusterMap
-"""The names these had here before router/cluster_map.py (tests/unit/deploy reads the exported metrics through them)."""
 
 _DRAIN_POLL_S = 0.2
 """How often drain_node looks whether its node is empty yet."""

@@ -27,7 +27,7 @@ from engine.metrics import CountersCollector, EngineStatsCollector, RequestTimin
 from kv_store.redis_tier import RedisTierStats
 from kv_store.tiered import TieredStats
 from planner.live import PlannerMetrics
-from router.controller import _ReplicaCollector, _State
+from router.cluster_map import ClusterMap, ReplicaCollector
 from router.metrics import RouterMetrics
 
 LABELS = {"replica": "r0", "pool": "decode"}
@@ -55,7 +55,7 @@ def _built_registry() -> CollectorRegistry:
     timings.observe(0.1, 0.1, 0.1, 0.1)
     for collector in timings.collectors:
         registry.register(collector)
-    registry.register(_ReplicaCollector(_State()))
+    registry.register(ReplicaCollector(ClusterMap()))
     return registry
 
 
