@@ -32,7 +32,7 @@ from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
 from router.routing import POLICIES, PolicyConfig, make_policy
 from router.service import GenerationService
-from router.workers import Replica, WorkerDirectory
+from router.workers import Replica, WorkerDirectory, worker_load
 
 SHAPES = KINDS
 """The generated kinds ``--shapes`` replays."""
@@ -160,13 +160,13 @@ def _sensitivity(trace, config, policy_config, warmup_s) -> dict:
     return table
 
 
-def live_decisions(num_workers: int = 8, block_size: int = 16, prompt_tokens: int = 32768, num_sessions: int = 16, num_turns: int = 30, seed: int = 0) -> dict:
+def live_decisions(num_workers: int = 8, block_size: int = 16, prompt_tokens: int = 32768, num_sessions: int = 16, num_turns: int = 20, seed: int = 0) -> dict:
     """Wall-clock time of ``GenerationService.route``, the routing step every Generate call runs
     on the router's event loop (token ids to block keys, the prefix index, the splitserve policy),
     in process: one router, ``num_workers`` prefill replicas whose KV events (the chosen worker
     stores the prompt's blocks) reach the index between calls, as the event poller applies them.
     Sessions open at ``prompt_tokens`` (their first call hashes every block: "cold") and each turn
-    adds an answer and a message (100-1,500 tokens)."""
+    adds an answer and a message (100-800 tokens)."""
     rng = random.Random(seed)
     namespace = KeyNamespace("bench", "0", "fp8_e4m3", block_size)
     model = pb.ModelInfo(id="bench", max_model_len=4 * prompt_tokens, block_size=block_size)
@@ -179,16 +179,19 @@ def live_decisions(num_workers: int = 8, block_size: int = 16, prompt_tokens: in
     service = GenerationService(RouterConfig(), directory, RouterMetrics("bench-live"), make_policy("splitserve", index), channels=None)
     prefills, decode = directory.healthy("prefill", ""), directory.replicas[f"decode-{num_workers}"]
     sessions = [[rng.randrange(50_000) for _ in range(prompt_tokens)] for _ in range(num_sessions)]
-    warm_us, cold_us = [], []
+    warm_us, cold_us, lengths = [], [], []
     for turn in range(num_turns):
         for prompt in sessions:
             request = pb.GenerateRequest(model="bench", prompt_token_ids=prompt, request_id=f"t{turn}")
+            lengths.append(len(prompt))
             start = time.perf_counter_ns()
             chosen = service.route(request, prefills, decode)
             (cold_us if turn == 0 else warm_us).append((time.perf_counter_ns() - start) / 1000)
-            keys = block_keys(prompt, block_size, namespace.root_key())
+            keys = block_keys(prompt, block_size, namespace.root_key())  # what the worker's KV events say
+            for replica in prefills:  # the refresh loop's load reports (they expire old remembered keys)
+                service.policy.report(worker_load(replica))
             index.apply(KVEventBatch(chosen.replica_id, index.seq(chosen.replica_id) + 1 if chosen.replica_id in index.workers else 1, (KVEvent(EventKind.STORED, Tier.POOL, tuple(keys)),)))
-            prompt += [rng.randrange(50_000) for _ in range(rng.randrange(100, 1500))]
+            prompt += [rng.randrange(50_000) for _ in range(rng.randrange(100, 800))]
     every = warm_us + cold_us
     return {
         "decide_us_p50": percentile(every, 50),
@@ -196,6 +199,7 @@ def live_decisions(num_workers: int = 8, block_size: int = 16, prompt_tokens: in
         "decide_us_p99_next_turns": percentile(warm_us, 99),
         "decide_us_p50_first_turns": percentile(cold_us, 50),
         "prompt_tokens": prompt_tokens,
+        "prompt_tokens_mean": sum(lengths) / len(lengths),
         "workers": num_workers,
         "block_size": block_size,
         "num_decisions": len(every),

@@ -50,6 +50,7 @@ class BlockHasher:
         self.max_blocks = max_blocks
         self._young: dict[int, _Record] = {}
         self._old: dict[int, _Record] = {}
+        self._mixed_positions = np.zeros(0, dtype=np.uint64)
         self.num_hashed_blocks = 0
         """Blocks hashed from scratch so far (the rest were reused)."""
 
@@ -68,37 +69,43 @@ class BlockHasher:
         known, record = self._longest_known(fingerprints, tokens, root_key)
         keys = record.keys[:known] if record is not None else []
         keys += self._hash(tokens, known, keys[-1] if keys else root_key)
-        num_young = known if record is not None and self._young.get(fingerprints[known - 1]) is record else 0
+        num_young = known if record is not None and self._young.get(int(fingerprints[known - 1])) is record else 0
         self._store(_Record(root_key, tokens, keys), fingerprints, num_young)
         return keys
 
-    def _fingerprints(self, tokens: np.ndarray, root_key: int) -> list[int]:
+    def _fingerprints(self, tokens: np.ndarray, root_key: int) -> np.ndarray:
         if self.block_size % 2 == 0:  # two tokens per u64: half the multiplies
             blocks = tokens.view(np.uint64).reshape(-1, self.block_size // 2)
         else:
             blocks = tokens.reshape(-1, self.block_size).astype(np.uint64)
-        per_block = (blocks * _MULTIPLIERS[: blocks.shape[1]]).sum(axis=1, dtype=np.uint64)
-        per_block ^= np.arange(1, len(per_block) + 1, dtype=np.uint64) * _MIX
+        per_block = np.einsum("ij,j->i", blocks, _MULTIPLIERS[: blocks.shape[1]])
+        per_block ^= self._positions(len(per_block))
         per_block *= _MIX
         per_block ^= per_block >> np.uint64(31)
         per_block[0] = (int(per_block[0]) + root_key) & 0xFFFF_FFFF_FFFF_FFFF
-        return np.cumsum(per_block, dtype=np.uint64).tolist()
+        return np.cumsum(per_block, dtype=np.uint64)
+
+    def _positions(self, num_blocks: int) -> np.ndarray:
+        """``(1..num_blocks) * _MIX``, kept between calls: it makes a block's fingerprint depend on its place."""
+        if len(self._mixed_positions) < num_blocks:
+            self._mixed_positions = np.arange(1, 2 * num_blocks + 1, dtype=np.uint64) * _MIX
+        return self._mixed_positions[:num_blocks]
 
     def _lookup(self, fingerprint: int) -> _Record | None:
         return self._young.get(fingerprint) or self._old.get(fingerprint)
 
-    def _longest_known(self, fingerprints: list[int], tokens: np.ndarray, root_key: int) -> tuple[int, _Record | None]:
+    def _longest_known(self, fingerprints: np.ndarray, tokens: np.ndarray, root_key: int) -> tuple[int, _Record | None]:
         """How many leading blocks a seen prompt shares with this one, and that prompt's record."""
         low, high = 0, len(fingerprints)  # blocks [0, low) known; [high, ...) not
         while low < high:
             middle = (low + high + 1) // 2
-            if self._lookup(fingerprints[middle - 1]) is not None:
+            if self._lookup(int(fingerprints[middle - 1])) is not None:
                 low = middle
             else:
                 high = middle - 1
         if low == 0:
             return 0, None
-        record = self._lookup(fingerprints[low - 1])
+        record = self._lookup(int(fingerprints[low - 1]))
         end = low * self.block_size
         if record.root_key != root_key or len(record.token_ids) < end or not np.array_equal(record.token_ids[:end], tokens[:end]):
             return 0, None  # a fingerprint collision: hash from scratch
@@ -115,10 +122,10 @@ class BlockHasher:
         self.num_hashed_blocks += len(keys)
         return keys
 
-    def _store(self, record: _Record, fingerprints: list[int], num_young: int) -> None:
+    def _store(self, record: _Record, fingerprints: np.ndarray, num_young: int) -> None:
         """Point every block's fingerprint at ``record``; the first ``num_young`` already point
         at a young record with the same prefix (so the young generation stays prefix-closed)."""
         if len(self._young) + len(fingerprints) > self.max_blocks:
             self._old, self._young = self._young, {}
             num_young = 0
-        self._young.update(zip(fingerprints[num_young:], repeat(record)))
+        self._young.update(zip(fingerprints[num_young:].tolist(), repeat(record)))

@@ -14,24 +14,24 @@ One dict maps each key to one int holding a bit per worker per tier, in lanes of
 
     entry = pool_mask | cpu_mask << L | redis_writers << 2L | remembered << 3L    (L = _lane_bits)
 
-so a lookup is one C-level ``map(dict.get)`` over a chunk of keys and a ``groupby`` over the
-values: Python only runs where the tier pattern changes, not per key (a 32k-token prompt on
-16-token blocks is 2,048 keys). A router may also ``remember`` where it just sent a prompt's
+so a lookup is one C-level ``map(dict.get)`` over the keys and a numpy search for runs of
+equal values: Python only runs where the tier pattern changes, not per key (a 32k-token prompt
+on 16-token blocks is 2,048 keys). A router may also ``remember`` where it just sent a prompt's
 blocks, before any event says so; those count as pool blocks until ``forget_expired``.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import groupby, repeat
-from operator import or_
+from itertools import compress, count, islice, repeat
+from operator import ne, or_
+
+import numpy as np
 
 from kv_store.events import EventGap, EventKind, KeySets, KVEventBatch, KVSnapshot, Tier
 
-_CHUNK = 256
-"""Keys looked up per ``map`` call: a run that ends early stops the lookup within one chunk."""
 _TIER_LANE = {Tier.POOL: 0, Tier.CPU: 1, Tier.REDIS: 2}
 
 
@@ -56,7 +56,8 @@ class PrefixIndex:
         self._bits: dict[str, int] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
-        self._lane_bits = 64
+        self._lane_bits = 8
+        """Bits per tier lane: doubled as workers join, so an entry stays a small int (fast to compare)."""
         self._entries: dict[int, int] = {}
         self._remembered: dict[int, int] = {}
         """Key -> pool bits this router sent the key to lately (no event yet)."""
@@ -163,25 +164,43 @@ class PrefixIndex:
             alive |= 1 << self._bits[name]
         counts = {name: [0, 0, 0] for name in names}
         lane = self._lane_bits
-        entries = self._entries
+        runs = self._runs(keys) if alive else ()
         segment, length = None, 0
-        for start in range(0, len(keys) if alive else 0, _CHUNK):
-            for value, group in groupby(map(entries.get, keys[start : start + _CHUNK], repeat(0))):
-                in_pool = (value | value >> 3 * lane) & alive
-                in_cpu = value >> lane & alive & ~in_pool
-                in_redis = alive & ~in_pool & ~in_cpu if value >> 2 * lane & ((1 << lane) - 1) else 0
-                alive = in_pool | in_cpu | in_redis
-                if not alive:
-                    break
-                pattern = (in_pool, in_cpu, in_redis)
-                if pattern != segment:
-                    self._credit(counts, known, segment, length)
-                    segment, length = pattern, 0
-                length += len(list(group))
+        for value, num_keys in runs:
+            in_pool = (value | value >> 3 * lane) & alive
+            in_cpu = value >> lane & alive & ~in_pool
+            in_redis = alive & ~in_pool & ~in_cpu if value >> 2 * lane & ((1 << lane) - 1) else 0
+            alive = in_pool | in_cpu | in_redis
             if not alive:
                 break
+            pattern = (in_pool, in_cpu, in_redis)
+            if pattern != segment:
+                self._credit(counts, known, segment, length)
+                segment, length = pattern, 0
+            length += num_keys
         self._credit(counts, known, segment, length)
         return {name: CachedRun(*c) for name, c in counts.items()}
+
+    def _runs(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """``(entry, count)`` for each run of equal entries of ``keys``, up to the first key no
+        worker holds. Up to 15 workers an entry fits an int64 and numpy finds the run starts;
+        beyond, C-level ``map``/``compress`` over the list does. Python steps once per run."""
+        values = map(self._entries.get, keys, repeat(0))
+        if 4 * self._lane_bits <= 63:
+            array = np.fromiter(values, dtype=np.int64, count=len(keys))
+            zeros = np.flatnonzero(array == 0)
+            end = int(zeros[0]) if len(zeros) else len(array)
+            if end == 0:
+                return []
+            starts = [0, *(np.flatnonzero(array[1:end] != array[: end - 1]) + 1).tolist(), end]
+            return [(int(array[a]), b - a) for a, b in zip(starts, starts[1:]) if b > a]
+        values = list(values)
+        try:
+            end = values.index(0)
+        except ValueError:
+            end = len(values)
+        starts = [0, *compress(count(1), map(ne, islice(values, 1, end), values)), end]
+        return [(values[a], b - a) for a, b in zip(starts, starts[1:]) if b > a]
 
     def num_keys(self, worker_id: str, tier: Tier = Tier.POOL) -> int:
         sets = self._sets.get(worker_id)

@@ -114,3 +114,16 @@ def test_a_prompt_longer_than_every_context_is_refused_naming_both_lengths():
         check_fits_context(9000, replicas)
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "9000 tokens" in refused.value.message and "8192" in refused.value.message
+
+
+def test_the_index_widens_its_lanes_when_more_workers_join():
+    index = PrefixIndex()
+    index.remember("w0", KEYS[:10], until_s=5.0)
+    for i in range(20):  # 8 bits a lane at first: workers 8 and 16 widen it
+        _stored(index, f"w{i}", Tier.POOL, KEYS[: i + 1])
+        _stored(index, f"w{i}", Tier.CPU, KEYS[i + 1 : i + 3])
+    runs = index.match(KEYS)
+    assert runs["w0"] == CachedRun(pool=10)  # remembered blocks survived the re-encoding
+    assert all(runs[f"w{i}"] == CachedRun(pool=i + 1, cpu=2) for i in range(10, 20))
+    index.forget_expired(5.0)
+    assert index.match(KEYS)["w0"] == CachedRun(pool=1, cpu=2)
