@@ -127,3 +127,14 @@ def test_the_index_widens_its_lanes_when_more_workers_join():
     assert all(runs[f"w{i}"] == CachedRun(pool=i + 1, cpu=2) for i in range(10, 20))
     index.forget_expired(5.0)
     assert index.match(KEYS)["w0"] == CachedRun(pool=1, cpu=2)
+
+
+def test_tokenized_ids_reach_the_request_as_they_were():
+    from router.service import _set_prompt_token_ids
+
+    ids = [0, 1, 127, 128, 50_000, 2**31 - 1]
+    request = pb.GenerateRequest(model="m", tenant_salt="t")
+    _set_prompt_token_ids(request, pb.TokenizeResponse(token_ids=ids))
+    assert list(request.prompt_token_ids) == ids and (request.model, request.tenant_salt) == ("m", "t")
+    _set_prompt_token_ids(empty := pb.GenerateRequest(), pb.TokenizeResponse())
+    assert list(empty.prompt_token_ids) == []
