@@ -13,7 +13,8 @@ A seen prompt puts ``fp_i -> its record`` for every block ``i``; since it puts a
 once, "``fp_i`` is known" holds for a prefix of ``i`` and a binary search finds the longest one.
 The record found is checked token for token (one ``numpy`` compare) before its keys are reused,
 so a fingerprint collision costs a rehash, never a wrong key. Records live in two generations of
-``max_blocks`` fingerprints each: when the young one fills, the old one is dropped.
+``max_blocks`` fingerprints each (the default: 2M tokens of 16-token blocks, some 40 MB):
+when the young one fills, the old one is dropped.
 """
 
 from __future__ import annotations
@@ -41,15 +42,19 @@ class _Record:
 class BlockHasher:
     """Block keys of prompts for one block size, reusing the keys of recent prompts' prefixes."""
 
-    def __init__(self, block_size: int, max_blocks: int = 262_144) -> None:
+    def __init__(self, block_size: int, max_blocks: int = 131_072) -> None:
         if not 1 <= block_size <= len(_MULTIPLIERS):
             raise ValueError(f"block_size: must be in [1, {len(_MULTIPLIERS)}], got {block_size}")
         if max_blocks < 1:
             raise ValueError(f"max_blocks: must be >= 1, got {max_blocks}")
         self.block_size = block_size
         self.max_blocks = max_blocks
-        self._young: dict[int, _Record] = {}
-        self._old: dict[int, _Record] = {}
+        self._young: dict[int, int] = {}
+        """Fingerprint -> record number: ints only, so the garbage collector never walks it."""
+        self._old: dict[int, int] = {}
+        self._young_records: dict[int, _Record] = {}
+        self._old_records: dict[int, _Record] = {}
+        self._next_record = 0
         self._mixed_positions = np.zeros(0, dtype=np.uint64)
         self.num_hashed_blocks = 0
         """Blocks hashed from scratch so far (the rest were reused)."""
@@ -69,7 +74,7 @@ class BlockHasher:
         known, record = self._longest_known(fingerprints, tokens, root_key)
         keys = record.keys[:known] if record is not None else []
         keys += self._hash(tokens, known, keys[-1] if keys else root_key)
-        num_young = known if record is not None and self._young.get(int(fingerprints[known - 1])) is record else 0
+        num_young = known if record is not None and int(fingerprints[known - 1]) in self._young else 0
         self._store(_Record(root_key, tokens, keys), fingerprints, num_young)
         return keys
 
@@ -92,7 +97,11 @@ class BlockHasher:
         return self._mixed_positions[:num_blocks]
 
     def _lookup(self, fingerprint: int) -> _Record | None:
-        return self._young.get(fingerprint) or self._old.get(fingerprint)
+        number = self._young.get(fingerprint)
+        if number is not None:
+            return self._young_records[number]
+        number = self._old.get(fingerprint)
+        return self._old_records[number] if number is not None else None
 
     def _longest_known(self, fingerprints: np.ndarray, tokens: np.ndarray, root_key: int) -> tuple[int, _Record | None]:
         """How many leading blocks a seen prompt shares with this one, and that prompt's record."""
@@ -127,5 +136,9 @@ class BlockHasher:
         at a young record with the same prefix (so the young generation stays prefix-closed)."""
         if len(self._young) + len(fingerprints) > self.max_blocks:
             self._old, self._young = self._young, {}
+            self._old_records, self._young_records = self._young_records, {}
             num_young = 0
-        self._young.update(zip(fingerprints[num_young:].tolist(), repeat(record)))
+        number = self._next_record
+        self._next_record += 1
+        self._young_records[number] = record
+        self._young.update(zip(fingerprints[num_young:].tolist(), repeat(number)))

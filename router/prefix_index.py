@@ -59,8 +59,6 @@ class PrefixIndex:
         self._lane_bits = 8
         """Bits per tier lane: doubled as workers join, so an entry stays a small int (fast to compare)."""
         self._entries: dict[int, int] = {}
-        self._remembered: dict[int, int] = {}
-        """Key -> pool bits this router sent the key to lately (no event yet)."""
         self._remembered_until: dict[int, float] = {}
         self._remember_order: deque[tuple[float, tuple[int, ...]]] = deque()
 
@@ -87,8 +85,7 @@ class PrefixIndex:
         bit = self._bits.pop(worker_id)
         for tier, keys in sets.keys.items():
             self._drop(tier, keys, bit)
-        for key, mask in list(self._remembered.items()):
-            self._remembered[key] = mask & ~(1 << bit)
+        for key, mask in self._remembered().items():
             self._set_remembered(key, mask & ~(1 << bit))
         self._free_bits.append(bit)
 
@@ -133,8 +130,7 @@ class PrefixIndex:
             return
         self.add_worker(worker_id)
         flag = 1 << self._bits[worker_id]
-        remembered, entries = self._remembered, self._entries
-        remembered.update(zip(keys, map(or_, map(remembered.get, keys, repeat(0)), repeat(flag))))
+        entries = self._entries
         lane_flag = flag << 3 * self._lane_bits
         entries.update(zip(keys, map(or_, map(entries.get, keys, repeat(0)), repeat(lane_flag))))
         self._remembered_until.update(zip(keys, repeat(until_s)))
@@ -148,7 +144,6 @@ class PrefixIndex:
                 last = until.get(key)
                 if last is not None and last <= now_s:
                     del until[key]
-                    del self._remembered[key]
                     self._set_remembered(key, 0)
 
     def oldest_remembered_s(self) -> float | None:
@@ -231,6 +226,11 @@ class PrefixIndex:
             else:
                 entries.pop(key, None)
 
+    def _remembered(self) -> dict[int, int]:
+        """Key -> the remembered lane's worker bits, for every key that has some."""
+        shift, lane = 3 * self._lane_bits, (1 << self._lane_bits) - 1
+        return {key: value >> shift & lane for key, value in self._entries.items() if value >> shift & lane}
+
     def _set_remembered(self, key: int, mask: int) -> None:
         """Write ``mask`` into the remembered lane of ``key``'s entry."""
         shift = 3 * self._lane_bits
@@ -249,10 +249,11 @@ class PrefixIndex:
 
     def _widen_lanes(self) -> None:
         """More workers than a lane has bits: double the lanes and re-encode every key."""
+        remembered = self._remembered()
         self._lane_bits *= 2
         self._entries = {}
         for worker_id, sets in self._sets.items():
             for tier, keys in sets.keys.items():
                 self._add(tier, keys, self._bits[worker_id])
-        for key, mask in self._remembered.items():
+        for key, mask in remembered.items():
             self._set_remembered(key, mask)
