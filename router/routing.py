@@ -19,8 +19,10 @@ The cost model, per prefill worker ``w``, in tokens of prefill work::
 where ``pool/cpu/redis`` are the blocks of the prompt's cached run on ``w`` by serving tier:
 ``uncached(w) / prefill_rate`` is this prompt's own time on ``w`` (compute plus tier loads, as
 Dynamo's and llm-d's scorers estimate it), so every term is in tokens of prefill time and a tier
-is worth what its load speed says, not a fitted credit. ``prefill_weight`` > 1 makes new work count for more than waiting work: the queue
-delays one request, while recomputing a prefix another worker holds costs the whole cluster.
+is worth what its load speed says, not a fitted credit (the speeds are the cluster's: measure
+them, bench.kv_store does). ``prefill_weight`` > 1 makes new work count for more than waiting
+work: the queue delays one request, while recomputing a prefix another worker holds costs the
+whole cluster.
 New work also delays every request that will queue behind it, and a worker's queue predicts
 how many will: hence ``queue_weight`` per request queued there at the last report. Without it,
 a burst that lengthens the queues makes the policy move sessions off their cache holders, the
@@ -33,8 +35,9 @@ the lower queue, then round robin. With a ``temperature`` the choice is a softma
 ``-cost / (temperature * prompt_tokens)``.
 
 Recent decisions: a burst of requests that share a new prefix arrives before any KV event says
-where it landed, so the policy remembers, for ``memory_s``, which worker it sent each prompt's
-blocks to and counts them as that worker's pool hits. It also adds each decision's work to that
+where it landed, so the policy has the index remember, for ``memory_s``, the worker it sent each
+prompt's new blocks to, and counts them as that worker's pool hits (they expire at load reports,
+off the request's path). It also adds each decision's work to that
 worker's queue until the next load report, so a burst spreads by cost instead of piling onto
 the worker that looked idlest at the last report. A prefix every request shares (one system
 prompt) is cached everywhere after its first few requests, so it stops telling workers apart
