@@ -23,7 +23,7 @@ blocks, before any event says so; those count as pool blocks until ``forget_expi
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import compress, count, islice, repeat
 from operator import ne, or_
@@ -57,7 +57,7 @@ class PrefixIndex:
         self._free_bits: list[int] = []
         self._next_bit = 0
         self._lane_bits = 8
-        """Bits per tier lane: doubled as workers join, so an entry stays a small int (fast to compare)."""
+        """Bits per tier lane, widened as workers join: an entry stays a small int while it can."""
         self._entries: dict[int, int] = {}
         self._remembered_until: dict[int, float] = {}
         self._remember_order: deque[tuple[float, tuple[int, ...]]] = deque()
@@ -179,7 +179,7 @@ class PrefixIndex:
     def _runs(self, keys: Sequence[int]) -> list[tuple[int, int]]:
         """``(entry, count)`` for each run of equal entries of ``keys``, up to the first key no
         worker holds. Up to 15 workers an entry fits an int64 and numpy finds the run starts;
-        beyond, C-level ``map``/``compress`` over the list does. Python steps once per run."""
+        beyond (lanes of 30 bits and more), C-level ``map``/``compress`` over the list does. Python steps once per run."""
         values = map(self._entries.get, keys, repeat(0))
         if 4 * self._lane_bits <= 63:
             array = np.fromiter(values, dtype=np.int64, count=len(keys))
@@ -248,9 +248,10 @@ class PrefixIndex:
         return bit
 
     def _widen_lanes(self) -> None:
-        """More workers than a lane has bits: double the lanes and re-encode every key."""
+        """More workers than a lane has bits: widen the lanes (to 15 bits first, the most that
+        keeps an entry in an int64) and re-encode every key."""
         remembered = self._remembered()
-        self._lane_bits *= 2
+        self._lane_bits = 15 if self._lane_bits < 15 else self._lane_bits * 2
         self._entries = {}
         for worker_id, sets in self._sets.items():
             for tier, keys in sets.keys.items():
