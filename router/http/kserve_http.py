@@ -23,7 +23,7 @@ from proto import splitserve_pb2 as pb
 from router.errors import CallRejected
 from router.http.errors import APIError, from_rejected, invalid
 from router.http.kserve_grpc import SERVER_VERSION, TENANT_SALT_METADATA, model_config
-from router.http.streaming import EventStreamResponse, sse_event, until_disconnected
+from router.http.streaming import EventStreamResponse, answered_unless_disconnected, sse_event
 from router.http.tensors import (
     INPUT_DATATYPES, STREAM, TEXT_OUTPUT, LLMRequest, Tensor, deserialize_bool, deserialize_bytes, llm_request, model_metadata,
     serialize_bytes, unknown_model,
@@ -115,20 +115,14 @@ async def _generate_text(service: GenerationService, request: Request, llm: LLMR
         async with contextlib.aclosing(service.generate(llm.generate)) as responses:
             return "".join([r.text async for r in responses])
 
-    try:
-        return await until_disconnected(request.receive, collect())
-    except CallRejected as rejected:
-        raise from_rejected(rejected) from rejected
+    return await answered_unless_disconnected(request.receive, collect())
 
 
 async def _stream(service: GenerationService, request: Request, llm: LLMRequest, model: str) -> Response:
     """Triton's generate_stream: one ``data:`` event per piece of text (just one when stream is
     false); a refusal before the first piece is an HTTP error, a later one an ``error`` event."""
     responses = service.generate(llm.generate)
-    try:
-        first = await until_disconnected(request.receive, anext(responses))
-    except CallRejected as rejected:
-        raise from_rejected(rejected) from rejected
+    first = await answered_unless_disconnected(request.receive, anext(responses))
     if first is None:
         return Response(status_code=499)
 

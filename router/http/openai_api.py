@@ -22,7 +22,7 @@ from proto import splitserve_pb2 as pb
 from router.errors import CallRejected
 from router.http.errors import APIError, from_rejected, openai_body
 from router.http.openai_schema import OpenAIRequest, parse_chat, parse_completion
-from router.http.streaming import SSE_DONE, EventStreamResponse, sse_event, until_disconnected
+from router.http.streaming import SSE_DONE, EventStreamResponse, answered_unless_disconnected, sse_event
 from router.service import GenerationService
 
 TENANT_SALT_HEADER = "x-splitserve-tenant-salt"
@@ -143,10 +143,7 @@ async def _complete(request: Request, responses: AsyncIterator[pb.GenerateRespon
                 last = response
         return "".join(texts), last
 
-    try:
-        collected = await until_disconnected(request.receive, collect())
-    except CallRejected as rejected:
-        raise from_rejected(rejected) from rejected
+    collected = await answered_unless_disconnected(request.receive, collect())
     if collected is None:
         return Response(status_code=499)  # nobody is listening; the request was cancelled
     text, last = collected
@@ -155,10 +152,7 @@ async def _complete(request: Request, responses: AsyncIterator[pb.GenerateRespon
 
 
 async def _stream(request: Request, responses: AsyncIterator[pb.GenerateResponse], envelope: dict, shape, include_usage: bool) -> Response:
-    try:
-        first = await until_disconnected(request.receive, anext(responses))
-    except CallRejected as rejected:
-        raise from_rejected(rejected) from rejected
+    first = await answered_unless_disconnected(request.receive, anext(responses))
     if first is None:
         return Response(status_code=499)
     chunk = {**envelope, "object": shape.chunk_object_name}

@@ -18,6 +18,9 @@ from typing import TypeVar
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from router.errors import CallRejected
+from router.http.errors import from_rejected
+
 T = TypeVar("T")
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -49,6 +52,15 @@ async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
         return None
     watcher.cancel()
     return task.result()
+
+
+async def answered_unless_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
+    """``until_disconnected``, with a call the cluster refused (admission, routing, bad input)
+    raised as its protocol's HTTP error: what every handler awaits before it answers."""
+    try:
+        return await until_disconnected(receive, work)
+    except CallRejected as rejected:
+        raise from_rejected(rejected) from rejected
 
 
 async def _cancel(*tasks: asyncio.Future) -> None:

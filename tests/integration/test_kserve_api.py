@@ -13,12 +13,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from decode_worker.config import WorkerConfig
-from engine.config import EngineConfig
-from router.client import SplitServeClient
-from router.config import RouterConfig
-from router.launch import ClusterConfig
-from tests.integration.conftest import running_cluster, wait_until
+from tests.integration.conftest import wait_until
+from tests.integration.http_cluster import cluster, grpc_client, http_address, model  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.integration
 
@@ -27,39 +23,9 @@ SAMPLING = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_session, tiny_llama_dir):
-    config = ClusterConfig(
-        engine=EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=64, max_num_seqs=8, max_model_len=512),
-        worker=WorkerConfig(max_waiting_requests=8),
-        router=RouterConfig(port=0, http_port=0, worker_refresh_interval_s=0.1),
-    )
-    with running_cluster(config) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http_address(cluster):
-    import ray
-
-    return ray.get(cluster.router.http_address.remote())
-
-
-@pytest.fixture(scope="module")
-def ours(cluster):
-    with SplitServeClient(cluster.router_status.grpc_address) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(ours):
-    [info] = ours.list_models()
-    return info.id
-
-
-@pytest.fixture(scope="module")
-def want(ours):
+def want(grpc_client):
     """The text our own gRPC API generates for PROMPT and SAMPLING."""
-    return "".join(r.text for r in ours.generate(PROMPT, **SAMPLING))
+    return "".join(r.text for r in grpc_client.generate(PROMPT, **SAMPLING))
 
 
 def llm_inputs(module, prompt: str, stream: bool, sampling: dict, exclude_input: bool | None = None) -> list:
@@ -156,9 +122,9 @@ def test_http_client_and_generate_endpoints(http_address, model, want):
     assert (bad.status_code, bad.json()) == (400, {"error": "stream: must be a boolean, got 'yes'"})
 
 
-def test_a_cancelled_grpc_stream_frees_its_blocks(cluster, model, ours):
+def test_a_cancelled_grpc_stream_frees_its_blocks(cluster, model, grpc_client):
     def idle():
-        [r] = ours.cluster_status().replicas
+        [r] = grpc_client.cluster_status().replicas
         return r.num_running == 0 and r.num_free_kv_blocks == r.num_kv_blocks and r
 
     before = wait_until(idle)

@@ -10,49 +10,19 @@ import openai
 import pytest
 import requests
 
-from decode_worker.config import WorkerConfig
-from engine.config import EngineConfig
-from router.client import SplitServeClient
-from router.config import RouterConfig
-from router.launch import ClusterConfig
-from tests.integration.conftest import running_cluster, wait_until
+from tests.integration.conftest import wait_until
+from tests.integration.http_cluster import cluster, grpc_client, http_address, model  # noqa: F401 (fixtures)
 from tests.unit.engine.helpers import random_prompts
 
 pytestmark = pytest.mark.integration
 
-NUM_BLOCKS = 64
 LONG_MAX_TOKENS = 450
 """Seconds of decoding on the tiny model: long enough to be cut short (as test_generate_api's LONG)."""
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_session, tiny_llama_dir):
-    config = ClusterConfig(
-        engine=EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=NUM_BLOCKS, max_num_seqs=8, max_model_len=512),
-        worker=WorkerConfig(max_waiting_requests=8),
-        router=RouterConfig(port=0, http_port=0, worker_refresh_interval_s=0.1),
-    )
-    with running_cluster(config) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def base_url(cluster):
-    import ray
-
-    return f"http://{ray.get(cluster.router.http_address.remote())}"
-
-
-@pytest.fixture(scope="module")
-def grpc_client(cluster):
-    with SplitServeClient(cluster.router_status.grpc_address) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(grpc_client):
-    [info] = grpc_client.list_models()
-    return info.id
+def base_url(http_address):
+    return f"http://{http_address}"
 
 
 @pytest.fixture(scope="module")
