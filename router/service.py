@@ -285,7 +285,7 @@ def check_fits_context(num_prompt_tokens: int, replicas: list[Replica]) -> None:
     """Refuse, before routing, a prompt longer than the context of every worker it could go to."""
     longest = max((r.model.max_model_len for r in replicas), default=0)
     if longest and num_prompt_tokens >= longest:
-        raise invalid("prompt", f"{num_prompt_tokens} tokens do not fit the longest context of any worker ({longest} tokens)")
+        raise invalid("prompt", f"{num_prompt_tokens} tokens do not fit the context of {longest} tokens (the longest any worker serves)")
 
 
 async def _tokenize_on(replica: Replica, request: pb.TokenizeRequest) -> pb.TokenizeResponse:

@@ -318,8 +318,11 @@ class Oracle:
             "stop": any(not x for x in stop.stop),
             "stop_token_ids": any(t < 0 for t in stop.stop_token_ids),
         }
+        router_checked = not bad  # the router's own checks passed: it refuses a too-long prompt next
         bad |= {name for name, failed in checks.items() if failed}
         if bad:
+            if router_checked and sources == ["prompt_token_ids"] and len(r.prompt_token_ids) >= MAX_MODEL_LEN:
+                bad.add("prompt")  # refused before routing, ahead of the engine's sampling checks
             return bad, None
         ids = self._prompt_token_ids(r)
         if not ids or any(not 0 <= t < VOCAB for t in ids) or len(ids) >= MAX_MODEL_LEN:
