@@ -139,10 +139,13 @@ def test_head_and_one_worker_per_pool_serve_then_drain_and_stop(tiny_llama_dir, 
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "no live decode worker" in refused.value.details()
 
         worker_args = ["--address", address, "--num-cpus", "1", "--node-ip-address", "127.0.0.1"]
+        # One node at a time: a raylet must register with the GCS within Ray's fixed 30 s, which
+        # two starting at once beside the head's replica start-up can miss on a loaded 2-core machine.
         decode = Role("decode worker", ["worker", "--pool", "decode", "--drain-timeout-s", "60", *worker_args, "--ray-start-args", ray_start_args()])
-        prefill = Role("prefill worker", ["worker", "--pool", "prefill", *worker_args, "--ray-start-args", ray_start_args()])
-        roles += [decode, prefill]
+        roles.append(decode)
         decode_node = decode.wait_for("with one decode slot", timeout_s=120).split(" node ")[1].split()[0]
+        prefill = Role("prefill worker", ["worker", "--pool", "prefill", *worker_args, "--ray-start-args", ray_start_args()])
+        roles.append(prefill)
         prefill.wait_for("with one prefill slot", timeout_s=120)
         wait_until(lambda: _pools(client) == {"prefill": (1, 1, 1), "decode": (1, 1, 1)}, timeout_s=120, interval_s=0.25)
 
