@@ -101,12 +101,7 @@ class KeyNamespace:
 
 def hash_block(parent_key: int, token_ids: Sequence[int]) -> int:
     """H(parent, tokens): the key of one block given the key of the block before it."""
-    try:
-        data = struct.pack(f"<Q{len(token_ids)}I", parent_key, *token_ids)
-    except struct.error as e:
-        bad = next((t for t in token_ids if not 0 <= t <= _MAX_TOKEN_ID), None)
-        raise ValueError(f"token_ids: {bad!r} is not a u32 token id") from e
-    return xxhash.xxh3_64_intdigest(data)
+    return xxhash.xxh3_64_intdigest(parent_key.to_bytes(8, "little") + _pack(token_ids))
 
 
 def block_keys(
@@ -117,9 +112,26 @@ def block_keys(
     ``parent_key`` is the key of block ``start_block - 1`` (the namespace root when 0), so a
     caller that already holds the keys of a prefix extends the chain without rehashing it.
     """
-    keys: list[int] = []
     num_full_blocks = len(token_ids) // block_size
-    for i in range(start_block, num_full_blocks):
-        parent_key = hash_block(parent_key, token_ids[i * block_size : (i + 1) * block_size])
-        keys.append(parent_key)
+    return packed_block_keys(_pack(token_ids[start_block * block_size : num_full_blocks * block_size]), block_size, parent_key)
+
+
+def packed_block_keys(data: bytes, block_size: int, parent_key: int) -> list[int]:
+    """``block_keys`` of token ids already packed as little-endian u32s, block after block
+    (``len(data)`` a multiple of ``block_size * 4``): the one loop every key of ours comes from."""
+    step = block_size * 4
+    keys: list[int] = []
+    append = keys.append
+    for offset in range(0, len(data), step):
+        parent_key = xxhash.xxh3_64_intdigest(parent_key.to_bytes(8, "little") + data[offset : offset + step])
+        append(parent_key)
     return keys
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian u32s; ValueError naming the first that is not one."""
+    try:
+        return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    except struct.error as e:
+        bad = next((t for t in token_ids if not 0 <= t <= _MAX_TOKEN_ID), None)
+        raise ValueError(f"token_ids: {bad!r} is not a u32 token id") from e

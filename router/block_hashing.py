@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from itertools import repeat
 
 import numpy as np
-import xxhash
+
+from kv_store.keys import packed_block_keys
 
 _MULTIPLIERS = np.random.default_rng(0x5EED).integers(1, 2**63, size=4096, dtype=np.uint64) | np.uint64(1)
 _MIX = np.uint64(0x9E3779B97F4A7C15)
-_H = xxhash.xxh3_64_intdigest
 
 
 @dataclass(frozen=True)
@@ -122,12 +122,7 @@ class BlockHasher:
 
     def _hash(self, tokens: np.ndarray, start_block: int, parent_key: int) -> list[int]:
         data = tokens[start_block * self.block_size :].astype("<u4", copy=False).tobytes()
-        step = self.block_size * 4
-        keys = []
-        append = keys.append
-        for offset in range(0, len(data), step):
-            parent_key = _H(parent_key.to_bytes(8, "little") + data[offset : offset + step])
-            append(parent_key)
+        keys = packed_block_keys(data, self.block_size, parent_key)
         self.num_hashed_blocks += len(keys)
         return keys
 
