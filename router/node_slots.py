@@ -19,9 +19,14 @@ import math
 from collections.abc import Iterable, Mapping
 
 
+def is_alive(node: Mapping) -> bool:
+    """Whether Ray reports ``node`` (one ``ray.nodes()`` entry) alive."""
+    return bool(node.get("Alive", node.get("alive")))
+
+
 def alive_node_ids(nodes: Iterable[Mapping]) -> set[str]:
     """Ids of the nodes Ray reports alive."""
-    return {n["NodeID"] for n in nodes if n.get("Alive", n.get("alive"))}
+    return {n["NodeID"] for n in nodes if is_alive(n)}
 
 
 def node_slots(nodes: Iterable[Mapping], resource: str, exclude: Iterable[str] = ()) -> dict[str, int]:
@@ -30,7 +35,7 @@ def node_slots(nodes: Iterable[Mapping], resource: str, exclude: Iterable[str] =
     excluded = set(exclude)
     slots = {}
     for node in nodes:
-        if not node.get("Alive", node.get("alive")) or node["NodeID"] in excluded:
+        if not is_alive(node) or node["NodeID"] in excluded:
             continue
         count = math.floor(node.get("Resources", {}).get(resource, 0.0) + 1e-9)
         if count > 0:

@@ -18,6 +18,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from router.errors import PlacementError
+from router.node_slots import is_alive
 
 NODE_ID_LABEL = "ray.io/node-id"
 """The label Ray gives every node, holding its id: a placement group's bundles select a node by it."""
@@ -38,7 +39,7 @@ def check_fits(what: str, wanted: list[dict[str, float]], nodes: list[dict]) -> 
     for bundle in wanted:
         for name, amount in bundle.items():
             need[name] = need.get(name, 0.0) + amount
-    totals = [n["Resources"] for n in nodes if n.get("Alive", n.get("alive"))]
+    totals = [n["Resources"] for n in nodes if is_alive(n)]
     if any(all(node.get(k, 0.0) >= v for k, v in need.items()) for node in totals):
         return
     largest = max(totals, key=lambda t: tuple(t.get(k, 0.0) for k in need), default={})
@@ -53,7 +54,7 @@ async def reserve(what: str, wanted: list[dict[str, float]], timeout_s: float, n
     the resources)."""
     nodes = await asyncio.to_thread(ray.nodes)
     if node_id is not None:
-        what, nodes = f"{what} on node {node_id}", [n for n in nodes if n["NodeID"] == node_id and n.get("Alive")]
+        what, nodes = f"{what} on node {node_id}", [n for n in nodes if n["NodeID"] == node_id and is_alive(n)]
         if not nodes:
             raise PlacementError(f"{what}: no such alive Ray node")
     check_fits(what, wanted, nodes)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.controller_config import CONTROLLER_NAME, NAMESPACE, POOLS, pool_resource
+from router.node_slots import is_alive
 
 READY_LINE = "Ray runtime started"
 """What ``ray start`` prints once its node has joined (Ray 2.x)."""
@@ -252,7 +253,7 @@ def node_id_named(node_name: str, timeout_s: float = 30.0) -> str:
 
     deadline = time.monotonic() + timeout_s
     while True:
-        ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("NodeName") == node_name]
+        ids = [n["NodeID"] for n in ray.nodes() if is_alive(n) and n.get("NodeName") == node_name]
         if ids:
             return ids[0]
         if time.monotonic() > deadline:
