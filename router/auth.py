@@ -41,10 +41,16 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith(_UNAUTHENTICATED_EXEMPT):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
-        presented = metadata.get("authorization", "")
-        if hmac.compare_digest(presented.encode(), self._expected):
-            return handler
-        return _refusing(handler, "missing or invalid bearer token" if presented else "missing bearer token")
+        refusal = token_refusal(metadata.get("authorization", "").encode(), self._expected)
+        return handler if refusal is None else _refusing(handler, refusal)
+
+
+def token_refusal(presented: bytes, expected: bytes) -> str | None:
+    """Why an ``authorization`` value of ``presented`` is refused (None: it is ``expected``,
+    ``Bearer <token>``), for every front end that checks the token: gRPC, HTTP."""
+    if hmac.compare_digest(presented, expected):
+        return None
+    return "missing or invalid bearer token" if presented else "missing bearer token"
 
 
 def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import socket
 import ssl
 import time
@@ -21,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.auth import token_refusal
 from router.config import RouterConfig
 from router.http.errors import APIError, openai_body
 from router.http.kserve_http import kserve_router
@@ -108,9 +108,9 @@ class _Guard:
     def _refusal(self, scope: Scope) -> APIError | None:
         headers = dict(scope["headers"])
         if self._expected is not None and not scope["path"].startswith(_OPEN_PATHS):
-            presented = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(presented, self._expected):
-                return APIError(401, "missing or invalid bearer token" if presented else "missing bearer token", code="invalid_api_key")
+            refusal = token_refusal(headers.get(b"authorization", b""), self._expected)
+            if refusal is not None:
+                return APIError(401, refusal, code="invalid_api_key")
         length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.max_body_bytes:
             return APIError(413, f"request body: {int(length)} bytes exceed the limit of {self.max_body_bytes}", code="request_too_large")
