@@ -9,6 +9,8 @@ from engine.cpus import parse_cpu_list
 from kv_store.keys import KV_DTYPES
 
 MODEL_DTYPES = ("float32", "bfloat16")
+WEIGHT_FORMATS = ("native", "bf16", "fp32", "int8", "int4")
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,10 @@ class EngineConfig:
     """A bundled model name or a path to a Hugging Face checkpoint directory."""
     dtype: str = "float32"
     """Weights and activations: float32 or bfloat16."""
+    weights: str = "native"
+    """Linear-layer weights: native (kept at the checkpoint's own precision: a GGUF's quantized
+    blocks run as weight-only quantized matmuls, a safetensors checkpoint as stored), bf16, fp32,
+    or int8/int4 (weight-only, quantized at load)."""
     kv_dtype: str = "fp8_e4m3"
     """KV pool storage: fp32, bf16 or fp8_e4m3 (dequantized inside attention)."""
     block_size: int = 16
@@ -52,6 +58,13 @@ class EngineConfig:
     ep_size: int = 1
     """Expert-parallel ranks (MoE models): each holds 1/N of the experts and runs attention for
     requests of its own (data-parallel attention); exclusive with tp_size > 1."""
+    speculative: str = "off"
+    """Speculative decoding: off, ngram (drafts copied from the sequence's own earlier tokens) or
+    draft (a small draft model, ``draft_model``); drafts are verified in one batched forward pass."""
+    num_speculative_tokens: int = 4
+    """Most draft tokens proposed per sequence and step."""
+    draft_model: str | None = None
+    """The draft model for ``speculative="draft"``: a bundled name or a checkpoint directory."""
     tp_collective_timeout_s: float = 30.0
     """How long a rank waits in an all-reduce for the others before the replica fails (a hung rank)."""
 
@@ -63,6 +76,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {MODEL_DTYPES}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights: {self.weights!r} is not one of {WEIGHT_FORMATS}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative: {self.speculative!r} is not one of {SPECULATIVE_METHODS}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model: set it exactly when speculative is 'draft'")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {KV_DTYPES}")
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
