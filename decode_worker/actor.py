@@ -26,7 +26,6 @@ import asyncio
 import logging
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -47,7 +46,7 @@ from engine.params import SamplingParams
 from engine.replica import EngineReplica
 from engine.request import EngineRequest, RequestTrace
 from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult
-from kv_transfer.registry import transport_class
+from kv_transfer.registry import open_endpoint
 from proto import splitserve_pb2 as pb
 from proto import worker_pb2 as wpb
 
@@ -406,18 +405,5 @@ def _first_token_params(params: SamplingParams) -> SamplingParams:
 
 
 def _build_receiver(replica_id: str, engine: LLMEngine, transport_name: str) -> KVReceiver:
-    # Unique per process: a replica id can come back (a new cluster in the same Ray session),
-    # and a peer that cached the old agent's pool address must never write into the new one.
-    agent_name = f"{replica_id}-{uuid.uuid4().hex[:8]}"
-    transport = transport_class(transport_name)(agent_name, engine.kv_cache.buffer)
-    heads = engine.runner.model.shard.kv_heads
-    endpoint = KVEndpoint(
-        agent_name=agent_name,
-        transport_metadata=transport.metadata(),
-        namespace=engine.namespace,
-        layout=engine.kv_cache.layout,
-        num_blocks=engine.kv_cache.num_blocks,
-        head_start=heads.start,
-        head_end=heads.stop,
-    )
+    transport, endpoint = open_endpoint(transport_name, replica_id, engine.kv_cache, engine.runner.model.shard.kv_heads, engine.namespace)
     return KVReceiver(transport, endpoint)

@@ -11,14 +11,12 @@ own agent (KVReceiver) while it awaits a hand-off.
 from __future__ import annotations
 
 import asyncio
-import uuid
-from dataclasses import replace
 
 from decode_worker.kv_receiver import KVReceiver
 from engine.parallel.follower import TPFollower
 from kv_store.keys import KeyNamespace
 from kv_transfer.protocol import KVEndpoint
-from kv_transfer.registry import transport_class
+from kv_transfer.registry import open_endpoint
 
 
 class DecodeRank(TPFollower):
@@ -27,19 +25,7 @@ class DecodeRank(TPFollower):
     async def open_kv(self, transport_name: str, replica_id: str, namespace: KeyNamespace) -> KVEndpoint:
         """Register this rank's pool with a transport agent of its own; its endpoint (``namespace``
         is the leader's, given this rank)."""
-        kv_cache = self.runner.kv_cache
-        heads = self.runner.model.shard.kv_heads
-        agent_name = f"{replica_id}-rank{self.rank}-{uuid.uuid4().hex[:8]}"
-        transport = transport_class(transport_name)(agent_name, kv_cache.buffer)
-        endpoint = KVEndpoint(
-            agent_name=agent_name,
-            transport_metadata=transport.metadata(),
-            namespace=replace(namespace, tp_rank=self.rank) if namespace.tp_size > 1 else namespace,
-            layout=kv_cache.layout,
-            num_blocks=kv_cache.num_blocks,
-            head_start=heads.start,
-            head_end=heads.stop,
-        )
+        transport, endpoint = open_endpoint(transport_name, replica_id, self.runner.kv_cache, self.runner.model.shard.kv_heads, namespace, self.rank)
         self.receiver = KVReceiver(transport, endpoint)
         return endpoint
 

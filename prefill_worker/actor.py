@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from dataclasses import dataclass, replace
 
 import ray
@@ -38,7 +37,7 @@ from engine.request import EngineRequest
 from kv_transfer.errors import HandOffError, KVTransferError
 from kv_transfer.handoff import plan_head_writes, write_rank
 from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult, TransferStatus, check_compatible
-from kv_transfer.registry import transport_class
+from kv_transfer.registry import open_endpoint
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.rank import PrefillRank
 from proto import splitserve_pb2 as pb
@@ -88,18 +87,8 @@ class PrefillWorker(EngineReplica):
     def __init__(self, replica_id: str, engine_config: EngineConfig, config: PrefillWorkerConfig) -> None:
         super().__init__(replica_id, engine_config, config)
         self.config = config
-        agent_name = f"{replica_id}-{uuid.uuid4().hex[:8]}"
-        self.transport = transport_class(config.kv_transport)(agent_name, self.engine.kv_cache.buffer)
-        layout = self.engine.kv_cache.layout
-        heads = self.engine.runner.model.shard.kv_heads
-        self.endpoint = KVEndpoint(
-            agent_name=agent_name,
-            transport_metadata=self.transport.metadata(),
-            namespace=self.engine.namespace,
-            layout=layout,
-            num_blocks=self.engine.kv_cache.num_blocks,
-            head_start=heads.start,
-            head_end=heads.stop,
+        self.transport, self.endpoint = open_endpoint(
+            config.kv_transport, replica_id, self.engine.kv_cache, self.engine.runner.model.shard.kv_heads, self.engine.namespace
         )
         opened = [f.open_kv.remote(config.kv_transport, replica_id, self.engine.namespace) for f in self.tp_followers]
         self.rank_endpoints: tuple[KVEndpoint, ...] = (self.endpoint, *ray.get(opened))

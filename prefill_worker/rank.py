@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Sequence
-from dataclasses import replace
 
 from engine.parallel.follower import TPFollower
 from kv_store.keys import KeyNamespace
 from kv_transfer.errors import KVTransferError
 from kv_transfer.handoff import HeadWrite, write_rank
 from kv_transfer.protocol import KVEndpoint, RankWrite, TransferRequest
-from kv_transfer.registry import transport_class
+from kv_transfer.registry import open_endpoint
 
 _POLL_S = 0.0005
 
@@ -31,19 +29,7 @@ class PrefillRank(TPFollower):
 
     async def open_kv(self, transport_name: str, replica_id: str, namespace: KeyNamespace) -> KVEndpoint:
         """Register this rank's pool with a transport agent of its own; its endpoint."""
-        kv_cache = self.runner.kv_cache
-        heads = self.runner.model.shard.kv_heads
-        agent_name = f"{replica_id}-rank{self.rank}-{uuid.uuid4().hex[:8]}"
-        self.transport = transport_class(transport_name)(agent_name, kv_cache.buffer)
-        self.endpoint = KVEndpoint(
-            agent_name=agent_name,
-            transport_metadata=self.transport.metadata(),
-            namespace=replace(namespace, tp_rank=self.rank) if namespace.tp_size > 1 else namespace,
-            layout=kv_cache.layout,
-            num_blocks=kv_cache.num_blocks,
-            head_start=heads.start,
-            head_end=heads.stop,
-        )
+        self.transport, self.endpoint = open_endpoint(transport_name, replica_id, self.runner.kv_cache, self.runner.model.shard.kv_heads, namespace, self.rank)
         return self.endpoint
 
     async def add_kv_peers(self, endpoints: Sequence[KVEndpoint]) -> None:

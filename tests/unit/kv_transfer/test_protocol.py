@@ -168,3 +168,28 @@ def test_transports_are_found_by_name():
     assert transport_class("nixl").__name__ == "NixlTransport"
     with pytest.raises(ValueError, match=r"transport: 'tcp' is not one of \['nixl'\]"):
         transport_class("tcp")
+
+
+def test_open_endpoint_registers_the_pool_under_a_fresh_agent_name_per_call():
+    """Every worker rank opens its endpoint through open_endpoint: the endpoint describes the pool
+    and heads given, a TP rank advertises its rank, and a replica id that comes back never reuses
+    an agent name (a peer caching the old pool address must not write into the new pool)."""
+    import torch
+
+    from kv_transfer.registry import open_endpoint
+
+    layout = _endpoint(heads=(2, 4)).layout
+
+    class Pool:
+        buffer = torch.zeros(4, layout.block_bytes, dtype=torch.uint8)
+        num_blocks = 4
+
+    Pool.layout = layout
+    tp_namespace = replace(NAMESPACE, tp_size=2)
+    first, endpoint = open_endpoint("nixl", "decode-0", Pool, range(2, 4), tp_namespace, rank=1)
+    _, again = open_endpoint("nixl", "decode-0", Pool, range(2, 4), NAMESPACE)
+    assert endpoint.agent_name.startswith("decode-0-rank1-") and again.agent_name.startswith("decode-0-")
+    assert endpoint.agent_name != again.agent_name and "rank" not in again.agent_name
+    assert (endpoint.head_start, endpoint.head_end, endpoint.num_blocks, endpoint.layout) == (2, 4, 4, layout)
+    assert endpoint.namespace.tp_rank == 1 and again.namespace == NAMESPACE
+    assert endpoint.transport_metadata == first.metadata()
