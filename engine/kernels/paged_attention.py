@@ -43,6 +43,8 @@ except ImportError:  # the serving image runs without Triton; only the kernel ne
 _KV_KINDS = {"fp32": 0, "bf16": 1, "fp8_e4m3": 2}
 _STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 _PROGRAMS_PER_SM = 4
+_FLOAT32_FROM_E4M3_MASK = tl.constexpr(0x87F00000 - (1 << 32)) if triton is not None else None
+_REBIAS = tl.constexpr(2.0**120) if triton is not None else None
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton builds interpreted kernels when this is set as the module is imported (as the CPU tests do)."""
 
@@ -56,6 +58,7 @@ if triton is not None:
         layer_k_scale, stride_table, num_heads, blocks_per_split,
         KV_KIND: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        NATIVE_FP8: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -91,8 +94,8 @@ if triton is not None:
             block_base = pool_ptr + block_id * block_bytes
             k_base = block_base + kv_head * head_bytes + layer_k_bytes
             tile_ok = ((index * BLOCK_SIZE + slots) < context_len)[:, None] & dim_ok[None, :]
-            k = _load_tile(k_base + tile_offsets, tile_ok, KV_KIND)
-            v = _load_tile(k_base + v_offset_bytes + tile_offsets, tile_ok, KV_KIND)
+            k = _load_tile(k_base + tile_offsets, tile_ok, KV_KIND, NATIVE_FP8)
+            v = _load_tile(k_base + v_offset_bytes + tile_offsets, tile_ok, KV_KIND, NATIVE_FP8)
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale
             if KV_KIND == 2:
                 scale_ptr = (block_base + scales_offset).to(tl.pointer_type(tl.float32))
@@ -121,15 +124,23 @@ if triton is not None:
             tl.store(part_sum_ptr + part_rows, running_sum, mask=row_ok)
 
     @triton.jit
-    def _load_tile(byte_ptrs, mask, KV_KIND: tl.constexpr):
-        """One [block_size, head_dim] tile as float32; FP8 stays unscaled (the caller folds the scale in)."""
+    def _load_tile(byte_ptrs, mask, KV_KIND: tl.constexpr, NATIVE_FP8: tl.constexpr):
+        """One [block_size, head_dim] tile as float32; FP8 stays unscaled (the caller folds the scale in).
+
+        Without a hardware e4m3 conversion (before sm_89) the code's bits are moved into a
+        float32 as kv_store/fp8.py does on CPU: exact, a shift, a mask and a multiply.
+        """
         if KV_KIND == 0:
             tile = tl.load(byte_ptrs.to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
         elif KV_KIND == 1:
             tile = tl.load(byte_ptrs.to(tl.pointer_type(tl.bfloat16)), mask=mask, other=0.0).to(tl.float32)
-        else:
+        elif NATIVE_FP8:
             codes = tl.load(byte_ptrs, mask=mask, other=0)
             tile = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            codes = tl.load(byte_ptrs.to(tl.pointer_type(tl.int8)), mask=mask, other=0).to(tl.int32)
+            bits = (codes << 20) & _FLOAT32_FROM_E4M3_MASK
+            tile = bits.to(tl.float32, bitcast=True) * _REBIAS
         return tile
 
 
@@ -142,6 +153,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     sm_scale: float | None = None,
     num_splits: int | None = None,
+    native_fp8: bool | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` (``[batch, num_heads, head_dim]``, one token per sequence) over its context.
 
@@ -150,6 +162,8 @@ def paged_decode_attention(
     ``context_lens[i]`` (>= 1) its tokens in them, the query's own K/V included. Query head h
     reads KV head ``h // (num_heads // kv_heads)``. Returns ``[batch, num_heads, head_dim]``
     in ``q``'s dtype. Runs on CUDA tensors, or on CPU under ``TRITON_INTERPRET=1``.
+    ``num_splits`` (split-K) and ``native_fp8`` (hardware e4m3 conversion) default to what the
+    device suits; tests set them to cover every path.
     """
     if triton is None:
         raise RuntimeError("paged_decode_attention needs Triton (pip install the test extras, or triton on a GPU host)")
@@ -179,7 +193,7 @@ def paged_decode_attention(
         block_tables.stride(0), num_heads, blocks_per_split,
         KV_KIND=_KV_KINDS[layout.kv_dtype], GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_SIZE=layout.block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        NUM_SPLITS=num_splits,
+        NUM_SPLITS=num_splits, NATIVE_FP8=_native_fp8(q) if native_fp8 is None else native_fp8,
     )
     if num_splits == 1:
         return out
@@ -203,6 +217,11 @@ def _auto_num_splits(q: torch.Tensor, num_programs: int, max_blocks: int) -> int
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     wanted = -(-_PROGRAMS_PER_SM * sms // num_programs)
     return max(1, min(wanted, max_blocks))
+
+
+def _native_fp8(q: torch.Tensor) -> bool:
+    """Whether the device converts e4m3 in hardware (sm_89 and later; the interpreter emulates it)."""
+    return q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) >= (8, 9)
 
 
 def _check_device(q: torch.Tensor) -> None:
