@@ -26,6 +26,7 @@ torch's own casts and calls SDPA per sequence, sharing no code with the kernel o
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -159,7 +160,8 @@ def paged_decode_attention(
 
     ``pool`` is the engine's KV buffer (``uint8 [num_blocks, layout.block_bytes]``);
     ``block_tables[i]`` lists sequence i's blocks (padded with any valid id) and
-    ``context_lens[i]`` (>= 1) its tokens in them, the query's own K/V included. Query head h
+    ``context_lens[i]`` (>= 1) its tokens in them, the query's own K/V included (their values
+    are checked on CPU only: on CUDA a check would synchronize the device). Query head h
     reads KV head ``h // (num_heads // kv_heads)``. Returns ``[batch, num_heads, head_dim]``
     in ``q``'s dtype. Runs on CUDA tensors, or on CPU under ``TRITON_INTERPRET=1``.
     ``num_splits`` (split-K) and ``native_fp8`` (hardware e4m3 conversion) default to what the
@@ -214,9 +216,14 @@ def _combine_splits(acc: torch.Tensor, maxes: torch.Tensor, sums: torch.Tensor) 
 def _auto_num_splits(q: torch.Tensor, num_programs: int, max_blocks: int) -> int:
     if q.device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = _multi_processor_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
     wanted = -(-_PROGRAMS_PER_SM * sms // num_programs)
     return max(1, min(wanted, max_blocks))
+
+
+@functools.cache
+def _multi_processor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _native_fp8(q: torch.Tensor) -> bool:
@@ -248,6 +255,11 @@ def _check_inputs(q, pool, layout: KVBlockLayout, layer: int, block_tables, cont
         raise ValueError(f"block_tables: expected int32/int64 [{batch}, max_blocks], got {block_tables.dtype} {list(block_tables.shape)}")
     if context_lens.shape != (batch,):
         raise ValueError(f"context_lens: expected [{batch}], got {list(context_lens.shape)}")
+    devices = {name: t.device for name, t in (("q", q), ("pool", pool), ("block_tables", block_tables), ("context_lens", context_lens))}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"q, pool, block_tables and context_lens must share one device, got {devices}")
+    if block_tables.device.type == "cuda":
+        return  # reading the values would synchronize the device at every call
     capacity = block_tables.shape[1] * layout.block_size
     if int(context_lens.min()) < 1 or int(context_lens.max()) > capacity:
         raise ValueError(f"context_lens: every length must be in [1, {capacity}] (the tables' blocks), got {context_lens.tolist()}")
