@@ -10,14 +10,16 @@ CPU tier, then the Redis tier, which every worker shares)::
     worker A  pool pool cpu  --            -> run 3: pool 2, cpu 1
     worker B  --   (k0 in Redis) ...       -> Redis counts for everyone: run from Redis
 
-One dict maps each key to one int holding a bit per worker per tier, in lanes of ``_lane_bits``::
+A ``KeyTable`` (numpy open addressing) maps each key to a row of worker bitmasks, one per tier
+lane, 64 workers to a word (column ``word * 4 + lane``)::
 
-    entry = pool_mask | cpu_mask << L | redis_writers << 2L | remembered << 3L    (L = _lane_bits)
+    row = pool_mask, cpu_mask, redis_writers, remembered     (then the next 64 workers' four)
 
-so a lookup is one C-level ``map(dict.get)`` over the keys and a numpy search for runs of
-equal values: Python only runs where the tier pattern changes, not per key (a 32k-token prompt
+so a lookup is one vectorized probe of all of a prompt's keys and a numpy search for runs of
+equal rows: Python only runs where the tier pattern changes, not per key (a 32k-token prompt
 on 16-token blocks is 2,048 keys). A router may also ``remember`` where it just sent a prompt's
-blocks, before any event says so; those count as pool blocks until ``forget_expired``.
+blocks, before any event says so; those count as pool blocks until ``forget_expired`` (the
+table's ``times`` hold each key's end of memory, NaN when it has none).
 """
 
 from __future__ import annotations
@@ -25,14 +27,18 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import compress, count, islice, repeat
-from operator import ne, or_
 
 import numpy as np
 
 from kv_store.events import EventGap, EventKind, KeySets, KVEventBatch, KVSnapshot, Tier
+from router.key_table import KeyTable
 
 _TIER_LANE = {Tier.POOL: 0, Tier.CPU: 1, Tier.REDIS: 2}
+_REMEMBERED = 3
+_LANES = 4
+_WORD_BITS = 64
+_GROW_AT = 0.375
+"""Share of the table's slots in use past which ``forget_expired`` grows it (``insert`` would at 1/2)."""
 
 
 @dataclass(frozen=True)
@@ -49,18 +55,16 @@ class CachedRun:
 
 
 class PrefixIndex:
-    """Per-worker key sets (for exact sequencing) and one ``key -> tier lanes of worker bits`` map."""
+    """Per-worker key sets (for exact sequencing) and one ``key -> tier lanes of worker bits`` table."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 131_072) -> None:
+        """``capacity``: keys the table holds before it first grows (it grows as needed)."""
         self._sets: dict[str, KeySets] = {}
         self._bits: dict[str, int] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
-        self._lane_bits = 8
-        """Bits per tier lane, widened as workers join: an entry stays a small int while it can."""
-        self._entries: dict[int, int] = {}
-        self._remembered_until: dict[int, float] = {}
-        self._remember_order: deque[tuple[float, tuple[int, ...]]] = deque()
+        self._table = KeyTable(_LANES, capacity, keep=_holds_something)
+        self._remember_order: deque[tuple[float, np.ndarray]] = deque()
 
     @property
     def workers(self) -> list[str]:
@@ -85,8 +89,8 @@ class PrefixIndex:
         bit = self._bits.pop(worker_id)
         for tier, keys in sets.keys.items():
             self._drop(tier, keys, bit)
-        for key, mask in self._remembered().items():
-            self._set_remembered(key, mask & ~(1 << bit))
+        column, flag = _column(bit, _REMEMBERED)
+        self._table.values[:, column] &= ~flag
         self._free_bits.append(bit)
 
     def apply(self, batch: KVEventBatch) -> None:
@@ -100,14 +104,12 @@ class PrefixIndex:
         bit = self._bits[batch.worker_id]
         for event in batch.events:
             keys = sets.keys[event.tier]
-            if event.kind is EventKind.STORED:
-                fresh = [k for k in event.keys if k not in keys]
-                keys.update(fresh)
-                self._add(event.tier, fresh, bit)
+            if event.kind is EventKind.STORED:  # setting a bit that is set, or clearing one that is not, changes nothing
+                keys.update(event.keys)
+                self._add(event.tier, event.keys, bit)
             elif event.kind is EventKind.REMOVED:
-                gone = [k for k in event.keys if k in keys]
-                keys.difference_update(gone)
-                self._drop(event.tier, gone, bit)
+                keys.difference_update(event.keys)
+                self._drop(event.tier, event.keys, bit)
             else:
                 self._drop(event.tier, keys, bit)
                 keys.clear()
@@ -123,34 +125,37 @@ class PrefixIndex:
         for tier, keys in fresh.keys.items():
             self._add(tier, keys, bit)
 
-    def remember(self, worker_id: str, keys: Sequence[int], until_s: float) -> None:
+    def remember(self, worker_id: str, keys: Sequence[int] | np.ndarray, until_s: float) -> None:
         """Count ``keys`` as in ``worker_id``'s pool until ``until_s`` (this router just sent them
         there; the KV events will say so later)."""
-        if not keys:
+        if not len(keys):
             return
         self.add_worker(worker_id)
-        flag = 1 << self._bits[worker_id]
-        entries = self._entries
-        lane_flag = flag << 3 * self._lane_bits
-        entries.update(zip(keys, map(or_, map(entries.get, keys, repeat(0)), repeat(lane_flag))))
-        self._remembered_until.update(zip(keys, repeat(until_s)))
-        self._remember_order.append((until_s, tuple(keys)))
+        keys = np.array(keys, dtype=np.uint64)  # a copy: the order below outlives the caller's array
+        slots = self._table.insert(keys)
+        column, flag = _column(self._bits[worker_id], _REMEMBERED)
+        self._table.values[slots, column] |= flag
+        self._table.times[slots] = until_s
+        self._remember_order.append((until_s, keys))
 
     def forget_expired(self, now_s: float) -> None:
-        """Drop remembered keys whose last ``remember`` ended by ``now_s``."""
-        order, until = self._remember_order, self._remembered_until
+        """Drop remembered keys whose last ``remember`` ended by ``now_s``. It runs at load
+        reports, off the requests' path: a table that fills up grows here first."""
+        order, table = self._remember_order, self._table
+        if len(table) > _GROW_AT * table.capacity:
+            table.compact()
         while order and order[0][0] <= now_s:
-            for key in order.popleft()[1]:
-                last = until.get(key)
-                if last is not None and last <= now_s:
-                    del until[key]
-                    self._set_remembered(key, 0)
+            slots = table.find(order.popleft()[1])
+            slots = slots[slots >= 0]
+            slots = slots[table.times[slots] <= now_s]
+            table.values[slots, _REMEMBERED :: _LANES] = 0
+            table.times[slots] = np.nan
 
     def oldest_remembered_s(self) -> float | None:
         """When the oldest remembered keys expire (None: nothing remembered)."""
         return self._remember_order[0][0] if self._remember_order else None
 
-    def match(self, keys: Sequence[int], workers: Iterable[str] | None = None) -> dict[str, CachedRun]:
+    def match(self, keys: Sequence[int] | np.ndarray, workers: Iterable[str] | None = None) -> dict[str, CachedRun]:
         """Each worker's longest cached run of ``keys`` from the first, split by serving tier."""
         names = list(self._sets) if workers is None else list(workers)
         known = [w for w in names if w in self._bits]  # a worker with no events yet holds nothing
@@ -158,13 +163,12 @@ class PrefixIndex:
         for name in known:
             alive |= 1 << self._bits[name]
         counts = {name: [0, 0, 0] for name in names}
-        lane = self._lane_bits
-        runs = self._runs(keys) if alive else ()
+        runs = self._runs(keys) if alive and len(keys) else ()
         segment, length = None, 0
-        for value, num_keys in runs:
-            in_pool = (value | value >> 3 * lane) & alive
-            in_cpu = value >> lane & alive & ~in_pool
-            in_redis = alive & ~in_pool & ~in_cpu if value >> 2 * lane & ((1 << lane) - 1) else 0
+        for (pool, cpu, redis, remembered), num_keys in runs:
+            in_pool = (pool | remembered) & alive
+            in_cpu = cpu & alive & ~in_pool
+            in_redis = alive & ~in_pool & ~in_cpu if redis else 0
             alive = in_pool | in_cpu | in_redis
             if not alive:
                 break
@@ -176,26 +180,23 @@ class PrefixIndex:
         self._credit(counts, known, segment, length)
         return {name: CachedRun(*c) for name, c in counts.items()}
 
-    def _runs(self, keys: Sequence[int]) -> list[tuple[int, int]]:
-        """``(entry, count)`` for each run of equal entries of ``keys``, up to the first key no
-        worker holds. Up to 15 workers an entry fits an int64 and numpy finds the run starts;
-        beyond (lanes of 30 bits and more), C-level ``map``/``compress`` over the list does. Python steps once per run."""
-        values = map(self._entries.get, keys, repeat(0))
-        if 4 * self._lane_bits <= 63:
-            array = np.fromiter(values, dtype=np.int64, count=len(keys))
-            zeros = np.flatnonzero(array == 0)
-            end = int(zeros[0]) if len(zeros) else len(array)
+    def _runs(self, keys: Sequence[int] | np.ndarray) -> list[tuple[tuple[int, int, int, int], int]]:
+        """``((pool, cpu, redis, remembered) masks, count)`` for each run of equal rows of
+        ``keys``, up to the first key no worker holds. Python steps once per run."""
+        slots = self._table.find(keys)
+        held = slots >= 0
+        end = int(np.argmin(held)) if not held.all() else len(slots)
+        if end == 0:
+            return []
+        rows = self._table.values[slots[:end]]
+        nonzero = _any_per_row(rows != 0)
+        if not nonzero.all():
+            end = int(np.argmin(nonzero))
             if end == 0:
                 return []
-            starts = [0, *(np.flatnonzero(array[1:end] != array[: end - 1]) + 1).tolist(), end]
-            return [(int(array[a]), b - a) for a, b in zip(starts, starts[1:]) if b > a]
-        values = list(values)
-        try:
-            end = values.index(0)
-        except ValueError:
-            end = len(values)
-        starts = [0, *compress(count(1), map(ne, islice(values, 1, end), values)), end]
-        return [(values[a], b - a) for a, b in zip(starts, starts[1:]) if b > a]
+            rows = rows[:end]
+        starts = [0, *(np.flatnonzero(_any_per_row(rows[1:] != rows[:-1])) + 1).tolist(), end]
+        return [(_lanes(row), b - a) for row, a, b in zip(rows[starts[:-1]].tolist(), starts, starts[1:])]
 
     def num_keys(self, worker_id: str, tier: Tier = Tier.POOL) -> int:
         sets = self._sets.get(worker_id)
@@ -211,50 +212,52 @@ class PrefixIndex:
                         counts[name][tier_index] += length
 
     def _add(self, tier: Tier, keys: Iterable[int], bit: int) -> None:
-        entries = self._entries
-        flag = 1 << (bit + _TIER_LANE[tier] * self._lane_bits)
-        for key in keys:
-            entries[key] = entries.get(key, 0) | flag
+        array = _key_array(keys)
+        if len(array):
+            slots = self._table.insert(array)  # before ``values`` is read: inserting may replace it
+            column, flag = _column(bit, _TIER_LANE[tier])
+            self._table.values[slots, column] |= flag
 
     def _drop(self, tier: Tier, keys: Iterable[int], bit: int) -> None:
-        entries = self._entries
-        clear = ~(1 << (bit + _TIER_LANE[tier] * self._lane_bits))
-        for key in keys:
-            mask = entries.get(key, 0) & clear
-            if mask:
-                entries[key] = mask
-            else:
-                entries.pop(key, None)
-
-    def _remembered(self) -> dict[int, int]:
-        """Key -> the remembered lane's worker bits, for every key that has some."""
-        shift, lane = 3 * self._lane_bits, (1 << self._lane_bits) - 1
-        return {key: value >> shift & lane for key, value in self._entries.items() if value >> shift & lane}
-
-    def _set_remembered(self, key: int, mask: int) -> None:
-        """Write ``mask`` into the remembered lane of ``key``'s entry."""
-        shift = 3 * self._lane_bits
-        value = self._entries.get(key, 0) & ~(((1 << self._lane_bits) - 1) << shift) | mask << shift
-        if value:
-            self._entries[key] = value
-        else:
-            self._entries.pop(key, None)
+        array = _key_array(keys)
+        if len(array):
+            slots = self._table.find(array)
+            column, flag = _column(bit, _TIER_LANE[tier])
+            self._table.values[slots[slots >= 0], column] &= ~flag
 
     def _take_bit(self) -> int:
         bit = self._next_bit
         self._next_bit += 1
-        if bit >= self._lane_bits:
-            self._widen_lanes()
+        if bit >= _WORD_BITS * (self._table.values.shape[1] // _LANES):
+            self._table.add_columns(_LANES)  # 64 more workers: one more word per lane
         return bit
 
-    def _widen_lanes(self) -> None:
-        """More workers than a lane has bits: widen the lanes (to 15 bits first, the most that
-        keeps an entry in an int64) and re-encode every key."""
-        remembered = self._remembered()
-        self._lane_bits = 15 if self._lane_bits < 15 else self._lane_bits * 2
-        self._entries = {}
-        for worker_id, sets in self._sets.items():
-            for tier, keys in sets.keys.items():
-                self._add(tier, keys, self._bits[worker_id])
-        for key, mask in remembered.items():
-            self._set_remembered(key, mask)
+
+def _column(bit: int, lane: int) -> tuple[int, np.uint64]:
+    """The table column and the flag within it of worker ``bit``'s ``lane``."""
+    return bit // _WORD_BITS * _LANES + lane, np.uint64(1 << bit % _WORD_BITS)
+
+
+def _lanes(row: list[int]) -> tuple[int, int, int, int]:
+    """A table row (``word * 4 + lane`` columns) as one Python int of worker bits per lane."""
+    if len(row) == _LANES:
+        return tuple(row)
+    return tuple(sum(word << _WORD_BITS * i for i, word in enumerate(row[lane::_LANES])) for lane in range(_LANES))
+
+
+def _any_per_row(flags: np.ndarray) -> np.ndarray:
+    """``flags.any(axis=1)`` for rows of 4 * words bools, read as words of 4 bytes: numpy's
+    ``any`` over a short axis is several times slower."""
+    words = np.ascontiguousarray(flags).view(np.uint32)
+    return words[:, 0] != 0 if words.shape[1] == 1 else words.any(axis=1)
+
+
+def _key_array(keys: Iterable[int]) -> np.ndarray:
+    if isinstance(keys, np.ndarray):
+        return keys.astype(np.uint64, copy=False)
+    return np.fromiter(keys, dtype=np.uint64, count=len(keys)) if hasattr(keys, "__len__") else np.fromiter(keys, dtype=np.uint64)
+
+
+def _holds_something(table: KeyTable) -> np.ndarray:
+    """Rows a compaction keeps: those with a worker bit (a zeroed row is a key nobody holds)."""
+    return table.values.any(axis=1)

@@ -1,0 +1,189 @@
+"""A hash table of 64-bit keys held in numpy arrays, looked up and filled a whole prompt at a time.
+
+The router asks about every block key of a prompt at once (2,048 keys at 32k tokens on 16-token
+blocks). A dict answers one key per Python step, each a cache miss; this table answers them all
+in a few vectorized passes of linear probing::
+
+    home(key) = (key * 0x9E3779B97F4A7C15 mod 2^64) >> (64 - log2(capacity))    Fibonacci hashing
+    probe home, home+1, ... until the key or an unused slot, 4 slots a step   all keys in step
+
+    slots:  [0 ........ capacity) [overflow: _OVERFLOW) [always unused: 4) [the key 0's row]
+
+Probes never wrap around: a path may run into the overflow slots, and one that would run past
+them makes the table grow. An unused slot holds key 0; the key 0 itself has the last row.
+Rows are never deleted one by one: a caller zeroes a row's values instead, and ``compact`` (run
+when the table fills) drops the rows its ``keep`` test refuses while it re-inserts the rest. So a
+key's probe path never has a hole in it, which is what makes lookups without tombstones correct.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)
+_MAX_LOAD = 0.5
+_WINDOW = 4
+"""Slots a probe reads per step: a row of 4 bools reads as one uint32."""
+_OVERFLOW = 256
+"""Slots past the capacity that probe paths may run into before the table grows."""
+
+
+class KeyTable:
+    """Keys (uint64) -> a row of ``num_columns`` uint64 values and one float64 ``times`` value.
+
+    ``values`` and ``times`` are plain arrays indexed by the slots ``find``/``insert`` return;
+    growing replaces them (and moves the rows), so a slot, and the arrays themselves, are valid
+    only until the next ``insert``: insert first, then read ``values``."""
+
+    def __init__(self, num_columns: int, capacity: int = 1024, keep: Callable[[KeyTable], np.ndarray] | None = None) -> None:
+        if num_columns < 1:
+            raise ValueError(f"num_columns: must be >= 1, got {num_columns}")
+        self._keep = keep
+        """Which rows survive a compaction (a bool per row, the key 0's row last); None: all used ones."""
+        self._allocate(_power_of_two(capacity), num_columns)
+
+    def __len__(self) -> int:
+        return self.num_used
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """The slot of each of ``keys`` (uint64), or -1 where the table does not hold it.
+
+        A key sits before the first unused slot of its probe path (slots never empty again), so
+        a window of the path that holds it answers, and one that holds an unused slot and not it
+        says it is absent."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        homes = self._home(keys)
+        stored = self.keys[homes]
+        result = np.where(stored == keys, homes, -1)  # most keys sit in their home slot
+        zero = keys == 0
+        pending = np.flatnonzero((result < 0) & (stored != 0) & ~zero)
+        starts = homes[pending] + 1
+        while len(pending):
+            window = self._windows[starts]
+            column = _first_of_4(window == keys[pending, None])
+            found = column >= 0
+            result[pending[found]] = starts[found] + column[found]
+            onward = ~found & ~_any_of_4(window == 0)
+            pending, starts = pending[onward], starts[onward] + _WINDOW
+        if zero.any():
+            result[zero] = self._zero_row if self._has_zero else -1
+        return result
+
+    def insert(self, keys: np.ndarray) -> np.ndarray:
+        """The slot of each of ``keys``, adding those not held yet (values 0, times NaN)."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        while True:
+            slots = self.find(keys)
+            missing = np.flatnonzero(slots < 0)
+            if not len(missing):
+                return slots
+            if self.num_used + len(missing) <= _MAX_LOAD * self.capacity:
+                placed = self._place(keys[missing])
+                if placed is not None:
+                    slots[missing] = placed
+                    return slots
+            self.compact(len(keys))  # it moves rows, and may drop some of ``keys``: look again
+
+    def used_rows(self) -> np.ndarray:
+        """A bool per row (the key 0's row last): which hold a key."""
+        used = self.keys != 0
+        used[-1] = self._has_zero
+        return used
+
+    def compact(self, room: int = 0) -> None:
+        """Rebuild without the rows ``keep`` refuses, at a capacity that fits ``room`` more keys."""
+        kept = self.used_rows() if self._keep is None else self.used_rows() & self._keep(self)
+        keys, values, times = self.keys[kept], self.values[kept], self.times[kept]
+        capacity = _power_of_two(2 * int((len(keys) + room) / _MAX_LOAD) + 1)  # a quarter full: it doubles before it fills again
+        while True:
+            self._allocate(capacity, self.values.shape[1])
+            slots = self._place(keys)
+            if slots is not None:
+                break
+            capacity *= 2  # a probe path ran past the overflow slots
+        self.values[slots] = values
+        self.times[slots] = times
+
+    def add_columns(self, num_columns: int) -> None:
+        """Widen every row by ``num_columns`` zero values (after the existing ones)."""
+        self._set_rows(np.concatenate([self._rows, np.zeros((len(self._rows), num_columns), dtype=np.uint64)], axis=1))
+
+    def _set_rows(self, rows: np.ndarray) -> None:
+        """A slot's key and values side by side, so a lookup that reads the key has its values
+        in the same cache line: at 2,048 keys a lookup is mostly waiting for memory."""
+        self._rows = rows
+        self.keys = rows[:, 0]
+        self.values = rows[:, 1:]
+        self._windows = np.lib.stride_tricks.sliding_window_view(self.keys[:-1], _WINDOW)
+        """Row ``s``: the keys of slots ``s .. s+3`` (a view: it sees every write to ``keys``)."""
+
+    def _allocate(self, capacity: int, num_columns: int) -> None:
+        num_rows = capacity + _OVERFLOW + _WINDOW + 1
+        self._set_rows(np.zeros((num_rows, 1 + num_columns), dtype=np.uint64))
+        self.times = np.full(num_rows, np.nan)
+        self._claims = np.zeros(num_rows, dtype=np.int64)
+        self._capacity = capacity
+        self._zero_row = num_rows - 1
+        self._last_slot = capacity + _OVERFLOW - 1
+        self._has_zero = False
+        self.num_used = 0
+        self._shift = np.uint64(64 - (capacity.bit_length() - 1))
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        return ((keys * _FIBONACCI) >> self._shift).astype(np.int64)
+
+    def _place(self, keys: np.ndarray) -> np.ndarray | None:
+        """Put ``keys`` (none held yet; repeats allowed) in the first unused slot of their paths
+        and return their slots; None if a path ran past the overflow slots (grow, then again).
+        Keys that race for one slot each write their claim; the last claim written takes it
+        (and repeats of its key with it), the others look again from the same place."""
+        result = np.full(len(keys), -1, dtype=np.int64)
+        zero = keys == 0
+        if zero.any():
+            result[zero] = self._zero_row
+            self.num_used += not self._has_zero
+            self._has_zero = True
+        pending = np.flatnonzero(~zero)
+        starts = self._home(keys[pending])
+        while len(pending):
+            free = _first_of_4(self._windows[starts] == 0)
+            onward = free < 0
+            claimants, claimed = pending[~onward], starts[~onward] + free[~onward]
+            if len(claimed) and claimed.max() > self._last_slot:
+                return None
+            self._claims[claimed] = claimants
+            won = self._claims[claimed] == claimants
+            self.keys[claimed[won]] = keys[claimants[won]]
+            self.num_used += int(np.count_nonzero(won))
+            done = self.keys[claimed] == keys[claimants]
+            result[claimants[done]] = claimed[done]
+            starts[onward] += _WINDOW
+            retry = onward.copy()
+            retry[np.flatnonzero(~onward)[~done]] = True
+            pending, starts = pending[retry], starts[retry]
+        return result
+
+
+def _any_of_4(flags: np.ndarray) -> np.ndarray:
+    """``flags.any(axis=1)`` of an (n, 4) bool array, read as n uint32s (numpy's ``any`` over a
+    short axis is several times slower)."""
+    return np.ascontiguousarray(flags).view(np.uint32)[:, 0] != 0
+
+
+def _first_of_4(flags: np.ndarray) -> np.ndarray:
+    """The column of the first True of each row of an (n, 4) bool array; -1 where none.
+    Read as a little-endian uint32, True in column c is the byte ``1 << 8c``."""
+    words = np.ascontiguousarray(flags).view("<u4")[:, 0]
+    first = ((words & 0xFF) == 0).astype(np.int64) + ((words & 0xFFFF) == 0) + ((words & 0xFFFFFF) == 0)
+    first[words == 0] = -1
+    return first
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(4, (max(1, n) - 1).bit_length())

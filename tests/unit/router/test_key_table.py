@@ -1,0 +1,98 @@
+"""router.key_table and the prefix index built on it, against dicts: the same answers on random
+sequences of inserts, evictions, memories and lookups (hypothesis), tables small enough to grow."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_store.events import EventKind, KVEvent, KVEventBatch, KVSnapshot, Tier
+from router.key_table import KeyTable
+from router.prefix_index import PrefixIndex
+from tests.unit.router.dict_prefix_index import DictPrefixIndex
+
+# Small keys collide in their home slots; the large ones test the top of the u64 range.
+KEYS = st.one_of(st.integers(0, 40), st.integers(2**64 - 8, 2**64 - 1), st.integers(0, 2**64 - 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["insert", "zero", "compact"]), st.lists(KEYS, max_size=40)), max_size=30))
+def test_the_table_answers_as_a_dict(steps):
+    table = KeyTable(1, capacity=16, keep=lambda t: t.values[:, 0] != 0)
+    model: dict[int, int] = {}
+    for step, (action, keys) in enumerate(steps):
+        array = np.array(keys, dtype=np.uint64)
+        if action == "insert":
+            slots = table.insert(array)  # before reading ``values``, which inserting may replace
+            table.values[slots, 0] = step + 1
+            model.update(dict.fromkeys(keys, step + 1))
+        elif action == "zero":
+            slots = table.find(array)
+            table.values[slots[slots >= 0], 0] = 0
+            model.update({k: 0 for k in keys if k in model})
+        else:
+            table.compact()
+            model = {k: v for k, v in model.items() if v}
+        probe = np.array([*model, *keys, 12345], dtype=np.uint64)
+        slots = table.find(probe)
+        got = [int(table.values[s, 0]) if s >= 0 else 0 for s in slots]  # a zeroed row may be gone
+        assert got == [model.get(int(k), 0) for k in probe]
+        assert len(table) <= table.capacity / 2
+
+
+WORKERS = ["a", "b", "c", "d"]
+OPS = st.one_of(
+    st.tuples(st.just("event"), st.sampled_from(WORKERS), st.sampled_from(list(EventKind)), st.sampled_from(list(Tier)), st.lists(KEYS, max_size=30)),
+    st.tuples(st.just("remember"), st.sampled_from(WORKERS), st.lists(KEYS, max_size=30), st.integers(0, 10)),
+    st.tuples(st.just("forget"), st.integers(0, 10)),
+    st.tuples(st.just("remove"), st.sampled_from(WORKERS)),
+    st.tuples(st.just("snapshot"), st.sampled_from(WORKERS), st.lists(KEYS, max_size=30), st.lists(KEYS, max_size=10)),
+    st.tuples(st.just("gap"), st.sampled_from(WORKERS)),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(OPS, max_size=40), st.lists(KEYS, max_size=40))
+def test_the_index_answers_as_the_dict_index_did(ops, prompt):
+    new, old = PrefixIndex(capacity=16), DictPrefixIndex()
+    for op in ops:
+        for index in (new, old):
+            _run(index, op)
+        for keys in (prompt, next((part for part in op if isinstance(part, list)), [])):
+            assert new.match(keys) == old.match(keys)
+            assert new.match(keys, ["b", "z", "a"]) == old.match(keys, ["b", "z", "a"])
+        assert new.oldest_remembered_s() == old.oldest_remembered_s()
+        assert {(w, t): new.num_keys(w, t) for w in WORKERS for t in Tier} == {(w, t): old.num_keys(w, t) for w in WORKERS for t in Tier}
+
+
+def _run(index, op) -> None:
+    if op[0] == "event":
+        _, worker, kind, tier, keys = op
+        seq = index.seq(worker) + 1 if worker in index.workers else 1
+        index.apply(KVEventBatch(worker, seq, (KVEvent(kind, tier, () if kind is EventKind.CLEARED else tuple(keys)),)))
+    elif op[0] == "remember":
+        index.remember(op[1], op[2], float(op[3]))
+    elif op[0] == "forget":
+        index.forget_expired(float(op[1]))
+    elif op[0] == "remove":
+        index.remove_worker(op[1])
+    elif op[0] == "snapshot":
+        index.load_snapshot(KVSnapshot(op[1], 7, {Tier.POOL: frozenset(op[2]), Tier.REDIS: frozenset(op[3])}))
+    elif op[1] in index.workers:
+        index.apply(KVEventBatch(op[1], index.seq(op[1]) + 1, ()))  # an empty batch moves the sequence on
+
+
+def test_more_workers_than_a_word_holds():
+    new, old = PrefixIndex(capacity=16), DictPrefixIndex()
+    keys = list(range(1, 101))
+    for index in (new, old):
+        index.remember("w0", keys[:10], until_s=5.0)
+        for i in range(70):  # workers 64..69 take a second word
+            index.apply(KVEventBatch(f"w{i}", 1, (KVEvent(EventKind.STORED, Tier.POOL, tuple(keys[: i + 1])), KVEvent(EventKind.STORED, Tier.CPU, tuple(keys[i + 1 : i + 3])))))
+        index.remove_worker("w3")
+    assert new.match(keys) == old.match(keys)
+    assert new.match(keys)["w69"].pool == 70
+    for index in (new, old):
+        index.forget_expired(5.0)
+    assert new.match(keys) == old.match(keys)
