@@ -45,6 +45,7 @@ from engine.metrics import CountersCollector, RequestTimingHistograms
 from engine.params import SamplingParams
 from engine.replica import EngineReplica
 from engine.request import EngineRequest, RequestTrace
+from engine.tokenizer import TOKENIZER_FILES
 from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult
 from kv_transfer.registry import open_endpoint
 from proto import splitserve_pb2 as pb
@@ -365,6 +366,12 @@ class DecodeWorker(EngineReplica):
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             ids = tokenizer.encode(request.prompt, add_special_tokens=add_special)
         return wpb.TokenizeResult(response=pb.TokenizeResponse(token_ids=ids))
+
+    async def tokenizer_files(self) -> dict[str, bytes]:
+        """This checkpoint's tokenizer files by name (those of ``TOKENIZER_FILES`` it has): a
+        router tokenizes prompts with a copy of them, so requests reach workers as token ids."""
+        directory = self.engine.checkpoint_dir
+        return {name: (directory / name).read_bytes() for name in TOKENIZER_FILES if (directory / name).is_file()}
 
     async def model_info(self) -> pb.ModelInfo:
         return pb.ModelInfo(**self.model_fields())

@@ -25,6 +25,10 @@ from engine.errors import CheckpointError, InvalidRequestError
 
 _INCOMPLETE_CHARACTER = "\ufffd"
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json", "chat_template.jinja")
+"""Every file ``Tokenizer.from_dir`` reads: a copy of these tokenizes as the checkpoint does
+(the router fetches them from a decode worker instead of loading the checkpoint)."""
+
 
 @dataclass(frozen=True)
 class TokenizerConfig:
@@ -117,7 +121,9 @@ class Tokenizer:
         return self._chat_template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        token_ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: it lets go of the GIL while it runs, so a long prompt
+        # tokenized in a thread does not stall the caller's event loop (same ids)
+        token_ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._config.add_bos_token and not self._post_processor_adds_bos:
             if self._bos_token_id is not None:
                 token_ids = [self._bos_token_id, *token_ids]

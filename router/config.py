@@ -66,6 +66,8 @@ class RouterConfig:
     """Times one Generate call moves to another decode replica when the one serving it dies; 0 ends it with UNAVAILABLE."""
     migration_wait_s: float = 60.0
     """How long a migrating call waits for a live decode replica (e.g. the dead one's replacement)."""
+    tokenizer_threads: int = 2
+    """Threads that turn prompts into token ids in this router (off its event loop)."""
 
     def __post_init__(self) -> None:
         from router.routing import POLICIES
@@ -81,7 +83,7 @@ class RouterConfig:
         for name in ("port", "metrics_port", "http_port"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a port")
-        for name in ("max_inflight_requests", "max_prompt_chars", "max_prompt_token_ids"):
+        for name in ("max_inflight_requests", "max_prompt_chars", "max_prompt_token_ids", "tokenizer_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_migrations < 0:

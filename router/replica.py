@@ -87,6 +87,7 @@ class RouterReplica:
         if self._http is not None:
             await self._http.stop(grace_s)
         self.channels.close()
+        self._generation.tokenizers.close()
         await self._controller.unregister_router.remote(self.router_id)
 
     def _status(self) -> pb.RouterStatus:

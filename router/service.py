@@ -32,8 +32,9 @@ from router.config import RouterConfig
 from router.errors import CallRejected, from_worker, invalid
 from router.metrics import RouterMetrics
 from router.routing import RouteRequest, RoutingPolicy
+from router.tokenization import RouterTokenizers
 from router.validation import check_generate, check_model, check_prompt_size
-from router.worker_calls import RequestIdInUse, WorkerChannels, WorkerDied, tokenize
+from router.worker_calls import RequestIdInUse, WorkerChannels, WorkerDied
 from router.workers import Replica, WorkerDirectory, worker_load
 
 
@@ -75,6 +76,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.num_inflight = 0
         self._hashers: dict[int, BlockHasher] = {}
         """Per block size: the prompts' block keys, hashed once across a session's turns."""
+        self.tokenizers = RouterTokenizers(config.tokenizer_threads)
+        """Prompt text and chat messages become token ids here: the workers get ids only."""
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
@@ -198,14 +201,16 @@ class GenerationService(pb_grpc.GenerationServicer):
         return num_prefill >= 2 or (num_prefill >= 1 and self.config.local_prefill_max_tokens > 0)
 
     async def _choose_prefill(self, request: pb.GenerateRequest, decode: Replica) -> Replica | None:
-        """The prefill replica for ``request`` (None: the decode replica prefills it). Cache-aware
-        routing tokenizes the prompt here (once: the worker gets the token ids) to hash its blocks."""
+        """The prefill replica for ``request`` (None: the decode replica prefills it). A text or
+        chat prompt is tokenized here first (once: the workers get the token ids)."""
+        sent_as_ids = bool(request.prompt_token_ids)
+        if not sent_as_ids:
+            await self._tokenize_prompt(request, decode)
         prefills = self.directory.healthy("prefill", request.model)
         if not self.cache_aware(len(prefills)):
-            check_fits_context(len(request.prompt_token_ids), [*prefills, decode])
+            if sent_as_ids:  # a text prompt too long is the engine's to refuse, after its sampling checks, as before
+                check_fits_context(len(request.prompt_token_ids), [*prefills, decode])
             return prefills[0] if prefills else None
-        if not request.prompt_token_ids:
-            await self._tokenize_prompt(request, decode)
         return self.route(request, prefills, decode)
 
     def route(self, request: pb.GenerateRequest, prefills: list[Replica], decode: Replica) -> Replica | None:
@@ -226,12 +231,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         return self.directory.replicas.get(decision.prefill) if decision.prefill else None
 
     async def _tokenize_prompt(self, request: pb.GenerateRequest, decode: Replica) -> None:
-        """Replace the prompt with its token ids from the decode worker's tokenizer: the workers
-        get ids and never tokenize it again."""
-        ask = pb.TokenizeRequest(model=request.model, messages=request.messages)
-        if request.HasField("prompt"):
-            ask.prompt = request.prompt
-        response = await _tokenize_on(decode, ask)
+        """Replace the prompt (text or chat) with its token ids, made by this router with the
+        tokenizer of the model ``decode`` serves: the workers get ids and never tokenize. An
+        empty text prompt goes on as it is, for the engine to refuse by its own rules."""
+        if request.HasField("prompt") and not request.prompt:
+            return
+        response = await self.tokenizers.encode(decode, request.prompt if request.HasField("prompt") else None, request.messages)
         request.ClearField("prompt")
         request.ClearField("messages")
         _set_prompt_token_ids(request, response)
@@ -247,8 +252,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         replica = self.directory.pick("decode", request.model)
         if replica is None:
             raise CallRejected(grpc.StatusCode.UNAVAILABLE, "no live decode worker")
+        add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else True
         try:
-            return await _tokenize_on(replica, request)
+            return await self.tokenizers.encode(replica, request.prompt if request.HasField("prompt") else None, request.messages, add_special_tokens)
         except WorkerDied as e:
             raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"decode worker {replica.replica_id} died: {e}") from e
 
@@ -286,14 +292,6 @@ def check_fits_context(num_prompt_tokens: int, replicas: list[Replica]) -> None:
     longest = max((r.model.max_model_len for r in replicas), default=0)
     if longest and num_prompt_tokens >= longest:
         raise invalid("prompt", f"{num_prompt_tokens} tokens do not fit the context of {longest} tokens (the longest any worker serves)")
-
-
-async def _tokenize_on(replica: Replica, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
-    """Raises WorkerDied if the replica is gone (a Generate call then migrates)."""
-    result = await tokenize(replica.handle, request)
-    if result.HasField("error"):
-        raise from_worker(result.error)
-    return result.response
 
 
 async def _unary(context, method, request):

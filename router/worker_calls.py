@@ -1,7 +1,7 @@
 """The router's calls into workers. Awaited, never ``ray.get``: the event loop must not block.
 
 Generate traffic runs on the request plane, one TCP *channel* per (router, decode worker); Ray
-carries only the control calls (where the channel listens, tokenize, status)::
+carries only the control calls (where the channel listens, the tokenizer's files, status)::
 
     router                                               decode worker
     WorkerChannel ──request_plane() (Ray, once)────────>  RequestPlaneEndpoint(host, port, token)
@@ -199,8 +199,9 @@ class WorkerChannels:
         self.retain(())
 
 
-async def tokenize(handle, request: pb.TokenizeRequest) -> wpb.TokenizeResult:
+async def tokenizer_files(handle) -> dict[str, bytes]:
+    """A decode worker's tokenizer files by name (decode_worker.actor.DecodeWorker.tokenizer_files)."""
     try:
-        return await handle.tokenize.remote(request)
+        return await handle.tokenizer_files.remote()
     except _DEAD as e:
         raise WorkerDied(str(e).splitlines()[0]) from e

@@ -20,6 +20,7 @@ from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
+from engine.tokenizer import Tokenizer
 from proto import splitserve_pb2 as pb
 from router.client import SplitServeClient, build_generate_request
 from router.config import RouterConfig
@@ -241,6 +242,20 @@ def test_tokenize_and_list_models(client, engine_config, tiny_llama_dir):
     assert client.tokenize("The quick brown fox") == engine.tokenizer.encode("The quick brown fox")
     [model] = client.list_models()
     assert (model.id, model.max_model_len, model.vocab_size, model.kv_dtype, model.block_size) == (tiny_llama_dir.name, 512, 512, "fp32", 16)
+
+
+def test_text_and_chat_prompts_tokenized_by_the_router_generate_as_their_ids_do(client, tiny_llama_dir):
+    """The router tokenizes (files fetched from the decode worker); the engine gets ids only, and
+    the stream is the one the same ids sent by the client give."""
+    tokenizer = Tokenizer.from_dir(tiny_llama_dir)
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "The quick brown fox"}]
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True), add_special_tokens=False)
+    for request, ids in (({"prompt": "The quick brown fox"}, tokenizer.encode("The quick brown fox")), ({"messages": chat}, chat_ids)):
+        as_text = collect(client.generate(**request, max_tokens=8, temperature=0, ignore_eos=True))
+        as_ids = collect(client.generate(ids, max_tokens=8, temperature=0, ignore_eos=True))
+        assert as_text[:2] == as_ids[:2] and len(as_text[0]) == 8
+        assert as_text[2].usage.prompt_tokens == len(ids)
+    assert client.tokenize("The quick brown fox") == tokenizer.encode("The quick brown fox")
 
 
 def test_health_and_reflection(cluster):

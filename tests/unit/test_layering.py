@@ -22,6 +22,9 @@ COMPOSITION_ROOTS = {
     # the worker actor class by import path; nothing else in the router touches worker code.
     "router/launch.py": {"engine.config", "decode_worker.config", "prefill_worker.config"},
     "router/cli.py": {"engine.config", "decode_worker.config", "prefill_worker.config", "planner.cli"},
+    # The router tokenizes with the workers' own Tokenizer (no torch behind it), built from files
+    # a decode worker hands it, so the ids are the ones the engine would make.
+    "router/tokenization.py": {"engine.tokenizer", "engine.errors"},
 }
 
 
