@@ -72,11 +72,19 @@ def prunable_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
                     f"2:4 pruning needs float weights; {name or 'model'}.{tensor_name} is {tensor.dtype} "
                     "(quantized). Load the model with weights fp32 or bf16 to prune it"
                 )
-    return {
+    linears = {
         name: module
         for name, module in model.named_modules()
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not isinstance(module, ParallelLMHead)
     }
+    for name, module in linears.items():
+        quantized = getattr(module, "quantized", None)
+        if quantized is not None or module.weight is None:
+            raise UnsupportedModelError(
+                f"2:4 pruning needs float weights; {name} computes with a quantized weight "
+                f"({type(quantized).__name__}). Load the model with weights fp32 or bf16 to prune it"
+            )
+    return linears
 
 
 def input_norms(model: torch.nn.Module, run: Callable[[], object]) -> dict[str, torch.Tensor]:

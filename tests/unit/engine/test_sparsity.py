@@ -44,6 +44,12 @@ def test_quantized_weights_are_refused():
         prune_model_2_4(model)
 
 
+def test_a_model_loaded_with_quantized_weights_is_refused(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, weights="int8")
+    with pytest.raises(UnsupportedModelError, match=r"layers\.0\.self_attn\.qkv_proj.*quantized"):
+        prune_model_2_4(engine.runner.model)
+
+
 def _all_logits(engine, prompt):
     blocks = engine.pool.allocate(-(-len(prompt) // engine.config.block_size))
     chunk = PlannedChunk(start=0, num_tokens=len(prompt), token_ids=tuple(prompt), block_ids=tuple(blocks))
@@ -52,7 +58,7 @@ def _all_logits(engine, prompt):
 
 
 def test_pruned_tiny_model_runs_close_to_dense(tiny_llama_dir):
-    engine = make_engine(tiny_llama_dir)
+    engine = make_engine(tiny_llama_dir, weights="fp32")
     model = engine.runner.model
     [prompt] = random_prompts([24])
     run = _all_logits(engine, prompt)
@@ -75,7 +81,7 @@ def test_pruned_tiny_model_runs_close_to_dense(tiny_llama_dir):
 
 
 def test_calibrated_pruning_keeps_weights_magnitude_would_drop(tiny_llama_dir):
-    magnitude_engine, wanda_engine = make_engine(tiny_llama_dir), make_engine(tiny_llama_dir)
+    magnitude_engine, wanda_engine = make_engine(tiny_llama_dir, weights="fp32"), make_engine(tiny_llama_dir, weights="fp32")
     [prompt] = random_prompts([24], seed=3)
     prune_model_2_4(magnitude_engine.runner.model)
     stats = prune_model_2_4(wanda_engine.runner.model, calibration=_all_logits(wanda_engine, prompt))
@@ -88,7 +94,7 @@ def test_calibrated_pruning_keeps_weights_magnitude_would_drop(tiny_llama_dir):
 
 
 def test_input_norms_are_each_features_l2_norm_over_the_calibration_tokens(tiny_llama_dir):
-    engine = make_engine(tiny_llama_dir)
+    engine = make_engine(tiny_llama_dir, weights="fp32")
     model = engine.runner.model
     [prompt] = random_prompts([24], seed=4)
     norms = input_norms(model, _all_logits(engine, prompt))
