@@ -181,9 +181,8 @@ def paged_decode_attention(
     blocks_per_split = -(-max_blocks // num_splits)
     q = q.contiguous()
     out = torch.empty_like(q)
-    parts = num_splits if num_splits > 1 else 0
-    part_acc = torch.empty(batch, num_heads, parts, head_dim, dtype=torch.float32, device=q.device)
-    part_max = torch.empty(batch, num_heads, parts, dtype=torch.float32, device=q.device)
+    part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)  # unused at 1 split
+    part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     tile_bytes = layout.block_size * layout.head_dim * layout.element_bytes
     _paged_decode_kernel[(batch, layout.num_kv_heads, num_splits)](
