@@ -46,8 +46,8 @@ def triton_interpreter():
 
 def kernel(q, cache: PagedKVCache, layer: int, tables, lens, **kwargs) -> torch.Tensor:
     """The kernel on DEVICE, its output back on CPU."""
-    on = lambda t: t.to(DEVICE)  # noqa: E731
-    return paged_decode_attention(on(q), on(cache.buffer), cache.layout, layer, on(tables), on(lens), **kwargs).cpu()
+    q, pool, tables, lens = (t.to(DEVICE) for t in (q, cache.buffer, tables, lens))
+    return paged_decode_attention(q, pool, cache.layout, layer, tables, lens, **kwargs).cpu()
 
 
 BLOCK_SIZE = 16
