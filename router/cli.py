@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     from planner.cli import add_plan  # the planner sits above the router; this is the one entry point
 
     add_plan(commands.add_parser("plan", help="scale the prefill and decode pools to meet TTFT/ITL targets"))
+    _add_node_cert(commands.add_parser("node-cert", help="issue this node's cluster TLS certificate from the cluster CA (a pod's init container)"))
     return parser
 
 
@@ -159,6 +160,7 @@ def _add_worker(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--node-ip-address", default=None, help="IP address this Ray node advertises, e.g. the pod's (default: the one Ray picks)")
     parser.add_argument("--ray-start-args", default="", help="further `ray start` options as one string")
+    _add_cluster_tls_options(parser)
     parser.set_defaults(run=_run_worker)
 
 
@@ -184,17 +186,56 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", type=Path, help="server certificate (enables TLS)")
     parser.add_argument("--tls-key", type=Path, help="server private key")
     parser.add_argument("--tls-client-ca", type=Path, help="CA of client certificates (enables mutual TLS)")
+    _add_cluster_tls_options(parser)
+    add_dataclass_args(parser, EngineConfig, skip=("tp_size", "ep_size"))
+    add_dataclass_args(parser, RouterConfig, skip=("tls", "cluster_tls"))
+    add_dataclass_args(parser, WorkerConfig, prefix="worker", skip=("cluster_tls",))
+    add_dataclass_args(parser, PrefillWorkerConfig, prefix="prefill")
+    add_dataclass_args(parser, ControllerConfig, prefix="controller", skip=("follow_nodes",))
+
+
+def _add_node_cert(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ca-cert", type=Path, required=True, help="the cluster CA's certificate (PEM)")
+    parser.add_argument("--ca-key", type=Path, required=True, help="the cluster CA's private key (PEM, unencrypted)")
+    parser.add_argument("--out", type=Path, required=True, help="directory to write tls.crt, tls.key and ca.crt into")
+    parser.add_argument("--ip", action="append", default=[], help="an IP address the certificate covers, e.g. the pod's (repeatable)")
+    parser.add_argument("--dns", action="append", default=[], help="a DNS name the certificate covers, e.g. the head's Service (repeatable)")
+    parser.add_argument("--days", type=int, default=365, help="validity in days (default: %(default)s)")
+    parser.set_defaults(run=_run_node_cert)
+
+
+def _run_node_cert(args: argparse.Namespace) -> int:
+    from proto.node_cert import issue_node_cert
+
+    try:
+        path = issue_node_cert(args.ca_cert, args.ca_key, args.out, args.ip, args.dns, args.days)
+    except ValueError as e:
+        print(f"splitserve node-cert: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"splitserve: wrote {path} for {', '.join(args.ip + args.dns)}", flush=True)
+    return 0
+
+
+def _add_cluster_tls_options(parser: argparse.ArgumentParser) -> None:
+    """Mutual TLS inside the cluster: every node of it (``up``, ``head``, ``worker``) takes the same three."""
     parser.add_argument(
         "--cluster-tls-cert", type=Path,
         help="this node's certificate (serverAuth and clientAuth) signed by --cluster-tls-ca: enables mutual TLS between routers and workers and on Ray's own gRPC",
     )
     parser.add_argument("--cluster-tls-key", type=Path, help="private key of --cluster-tls-cert")
     parser.add_argument("--cluster-tls-ca", type=Path, help="the cluster CA: peers whose certificate it did not sign are refused")
-    add_dataclass_args(parser, EngineConfig, skip=("tp_size", "ep_size"))
-    add_dataclass_args(parser, RouterConfig, skip=("tls", "cluster_tls"))
-    add_dataclass_args(parser, WorkerConfig, prefix="worker", skip=("cluster_tls",))
-    add_dataclass_args(parser, PrefillWorkerConfig, prefix="prefill")
-    add_dataclass_args(parser, ControllerConfig, prefix="controller", skip=("follow_nodes",))
+
+
+def _cluster_tls(args: argparse.Namespace):
+    """The ClusterTLSConfig of ``--cluster-tls-*``, None without them; ValueError for an incomplete set."""
+    from proto.tls import ClusterTLSConfig
+
+    files = (args.cluster_tls_cert, args.cluster_tls_key, args.cluster_tls_ca)
+    if not any(files):
+        return None
+    if not all(files):
+        raise ValueError("cluster_tls: --cluster-tls-cert, --cluster-tls-key and --cluster-tls-ca go together")
+    return ClusterTLSConfig(*files)
 
 
 def _cluster_config(args: argparse.Namespace, **fields):
@@ -203,7 +244,6 @@ def _cluster_config(args: argparse.Namespace, **fields):
     from decode_worker.config import WorkerConfig
     from engine.config import EngineConfig
     from prefill_worker.config import PrefillWorkerConfig
-    from proto.tls import ClusterTLSConfig
     from router.cli_args import dataclass_from_args
     from router.config import RouterConfig, TLSConfig
     from router.controller import ControllerConfig
@@ -212,12 +252,7 @@ def _cluster_config(args: argparse.Namespace, **fields):
     tls = None
     if args.tls_cert or args.tls_key:
         tls = TLSConfig(cert_file=args.tls_cert, key_file=args.tls_key, client_ca_file=args.tls_client_ca)
-    cluster_tls = None
-    cluster_tls_files = (args.cluster_tls_cert, args.cluster_tls_key, args.cluster_tls_ca)
-    if any(cluster_tls_files):
-        if not all(cluster_tls_files):
-            raise ValueError("cluster_tls: --cluster-tls-cert, --cluster-tls-key and --cluster-tls-ca go together")
-        cluster_tls = ClusterTLSConfig(*cluster_tls_files)
+    cluster_tls = _cluster_tls(args)
     follow_nodes = fields.pop("follow_nodes", False)
     return ClusterConfig(
         engine=dataclass_from_args(EngineConfig, args),
@@ -233,14 +268,13 @@ def _cluster_config(args: argparse.Namespace, **fields):
     )
 
 
-def _restart_with_ray_tls(command: str, config) -> None:
+def _restart_with_ray_tls(command: str, cluster_tls) -> None:
     """Ray takes its TLS settings from the environment when it is imported, which it already is:
     start again with them (same pid), so this process and every Ray process it starts use TLS."""
     import os
 
     from proto.tls import ray_tls_env
 
-    cluster_tls = config.router.cluster_tls
     ray_env = ray_tls_env(cluster_tls) if cluster_tls else {}
     if sys.argv[1:2] == [command] and any(os.environ.get(k) != v for k, v in ray_env.items()):
         sys.stdout.flush()
@@ -253,7 +287,7 @@ def _run_up(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"splitserve up: {e}", file=sys.stderr)
         return EXIT_USAGE
-    _restart_with_ray_tls("up", config)
+    _restart_with_ray_tls("up", config.router.cluster_tls)
     stop = stop_on_signals(threading.Event())
     mode = f"{config.num_prefill} prefill + {config.num_decode} decode replica(s)" if config.num_prefill else f"{config.num_decode} decode replica(s), aggregated"
     print(f"splitserve: starting {mode} of {config.engine.model} ...", flush=True)
@@ -271,7 +305,7 @@ def _run_head(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"splitserve head: {e}", file=sys.stderr)
         return EXIT_USAGE
-    _restart_with_ray_tls("head", config)
+    _restart_with_ray_tls("head", config.router.cluster_tls)
     try:
         check_port_free(head.ray_port)
     except RayNodeError as e:
@@ -342,9 +376,11 @@ def _run_worker(args: argparse.Namespace) -> int:
             drain_timeout_s=args.drain_timeout_s, connect_timeout_s=args.connect_timeout_s,
             node_ip_address=args.node_ip_address, ray_start_args=split_ray_start_args(args.ray_start_args),
         )
+        cluster_tls = _cluster_tls(args)
     except ValueError as e:
         print(f"splitserve worker: {e}", file=sys.stderr)
         return EXIT_USAGE
+    _restart_with_ray_tls("worker", cluster_tls)  # this node's raylet and its replica's processes too
     try:
         run_worker(config)
     except RayNodeError as e:

@@ -17,6 +17,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 @dataclass(frozen=True)
 class TestPKI:
     ca_cert: Path
+    ca_key: Path
+    """The CA's private key: ``splitserve node-cert`` signs node certificates with it."""
     server_cert: Path
     server_key: Path
     client_cert: Path
@@ -65,6 +67,7 @@ def make_pki(out: Path) -> TestPKI:
         key = ec.generate_private_key(ec.SECP256R1())
         cert = _cert(f"splitserve test {ca_name}", key, _name(f"splitserve test {ca_name}"), key, ca=True)
         (out / f"{ca_name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        _write_key(key, out / f"{ca_name}-key.pem")
         paths[ca_name] = (cert, key)
     san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
@@ -82,6 +85,7 @@ def make_pki(out: Path) -> TestPKI:
         _write_key(key, out / f"{role}-key.pem")
     return TestPKI(
         ca_cert=out / "ca.pem",
+        ca_key=out / "ca-key.pem",
         server_cert=out / "server.pem",
         server_key=out / "server-key.pem",
         client_cert=out / "client.pem",

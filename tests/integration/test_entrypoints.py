@@ -1,6 +1,8 @@
 """The pods' command lines on one host: `splitserve head`, one `splitserve worker --pool prefill`
 and one `splitserve worker --pool decode`, each a separate process that starts its own Ray node
-(`ray start --block`) and joins one Ray cluster over loopback, as the chart's pods do.
+(`ray start --block`) and joins one Ray cluster over loopback, as the chart's pods do, with
+mutual TLS inside the cluster as the chart's clusterTLS sets it up: Ray's own gRPC between the
+three nodes and the router's request plane to the workers (the public gRPC API stays plain here).
 
 The pytest process may run the session's own local Ray (ray_session) beside this cluster, so
 this cluster never uses `ray stop`: its Ray gets its own ports and temp dir, every process is
@@ -23,6 +25,7 @@ import grpc
 import psutil
 import pytest
 
+from tests.certs import make_pki
 from tests.integration.conftest import wait_until
 from tests.redis_server import free_port
 
@@ -114,9 +117,10 @@ def ray_temp_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_head_and_one_worker_per_pool_serve_then_drain_and_stop(tiny_llama_dir, ray_temp_dir):
+def test_head_and_one_worker_per_pool_serve_then_drain_and_stop(tiny_llama_dir, ray_temp_dir, tmp_path):
     from router.client import SplitServeClient
 
+    cluster_tls = _node_certificate(tmp_path)
     ray_port, grpc_port = free_port(), free_port()
     address = f"127.0.0.1:{ray_port}"
     head_ray_args = ray_start_args(
@@ -125,7 +129,7 @@ def test_head_and_one_worker_per_pool_serve_then_drain_and_stop(tiny_llama_dir, 
     head = Role("head", [
         "head", "--ray-port", str(ray_port), "--node-ip-address", "127.0.0.1", "--ray-start-args", head_ray_args,
         "--port", str(grpc_port), "--model", str(tiny_llama_dir), "--kv-dtype", "fp32", "--num-kv-blocks", "64", "--max-model-len", "256",
-        "--controller-health-check-interval-s", "0.5", "--worker-refresh-interval-s", "0.2",
+        "--controller-health-check-interval-s", "0.5", "--worker-refresh-interval-s", "0.2", *cluster_tls,
     ])
     roles = [head]
     every_process: list[psutil.Process] = []
@@ -138,7 +142,7 @@ def test_head_and_one_worker_per_pool_serve_then_drain_and_stop(tiny_llama_dir, 
             list(client.generate("hello", max_tokens=4))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "no live decode worker" in refused.value.details()
 
-        worker_args = ["--address", address, "--num-cpus", "1", "--node-ip-address", "127.0.0.1"]
+        worker_args = ["--address", address, "--num-cpus", "1", "--node-ip-address", "127.0.0.1", *cluster_tls]
         # One node at a time: a raylet must register with the GCS within Ray's fixed 30 s, which
         # two starting at once beside the head's replica start-up can miss on a loaded 2-core machine.
         decode = Role("decode worker", ["worker", "--pool", "decode", "--drain-timeout-s", "60", *worker_args, "--ray-start-args", ray_start_args()])
@@ -184,6 +188,24 @@ def test_head_and_one_worker_per_pool_serve_then_drain_and_stop(tiny_llama_dir, 
     assert not [p for p in psutil.process_iter(["cmdline"]) if ray_temp_dir in " ".join(p.info["cmdline"] or ())]
     current = Path(tempfile.gettempdir(), "ray", "ray_current_cluster")  # what ray.init(address="auto") reads
     assert not (current.exists() and current.read_text().strip() == address)
+
+
+def _node_certificate(tmp_path: Path) -> list[str]:
+    """The ``--cluster-tls-*`` options of a node whose certificate `splitserve node-cert` issued,
+    as the chart's init container does: Ray checks the certificate against the address it dials,
+    which here is one of the host's own IPs as `ray start` picks it (every node of this test
+    shares the host), so the certificate names them all."""
+    import socket
+
+    pki = make_pki(tmp_path / "pki")
+    out = tmp_path / "node-tls"
+    ips = sorted({a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET})
+    issued = subprocess.run(
+        [*CLI, "node-cert", "--ca-cert", str(pki.ca_cert), "--ca-key", str(pki.ca_key), "--out", str(out), *(f"--ip={ip}" for ip in ips)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert issued.returncode == 0, issued.stderr
+    return ["--cluster-tls-cert", str(out / "tls.crt"), "--cluster-tls-key", str(out / "tls.key"), "--cluster-tls-ca", str(out / "ca.crt")]
 
 
 def _disaggregated_answer(client):

@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from router.cli import _add_up
+from router.cli import _add_node_cert, _add_up, _add_worker
 from router.controller import pool_resource
 from tests.unit.deploy.chart import EXAMPLES, container, example_values, find, flag, render, render_example, worker_group
 
@@ -107,6 +107,51 @@ def test_tls_and_token_come_from_secrets(example_objects):
     assert flag(args, "--tls-cert") == "/etc/splitserve/tls/tls.crt"
     assert flag(args, "--tls-key") == "/etc/splitserve/tls/tls.key"
     assert flag(args, "--token-file") == "/etc/splitserve/auth/token"
+
+
+def _parse(add, args: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add(parser)
+    return parser.parse_args(args)
+
+
+def test_cluster_tls_every_ray_pod_issues_its_own_certificate(example_objects):
+    """Ray checks a certificate against the address it dials, so each Ray pod's init container
+    issues one for its own IP (the head's also for its Service) from the CA Secret; the Ray
+    container reads it through --cluster-tls-*, and only the init container sees the CA's key."""
+    raycluster = find(example_objects["values-moe-ep"], "RayCluster")
+    head = raycluster["spec"]["headGroupSpec"]["template"]
+    pods = {"head": head, **{pool: worker_group(raycluster, pool)["template"] for pool in ("prefill", "decode")}}
+    for role, pod in pods.items():
+        (init,) = pod["spec"]["initContainers"]
+        issued = _parse(_add_node_cert, init["args"][1:])
+        assert init["command"] == ["splitserve"] and init["args"][0] == "node-cert"
+        assert issued.ip == ["$(POD_IP)"]
+        assert init["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        expected_dns = ["splitserve-head-svc", "splitserve-head-svc.llm.svc.cluster.local"] if role == "head" else []
+        assert issued.dns == expected_dns, role
+        init_mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+        assert str(issued.ca_key).startswith(init_mounts["cluster-ca"] + "/")
+        assert str(issued.out) == init_mounts["cluster-tls"]
+
+        ray_container = container(pod)
+        args = ray_container["args"]
+        parsed = _parse(_add_worker if role != "head" else _add_up, args[1:] if role != "head" else [a for a in args[1:] if a not in ("--ray-port", "6379")])
+        files = (parsed.cluster_tls_cert, parsed.cluster_tls_key, parsed.cluster_tls_ca)
+        assert [f.name for f in files] == ["tls.crt", "tls.key", "ca.crt"] and {f.parent for f in files} == {issued.out}
+        mounts = {m["name"]: m for m in ray_container["volumeMounts"]}
+        assert mounts["cluster-tls"]["mountPath"] == str(issued.out) and mounts["cluster-tls"]["readOnly"]
+        assert "cluster-ca" not in mounts, "the CA's private key stays out of the Ray container"
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["cluster-ca"]["secret"]["secretName"] == "splitserve-cluster-ca"
+        assert volumes["cluster-tls"]["emptyDir"] == {"medium": "Memory"}
+
+
+def test_without_cluster_tls_no_pod_has_an_init_container(example_objects):
+    raycluster = find(example_objects["values-cpu-dev"], "RayCluster")
+    templates = [raycluster["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in raycluster["spec"]["workerGroupSpecs"]]
+    assert all("initContainers" not in t["spec"] for t in templates)
+    assert not any(a.startswith("--cluster-tls") for t in templates for a in container(t)["args"])
 
 
 def test_redis_in_the_release_is_a_statefulset_with_a_claim(example_objects):

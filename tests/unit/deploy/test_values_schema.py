@@ -93,6 +93,11 @@ def test_tls_without_a_secret_is_refused():
     assert "at '/tls/secretName': minLength: got 0, want 1" in message
 
 
+def test_cluster_tls_without_a_ca_secret_is_refused():
+    message = _refusal(_with("values-moe-ep", "clusterTLS.caSecretName", ""))
+    assert "at '/clusterTLS/caSecretName': minLength: got 0, want 1" in message
+
+
 def test_replicas_outside_the_bounds_fail_with_a_sentence():
     message = _refusal(_with("values-gpu-llama-8b", "prefill.replicas", 5), HelmRenderError)
     assert "prefill.replicas (5) must lie within prefill.minReplicas (0) and prefill.maxReplicas (4)" in message

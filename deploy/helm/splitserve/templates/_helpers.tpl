@@ -63,6 +63,15 @@ sentence naming the values involved.
     claimName: {{ .root.Values.model.pvc.claimName }}
     readOnly: true
 {{- end }}
+{{- if .root.Values.clusterTLS.enabled }}
+- name: cluster-ca
+  secret:
+    secretName: {{ .root.Values.clusterTLS.caSecretName }}
+    defaultMode: 0400
+- name: cluster-tls
+  emptyDir:
+    medium: Memory
+{{- end }}
 {{- end -}}
 
 {{- define "splitserve.volumeMounts" -}}
@@ -74,6 +83,63 @@ sentence naming the values involved.
 - name: model
   mountPath: {{ .Values.model.pvc.mountPath }}
   readOnly: true
+{{- end }}
+{{- if .Values.clusterTLS.enabled }}
+- name: cluster-tls
+  mountPath: /etc/splitserve/cluster-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/*
+Cluster TLS (Ray's own gRPC and the request plane): an init container issues the pod's own
+certificate from the cluster CA, for its pod IP and the DNS names given (dict root, dns), into a
+memory volume the Ray container reads; the CA's key is mounted in the init container only.
+*/}}
+{{- define "splitserve.clusterTLS.initContainers" -}}
+{{- if .root.Values.clusterTLS.enabled -}}
+initContainers:
+  - name: node-cert
+    image: {{ include "splitserve.image" .root }}
+    imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+    command: ["splitserve"]
+    args:
+      - node-cert
+      - --ca-cert
+      - /etc/splitserve/cluster-ca/ca.crt
+      - --ca-key
+      - /etc/splitserve/cluster-ca/ca.key
+      - --out
+      - /etc/splitserve/cluster-tls
+      - --ip
+      - $(POD_IP)
+      {{- range .dns }}
+      - --dns
+      - {{ . }}
+      {{- end }}
+    env:
+      - name: POD_IP
+        valueFrom:
+          fieldRef:
+            fieldPath: status.podIP
+    volumeMounts:
+      - name: cluster-ca
+        mountPath: /etc/splitserve/cluster-ca
+        readOnly: true
+      - name: cluster-tls
+        mountPath: /etc/splitserve/cluster-tls
+{{- end }}
+{{- end -}}
+
+{{/* The Ray container's options for the certificate its init container issued. */}}
+{{- define "splitserve.clusterTLS.args" -}}
+{{- if .Values.clusterTLS.enabled -}}
+- --cluster-tls-cert
+- /etc/splitserve/cluster-tls/tls.crt
+- --cluster-tls-key
+- /etc/splitserve/cluster-tls/tls.key
+- --cluster-tls-ca
+- /etc/splitserve/cluster-tls/ca.crt
 {{- end }}
 {{- end -}}
 

@@ -27,6 +27,9 @@ the controller places that pool's replicas only here. Called with dict root, poo
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
       {{- end }}
+      {{- if $v.clusterTLS.enabled }}
+      {{- include "splitserve.clusterTLS.initContainers" (dict "root" .root "dns" list) | nindent 6 }}
+      {{- end }}
       containers:
         - name: ray-worker
           image: {{ include "splitserve.image" .root }}
@@ -44,6 +47,9 @@ the controller places that pool's replicas only here. Called with dict root, poo
             - {{ $p.cpus | quote }}
             - --drain-timeout-s
             - {{ $p.drainTimeoutS | quote }}
+            {{- if $v.clusterTLS.enabled }}
+            {{- include "splitserve.clusterTLS.args" .root | nindent 12 }}
+            {{- end }}
           ports:
             - name: metrics
               containerPort: {{ $p.metricsPort }}
