@@ -65,6 +65,13 @@ class EngineConfig:
     """Most draft tokens proposed per sequence and step."""
     draft_model: str | None = None
     """The draft model for ``speculative="draft"``: a bundled name or a checkpoint directory."""
+    ngram_min_match: int = 2
+    """Shortest tail of the sequence that n-gram drafting looks up earlier in it."""
+    ngram_max_match: int = 4
+    """Longest tail tried first by n-gram drafting."""
+    spec_token_cost: float = 0.1
+    """Marginal cost of one more token in a verify step, in decode steps: drafting stops for a
+    sequence whose acceptance does not cover it (``engine/spec/policy.py``)."""
     tp_collective_timeout_s: float = 30.0
     """How long a rank waits in an all-reduce for the others before the replica fails (a hung rank)."""
 
@@ -84,6 +91,12 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens: must be >= 1, got {self.num_speculative_tokens}")
         if (self.speculative == "draft") != (self.draft_model is not None):
             raise ValueError("draft_model: set it exactly when speculative is 'draft'")
+        if not 1 <= self.ngram_min_match <= self.ngram_max_match:
+            raise ValueError(f"ngram_min_match, ngram_max_match: need 1 <= min <= max, got {self.ngram_min_match} and {self.ngram_max_match}")
+        if not self.spec_token_cost >= 0:
+            raise ValueError(f"spec_token_cost: must be >= 0, got {self.spec_token_cost}")
+        if self.speculative != "off" and max(self.tp_size, self.ep_size) > 1:
+            raise ValueError(f"speculative: {self.speculative!r} runs on replicas of one rank only; set tp_size and ep_size to 1 or speculative to 'off'")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {KV_DTYPES}")
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):

@@ -6,6 +6,7 @@ and abort requests between ``step()`` calls.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Sequence
@@ -27,6 +28,9 @@ from engine.params import SamplingParams
 from engine.request import FinishReason, Request, RequestOutput
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.spec.draft import DraftModelProposer
+from engine.spec.policy import SpecPolicy
+from engine.spec.speculator import NgramProposer, Speculator
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kv_store.block_pool import BlockPool
 from kv_store.cpu_tier import CPUTier
@@ -68,6 +72,10 @@ class EngineStats:
     was not running inside a step: waiting for the GIL (another thread of the process holds it),
     for a core (preempted), or for its OpenMP team where the team's threads sleep. Alone on its
     cores with the GIL to itself, a step's wall and CPU time agree to a few tenths of a ms."""
+    num_draft_tokens: int = 0
+    """Speculative draft tokens verified by the target model."""
+    num_accepted_draft_tokens: int = 0
+    """Of those, the ones accepted (each saved a decode step)."""
 
 
 @dataclass(frozen=True)
@@ -180,7 +188,10 @@ class LLMEngine:
         if config.redis_url is not None:
             redis = RedisTier(RedisTierConfig(config.redis_url, config.redis_ttl_s, tls_ca_file=config.redis_tls_ca_file), self.namespace, layout)
         self.kv_store = TieredKVStore(self.pool, self.kv_cache.buffer, self.kv_events, cpu, redis)
-        self.scheduler = Scheduler(self.pools, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, self.kv_store)
+        self.speculator = self._speculator(config) if config.speculative != "off" else None
+        self.scheduler = Scheduler(
+            self.pools, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, self.kv_store, self.speculator
+        )
         self.runner = ModelRunner(model, self.kv_cache, tp, ep)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self._requests: dict[str, Request] = {}
@@ -189,6 +200,27 @@ class LLMEngine:
         self._prefilled: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         group.barrier()  # every follower has its shard loaded: the first step's collectives will not wait on a load
+
+    def _speculator(self, config: EngineConfig) -> Speculator:
+        """The drafting of ``config.speculative``; a draft model must share the target's vocabulary."""
+        policy = SpecPolicy(token_cost=config.spec_token_cost)
+        if config.speculative == "ngram":
+            proposer = NgramProposer(config.ngram_min_match, config.ngram_max_match)
+        else:
+            draft_dir = resolve_model(config.draft_model, config.cache_dir)
+            draft_mc = ModelConfig.from_dir(draft_dir)
+            if draft_mc.vocab_size != self.model_config.vocab_size:
+                raise ValueError(
+                    f"draft_model: {config.draft_model!r} has a vocabulary of {draft_mc.vocab_size} tokens, "
+                    f"the model {self.model_name!r} one of {self.model_config.vocab_size}; drafts must be the target's tokens"
+                )
+            draft_config = dataclasses.replace(
+                config, model=config.draft_model, speculative="off", draft_model=None, num_kv_blocks=self.kv_cache.num_blocks
+            )
+            single = TPGroup.single()
+            model, kv_cache = build_shard(draft_config, draft_mc, draft_dir, self.max_model_len, single, single)
+            proposer = DraftModelProposer(model, kv_cache)
+        return Speculator(proposer, policy, config.num_speculative_tokens)
 
     def add_request(
         self,
@@ -380,6 +412,8 @@ class LLMEngine:
             num_step_tokens=self._num_step_tokens,
             step_s=self._step_s,
             step_cpu_s=self._step_cpu_s,
+            num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
+            num_accepted_draft_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
         )
 
     def generate(

@@ -52,6 +52,8 @@ class EngineStatsCollector(Collector):
             ("splitserve_engine_step_tokens", "Tokens computed by engine steps (prompt chunks and decode tokens).", s.num_step_tokens),
             ("splitserve_engine_step_seconds", "Wall time spent in engine steps.", s.step_s),
             ("splitserve_engine_step_cpu_seconds", "CPU time of the engine thread in engine steps.", s.step_cpu_s),
+            ("splitserve_engine_spec_draft_tokens", "Speculative draft tokens verified by the model.", s.num_draft_tokens),
+            ("splitserve_engine_spec_accepted_tokens", "Speculative draft tokens accepted.", s.num_accepted_draft_tokens),
         ):
             counter = CounterMetricFamily(name, doc, labels=names)
             counter.add_metric(values, value)

@@ -133,6 +133,9 @@ class Request:
     prefill_steps: int = 0
     prefill_step_tokens: int = 0
     """See RequestTrace."""
+    draft_token_ids: tuple[int, ...] = ()
+    """Speculative drafts to verify this step after its last token (set by the speculator, never
+    part of ``token_ids``: only the accepted ones are appended)."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

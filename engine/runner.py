@@ -52,16 +52,17 @@ class StepPlan:
     """Rows of the flat batch whose logits are sampled."""
 
     @classmethod
-    def of(cls, chunks: list[ScheduledChunk], block_size: int) -> tuple[StepPlan, list[Request]]:
-        """The plan of the scheduler's ``chunks``, and the requests its sample rows belong to."""
+    def of(cls, chunks: list[ScheduledChunk], block_size: int) -> tuple[StepPlan, list[tuple[Request, int]]]:
+        """The plan of the scheduler's ``chunks``, and the requests its sample rows belong to with
+        how many consecutive rows each has (one, or ``1 + k`` for a verify chunk of k drafts)."""
         decodes = sorted((c for c in chunks if c.num_new_tokens == 1), key=lambda c: c.start)
         prefills = [c for c in chunks if c.num_new_tokens > 1]
         rows, sampled, num_tokens = [], [], 0
         for chunk in decodes + prefills:
             num_tokens += chunk.num_new_tokens
-            if chunk.samples:
-                rows.append(num_tokens - 1)
-                sampled.append(chunk.request)
+            if chunk.num_sample_rows:
+                rows += range(num_tokens - chunk.num_sample_rows, num_tokens)
+                sampled.append((chunk.request, chunk.num_sample_rows))
         plan = cls(
             decodes=tuple(_planned(c, block_size) for c in decodes),
             prefills=tuple(_planned(c, block_size) for c in prefills),
@@ -72,10 +73,11 @@ class StepPlan:
 
 def _planned(chunk: ScheduledChunk, block_size: int) -> PlannedChunk:
     end = chunk.start + chunk.num_new_tokens
+    known_end = end - len(chunk.draft_token_ids)
     return PlannedChunk(
         start=chunk.start,
         num_tokens=chunk.num_new_tokens,
-        token_ids=tuple(chunk.request.token_ids[chunk.start : end]),
+        token_ids=tuple(chunk.request.token_ids[chunk.start : known_end]) + chunk.draft_token_ids,
         block_ids=tuple(chunk.request.block_ids[: -(-end // block_size)]),
     )
 
@@ -97,8 +99,9 @@ class ModelRunner:
         """Steps this rank has run to the end, K/V written: every rank of a group counts the same steps."""
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> dict[Request, int]:
-        """Leader: run one step of ``chunks`` on every rank; the token sampled for each request that samples."""
+    def execute(self, chunks: list[ScheduledChunk]) -> dict[Request, list[int]]:
+        """Leader: run one step of ``chunks`` on every rank; the tokens sampled for each request
+        that samples (one, or one per row of a verify chunk: row j is its output token n + j)."""
         plans, requests = [], []
         for rank in range(self.dp.size):
             plan, sampled = StepPlan.of([c for c in chunks if (c.request.dp_rank or 0) == rank], self.block_size)
@@ -108,8 +111,17 @@ class ModelRunner:
         logits = self._run_own(plans)
         if not requests:
             return {}
-        tokens = sample(logits, [r.params for r in requests], [r.seed for r in requests], [r.num_output_tokens for r in requests])
-        return dict(zip(requests, tokens))
+        params, seeds, positions = [], [], []
+        for request, num_rows in requests:
+            params += [request.params] * num_rows
+            seeds += [request.seed] * num_rows
+            positions += range(request.num_output_tokens, request.num_output_tokens + num_rows)
+        tokens = sample(logits, params, seeds, positions)
+        out, row = {}, 0
+        for request, num_rows in requests:
+            out[request] = tokens[row : row + num_rows]
+            row += num_rows
+        return out
 
     def follow(self) -> int:
         """Follower: run the leader's plans until it sends None; returns the number of steps run."""

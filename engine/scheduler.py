@@ -34,22 +34,36 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.request import Request
+from engine.spec.speculator import Speculator
+from engine.spec.verify import accepted_prefix
 from kv_store.block_pool import BlockPool
 from kv_store.tiered import TieredKVStore
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """``num_new_tokens`` tokens of ``request`` from position ``start`` to compute this step."""
+    """``num_new_tokens`` tokens of ``request`` from position ``start`` to compute this step.
+
+    A verify chunk (speculative decoding) is the sequence's last token followed by its drafts::
+
+        token_ids: [ ... t41 ]  drafts: (d0 d1 d2)
+        chunk:          [ t41 d0 d1 d2 ]   start = 41, num_new_tokens = 4, every row sampled
+    """
 
     request: Request
     start: int
     num_new_tokens: int
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """True when the chunk reaches the end of the sequence, so a next token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows sampled: one per draft plus one, for a chunk that samples; else none."""
+        return len(self.draft_token_ids) + 1 if self.samples else 0
 
 
 class Scheduler:
@@ -62,6 +76,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         tiers: TieredKVStore | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.pools = pool if isinstance(pool, list) else [pool]
         """One block pool per data-parallel rank (one for any replica but an expert-parallel one)."""
@@ -83,6 +98,8 @@ class Scheduler:
         self.num_aborted = 0
         self.num_computed_prompt_tokens = 0
         """Prompt tokens whose K/V the engine computed (cache hits excluded); grows with recompute."""
+        self.speculator = speculator
+        """Proposes drafts for decoding sequences (speculative decoding); None decodes plainly."""
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -101,6 +118,8 @@ class Scheduler:
         budget = [self.max_num_batched_tokens] * len(self.pools)
         chunks: list[ScheduledChunk] = []
         preempted = False
+        if self.speculator is not None:
+            self.speculator.propose([r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens > 0])
         index = 0
         while index < len(self.running) and any(budget):
             request = self.running[index]
@@ -109,6 +128,10 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
+            drafts = request.draft_token_ids[: budget[rank] - 1] if num_new == 1 else ()
+            if drafts and not self._grow(request, 1 + len(drafts)):
+                drafts = ()  # too few blocks to verify: decode plainly before preempting anyone
+            num_new += len(drafts)
             while not self._grow(request, num_new):
                 victim = self._newest_running(rank)
                 self.running.remove(victim)
@@ -117,7 +140,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+                chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new, drafts))
                 budget[rank] -= num_new
                 index += 1
         if preempted:
@@ -164,26 +187,51 @@ class Scheduler:
         keys = self._prefix_keys(request)
         return max(range(len(self.pools)), key=lambda r: (len(self.pools[r].match_prefix(keys)), -seqs[r], -r))
 
-    def update(self, chunks: list[ScheduledChunk], sampled: dict[Request, int]) -> list[Request]:
-        """Advance the scheduled requests, append sampled tokens; return the requests with new output."""
+    def update(self, chunks: list[ScheduledChunk], sampled: dict[Request, list[int]]) -> list[Request]:
+        """Advance the scheduled requests, append sampled tokens (for a verify chunk, the accepted
+        drafts and one more); return the requests with new output."""
         touched = []
         for chunk in chunks:
             request = chunk.request
-            request.num_computed_tokens += chunk.num_new_tokens
+            tokens = sampled.get(request, ())
+            if chunk.draft_token_ids and tokens:
+                num_accepted = accepted_prefix(chunk.draft_token_ids, tokens)
+                tokens = tokens[: num_accepted + 1]
+                self.speculator.observe(request, len(chunk.draft_token_ids), num_accepted)
+            num_appended = 0
+            for token in tokens:
+                request.append_token(token)
+                num_appended += 1
+                if request.finished:
+                    break
+            # A verify chunk's KV is kept for its first token and the drafts that were appended.
+            request.num_computed_tokens += chunk.num_new_tokens - len(chunk.draft_token_ids) + max(0, num_appended - 1)
+            if chunk.draft_token_ids:
+                self._roll_back(request)
             prompt_end = min(chunk.start + chunk.num_new_tokens, request.num_prompt_tokens)
             self.num_computed_prompt_tokens += max(0, prompt_end - chunk.start)
             self._register_full_blocks(request)
-            token = sampled.get(request)
-            if token is None:
+            if not tokens:
                 continue
-            request.append_token(token)
             touched.append(request)
             if request.finished:
                 self.running.remove(request)
                 if request.hold_kv:
                     self.lease(request.request_id, request.block_ids, request.dp_rank)
                 self._release(request)
+                if self.speculator is not None:
+                    self.speculator.forget(request)
         return touched
+
+    def _roll_back(self, request: Request) -> None:
+        """Free the blocks past the sequence's computed tokens: after a verify step they hold
+        only rejected drafts. (Rejected positions in the last kept block are overwritten by the
+        next step; the block is not full, so it is not in the prefix cache.)"""
+        num_kept = -(-request.num_computed_tokens // self.block_size)
+        rejected = request.block_ids[num_kept:]
+        if rejected:
+            del request.block_ids[num_kept:]
+            self.pools[request.dp_rank].release(reversed(rejected))
 
     def lease(self, request_id: str, block_ids: list[int], rank: int = 0) -> None:
         """Pin ``block_ids`` (of ``rank``'s pool) for a transfer until ``release_lease(request_id)``."""
@@ -257,6 +305,8 @@ class Scheduler:
         self._release(request)
         request.abort()
         self.num_aborted += 1
+        if self.speculator is not None:
+            self.speculator.forget(request)
 
     def peek_prefix(self, request: Request) -> list[int]:
         """The cached blocks admission would reuse for ``request`` (on the rank it would pick); takes nothing."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers and the policy deciding how many drafts pay."""
