@@ -1,6 +1,7 @@
 """Trace replay of cache-aware routing: the real prefix index and policies against simulated workers.
 
     python -m bench.routing --trace FILE [--generate KIND] [--shapes DIR] [--sensitivity] [--live] --json OUT
+    python -m bench.routing --live [--json OUT]          the live routing step alone
 
 With ``--generate`` a seeded trace (bench/traces.py) is written to FILE first. The trace is
 replayed once per policy through the simulated cluster of bench/routing_sim.py (its docstring
@@ -63,7 +64,7 @@ def evaluate_goals(oracle: float, results: dict[str, dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = arg_parser(__doc__, model=False, plot="hit ratio and TTFT p90 per policy")
-    parser.add_argument("--trace", type=Path, required=True, help="a Mooncake JSONL trace (with --generate: written first)")
+    parser.add_argument("--trace", type=Path, help="a Mooncake JSONL trace (with --generate: written first); without one, --live runs alone")
     parser.add_argument("--generate", choices=KINDS, help="write a seeded trace of this kind to --trace, then replay it")
     parser.add_argument("--requests", type=positive, default=20000, help="requests of a generated trace (default: 20000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of a generated trace (default: 0)")
@@ -83,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         trace_config = dataclass_from_args(TraceConfig, args, prefix="trace")
     except ValueError as e:
         parser.error(str(e))
+    if args.trace is None:
+        if not args.live:
+            parser.error("--trace is required (or --live alone)")
+        emit_report({"live": live_decisions(), "machine": machine()}, args.json)
+        return 0
     if args.generate:
         progress("routing", f"generating a {args.generate} trace of {args.requests} requests (seed {args.seed}) into {args.trace}")
         write_trace(generate(args.generate, args.requests, args.seed, trace_config), args.trace)

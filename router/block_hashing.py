@@ -9,27 +9,29 @@ per block, so every block also gets a *fingerprint* of its prefix computed with 
     g_j  = mix(sum_t token_{j,t} * R_t, j)              per block, vectorized
     fp_i = root_mix + g_0 + g_1 + ... + g_i  (mod 2^64)  a cumulative sum, vectorized
 
-A seen prompt puts ``fp_i -> its record`` for every block ``i`` in a ``KeyTable`` (one
-vectorized insert), and a new prompt looks all its fingerprints up at once: the leading run of
-known ones is the longest prefix seen. The record found is checked token for token (one
-``numpy`` compare) before its keys are reused, so a fingerprint collision costs a rehash, never a
-wrong key. Records live in two generations of ``max_blocks`` fingerprints each (the default: 2M
-tokens of 16-token blocks): when the young one fills, the old one's records and fingerprints
-are dropped. Keys come back as a uint64 array, the form the prefix index looks up.
+A seen prompt remembers ``fp_i -> its record`` at every ``_STRIDE``-th block (a checkpoint: 128
+dict entries for 2,048 blocks), so a binary search over a new prompt's checkpoints finds a seen
+prompt that shares a prefix with it; one numpy compare of the two prompts' tokens then gives the
+exact shared length, so a fingerprint collision costs a rehash, never a wrong key. Records live
+in two generations of ``max_blocks`` blocks' worth of checkpoints each (the default: 2M tokens
+of 16-token blocks): when the young one fills, the old one is dropped. Keys come back as a
+uint64 array, the form the prefix index looks up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
 from kv_store.keys import packed_block_keys
-from router.key_table import KeyTable
 
 _MULTIPLIERS = np.random.default_rng(0x5EED).integers(1, 2**63, size=4096, dtype=np.uint64) | np.uint64(1)
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+_STRIDE = 16
+"""Blocks between two checkpoints: block ``i`` is one when ``(i + 1) % _STRIDE == 0``."""
 
 
 @dataclass(frozen=True)
@@ -50,14 +52,13 @@ class BlockHasher:
         if max_blocks < 1:
             raise ValueError(f"max_blocks: must be >= 1, got {max_blocks}")
         self.block_size = block_size
-        self.max_blocks = max_blocks
-        self._fingerprints = KeyTable(1, 131_072, keep=self._young)
-        """Fingerprint -> record number (column 0), for both generations."""
-        self._records: dict[int, _Record] = {}
+        self.max_checkpoints = max(1, max_blocks // _STRIDE)
+        self._young: dict[int, int] = {}
+        """Checkpoint fingerprint -> record number: ints only, so the garbage collector never walks it."""
+        self._old: dict[int, int] = {}
+        self._young_records: dict[int, _Record] = {}
+        self._old_records: dict[int, _Record] = {}
         self._next_record = 0
-        self._young_from = 0
-        """Record numbers from this one on are the young generation's."""
-        self._num_young_blocks = 0
         self._mixed_positions = np.zeros(0, dtype=np.uint64)
         self.num_hashed_blocks = 0
         """Blocks hashed from scratch so far (the rest were reused)."""
@@ -74,15 +75,15 @@ class BlockHasher:
         if num_blocks == 0:
             return np.zeros(0, dtype=np.uint64)
         tokens = tokens[: num_blocks * self.block_size]
-        fingerprints = self._fingerprint(tokens, root_key)
-        known, number = self._longest_known(fingerprints, tokens, root_key)
-        reused = self._records[number].keys[:known] if known else np.zeros(0, dtype=np.uint64)
-        fresh = self._hash(tokens, known, int(reused[-1]) if known else root_key)
-        keys = np.concatenate([reused, fresh])
-        self._store(_Record(root_key, tokens, keys), fingerprints, known if known and number >= self._young_from else 0)
+        checkpoints = self._checkpoints(tokens, root_key)
+        shared, record = self._longest_shared(checkpoints, tokens, root_key)
+        reused = record.keys[:shared] if shared else np.zeros(0, dtype=np.uint64)
+        keys = np.concatenate([reused, self._hash(tokens, shared, int(reused[-1]) if shared else root_key)])
+        self._store(_Record(root_key, tokens, keys), checkpoints)
         return keys
 
-    def _fingerprint(self, tokens: np.ndarray, root_key: int) -> np.ndarray:
+    def _checkpoints(self, tokens: np.ndarray, root_key: int) -> list[int]:
+        """The prefix fingerprint at each checkpoint block of ``tokens``."""
         if self.block_size % 2 == 0:  # two tokens per u64: half the multiplies
             blocks = tokens.view(np.uint64).reshape(-1, self.block_size // 2)
         else:
@@ -92,7 +93,7 @@ class BlockHasher:
         per_block *= _MIX
         per_block ^= per_block >> np.uint64(31)
         per_block[0] = (int(per_block[0]) + root_key) & 0xFFFF_FFFF_FFFF_FFFF
-        return np.cumsum(per_block, dtype=np.uint64)
+        return np.cumsum(per_block, dtype=np.uint64)[_STRIDE - 1 :: _STRIDE].tolist()
 
     def _positions(self, num_blocks: int) -> np.ndarray:
         """``(1..num_blocks) * _MIX``, kept between calls: it makes a block's fingerprint depend on its place."""
@@ -100,18 +101,31 @@ class BlockHasher:
             self._mixed_positions = np.arange(1, 2 * num_blocks + 1, dtype=np.uint64) * _MIX
         return self._mixed_positions[:num_blocks]
 
-    def _longest_known(self, fingerprints: np.ndarray, tokens: np.ndarray, root_key: int) -> tuple[int, int]:
-        """How many leading blocks a seen prompt shares with this one, and that prompt's record number."""
-        slots = self._fingerprints.find(fingerprints)
-        known = int(np.argmin(slots >= 0)) if (slots < 0).any() else len(slots)
-        if known == 0:
-            return 0, -1
-        number = int(self._fingerprints.values[slots[known - 1], 0])
-        record = self._records[number]
-        end = known * self.block_size
-        if record.root_key != root_key or len(record.token_ids) < end or not np.array_equal(record.token_ids[:end], tokens[:end]):
-            return 0, -1  # a fingerprint collision: hash from scratch
-        return known, number
+    def _lookup(self, fingerprint: int) -> _Record | None:
+        number = self._young.get(fingerprint)
+        if number is not None:
+            return self._young_records[number]
+        number = self._old.get(fingerprint)
+        return self._old_records[number] if number is not None else None
+
+    def _longest_shared(self, checkpoints: list[int], tokens: np.ndarray, root_key: int) -> tuple[int, _Record | None]:
+        """Blocks this prompt shares from its start with a seen prompt, and that prompt's record.
+        Checkpoints find the record; its tokens say how far it matches."""
+        low, high = 0, len(checkpoints)  # checkpoints [0, low) known; [high, ...) not
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._lookup(checkpoints[middle - 1]) is not None:
+                low = middle
+            else:
+                high = middle - 1
+        if low == 0:
+            return 0, None
+        record = self._lookup(checkpoints[low - 1])
+        if record.root_key != root_key:
+            return 0, None
+        end = min(len(record.token_ids), len(tokens))
+        differ = np.flatnonzero(record.token_ids[:end] != tokens[:end])
+        return (int(differ[0]) if len(differ) else end) // self.block_size, record
 
     def _hash(self, tokens: np.ndarray, start_block: int, parent_key: int) -> np.ndarray:
         data = tokens[start_block * self.block_size :].astype("<u4", copy=False).tobytes()
@@ -119,22 +133,13 @@ class BlockHasher:
         self.num_hashed_blocks += len(keys)
         return np.fromiter(keys, dtype=np.uint64, count=len(keys))
 
-    def _store(self, record: _Record, fingerprints: np.ndarray, num_young: int) -> None:
-        """Point every block's fingerprint at ``record``; the first ``num_young`` already point
-        at a young record with the same prefix (so the young generation stays prefix-closed)."""
-        if self._num_young_blocks + len(fingerprints) > self.max_blocks:
-            self._records = {n: r for n, r in self._records.items() if n >= self._young_from}
-            self._young_from = self._next_record
-            self._num_young_blocks = 0
-            self._fingerprints.compact()
-            num_young = 0
+    def _store(self, record: _Record, checkpoints: list[int]) -> None:
+        """Point every checkpoint of ``record`` at it: a checkpoint names the latest prompt
+        through it, the one that goes on furthest (and the young generation stays prefix-closed)."""
+        if len(self._young) + len(checkpoints) > self.max_checkpoints:
+            self._old, self._young = self._young, {}
+            self._old_records, self._young_records = self._young_records, {}
         number = self._next_record
         self._next_record += 1
-        self._records[number] = record
-        slots = self._fingerprints.insert(fingerprints[num_young:])
-        self._fingerprints.values[slots, 0] = number
-        self._num_young_blocks += len(fingerprints) - num_young
-
-    def _young(self, table: KeyTable) -> np.ndarray:
-        """Rows a compaction keeps: fingerprints of records still kept (young, or old before a turnover)."""
-        return table.values[:, 0] >= np.uint64(min(self._records, default=self._next_record))
+        self._young_records[number] = record
+        self._young.update(zip(checkpoints, repeat(number)))

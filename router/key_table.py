@@ -75,6 +75,11 @@ class KeyTable:
             result[zero] = self._zero_row if self._has_zero else -1
         return result
 
+    def values_at(self, slots: np.ndarray) -> np.ndarray:
+        """``values[slots]``, gathered from the contiguous rows (several times faster than
+        indexing the ``values`` view)."""
+        return np.take(self._rows, slots, axis=0)[:, 1:]
+
     def insert(self, keys: np.ndarray) -> np.ndarray:
         """The slot of each of ``keys``, adding those not held yet (values 0, times NaN)."""
         keys = np.asarray(keys, dtype=np.uint64)
@@ -151,23 +156,34 @@ class KeyTable:
             self._has_zero = True
         pending = np.flatnonzero(~zero)
         starts = self._home(keys[pending])
+        free = self.keys[starts] == 0  # most keys find their home slot unused: one plain gather
+        done = self._claim(keys, pending[free], starts[free], result)
+        retry = ~free
+        retry[np.flatnonzero(free)[~done]] = True
+        pending, starts = pending[retry], starts[retry]
         while len(pending):
             free = _first_of_4(self._windows[starts] == 0)
             onward = free < 0
-            claimants, claimed = pending[~onward], starts[~onward] + free[~onward]
+            claimed = starts[~onward] + free[~onward]
             if len(claimed) and claimed.max() > self._last_slot:
                 return None
-            self._claims[claimed] = claimants
-            won = self._claims[claimed] == claimants
-            self.keys[claimed[won]] = keys[claimants[won]]
-            self.num_used += int(np.count_nonzero(won))
-            done = self.keys[claimed] == keys[claimants]
-            result[claimants[done]] = claimed[done]
+            done = self._claim(keys, pending[~onward], claimed, result)
             starts[onward] += _WINDOW
             retry = onward.copy()
             retry[np.flatnonzero(~onward)[~done]] = True
             pending, starts = pending[retry], starts[retry]
         return result
+
+    def _claim(self, keys: np.ndarray, claimants: np.ndarray, claimed: np.ndarray, result: np.ndarray) -> np.ndarray:
+        """Claimants (indices into ``keys``) each take their unused ``claimed`` slot; where
+        several want one, the last claim written wins. Which claimants now hold their key."""
+        self._claims[claimed] = claimants
+        won = self._claims[claimed] == claimants
+        self.keys[claimed[won]] = keys[claimants[won]]
+        self.num_used += int(np.count_nonzero(won))
+        done = self.keys[claimed] == keys[claimants]
+        result[claimants[done]] = claimed[done]
+        return done
 
 
 def _any_of_4(flags: np.ndarray) -> np.ndarray:

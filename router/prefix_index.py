@@ -10,10 +10,12 @@ CPU tier, then the Redis tier, which every worker shares)::
     worker A  pool pool cpu  --            -> run 3: pool 2, cpu 1
     worker B  --   (k0 in Redis) ...       -> Redis counts for everyone: run from Redis
 
-A ``KeyTable`` (numpy open addressing) maps each key to a row of worker bitmasks, one per tier
-lane, 64 workers to a word (column ``word * 4 + lane``)::
+A ``KeyTable`` (numpy open addressing) maps each key to worker bitmasks, one per tier lane.
+Up to 16 workers the four lanes share one uint64 (a lookup is memory-bound: a 16-byte slot
+keeps the table small); past that each lane has 64 workers to a word (column ``word * 4 + lane``)::
 
-    row = pool_mask, cpu_mask, redis_writers, remembered     (then the next 64 workers' four)
+    packed:  value = pool | cpu << 16 | redis_writers << 32 | remembered << 48
+    words:   row = pool_mask, cpu_mask, redis_writers, remembered   (then the next 64 workers' four)
 
 so a lookup is one vectorized probe of all of a prompt's keys and a numpy search for runs of
 equal rows: Python only runs where the tier pattern changes, not per key (a 32k-token prompt
@@ -37,6 +39,8 @@ _TIER_LANE = {Tier.POOL: 0, Tier.CPU: 1, Tier.REDIS: 2}
 _REMEMBERED = 3
 _LANES = 4
 _WORD_BITS = 64
+_PACKED_BITS = 16
+"""Lane width while every worker fits in it: the four lanes are one uint64."""
 _GROW_AT = 0.375
 """Share of the table's slots in use past which ``forget_expired`` grows it (``insert`` would at 1/2)."""
 
@@ -63,7 +67,9 @@ class PrefixIndex:
         self._bits: dict[str, int] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
-        self._table = KeyTable(_LANES, capacity, keep=_holds_something)
+        self._table = KeyTable(1, capacity, keep=_holds_something)
+        self._packed = True
+        """Lanes of ``_PACKED_BITS`` in one column, until a 17th worker bit is taken."""
         self._remember_order: deque[tuple[float, np.ndarray]] = deque()
 
     @property
@@ -89,7 +95,7 @@ class PrefixIndex:
         bit = self._bits.pop(worker_id)
         for tier, keys in sets.keys.items():
             self._drop(tier, keys, bit)
-        column, flag = _column(bit, _REMEMBERED)
+        column, flag = self._column(bit, _REMEMBERED)
         self._table.values[:, column] &= ~flag
         self._free_bits.append(bit)
 
@@ -133,7 +139,7 @@ class PrefixIndex:
         self.add_worker(worker_id)
         keys = np.array(keys, dtype=np.uint64)  # a copy: the order below outlives the caller's array
         slots = self._table.insert(keys)
-        column, flag = _column(self._bits[worker_id], _REMEMBERED)
+        column, flag = self._column(self._bits[worker_id], _REMEMBERED)
         self._table.values[slots, column] |= flag
         self._table.times[slots] = until_s
         self._remember_order.append((until_s, keys))
@@ -148,7 +154,10 @@ class PrefixIndex:
             slots = table.find(order.popleft()[1])
             slots = slots[slots >= 0]
             slots = slots[table.times[slots] <= now_s]
-            table.values[slots, _REMEMBERED :: _LANES] = 0
+            if self._packed:
+                table.values[slots, 0] &= np.uint64((1 << 3 * _PACKED_BITS) - 1)
+            else:
+                table.values[slots, _REMEMBERED :: _LANES] = 0
             table.times[slots] = np.nan
 
     def oldest_remembered_s(self) -> float | None:
@@ -188,7 +197,7 @@ class PrefixIndex:
         end = int(np.argmin(held)) if not held.all() else len(slots)
         if end == 0:
             return []
-        rows = self._table.values[slots[:end]]
+        rows = self._table.values_at(slots[:end])
         nonzero = _any_per_row(rows != 0)
         if not nonzero.all():
             end = int(np.argmin(nonzero))
@@ -196,7 +205,8 @@ class PrefixIndex:
                 return []
             rows = rows[:end]
         starts = [0, *(np.flatnonzero(_any_per_row(rows[1:] != rows[:-1])) + 1).tolist(), end]
-        return [(_lanes(row), b - a) for row, a, b in zip(rows[starts[:-1]].tolist(), starts, starts[1:])]
+        lanes = _unpack if self._packed else _lanes
+        return [(lanes(row), b - a) for row, a, b in zip(rows[starts[:-1]].tolist(), starts, starts[1:])]
 
     def num_keys(self, worker_id: str, tier: Tier = Tier.POOL) -> int:
         sets = self._sets.get(worker_id)
@@ -215,27 +225,45 @@ class PrefixIndex:
         array = _key_array(keys)
         if len(array):
             slots = self._table.insert(array)  # before ``values`` is read: inserting may replace it
-            column, flag = _column(bit, _TIER_LANE[tier])
+            column, flag = self._column(bit, _TIER_LANE[tier])
             self._table.values[slots, column] |= flag
 
     def _drop(self, tier: Tier, keys: Iterable[int], bit: int) -> None:
         array = _key_array(keys)
         if len(array):
             slots = self._table.find(array)
-            column, flag = _column(bit, _TIER_LANE[tier])
+            column, flag = self._column(bit, _TIER_LANE[tier])
             self._table.values[slots[slots >= 0], column] &= ~flag
 
     def _take_bit(self) -> int:
         bit = self._next_bit
         self._next_bit += 1
-        if bit >= _WORD_BITS * (self._table.values.shape[1] // _LANES):
+        if self._packed and bit >= _PACKED_BITS:
+            self._unpack_lanes()
+        if not self._packed and bit >= _WORD_BITS * (self._table.values.shape[1] // _LANES):
             self._table.add_columns(_LANES)  # 64 more workers: one more word per lane
         return bit
 
+    def _column(self, bit: int, lane: int) -> tuple[int, np.uint64]:
+        """The table column and the flag within it of worker ``bit``'s ``lane``."""
+        if self._packed:
+            return 0, np.uint64(1 << (lane * _PACKED_BITS + bit))
+        return bit // _WORD_BITS * _LANES + lane, np.uint64(1 << bit % _WORD_BITS)
 
-def _column(bit: int, lane: int) -> tuple[int, np.uint64]:
-    """The table column and the flag within it of worker ``bit``'s ``lane``."""
-    return bit // _WORD_BITS * _LANES + lane, np.uint64(1 << bit % _WORD_BITS)
+    def _unpack_lanes(self) -> None:
+        """A 17th worker: from one packed column to a word per lane."""
+        self._table.add_columns(_LANES - 1)
+        values = self._table.values
+        packed = values[:, 0].copy()
+        for lane in range(_LANES):
+            values[:, lane] = packed >> np.uint64(lane * _PACKED_BITS) & np.uint64((1 << _PACKED_BITS) - 1)
+        self._packed = False
+
+
+def _unpack(row: list[int]) -> tuple[int, int, int, int]:
+    """A packed row (one uint64) as one Python int of worker bits per lane."""
+    value, mask = row[0], (1 << _PACKED_BITS) - 1
+    return value & mask, value >> _PACKED_BITS & mask, value >> 2 * _PACKED_BITS & mask, value >> 3 * _PACKED_BITS
 
 
 def _lanes(row: list[int]) -> tuple[int, int, int, int]:
@@ -246,8 +274,10 @@ def _lanes(row: list[int]) -> tuple[int, int, int, int]:
 
 
 def _any_per_row(flags: np.ndarray) -> np.ndarray:
-    """``flags.any(axis=1)`` for rows of 4 * words bools, read as words of 4 bytes: numpy's
-    ``any`` over a short axis is several times slower."""
+    """``flags.any(axis=1)`` for rows of 1 or 4 * words bools, the latter read as words of 4
+    bytes: numpy's ``any`` over a short axis is several times slower."""
+    if flags.shape[1] == 1:
+        return flags[:, 0]
     words = np.ascontiguousarray(flags).view(np.uint32)
     return words[:, 0] != 0 if words.shape[1] == 1 else words.any(axis=1)
 
