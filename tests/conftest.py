@@ -18,6 +18,13 @@ import torch  # noqa: E402
 from tests.tiny_models import TINY_CONFIGS, make_tiny_checkpoint, make_tiny_tokenizer  # noqa: E402
 
 
+if not torch.cuda.is_available():
+    # Without CUDA, Triton kernels run in Triton's interpreter (tests/unit/engine/test_triton_attention.py).
+    # Triton reads this once, when it is first imported, and transformers imports it on the way
+    # (through torch._dynamo) in many test modules, so it is set here, before any is collected.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

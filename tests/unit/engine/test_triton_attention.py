@@ -5,43 +5,21 @@ requantization of growing blocks), and the reference is also checked against the
 attention path, so the three agree on the same bytes.
 """
 
-import os
-
 import pytest
 import torch
 
-# On CPU the kernels run in Triton's interpreter, which is chosen as they are decorated (at
-# import) and consulted as they run; on a CUDA host they compile and run on the GPU instead.
+from engine.kernels.paged_attention import paged_decode_attention, reference_paged_decode_attention
+from engine.kv_cache import PagedKVCache
+from engine.layers.attention import DecodeGroup, PagedAttention
+from engine.model_config import ModelConfig
+from engine.parallel.group import TPGroup
+from engine.parallel.sharding import TPShard
+from kv_store.layout import KVBlockLayout
+
+# On CPU the kernels run in Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET=1
+# before anything imports Triton (it is read once, at that import). On a CUDA host they
+# compile and run on the GPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_previous_interpret = os.environ.get("TRITON_INTERPRET")
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-from engine.kernels.paged_attention import paged_decode_attention, reference_paged_decode_attention  # noqa: E402
-from engine.kv_cache import PagedKVCache  # noqa: E402
-from engine.layers.attention import DecodeGroup, PagedAttention  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.parallel.group import TPGroup  # noqa: E402
-from engine.parallel.sharding import TPShard  # noqa: E402
-from kv_store.layout import KVBlockLayout  # noqa: E402
-
-
-def _restore_interpret() -> None:
-    if _previous_interpret is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _previous_interpret
-
-
-_restore_interpret()  # modules collected after this one run with the environment they had
-
-
-@pytest.fixture(autouse=True, scope="module")
-def triton_interpreter():
-    """Keep the interpreter on while this module's tests run, and only then."""
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    _restore_interpret()
 
 
 def kernel(q, cache: PagedKVCache, layer: int, tables, lens, **kwargs) -> torch.Tensor:
@@ -54,8 +32,8 @@ BLOCK_SIZE = 16
 HEAD_DIM = 64
 NUM_LAYERS = 2
 NUM_BLOCKS = 12
-CONTEXT_LENS = (1, 16, 37)
-TOLERANCE = 1e-5 if DEVICE == "cpu" else 1e-4  # GPU exp is an approximation  # one token; exactly one full block; two full blocks and a partial one
+CONTEXT_LENS = (1, 16, 37)  # one token; exactly one full block; two full blocks and a partial one
+TOLERANCE = 1e-5 if DEVICE == "cpu" else 1e-4  # GPU exp is an approximation
 
 
 def filled_cache(kv_dtype: str, num_kv_heads: int, context_lens=CONTEXT_LENS, seed: int = 0) -> tuple[PagedKVCache, torch.Tensor]:
