@@ -47,7 +47,7 @@ _PROGRAMS_PER_SM = 4
 _FLOAT32_FROM_E4M3_MASK = tl.constexpr(0x87F00000 - (1 << 32)) if triton is not None else None
 _REBIAS = tl.constexpr(2.0**120) if triton is not None else None
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-"""Triton builds interpreted kernels when this is set as the module is imported (as the CPU tests do)."""
+"""Triton runs kernels in its interpreter when this is set before Triton is first imported (tests/conftest.py does so without CUDA)."""
 
 if triton is not None:
 
@@ -234,7 +234,7 @@ def _check_device(q: torch.Tensor) -> None:
     if q.device.type != "cuda" and not _INTERPRETED:
         raise RuntimeError(
             f"paged_decode_attention runs on CUDA tensors, or on CPU when TRITON_INTERPRET=1 was set before "
-            f"engine.kernels.paged_attention was imported; q is on {q.device}"
+            f"Triton was first imported; q is on {q.device}"
         )
 
 
