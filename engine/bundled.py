@@ -9,6 +9,7 @@ without reading the weights again.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,3 +111,22 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
     if (checkpoint_dir / SOURCE_FILE_NAME).is_file():
         return checkpoint_dir
     return convert_gguf(model.gguf_path(), checkpoint_dir, expected_sha256=model.sha256)
+
+
+def source_gguf(checkpoint_dir: Path) -> Path | None:
+    """The bundled GGUF ``checkpoint_dir`` was converted from (matched by sha256); None for a
+    checkpoint that was not converted from a GGUF.
+
+    ``CheckpointError`` when it was converted from a GGUF that no bundled model ships.
+    """
+    source_file = Path(checkpoint_dir) / SOURCE_FILE_NAME
+    if not source_file.is_file():
+        return None
+    sha256 = json.loads(source_file.read_text())["sha256"]
+    for model in _BUNDLED_MODELS.values():
+        if model.sha256 == sha256:
+            return model.gguf_path()
+    raise CheckpointError(
+        f"{checkpoint_dir}: converted from a GGUF (sha256 {sha256[:12]}) that no bundled model ships, "
+        "so native weights cannot be read; use --weights fp32, bf16, int8 or int4"
+    )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bundled import resolve_model, served_model_name
+from engine.bundled import resolve_model, served_model_name, source_gguf
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
@@ -25,6 +25,7 @@ from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
 from engine.parallel.sharding import check_ep_size, check_tp_size
 from engine.params import SamplingParams
+from engine.quant.apply import apply_weights, check_weights_dtype
 from engine.request import FinishReason, Request, RequestOutput
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
@@ -139,8 +140,10 @@ def build_shard(
     blocks (one block id names the same tokens on every rank); expert-parallel ranks hold every
     head for requests of their own.
     """
+    check_weights_dtype(config.weights, config.dtype)
     model = DecoderModel.empty(mc, max_model_len, _TORCH_DTYPES[config.dtype], tp, ep)
     load_weights(model, checkpoint_dir)
+    apply_weights(model, config.weights, source_gguf(checkpoint_dir) if config.weights == "native" else None)
     layout = KVBlockLayout(mc.num_layers, model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
     if num_blocks < 1:

@@ -72,7 +72,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, expected_sha256: str | None = N
     source = read_source(gguf_path)
     if expected_sha256 is not None and source.sha256 != expected_sha256:
         raise CheckpointError(f"{gguf_path}: sha256 {source.sha256} does not match the expected {expected_sha256}")
-    reader = _open_reader(gguf_path)
+    reader = open_reader(gguf_path)
     config = _model_config(reader, gguf_path)
     tensors = _hf_tensors(reader, config, gguf_path)
     tokenizer = _build_tokenizer(reader, gguf_path)
@@ -102,7 +102,7 @@ def read_source(gguf_path: Path) -> GGUFSource:
     return GGUFSource(file_name=Path(gguf_path).name, size_bytes=size_bytes, sha256=digest.hexdigest())
 
 
-def _open_reader(gguf_path: Path) -> gguf.GGUFReader:
+def open_reader(gguf_path: Path) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(gguf_path)
     except (ValueError, IndexError, OSError) as e:
@@ -174,7 +174,7 @@ def _rope_scaling(reader: gguf.GGUFReader, gguf_path: Path) -> dict[str, Any] | 
 def _hf_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path: Path) -> dict[str, np.ndarray]:
     tensors: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
-        hf_name = _hf_tensor_name(tensor.name, gguf_path)
+        hf_name = hf_tensor_name(tensor.name, gguf_path)
         # GGUF lists dimensions fastest-first (ne0 = columns); numpy and torch list rows first.
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         try:
@@ -187,9 +187,9 @@ def _hf_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path: Path
         except ValueError as e:
             raise CheckpointError(f"{gguf_path}: tensor {tensor.name!r} is truncated or corrupt ({e})") from e
         if hf_name.endswith("q_proj.weight"):
-            weights = _unpermute_rope_rows(weights, config["num_attention_heads"])
+            weights = unpermute_rope_rows(weights, config["num_attention_heads"])
         elif hf_name.endswith("k_proj.weight"):
-            weights = _unpermute_rope_rows(weights, config["num_key_value_heads"])
+            weights = unpermute_rope_rows(weights, config["num_key_value_heads"])
         tensors[hf_name] = np.ascontiguousarray(weights, dtype=np.float32)
     missing = sorted(_expected_tensor_names(config) - tensors.keys())
     if missing:
@@ -197,7 +197,7 @@ def _hf_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path: Path
     return tensors
 
 
-def _hf_tensor_name(gguf_name: str, gguf_path: Path) -> str:
+def hf_tensor_name(gguf_name: str, gguf_path: Path) -> str:
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
     prefix, _, rest = gguf_name.partition(".")
@@ -216,7 +216,7 @@ def _expected_tensor_names(config: dict[str, Any]) -> set[str]:
     return names
 
 
-def _unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's row order of a Q or K projection.
 
     HF rotates halves (dims j and j + half form a pair); GGML rotates adjacent dims, so llama.cpp

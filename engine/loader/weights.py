@@ -146,6 +146,14 @@ def _expected_numel(model: DecoderModel, name: str, param: torch.Tensor) -> int:
     return module.loaded_numel(attr) if hasattr(module, "loaded_numel") else param.numel()
 
 
+def checkpoint_target(name: str, model: DecoderModel) -> _Target:
+    """Where checkpoint tensor ``name`` lands in ``model`` (its parameter and fused part)."""
+    target = _target(name, model)
+    if target is None:
+        raise UnsupportedModelError(f"tensor {name!r} has no place in the model")
+    return target
+
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 

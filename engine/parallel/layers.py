@@ -27,7 +27,23 @@ WeightSlice = tuple[torch.Tensor, tuple[slice, ...]]
 """(destination view in a parameter, index into the checkpoint tensor)."""
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class _QuantizableLinear(torch.nn.Module):
+    """A linear layer whose dense ``weight`` may be swapped for a quantized one after loading."""
+
+    quantized = None
+    """The weight in a quantized kernel's layout (``engine/quant/kernels.py``); None: ``weight`` is used."""
+
+    def use_weight(self, weight) -> None:
+        """Compute with ``weight`` (anything with ``matmul(x) = x W^T``) and drop the dense parameter."""
+        self.quantized = weight
+        self.weight = None
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` for this rank's slice of W, without bias."""
+        return F.linear(x, self.weight) if self.quantized is None else self.quantized.matmul(x)
+
+
+class ColumnParallelLinear(_QuantizableLinear):
     """``y = x W^T (+ b)`` with this rank's rows of W, one run of rows per named part.
 
     ``parts`` lists the checkpoint tensors fused into the layer (``q``, ``k``, ``v``; ``gate``,
@@ -47,7 +63,10 @@ class ColumnParallelLinear(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty(offset)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.quantized is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.quantized.matmul(x)
+        return y if self.bias is None else y + self.bias
 
     def weight_slices(self, attr: str, part: str | None, shape: Sequence[int]) -> list[WeightSlice]:
         if part not in self.parts:
@@ -62,7 +81,7 @@ class ColumnParallelLinear(torch.nn.Module):
         return getattr(self, attr).numel()
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(_QuantizableLinear):
     """``y = all_reduce(x_r W_r^T) (+ b)`` where rank r holds input features ``columns`` of W."""
 
     def __init__(self, columns: range, output_size: int, tp: TPGroup, bias: bool = False) -> None:
@@ -73,7 +92,7 @@ class RowParallelLinear(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.project(x))
         return y if self.bias is None else y + self.bias
 
     def weight_slices(self, attr: str, part: str | None, shape: Sequence[int]) -> list[WeightSlice]:
@@ -122,7 +141,7 @@ class ParallelLMHead(ColumnParallelLinear):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits ``[rows, vocab]`` on the leader; None on the other ranks."""
-        full = self.tp.gather_to_leader(F.linear(hidden, self.weight), dim=-1)
+        full = self.tp.gather_to_leader(self.project(hidden), dim=-1)
         return None if full is None else full[:, : self.vocab_size].float()
 
     def loaded_numel(self, attr: str) -> int:

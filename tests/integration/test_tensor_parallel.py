@@ -71,7 +71,7 @@ def expected_rank_bytes(tp1_model, size: int) -> int:
 @pytest.fixture(scope="module")
 def smol(smollm2_dir, smollm2_cache_dir):
     """``smol(**overrides)``: a small-pool, small-batch SmolLM2 config (chunked prefill, preemption)."""
-    base = EngineConfig(model="smollm2-135m", cache_dir=smollm2_cache_dir, kv_dtype="fp32", num_kv_blocks=24, max_num_batched_tokens=48)
+    base = EngineConfig(model="smollm2-135m", weights="fp32", cache_dir=smollm2_cache_dir, kv_dtype="fp32", num_kv_blocks=24, max_num_batched_tokens=48)
     return lambda **overrides: replace(base, **overrides)
 
 

@@ -47,7 +47,7 @@ REFUSAL_DEADLINE_S = 60.0
 
 @pytest.fixture(scope="module")
 def engine_config(smollm2_dir, smollm2_cache_dir):
-    return EngineConfig(model="smollm2-135m", cache_dir=smollm2_cache_dir, kv_dtype="fp32", num_kv_blocks=256, max_num_batched_tokens=256)
+    return EngineConfig(model="smollm2-135m", weights="fp32", cache_dir=smollm2_cache_dir, kv_dtype="fp32", num_kv_blocks=256, max_num_batched_tokens=256)
 
 
 def tp_cluster_config(engine_config: EngineConfig, decode_tp_size: int = 3, rank_cpus: float = RANK_CPUS) -> ClusterConfig:

@@ -29,7 +29,7 @@ SMOLLM2_PROMPTS = ["The capital of France is", "Write a haiku about the sea, the
 
 
 def _engine(model: str) -> EngineConfig:
-    return EngineConfig(model=model, kv_dtype="fp32", num_kv_blocks=128, max_model_len=512)
+    return EngineConfig(model=model, weights="fp32", kv_dtype="fp32", num_kv_blocks=128, max_model_len=512)
 
 
 def _actors(pool: str) -> list:

@@ -15,7 +15,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def engines(smollm2_dir, smollm2_cache_dir):
     return {
-        kv: LLMEngine(EngineConfig(model="smollm2-135m", kv_dtype=kv, kv_cache_bytes=64 << 20, cache_dir=smollm2_cache_dir))
+        kv: LLMEngine(EngineConfig(model="smollm2-135m", weights="fp32", kv_dtype=kv, kv_cache_bytes=64 << 20, cache_dir=smollm2_cache_dir))
         for kv in ("fp32", "fp8_e4m3")
     }
 

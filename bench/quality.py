@@ -1,0 +1,180 @@
+"""What each weights format costs in quality and buys in speed, on the bundled model.
+
+For each ``--weights`` choice (native, bf16, fp32, int8, int4) one engine is loaded and measured:
+
+- perplexity on a fixed public-domain text (tests/data/alice_chapters_1_2.txt), scored in
+  non-overlapping windows of ``--window`` tokens, every token after a window's first predicted;
+- greedy generation of a few fixed prompts, compared token by token with fp32: tokens that
+  agree before the first divergence, and in total;
+- decode tok/s at concurrency 1: one request at a time in a closed loop on ``LLMEngine``, the
+  time from its first output token to its last.
+
+A row "fp32 + 2:4 pruned" (``engine.sparsity.prune_model_2_4``, magnitude pruning) shows the
+perplexity cost of 2:4 sparsity; on a CPU it claims no speed. The KV pool is fp32 in every row
+so that only the weights differ. Windows run as prefill steps of many rows, which take the
+quantized formats' dense bf16 copies (the same dequantized values the decode kernels use).
+
+    python -m bench.quality --json bench/results/quality.json
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from bench.report import BenchError, arg_parser, emit_report, machine, positive, progress, run
+from engine.config import WEIGHT_FORMATS, EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.params import SamplingParams
+from engine.runner import PlannedChunk, StepPlan
+
+TEXT_PATH = Path(__file__).resolve().parent.parent / "tests" / "data" / "alice_chapters_1_2.txt"
+PROMPTS = (
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Once upon a time, in a small village,",
+)
+PRUNED = "fp32 + 2:4 pruned"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--weights", nargs="+", choices=WEIGHT_FORMATS, default=list(WEIGHT_FORMATS), help="formats to measure (default: all)")
+    parser.add_argument("--window", type=positive, default=512, help="tokens per perplexity window (default: 512)")
+    parser.add_argument("--max-text-tokens", type=positive, default=None, help="score only the text's first N tokens (default: all)")
+    parser.add_argument("--gen-tokens", type=positive, default=32, help="greedy tokens per prompt (default: 32)")
+    parser.add_argument("--decode-tokens", type=positive, default=64, help="tokens per c1 decode run (default: 64)")
+    parser.add_argument("--threads", type=positive, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if "fp32" not in args.weights:
+        raise BenchError("--weights: fp32 must be among them, the generations are compared with it")
+    rows, generations = [], {}
+    for weights in ["fp32"] + [w for w in args.weights if w != "fp32"]:
+        progress("quality", f"weights {weights}: loading")
+        engine = _engine(args.model, weights, args.window)
+        row, generations[weights] = _measure(engine, weights, args)
+        rows.append(row)
+        del engine
+    _compare(rows, generations)
+    pruned = _pruned_row(args)
+    if pruned is not None:
+        rows.append(pruned)
+    report = {"bench": "quality", "model": args.model, "machine": machine(), "text": TEXT_PATH.name, "window": args.window, "rows": rows}
+    emit_report(report, args.json)
+    return 0
+
+
+def _engine(model: str, weights: str, window: int) -> LLMEngine:
+    blocks = -(-window // 16) + 8
+    return LLMEngine(EngineConfig(model=model, weights=weights, kv_dtype="fp32", num_kv_blocks=blocks, max_num_batched_tokens=window))
+
+
+def _measure(engine: LLMEngine, label: str, args) -> tuple[dict, list[tuple[int, ...]]]:
+    progress("quality", f"weights {label}: perplexity")
+    nll, num_scored = perplexity_terms(engine, args.window, args.max_text_tokens)
+    progress("quality", f"weights {label}: greedy generations and c1 decode")
+    greedy = SamplingParams(max_tokens=args.gen_tokens, temperature=0, ignore_eos=True)
+    outputs = [c.output_token_ids for c in engine.generate(list(PROMPTS), greedy)]
+    row = {
+        "weights": label,
+        "perplexity": round(math.exp(nll / num_scored), 3),
+        "scored_tokens": num_scored,
+        "decode_tok_per_s_c1": round(decode_tok_per_s(engine, args.decode_tokens), 2),
+        "linear_weight_bytes": linear_weight_bytes(engine),
+    }
+    return row, outputs
+
+
+@torch.inference_mode()
+def perplexity_terms(engine: LLMEngine, window: int, max_tokens: int | None) -> tuple[float, int]:
+    """``(sum of negative log-likelihoods, tokens scored)`` over the text, window by window.
+
+    Each window runs as one prefill step straight on the model runner (blocks 0.. of the idle
+    pool, nothing cached), with every row's logits kept.
+    """
+    token_ids = engine.tokenizer.encode(TEXT_PATH.read_text(encoding="utf-8"))[:max_tokens]
+    total, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = tuple(token_ids[start : start + window])
+        if len(chunk) < 2:
+            break
+        blocks = tuple(range(-(-len(chunk) // 16)))
+        plan = StepPlan(decodes=(), prefills=(PlannedChunk(0, len(chunk), chunk, blocks),), sample_rows=tuple(range(len(chunk))))
+        logits = engine.runner.run(plan)
+        log_probs = torch.log_softmax(logits[:-1].float(), dim=-1)
+        targets = torch.tensor(chunk[1:])
+        total -= log_probs[torch.arange(len(targets)), targets].sum().item()
+        count += len(targets)
+    return total, count
+
+
+def decode_tok_per_s(engine: LLMEngine, num_tokens: int, repetitions: int = 3) -> float:
+    """Median decode rate of one request alone: output tokens after the first over the time they took."""
+    params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+    rates = []
+    for i in range(repetitions):
+        engine.add_request(f"decode-{i}", "Tell me a long story about a lighthouse keeper.", params)
+        first_at, last_at, count = None, None, 0
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                count += len(out.new_token_ids)
+                first_at = first_at or now
+                last_at = now
+        rates.append((count - 1) / (last_at - first_at))
+    return sorted(rates)[len(rates) // 2]
+
+
+def linear_weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of linear-layer weights a decode step reads (the LM head included)."""
+    from engine.quant.apply import linear_layers
+
+    total = 0
+    for _, module in linear_layers(engine.runner.model):
+        total += module.quantized.nbytes if module.quantized is not None else module.weight.nbytes
+    return total
+
+
+def _compare(rows: list[dict], generations: dict[str, list[tuple[int, ...]]]) -> None:
+    reference = generations["fp32"]
+    for row in rows:
+        prefix = total = length = 0
+        for got, expected in zip(generations[row["weights"]], reference):
+            same = [a == b for a, b in zip(got, expected)]
+            prefix += same.index(False) if False in same else len(same)
+            total += sum(same)
+            length += len(expected)
+        row["greedy_vs_fp32"] = {"agree_before_divergence": prefix, "agree_total": total, "tokens": length}
+
+
+def _pruned_row(args) -> dict | None:
+    try:
+        from engine.sparsity import prune_model_2_4
+    except ImportError:
+        progress("quality", "engine.sparsity.prune_model_2_4 is not importable yet: no 2:4 row")
+        return None
+    progress("quality", f"{PRUNED}: loading and pruning")
+    engine = _engine(args.model, "fp32", args.window)
+    stats = prune_model_2_4(engine.runner.model)
+    nll, num_scored = perplexity_terms(engine, args.window, args.max_text_tokens)
+    return {"weights": PRUNED, "perplexity": round(math.exp(nll / num_scored), 3), "scored_tokens": num_scored, "prune_stats": _plain(stats)}
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run("quality", main))

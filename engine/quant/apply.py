@@ -1,0 +1,136 @@
+"""Put a loaded model's linear layers at the precision ``EngineConfig.weights`` asks for.
+
+``load_weights`` fills every parameter in the model dtype first; this then swaps each linear
+layer's dense weight for a kernel-layout one (``engine/quant/kernels.py``) and drops the dense
+parameter. The embedding table, the norms and the experts of MoE blocks stay as loaded: a
+lookup reads one row per token, and the experts' stacked weights have no quantized kernel here.
+
+``weights``:
+- ``native``: a GGUF-sourced model runs its 4-bit blocks as they are (int4 kernel), Q8_0 as
+  per-row int8, F16/BF16 in bf16, F32 in the model dtype; a safetensors checkpoint as stored
+  (in the model dtype).
+- ``fp32`` / ``bf16``: dense, in that dtype (``bf16`` in a float32 model runs its matmuls in bf16).
+- ``int8``: symmetric per output channel; ``int4``: asymmetric per group of 32 input features,
+  except the LM head, which stays int8 (as llama.cpp's 4-bit files keep their output layer at 6-8 bits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from engine.errors import UnsupportedModelError
+from engine.loader.gguf_native import BLOCK_KINDS, NativeTensor, read_native_tensors
+from engine.loader.weights import checkpoint_target
+from engine.models.decoder import DecoderModel
+from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from engine.quant.blocks import BlockQuant
+from engine.quant.kernels import DenseWeight, Int4Weight, Int8Weight, QuantizedWeight, int4_zeros
+
+SUPPORTED_WEIGHTS = {
+    "float32": ("native", "fp32", "bf16", "int8", "int4"),
+    "bfloat16": ("native", "bf16", "int8", "int4"),
+}
+"""Weights each model dtype (the activations') runs with; fp32 weights in a bf16 model would only be rounded."""
+
+Linear = ColumnParallelLinear | RowParallelLinear
+
+
+def check_weights_dtype(weights: str, dtype: str) -> None:
+    """``ValueError`` listing the supported pairs when ``weights`` cannot run with ``dtype``."""
+    if weights not in SUPPORTED_WEIGHTS.get(dtype, ()):
+        supported = "; ".join(f"dtype {d}: weights {', '.join(w)}" for d, w in SUPPORTED_WEIGHTS.items())
+        raise ValueError(f"weights: {weights!r} with dtype {dtype!r} is not supported (supported: {supported})")
+
+
+def apply_weights(model: DecoderModel, weights: str, gguf_path: Path | None) -> None:
+    """Convert ``model``'s linear layers (already loaded) to ``weights``; ``gguf_path`` is the GGUF
+    the checkpoint was converted from, or None for a safetensors checkpoint."""
+    if weights == "native":
+        if gguf_path is not None:
+            apply_native(model, read_native_tensors(gguf_path, model.config))
+        return
+    for name, module in linear_layers(model):
+        _convert(name, module, weights, lambda: _at_load(module, weights, name == "lm_head"))
+
+
+def apply_native(model: DecoderModel, native: dict[str, NativeTensor]) -> None:
+    """Run ``model``'s linear layers on the GGUF tensors ``native`` (by Hugging Face name), each
+    rank on its slice; a slice that cuts a 32-weight block is refused."""
+    sources = _sources_by_module(model, native)
+    for name, module in linear_layers(model):
+        _convert(name, module, "native", lambda: _native(module, sources.get(name, [])))
+
+
+def _convert(name: str, module: Linear, weights: str, make) -> None:
+    try:
+        converted = make()
+    except ValueError as e:
+        raise UnsupportedModelError(f"{name}: cannot hold {weights} weights on this rank ({e}); use --weights bf16 or fp32, or another tp_size") from e
+    if converted is not None:
+        module.use_weight(converted)
+
+
+def linear_layers(model: DecoderModel) -> Iterator[tuple[str, Linear]]:
+    """``(name, module)`` of every column- or row-parallel linear layer, the LM head included."""
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            yield name, module
+
+
+def _at_load(module: Linear, weights: str, is_lm_head: bool) -> QuantizedWeight | None:
+    dense = module.weight.data
+    if weights == "int4" and not is_lm_head:
+        return Int4Weight.from_dense(dense)
+    if weights in ("int8", "int4"):  # an int4 LM head cost SmolLM2 ~10% mean error per logit weight: int8 it is
+        return Int8Weight.from_dense(dense)
+    if weights == "bf16" and dense.dtype != torch.bfloat16:
+        return DenseWeight(dense.to(torch.bfloat16))
+    return None
+
+
+def _sources_by_module(model: DecoderModel, native: dict[str, NativeTensor]) -> dict[str, list[tuple[str | None, NativeTensor]]]:
+    """Per linear layer, the ``(part, tensor)`` of each GGUF tensor fused into it."""
+    sources: dict[str, list[tuple[str | None, NativeTensor]]] = {}
+    for hf_name, tensor in native.items():
+        target = checkpoint_target(hf_name, model)
+        module_name, _, attr = target.param.rpartition(".")
+        if attr == "weight":
+            sources.setdefault(module_name, []).append((target.part, tensor))
+    if model.config.tie_word_embeddings and "model.embed_tokens.weight" in native:
+        sources["lm_head"] = [(None, native["model.embed_tokens.weight"])]
+    return sources
+
+
+def _native(module: Linear, sources: list[tuple[str | None, NativeTensor]]) -> QuantizedWeight | None:
+    kinds = {tensor.kind for _, tensor in sources}
+    if kinds and kinds <= set(BLOCK_KINDS):
+        return _int4_from_blocks(module, [(part, tensor.blocks) for part, tensor in sources])
+    if kinds == {"Q8_0"}:  # per-32 scales have no kernel; the loaded values requantized per row
+        return Int8Weight.from_dense(module.weight.data)
+    if kinds and kinds <= {"F16", "BF16"} or len(kinds) > 1:
+        return DenseWeight(module.weight.data.to(torch.bfloat16))
+    return None
+
+
+def _int4_from_blocks(module: Linear, parts: list[tuple[str | None, BlockQuant]]) -> Int4Weight:
+    """The rank's slice of each part's blocks, laid out where ``weight_slices`` puts its rows.
+
+    Column slices (a row-parallel layer's input features) must fall on block boundaries.
+    """
+    weight = module.weight.data
+    rows, cols = weight.shape
+    codes = torch.zeros(rows, cols, dtype=torch.uint8)
+    scales = torch.zeros(rows, cols // 32)
+    zeros = torch.zeros(rows, cols // 32)
+    for part, blocks in parts:
+        for dest, index in module.weight_slices("weight", part, blocks.shape):
+            first_row = (dest.storage_offset() - weight.storage_offset()) // weight.stride(0)
+            piece = blocks.select(index[0], index[1] if len(index) > 1 else slice(None))
+            if piece.shape[1] != cols:
+                raise ValueError(f"a {piece.shape[1]}-column slice does not fill {cols} columns")
+            held = slice(first_row, first_row + piece.shape[0])
+            codes[held], scales[held], zeros[held] = piece.codes, piece.scales, int4_zeros(piece)
+    return Int4Weight(codes, scales, zeros)

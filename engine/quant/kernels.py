@@ -1,0 +1,152 @@
+"""Linear weights in the layouts of torch's weight-only quantized CPU kernels.
+
+Each class answers ``matmul(x) = x W^T`` in ``x``'s dtype and picks its kernel per call by the
+number of rows: the int4/int8 kernels stream 4-8x fewer weight bytes than bf16, which wins
+while a matmul is bound by reading the weight (decode steps of a few rows); past a few rows the
+kernels' arithmetic costs more than the bytes saved, and a dense bf16 copy (dequantized once
+at load, memory being plentiful on a CPU host) runs instead. Both kernels want bf16
+activations (float32 ones run about 10x slower), so ``x`` is cast to bf16 and back.
+
+Measured on the 2-core dev box (one 1536x576 weight, µs per matmul, bench figures in
+engine/README.md): int4 beats bf16 up to about 24 rows, int8 up to about 6.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.quant.blocks import GROUP_SIZE, BlockQuant
+
+INT4_KERNEL_MAX_ROWS = 16
+"""Most rows a matmul sends to the int4 kernel; more go to the dense bf16 copy."""
+INT8_KERNEL_MAX_ROWS = 4
+"""Most rows a matmul sends to the int8 kernel; more go to the dense bf16 copy."""
+_INT4_ROW_MULTIPLE = 16
+_INT4_MID = 8  # the int4 kernel dequantizes w = (q - 8) * scale + zero
+
+
+class DenseWeight:
+    """A plain weight kept in its own dtype (bf16 weights in a float32 model run in bf16)."""
+
+    kind = "dense"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.contiguous()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[out, in]``: the weight as the kernel sees it."""
+        return self.weight.float()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a decode step reads."""
+        return self.weight.nbytes
+
+
+class Int4Weight:
+    """Group-32 asymmetric 4-bit weight: ``w = (q - 8) * scale + zero`` per 32 input features.
+
+    Layout of ``_weight_int4pack_mm_for_cpu``: codes packed two per byte, ``scales_and_zeros``
+    bf16 ``[in / 32, out, 2]``.
+    """
+
+    kind = "int4"
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """``codes`` 0..15 ``[out, in]``; ``scales``, ``zeros`` float32 ``[out, in / 32]``."""
+        self.shape = tuple(codes.shape)
+        scales, zeros = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
+        self.dense = _dequantize_int4(codes, scales, zeros).to(torch.bfloat16)
+        pad = -codes.shape[0] % _INT4_ROW_MULTIPLE  # the packing wants whole tiles of 16 rows
+        if pad:
+            codes, scales, zeros = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scales, zeros))
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        self.scales_and_zeros = torch.stack((scales.t(), zeros.t()), dim=-1).contiguous()
+
+    @classmethod
+    def from_blocks(cls, blocks: BlockQuant) -> Int4Weight:
+        """Q4_0 / Q4_1 blocks as they are: the same codes, ``d`` as the scale (rounded to bf16)."""
+        return cls(blocks.codes, blocks.scales, int4_zeros(blocks))
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor) -> Int4Weight:
+        """Quantize ``[out, in]`` (in a multiple of 32): per group, 16 levels from its min to its max."""
+        out_features, in_features = weight.shape
+        if in_features % GROUP_SIZE:
+            raise ValueError(f"int4 needs input features in whole groups of {GROUP_SIZE}, got {in_features}")
+        groups = weight.float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
+        return cls(codes.reshape(out_features, in_features), scales, low + _INT4_MID * scales)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > INT4_KERNEL_MAX_ROWS:
+            return F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_and_zeros)
+        return y[:, : self.shape[0]].to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[out, in]`` as the kernel itself computes it (a matmul with the identity)."""
+        eye = torch.eye(self.shape[1], dtype=torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        return out[:, : self.shape[0]].t().float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+
+class Int8Weight:
+    """Symmetric per-output-channel int8 weight: ``w = q * scale[row]`` (``_weight_int8pack_mm``)."""
+
+    kind = "int8"
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        self.shape = tuple(codes.shape)
+        self.codes = codes.contiguous()
+        self.scales = scales.to(torch.bfloat16)
+        self.dense = self.dequantize().to(torch.bfloat16)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor) -> Int8Weight:
+        """Quantize ``[out, in]`` with one scale per row, ``amax / 127``."""
+        weight = weight.float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        scales = scales.to(torch.bfloat16).float()  # the kernel multiplies by the bf16 scale
+        codes = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+        return cls(codes, scales)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > INT8_KERNEL_MAX_ROWS:
+            return F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scales.float()[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+def _dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    groups = codes.shape[1] // GROUP_SIZE
+    w = (codes.view(codes.shape[0], groups, GROUP_SIZE).float() - _INT4_MID) * scales.float()[..., None] + zeros.float()[..., None]
+    return w.view(codes.shape)
+
+
+def int4_zeros(blocks: BlockQuant) -> torch.Tensor:
+    """The int4 layout's ``zero`` per block of a Q4_0 / Q4_1 weight, whose ``d`` is the scale as it is."""
+    if blocks.kind == "Q4_0":  # d * (q - 8)
+        return torch.zeros_like(blocks.scales)
+    if blocks.kind == "Q4_1":  # d * q + m == (q - 8) * d + (m + 8 d)
+        return blocks.mins + _INT4_MID * blocks.scales
+    raise ValueError(f"GGUF type {blocks.kind} is not 4-bit")
+
+
+QuantizedWeight = DenseWeight | Int4Weight | Int8Weight

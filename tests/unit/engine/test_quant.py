@@ -1,0 +1,156 @@
+"""Quantized linear weights (engine/quant): GGUF blocks unpacked and repacked for torch's int4 and
+int8 CPU kernels, quantization at load, tensor-parallel shards, and what is refused."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.errors import UnsupportedModelError
+from engine.loader.gguf_native import NativeTensor, read_native_tensors
+from engine.loader.weights import load_weights
+from engine.model_config import ModelConfig
+from engine.models.decoder import DecoderModel
+from engine.parallel.group import TPGroup
+from engine.quant.apply import apply_native, apply_weights, linear_layers
+from engine.quant.blocks import unpack_blocks
+from engine.quant.kernels import INT4_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS, Int4Weight, Int8Weight
+from tests.unit.engine.helpers import make_engine
+
+
+def gguf_blocks(kind: str, weight: np.ndarray):
+    """``(raw bytes, gguf's own dequantization)`` of ``weight`` quantized by the gguf package."""
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    raw = gguf.quants.quantize(weight, qtype)
+    return raw, gguf.quants.dequantize(raw, qtype)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_unpacked_blocks_dequantize_bit_for_bit_as_gguf_does(kind):
+    weight = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+    raw, expected = gguf_blocks(kind, weight)
+    blocks = unpack_blocks(kind, raw, 48, 96)
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_int4_repack_keeps_the_codes_and_rounds_only_the_scales_to_bf16(kind):
+    weight = np.random.default_rng(1).standard_normal((40, 64)).astype(np.float32)  # 40 rows: padded to 48 for the packing
+    raw, expected = gguf_blocks(kind, weight)
+    blocks = unpack_blocks(kind, raw, 40, 64)
+    kernel = Int4Weight.from_blocks(blocks)
+    # What the kernel computes, from the same codes and its bf16 scale and zero per block.
+    scales = blocks.scales.bfloat16().float().repeat_interleave(32, dim=1)
+    zeros = (blocks.mins + 8 * blocks.scales if kind == "Q4_1" else torch.zeros_like(blocks.scales)).bfloat16().float()
+    recomputed = (blocks.codes.float() - 8) * scales + zeros.repeat_interleave(32, dim=1)
+    dequantized = kernel.dequantize()
+    assert torch.equal(dequantized, recomputed.bfloat16().float())
+    step = blocks.scales.abs().repeat_interleave(32, dim=1)
+    reference = torch.from_numpy(expected)
+    assert ((dequantized - reference).abs() <= step / 16 + reference.abs() / 128).all()  # far below the quantization step
+
+
+def test_q8_0_requantized_per_row_stays_within_half_a_row_step():
+    weight = np.random.default_rng(2).standard_normal((32, 64)).astype(np.float32)
+    _, expected = gguf_blocks("Q8_0", weight)
+    dense = torch.from_numpy(expected)
+    kernel = Int8Weight.from_dense(dense)
+    step = kernel.scales.float()[:, None]
+    assert ((kernel.dequantize() - dense).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("make", [Int4Weight.from_dense, Int8Weight.from_dense], ids=["int4", "int8"])
+@pytest.mark.parametrize("num_rows", [1, 3, 40])
+def test_quantized_matmul_matches_the_dense_matmul_of_its_dequantized_weight(make, num_rows):
+    g = torch.Generator().manual_seed(3)
+    kernel = make(torch.randn(80, 128, generator=g))
+    x = torch.randn(num_rows, 128, generator=g).bfloat16().float()
+    expected = x @ kernel.dequantize().t()
+    got = kernel.matmul(x)
+    assert got.dtype == torch.float32 and got.shape == (num_rows, 80)
+    torch.testing.assert_close(got, expected, rtol=0.02, atol=0.02 * expected.abs().max().item())
+    assert INT8_KERNEL_MAX_ROWS < 40 and INT4_KERNEL_MAX_ROWS < 40  # 40 rows ran the dense bf16 copy
+
+
+def test_int4_at_load_refuses_input_features_that_are_not_whole_groups():
+    with pytest.raises(ValueError, match="int4 needs input features in whole groups of 32, got 48"):
+        Int4Weight.from_dense(torch.randn(16, 48))
+
+
+def q4_1_tensors(model_dir) -> dict[str, NativeTensor]:
+    """Every 2-D weight of a safetensors checkpoint quantized to Q4_1 by gguf (the norms stay F32)."""
+    from safetensors.torch import load_file
+
+    native = {}
+    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
+        if tensor.ndim == 2 and "embed" not in name:
+            raw, _ = gguf_blocks("Q4_1", tensor.float().numpy())
+            native[name] = NativeTensor("Q4_1", unpack_blocks("Q4_1", raw, *tensor.shape))
+        else:
+            native[name] = NativeTensor("F32", None)
+    return native
+
+
+def rank_model(config: ModelConfig, model_dir, rank: int, size: int) -> DecoderModel:
+    model = DecoderModel.empty(config, 64, torch.float32, TPGroup(rank, size))
+    load_weights(model, model_dir)
+    return model
+
+
+@pytest.mark.parametrize("weights", ["native", "int4", "int8"])
+def test_tp_2_shards_of_quantized_weights_equal_the_slices_of_tp_1(tiny_llama_dir, weights):
+    config = ModelConfig.from_dir(tiny_llama_dir)
+    native = q4_1_tensors(tiny_llama_dir)
+    models = [rank_model(config, tiny_llama_dir, rank, size) for rank, size in ((0, 1), (0, 2), (1, 2))]
+    for model in models:
+        apply_native(model, native) if weights == "native" else apply_weights(model, weights, None)
+    whole = {name: m.quantized.dequantize() for name, m in linear_layers(models[0])}
+    for rank, model in enumerate(models[1:]):
+        for name, module in linear_layers(model):
+            assert module.weight is None and module.quantized.kind == ("int8" if weights == "int8" or name == "lm_head" and weights == "int4" else "int4")
+            if name.endswith(("o_proj", "down_proj")):  # row-parallel: a range of input features
+                if weights == "int8":
+                    continue  # per-row scales of a shard's columns differ from the whole row's, by design
+                expected = whole[name][:, module.columns.start : module.columns.stop]
+            else:
+                rows = module.quantized.shape[0]
+                expected = torch.cat([whole[name][start : start + len(r)] for start, r in _row_runs(models[0], model, name)])
+                assert expected.shape[0] == rows
+            assert torch.equal(module.quantized.dequantize(), expected), name
+
+
+def _row_runs(whole: DecoderModel, shard: DecoderModel, name: str):
+    """``(first row in the TP 1 weight, rows)`` of each part a column-parallel shard holds."""
+    full, part = whole.get_submodule(name), shard.get_submodule(name)
+    for key, rows in part.parts.items():
+        yield full._offsets[key] + rows.start, rows
+
+
+def test_a_tp_split_inside_a_32_weight_block_is_refused_naming_the_layer(tiny_llama_dir):
+    config = ModelConfig.from_dir(tiny_llama_dir)  # 4 heads of 16: TP 4 gives o_proj 16 input features
+    model = rank_model(config, tiny_llama_dir, 0, 4)
+    with pytest.raises(UnsupportedModelError, match=r"layers\.0\.self_attn\.o_proj: cannot hold native weights on this rank \(columns 0:16 cut a 32-weight Q4_1 block\)"):
+        apply_native(model, q4_1_tensors(tiny_llama_dir))
+
+
+def test_a_gguf_type_the_engine_cannot_run_is_refused_by_name(tmp_path, tiny_llama_dir):
+    path = tmp_path / "q6k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((2, 210), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match=r"tensor 'blk\.0\.attn_q\.weight' has GGUF type Q6_K, which native weights cannot run \(supported: Q4_0, Q4_1, Q8_0, F16, BF16, F32\)"):
+        read_native_tensors(path, ModelConfig.from_dir(tiny_llama_dir))
+
+
+def test_fp32_weights_in_a_bfloat16_model_are_refused_at_start_up_with_the_supported_pairs(tiny_llama_dir):
+    with pytest.raises(ValueError) as error:
+        make_engine(tiny_llama_dir, dtype="bfloat16", weights="fp32")
+    assert str(error.value) == (
+        "weights: 'fp32' with dtype 'bfloat16' is not supported (supported: "
+        "dtype float32: weights native, fp32, bf16, int8, int4; dtype bfloat16: weights native, bf16, int8, int4)"
+    )
