@@ -1,5 +1,6 @@
 """router.key_table and the prefix index built on it, against dicts: the same answers on random
-sequences of inserts, evictions, memories and lookups (hypothesis), tables small enough to grow."""
+sequences of inserts, evictions, memories and lookups (hypothesis), tables small enough to grow;
+and the block hasher's reuse, against hashing from scratch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_store.events import EventKind, KVEvent, KVEventBatch, KVSnapshot, Tier
+from kv_store.keys import block_keys
+from router.block_hashing import BlockHasher
 from router.key_table import KeyTable
 from router.prefix_index import PrefixIndex
 from tests.unit.router.dict_prefix_index import DictPrefixIndex
@@ -42,6 +45,8 @@ def test_the_table_answers_as_a_dict(steps):
 
 
 WORKERS = ["a", "b", "c", "d"]
+FEW_KEYS = st.one_of(st.integers(0, 9), st.integers(2**64 - 2, 2**64 - 1))
+"""Few keys, so events, memories and lookups keep meeting on the same ones."""
 OPS = st.one_of(
     st.tuples(st.just("event"), st.sampled_from(WORKERS), st.sampled_from(list(EventKind)), st.sampled_from(list(Tier)), st.lists(KEYS, max_size=30)),
     st.tuples(st.just("remember"), st.sampled_from(WORKERS), st.lists(KEYS, max_size=30), st.integers(0, 10)),
@@ -52,8 +57,8 @@ OPS = st.one_of(
 )
 
 
-@settings(max_examples=80, deadline=None)
-@given(st.lists(OPS, max_size=40), st.lists(KEYS, max_size=40))
+@settings(max_examples=150, deadline=None)
+@given(st.lists(OPS, min_size=8, max_size=40), st.lists(FEW_KEYS, max_size=16))
 def test_the_index_answers_as_the_dict_index_did(ops, prompt):
     new, old = PrefixIndex(capacity=16), DictPrefixIndex()
     for op in ops:
@@ -96,3 +101,16 @@ def test_more_workers_than_a_word_holds():
     for index in (new, old):
         index.forget_expired(5.0)
     assert new.match(keys) == old.match(keys)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 200), st.lists(st.integers(0, 50), max_size=120), st.integers(1, 2)), min_size=1, max_size=12))
+def test_the_block_hasher_gives_the_workers_keys_whatever_it_reuses(steps):
+    """Prompts that branch off earlier ones at any token, two roots, generations that turn over."""
+    hasher = BlockHasher(4, max_blocks=64)
+    prompts: list[list[int]] = []
+    for parent, cut, tail, root in steps:
+        base = prompts[parent % len(prompts)][:cut] if prompts else []
+        prompt = base + tail
+        prompts.append(prompt)
+        assert hasher.keys(prompt, root).tolist() == block_keys(prompt, 4, root)
