@@ -15,7 +15,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export UCX_NET_DEVICES := lo
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: up test deps system-deps bench clean chart chart-check
+.PHONY: up test deps system-deps bench bench-peers build-deps clean chart chart-check
 
 up: deps
 	$(VENV)/bin/splitserve up
@@ -23,8 +23,31 @@ up: deps
 test: deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: deps
+bench: deps bench-peers
 	$(PY) -m bench.engine --model smollm2-135m --json bench/out/engine.json
+
+# The benches' peers that are not part of the product: llama.cpp through llama-cpp-python, built
+# from source for this CPU (several minutes; 20 on 2 busy cores). Skipped when it imports.
+# The flags spell out llama.cpp's own CPU defaults, so that nothing in the environment changes
+# them (SOURCE_DATE_EPOCH, set by some build tools, turns -march=native off): code for this CPU
+# (AVX-512 where it has it), OpenMP threads, llamafile's sgemm for prompts, no BLAS (it would take
+# only large prompt matmuls, on weights widened to float first); the multimodal library is left out.
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DGGML_LLAMAFILE=ON -DGGML_BLAS=OFF -DLLAVA_BUILD=OFF
+LLAMA_CPP_BUILD_LOG := $(VENV)/llama-cpp-build.log
+
+bench-peers: deps build-deps
+	@$(PY) -c "import llama_cpp" 2>/dev/null || { \
+		echo "building $(LLAMA_CPP_PYTHON) from source, log in $(LLAMA_CPP_BUILD_LOG)"; \
+		CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+			$(PIP) install -v -c constraints.txt --no-binary llama-cpp-python $(LLAMA_CPP_PYTHON) >$(LLAMA_CPP_BUILD_LOG) 2>&1 \
+			|| { tail -n 30 $(LLAMA_CPP_BUILD_LOG); exit 1; }; }
+
+# A C/C++ compiler (with OpenMP) and CMake, for bench-peers. Skipped when present.
+build-deps:
+	@command -v cmake >/dev/null 2>&1 && command -v c++ >/dev/null 2>&1 || { \
+		echo "installing cmake and build-essential"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake build-essential >/dev/null; }
 
 deps: system-deps $(STAMP)
 
