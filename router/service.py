@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kv_store.keys import KeyNamespace
 from proto import splitserve_pb2 as pb
 from proto import splitserve_pb2_grpc as pb_grpc
 from proto import worker_pb2 as wpb
@@ -224,7 +226,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         if namespace is not None:
             hasher = self._hashers.get(block_size) or self._hashers.setdefault(block_size, BlockHasher(block_size))
             full = (len(token_ids) - 1) // block_size * block_size  # the last token is always computed
-            keys = hasher.keys(token_ids, namespace.root_key(request.tenant_salt or None), num_tokens=full)
+            keys = hasher.keys(token_ids, _root_key(namespace, request.tenant_salt), num_tokens=full)
         route = RouteRequest(request.request_id, keys, len(token_ids), block_size)
         decision = self.policy.choose(route, [worker_load(p) for p in prefills], [worker_load(decode)])
         self.metrics.routed(decision.prefill is not None, decision.cached.blocks * route.block_size)
@@ -285,6 +287,13 @@ def _set_prompt_token_ids(request: pb.GenerateRequest, response: pb.TokenizeResp
     data = response.SerializeToString()
     if data:
         request.MergeFromString(_PROMPT_TOKEN_IDS_TAG + data[1:])
+
+
+@functools.lru_cache(maxsize=4096)
+def _root_key(namespace: KeyNamespace, tenant_salt: str) -> int:
+    """The namespace's root key for a tenant, remembered: hashing the namespace's fields costs
+    more than a lookup on every routing step."""
+    return namespace.root_key(tenant_salt or None)
 
 
 def check_fits_context(num_prompt_tokens: int, replicas: list[Replica]) -> None:
