@@ -5,9 +5,9 @@ blocks). A dict answers one key per Python step, each a cache miss; this table a
 in a few vectorized passes of linear probing::
 
     home(key) = (key * 0x9E3779B97F4A7C15 mod 2^64) >> (64 - log2(capacity))    Fibonacci hashing
-    probe home, home+1, ... until the key or an unused slot, 4 slots a step   all keys in step
+    probe home, home+1, ... until the key or an unused slot, 8 slots a step   all keys in step
 
-    slots:  [0 ........ capacity) [overflow: _OVERFLOW) [always unused: 4) [the key 0's row]
+    slots:  [0 ........ capacity) [overflow: _OVERFLOW) [always unused: 8) [the key 0's row]
 
 Probes never wrap around: a path may run into the overflow slots, and one that would run past
 them makes the table grow. An unused slot holds key 0; the key 0 itself has the last row.
@@ -24,8 +24,10 @@ import numpy as np
 
 _FIBONACCI = np.uint64(0x9E3779B97F4A7C15)
 _MAX_LOAD = 0.5
-_WINDOW = 4
-"""Slots a probe reads per step: a row of 4 bools reads as one uint32."""
+_WINDOW = 8
+"""Slots a probe reads per step: a row of 8 bools reads as one uint64, or packs into one byte."""
+_FIRST_BIT = np.array([(b & -b).bit_length() - 1 for b in range(256)], dtype=np.int64)
+"""For each byte, the index of its lowest set bit (-1 for 0)."""
 _OVERFLOW = 256
 """Slots past the capacity that probe paths may run into before the table grows."""
 
@@ -66,10 +68,10 @@ class KeyTable:
         starts = homes[pending] + 1
         while len(pending):
             window = self._windows[starts]
-            column = _first_of_4(window == keys[pending, None])
+            column = _first_of_8(window == keys[pending, None])
             found = column >= 0
             result[pending[found]] = starts[found] + column[found]
-            onward = ~found & ~_any_of_4(window == 0)
+            onward = ~found & ~_any_of_8(window == 0)
             pending, starts = pending[onward], starts[onward] + _WINDOW
         if zero.any():
             result[zero] = self._zero_row if self._has_zero else -1
@@ -126,7 +128,7 @@ class KeyTable:
         self.keys = rows[:, 0]
         self.values = rows[:, 1:]
         self._windows = np.lib.stride_tricks.sliding_window_view(self.keys[:-1], _WINDOW)
-        """Row ``s``: the keys of slots ``s .. s+3`` (a view: it sees every write to ``keys``)."""
+        """Row ``s``: the keys of slots ``s .. s+7`` (a view: it sees every write to ``keys``)."""
 
     def _allocate(self, capacity: int, num_columns: int) -> None:
         num_rows = capacity + _OVERFLOW + _WINDOW + 1
@@ -162,7 +164,7 @@ class KeyTable:
         retry[np.flatnonzero(free)[~done]] = True
         pending, starts = pending[retry], starts[retry]
         while len(pending):
-            free = _first_of_4(self._windows[starts] == 0)
+            free = _first_of_8(self._windows[starts] == 0)
             onward = free < 0
             claimed = starts[~onward] + free[~onward]
             if len(claimed) and claimed.max() > self._last_slot:
@@ -186,19 +188,15 @@ class KeyTable:
         return done
 
 
-def _any_of_4(flags: np.ndarray) -> np.ndarray:
-    """``flags.any(axis=1)`` of an (n, 4) bool array, read as n uint32s (numpy's ``any`` over a
+def _any_of_8(flags: np.ndarray) -> np.ndarray:
+    """``flags.any(axis=1)`` of an (n, 8) bool array, read as n uint64s (numpy's ``any`` over a
     short axis is several times slower)."""
-    return np.ascontiguousarray(flags).view(np.uint32)[:, 0] != 0
+    return np.ascontiguousarray(flags).view(np.uint64)[:, 0] != 0
 
 
-def _first_of_4(flags: np.ndarray) -> np.ndarray:
-    """The column of the first True of each row of an (n, 4) bool array; -1 where none.
-    Read as a little-endian uint32, True in column c is the byte ``1 << 8c``."""
-    words = np.ascontiguousarray(flags).view("<u4")[:, 0]
-    first = ((words & 0xFF) == 0).astype(np.int64) + ((words & 0xFFFF) == 0) + ((words & 0xFFFFFF) == 0)
-    first[words == 0] = -1
-    return first
+def _first_of_8(flags: np.ndarray) -> np.ndarray:
+    """The column of the first True of each row of an (n, 8) bool array; -1 where none."""
+    return _FIRST_BIT[np.packbits(flags, axis=1, bitorder="little")[:, 0]]
 
 
 def _power_of_two(n: int) -> int:
