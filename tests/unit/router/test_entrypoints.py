@@ -245,7 +245,7 @@ def test_the_image_installs_pinned_torch_first_then_the_package_under_the_constr
     [torch_pin] = [line for line in (REPO / "constraints.txt").read_text().splitlines() if line.startswith("torch==")]
     assert f"ARG TORCH_VERSION={torch_pin.removeprefix('torch==')}" in [f"{k} {a}" for k, a in instructions]
     torch_run = next(i for i, run in enumerate(runs) if '"torch==${TORCH_VERSION}"' in run)
-    package_run = next(i for i, run in enumerate(runs) if "pip install -c constraints.txt -e ." in run)
+    package_run = next(i for i, run in enumerate(runs) if re.search(r"pip install -c constraints\.txt \.(\s|$)", run))
     assert torch_run < package_run
     assert all("-c constraints.txt" in part for part in runs[package_run].split("&&") if "pip install" in part and "--no-deps" not in part)
     assert [args for kind, args in instructions if kind == "FROM"][-1] == "base-${VARIANT}"
