@@ -69,9 +69,9 @@ class EngineConfig:
     """Shortest tail of the sequence that n-gram drafting looks up earlier in it."""
     ngram_max_match: int = 4
     """Longest tail tried first by n-gram drafting."""
-    spec_token_cost: float = 0.1
-    """Marginal cost of one more token in a verify step, in decode steps: drafting stops for a
-    sequence whose acceptance does not cover it (``engine/spec/policy.py``)."""
+    spec_token_cost: float = 0.15
+    """Marginal cost of one more token in a step, in decode steps of one sequence: drafting stops
+    for a sequence whose acceptance does not cover it (``engine/spec/policy.py``)."""
     tp_collective_timeout_s: float = 30.0
     """How long a rank waits in an all-reduce for the others before the replica fails (a hung rank)."""
 

@@ -190,10 +190,8 @@ class ModelRunner:
 
     def _decode_group(self, members: list[tuple[int, PlannedChunk]]) -> DecodeGroup:
         width = members[-1][1].start // self.block_size + 1
-        tables = torch.empty(len(members), width, dtype=torch.long)
-        for row, (_, chunk) in enumerate(members):
-            blocks = chunk.block_ids
-            tables[row] = torch.tensor(blocks + (blocks[0],) * (width - len(blocks)))
+        # One tensor from nested lists: a tensor per row and a copy each cost ~10 us apiece per step.
+        tables = torch.tensor([c.block_ids + (c.block_ids[0],) * (width - len(c.block_ids)) for _, c in members], dtype=torch.long)
         positions = torch.tensor([chunk.start for _, chunk in members], dtype=torch.long)
         key_positions = torch.arange(width * self.block_size)
         mask = (key_positions[None, :] <= positions[:, None])[:, None, None, :]

@@ -1,13 +1,16 @@
 """How many drafts a sequence should verify next: per-request acceptance against a step-cost model.
 
-A verify step of ``1 + k`` tokens costs more than a decode step of one: ``1 + token_cost * k``
-decode steps, with ``token_cost`` the marginal cost of one more token in a step (on a CPU the
-weights are read once per step, so it is small but not zero). With a per-draft acceptance rate
-``a``, drafts are accepted as a run that stops at the first rejection, so a step yields on
-average ``1 + a + a^2 + ... + a^k`` tokens. Speculating pays when that ratio beats 1::
+A verify step of ``1 + k`` tokens costs more than a decode step of one: each more token in a
+step costs ``token_cost`` decode steps of one sequence (on a CPU the weights are read once per
+step, so it is small but not zero). With a per-draft acceptance rate ``a``, drafts are accepted
+as a run that stops at the first rejection, so verifying k drafts yields on average
+``E(k) = a + a^2 + ... + a^k`` extra tokens. In a step decoding ``B`` sequences, which costs
+``S = 1 + token_cost * (B - 1)`` and yields B tokens, one sequence's drafts pay when they raise
+the step's tokens per unit of cost::
 
-    gain(k) = (1 + a + ... + a^k) / (1 + token_cost * k)
+    gain(k) = ((B + E(k)) / (S + token_cost * k)) / (B / S)        (B = 1: (1 + E(k)) / (1 + token_cost * k))
 
+so the bar rises with the batch: a batch already amortises the weights over B tokens.
 The policy picks the k (up to what the proposer offered) with the best gain; when no k gains at
 least ``min_gain``, the sequence stops proposing for ``backoff`` steps, then probes again with
 one verify step of one draft: accepted, it raises the estimate enough to go on; rejected, the
@@ -65,13 +68,15 @@ class SpecPolicy:
     first_backoff: int = 8
     max_backoff: int = 128
 
-    def gain(self, rate: float, num_drafts: int) -> float:
-        """Expected tokens per decode-step of cost when verifying ``num_drafts`` drafts."""
-        expected = sum(rate**i for i in range(num_drafts + 1))
-        return expected / (1 + self.token_cost * num_drafts)
+    def gain(self, rate: float, num_drafts: int, batch_size: int = 1) -> float:
+        """Tokens per unit of step cost with ``num_drafts`` drafts verified, over those without."""
+        expected = sum(rate**i for i in range(1, num_drafts + 1))
+        plain_cost = 1 + self.token_cost * (batch_size - 1)
+        return (batch_size + expected) / (plain_cost + self.token_cost * num_drafts) * plain_cost / batch_size
 
-    def num_to_verify(self, tracker: AcceptanceTracker, num_offered: int) -> int:
-        """How many of ``num_offered`` drafts to verify this step (0: decode plainly)."""
+    def num_to_verify(self, tracker: AcceptanceTracker, num_offered: int, batch_size: int = 1) -> int:
+        """How many of ``num_offered`` drafts to verify this step (0: decode plainly), in a step
+        decoding ``batch_size`` sequences."""
         if tracker.skip_steps > 0:
             tracker.skip_steps -= 1
             return 0
@@ -80,8 +85,8 @@ class SpecPolicy:
         if tracker.probing:
             tracker.probing = False
             return 1
-        best = max(range(1, num_offered + 1), key=lambda k: self.gain(tracker.rate, k))
-        if self.gain(tracker.rate, best) >= self.min_gain:
+        best = max(range(1, num_offered + 1), key=lambda k: self.gain(tracker.rate, k, batch_size))
+        if self.gain(tracker.rate, best, batch_size) >= self.min_gain:
             tracker.backoff = 0
             return best
         tracker.backoff = min(self.max_backoff, 2 * tracker.backoff) if tracker.backoff else self.first_backoff

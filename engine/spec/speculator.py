@@ -63,7 +63,7 @@ class Speculator:
         for request in requests:
             request.draft_token_ids = ()
             tracker = self._trackers.setdefault(request, AcceptanceTracker())
-            k = self.policy.num_to_verify(tracker, min(self.max_drafts, _room(request)))
+            k = self.policy.num_to_verify(tracker, min(self.max_drafts, _room(request)), len(requests))
             if k > 0:
                 wanted.append(k)
                 asking.append(request)
