@@ -234,16 +234,18 @@ class TPRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_ip: _Optional[str] = ..., pid: _Optional[int] = ..., alive: _Optional[bool] = ..., param_bytes: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("router_id", "grpc_address", "num_inflight", "metrics_url")
+    __slots__ = ("router_id", "grpc_address", "num_inflight", "metrics_url", "http_url")
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    HTTP_URL_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     grpc_address: str
     num_inflight: int
     metrics_url: str
-    def __init__(self, router_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_inflight: _Optional[int] = ..., metrics_url: _Optional[str] = ...) -> None: ...
+    http_url: str
+    def __init__(self, router_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., num_inflight: _Optional[int] = ..., metrics_url: _Optional[str] = ..., http_url: _Optional[str] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("pool", "target_replicas", "num_replicas", "num_starting", "num_restarts", "num_failed_starts", "restart_backoff_s", "last_failure", "num_draining")

@@ -121,7 +121,8 @@ def _run_status(args: argparse.Namespace) -> int:
             f"{pool.num_restarts} restarts, {pool.num_failed_starts} failed starts{backoff}{last}"
         )
     for router in status.routers:
-        print(f"router {router.router_id} at {router.grpc_address}: {router.num_inflight} in flight, metrics {router.metrics_url}")
+        http = f", HTTP {router.http_url}" if router.http_url else ""
+        print(f"router {router.router_id} at {router.grpc_address}: {router.num_inflight} in flight, metrics {router.metrics_url}{http}")
     return 0
 
 
@@ -352,7 +353,8 @@ def _serve(command: str, config, stop: threading.Event, ray_alive=lambda: True) 
             return EXIT_UNAVAILABLE
         stop_on_signals(stop)  # again: ray.init put its own SIGTERM handler in place of ours
         for router in cluster.router_statuses:
-            print(f"splitserve: {router.router_id} serving gRPC on {router.grpc_address} (metrics {router.metrics_url})", flush=True)
+            http = f", OpenAI/KServe HTTP on {router.http_url}" if router.http_url else ""
+            print(f"splitserve: {router.router_id} serving gRPC on {router.grpc_address}{http} (metrics {router.metrics_url})", flush=True)
         tls_flag = " --tls-ca CA.pem" if config.router.tls else ""
         print(f"try: splitserve generate --addr {status.grpc_address}{tls_flag} \"What is the capital of France?\"", flush=True)
         stop.wait()

@@ -96,7 +96,15 @@ class RouterReplica:
             grpc_address=f"{_advertised(self.config.host)}:{self._server.port}" if self._server else "",
             num_inflight=self._generation.num_inflight,
             metrics_url=self.metrics_url,
+            http_url=self._http_url(),
         )
+
+    def _http_url(self) -> str:
+        """Where the OpenAI/KServe HTTP API listens ("" when ``http_port`` is None)."""
+        if self._http is None or self._http.port is None:
+            return ""
+        scheme = "https" if self.config.tls is not None else "http"
+        return f"{scheme}://{_advertised(self.config.host)}:{self._http.port}"
 
     async def _cluster_status(self) -> pb.ClusterStatus:
         await self._controller.register_router.remote(self._status())
@@ -118,12 +126,6 @@ class RouterReplica:
             logger.error("router %s: %s", self.router_id, message)
         if self._server is not None:
             await self._server.set_serving(bool(self.directory.served_models()))
-
-    async def http_address(self) -> str:
-        """``host:port`` of the HTTP API ("" when ``http_port`` is None)."""
-        if self._http is None:
-            return ""
-        return f"{_advertised(self.config.host)}:{self._http.port}"
 
     async def channel_stats(self) -> ChannelStats:
         """How many batches and events this router's worker channels carried."""

@@ -29,10 +29,8 @@ def cluster(ray_session, tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def http_address(cluster) -> str:
-    """host:port of router-0's HTTP API."""
-    import ray
-
-    return ray.get(cluster.router.http_address.remote())
+    """host:port of router-0's HTTP API, as its status reports it."""
+    return cluster.router_status.http_url.removeprefix("http://")
 
 
 @pytest.fixture(scope="module")

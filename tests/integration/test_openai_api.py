@@ -39,7 +39,9 @@ def pool_is_idle(grpc_client) -> bool:
     return r.num_running == 0 and r.num_waiting == 0 and r.num_free_kv_blocks == r.num_kv_blocks
 
 
-def test_models_health_and_metrics(sdk, base_url, model):
+def test_models_health_and_metrics(sdk, base_url, model, grpc_client):
+    # Where the HTTP API listens is in the cluster status (`splitserve status` prints it).
+    assert [r.http_url for r in grpc_client.cluster_status().routers] == [base_url]
     assert [m.id for m in sdk.models.list()] == [model]
     assert requests.get(f"{base_url}/health").status_code == 200
     sdk.completions.create(model=model, prompt="a", max_tokens=1)
