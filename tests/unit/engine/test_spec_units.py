@@ -83,3 +83,17 @@ def test_config_refuses_speculation_on_more_than_one_rank():
         EngineConfig(speculative="ngram", tp_size=2)
     with pytest.raises(ValueError, match="ngram_min_match, ngram_max_match"):
         EngineConfig(speculative="ngram", ngram_min_match=3, ngram_max_match=2)
+
+
+def test_draft_counters_are_exported():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from engine.llm_engine import EngineStats
+    from engine.metrics import EngineStatsCollector
+
+    stats = EngineStats(0, 0, 8, 8, 0, 0, 0, 0, num_draft_tokens=40, num_accepted_draft_tokens=31)
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(lambda: stats, {"replica": "d0"}))
+    text = generate_latest(registry).decode()
+    assert 'splitserve_engine_spec_draft_tokens_total{replica="d0"} 40.0' in text
+    assert 'splitserve_engine_spec_accepted_tokens_total{replica="d0"} 31.0' in text
