@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     pruned = _pruned_row(args)
     if pruned is not None:
         rows.append(pruned)
-    report = {"bench": "quality", "model": args.model, "machine": machine(), "text": TEXT_PATH.name, "window": args.window, "rows": rows}
+    settings = {name: getattr(args, name) for name in ("window", "max_text_tokens", "gen_tokens", "decode_tokens", "threads")}
+    report = {"bench": "quality", "model": args.model, "machine": machine(), "text": TEXT_PATH.name, **settings, "rows": rows}
     emit_report(report, args.json)
     return 0
 

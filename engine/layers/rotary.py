@@ -65,6 +65,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.max_positions = max_positions
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.register_buffer("signed_sin", torch.empty(0), persistent=False)
         self.reset_tables()
 
     def reset_tables(self) -> None:
@@ -75,17 +76,20 @@ class RotaryEmbedding(torch.nn.Module):
             angles = torch.cat((freqs, freqs), dim=-1)
             self.cos = angles.cos() * attention_factor
             self.sin = angles.sin() * attention_factor
+            half = self.sin.shape[-1] // 2
+            self.signed_sin = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` rows for ``positions``, shaped ``[tokens, 1, head_dim]`` to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """``(cos, signed_sin)`` rows for ``positions``, shaped ``[tokens, 1, head_dim]`` to broadcast
+        over heads; ``signed_sin`` has its first half negated (see ``apply_rotary``)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.signed_sin[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[tokens, heads, head_dim]`` by the tables from ``RotaryEmbedding.tables``."""
-    return x * cos + _rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[tokens, heads, head_dim]`` by the tables from ``RotaryEmbedding.tables``.
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    HF's ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``: rolling x by half
+    gives ``[x2, x1]`` and the sign moves into the table, four ops instead of seven, bit for bit
+    the same values (a negation is exact).
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -2,7 +2,7 @@
 
 The converted safetensors checkpoint (``gguf_convert``) holds every tensor dequantized to
 float32; it still supplies the norms and the embedding table. This module reads the GGUF again
-and returns, per Hugging Face tensor name, the tensor's GGUF type and, for the 4-bit types, its
+and returns, per Hugging Face tensor name, the tensor's GGUF type and, for the block types, its
 blocks (``BlockQuant``) with llama.cpp's Q/K row order undone, so the linear layers can run on
 exactly the shipped codes.
 """
@@ -20,10 +20,10 @@ from engine.loader.gguf_convert import hf_tensor_name, open_reader, unpermute_ro
 from engine.model_config import ModelConfig
 from engine.quant.blocks import BlockQuant, unpack_blocks
 
-BLOCK_KINDS = ("Q4_0", "Q4_1")
-"""GGUF types whose blocks run as they are (the int4 kernel)."""
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "F32")
-"""GGUF types ``--weights native`` can run; Q8_0 runs as per-row int8 (see engine/README.md)."""
+BLOCK_KINDS = ("Q4_0", "Q4_1", "Q8_0")
+"""GGUF types whose blocks run as they are (on the int4 kernel; Q8_0 as two 4-bit planes)."""
+NATIVE_TYPES = BLOCK_KINDS + ("F16", "BF16", "F32")
+"""GGUF types ``--weights native`` can run."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class NativeTensor:
     kind: str
     """Its GGUF type name (Q4_1, Q8_0, F32, ...)."""
     blocks: BlockQuant | None
-    """Its 4-bit blocks in Hugging Face row order; None for the other types (read from the checkpoint)."""
+    """Its blocks in Hugging Face row order; None for the float types (read from the checkpoint)."""
 
 
 def read_native_tensors(gguf_path: Path, config: ModelConfig) -> dict[str, NativeTensor]:

@@ -6,8 +6,8 @@ parameter. The embedding table, the norms and the experts of MoE blocks stay as 
 lookup reads one row per token, and the experts' stacked weights have no quantized kernel here.
 
 ``weights``:
-- ``native``: a GGUF-sourced model runs its 4-bit blocks as they are (int4 kernel), Q8_0 as
-  per-row int8, F16/BF16 in bf16, F32 in the model dtype; a safetensors checkpoint as stored
+- ``native``: a GGUF-sourced model runs its Q4_0/Q4_1/Q8_0 blocks as they are (the int4
+  kernel; Q8_0 as two 4-bit planes), F16/BF16 in bf16, F32 in the model dtype; a safetensors checkpoint as stored
   (in the model dtype).
 - ``fp32`` / ``bf16``: dense, in that dtype (``bf16`` in a float32 model runs its matmuls in bf16).
 - ``int8``: symmetric per output channel; ``int4``: asymmetric per group of 32 input features,
@@ -26,8 +26,8 @@ from engine.loader.gguf_native import BLOCK_KINDS, NativeTensor, read_native_ten
 from engine.loader.weights import checkpoint_target
 from engine.models.decoder import DecoderModel
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from engine.quant.blocks import BlockQuant
-from engine.quant.kernels import DenseWeight, Int4Weight, Int8Weight, QuantizedWeight, int4_zeros
+from engine.quant.blocks import GROUP_SIZE, BlockQuant
+from engine.quant.kernels import DenseWeight, GroupInt8Weight, Int4Weight, Int8Weight, QuantizedWeight
 
 SUPPORTED_WEIGHTS = {
     "float32": ("native", "fp32", "bf16", "int8", "int4"),
@@ -106,25 +106,26 @@ def _sources_by_module(model: DecoderModel, native: dict[str, NativeTensor]) -> 
 
 def _native(module: Linear, sources: list[tuple[str | None, NativeTensor]]) -> QuantizedWeight | None:
     kinds = {tensor.kind for _, tensor in sources}
-    if kinds and kinds <= set(BLOCK_KINDS):
-        return _int4_from_blocks(module, [(part, tensor.blocks) for part, tensor in sources])
-    if kinds == {"Q8_0"}:  # per-32 scales have no kernel; the loaded values requantized per row
-        return Int8Weight.from_dense(module.weight.data)
-    if kinds and kinds <= {"F16", "BF16"} or len(kinds) > 1:
+    if len(kinds) == 1 and kinds <= set(BLOCK_KINDS):
+        blocks = _rank_blocks(module, [(part, tensor.blocks) for part, tensor in sources])
+        return GroupInt8Weight.from_blocks(blocks) if blocks.kind == "Q8_0" else Int4Weight.from_blocks(blocks)
+    if kinds and kinds <= {"F16", "BF16"} or len(kinds) > 1:  # parts of different types fuse only dense
         return DenseWeight(module.weight.data.to(torch.bfloat16))
     return None
 
 
-def _int4_from_blocks(module: Linear, parts: list[tuple[str | None, BlockQuant]]) -> Int4Weight:
-    """The rank's slice of each part's blocks, laid out where ``weight_slices`` puts its rows.
+def _rank_blocks(module: Linear, parts: list[tuple[str | None, BlockQuant]]) -> BlockQuant:
+    """This rank's slice of each part's blocks, laid out where ``weight_slices`` puts its rows
+    (rows past a padded vocabulary's end stay zero).
 
     Column slices (a row-parallel layer's input features) must fall on block boundaries.
     """
     weight = module.weight.data
     rows, cols = weight.shape
-    codes = torch.zeros(rows, cols, dtype=torch.uint8)
-    scales = torch.zeros(rows, cols // 32)
-    zeros = torch.zeros(rows, cols // 32)
+    kind = parts[0][1].kind
+    codes = torch.zeros(rows, cols, dtype=parts[0][1].codes.dtype)
+    scales = torch.zeros(rows, cols // GROUP_SIZE)
+    mins = torch.zeros(rows, cols // GROUP_SIZE) if parts[0][1].mins is not None else None
     for part, blocks in parts:
         for dest, index in module.weight_slices("weight", part, blocks.shape):
             first_row = (dest.storage_offset() - weight.storage_offset()) // weight.stride(0)
@@ -132,5 +133,7 @@ def _int4_from_blocks(module: Linear, parts: list[tuple[str | None, BlockQuant]]
             if piece.shape[1] != cols:
                 raise ValueError(f"a {piece.shape[1]}-column slice does not fill {cols} columns")
             held = slice(first_row, first_row + piece.shape[0])
-            codes[held], scales[held], zeros[held] = piece.codes, piece.scales, int4_zeros(piece)
-    return Int4Weight(codes, scales, zeros)
+            codes[held], scales[held] = piece.codes, piece.scales
+            if mins is not None:
+                mins[held] = piece.mins
+    return BlockQuant(kind, codes, scales, mins)

@@ -16,7 +16,7 @@ from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
 from engine.quant.apply import apply_native, apply_weights, linear_layers
 from engine.quant.blocks import unpack_blocks
-from engine.quant.kernels import INT4_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS, Int4Weight, Int8Weight
+from engine.quant.kernels import INT4_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS, GroupInt8Weight, Int4Weight, Int8Weight
 from tests.unit.engine.helpers import make_engine
 
 
@@ -52,16 +52,19 @@ def test_int4_repack_keeps_the_codes_and_rounds_only_the_scales_to_bf16(kind):
     assert ((dequantized - reference).abs() <= step / 16 + reference.abs() / 128).all()  # far below the quantization step
 
 
-def test_q8_0_requantized_per_row_stays_within_half_a_row_step():
-    weight = np.random.default_rng(2).standard_normal((32, 64)).astype(np.float32)
-    _, expected = gguf_blocks("Q8_0", weight)
-    dense = torch.from_numpy(expected)
-    kernel = Int8Weight.from_dense(dense)
-    step = kernel.scales.float()[:, None]
-    assert ((kernel.dequantize() - dense).abs() <= step / 2 + 1e-6).all()
+def test_q8_0_blocks_run_as_two_int4_planes_with_their_own_codes_and_scales():
+    weight = np.random.default_rng(2).standard_normal((40, 64)).astype(np.float32)
+    raw, expected = gguf_blocks("Q8_0", weight)
+    blocks = unpack_blocks("Q8_0", raw, 40, 64)
+    kernel = GroupInt8Weight.from_blocks(blocks)
+    exact = (blocks.codes.float().view(40, 2, 32) * blocks.scales.bfloat16().float()[..., None]).view(40, 64)
+    assert torch.equal(kernel.dense.float(), exact.bfloat16().float())
+    # Each plane's identity matmul comes back rounded to bf16: within a bf16 step of the value.
+    assert ((kernel.dequantize() - exact).abs() <= exact.abs() / 128 + blocks.scales.abs().repeat_interleave(32, 1)).all()
+    assert ((exact - torch.from_numpy(expected)).abs() <= torch.from_numpy(expected).abs() / 128).all()
 
 
-@pytest.mark.parametrize("make", [Int4Weight.from_dense, Int8Weight.from_dense], ids=["int4", "int8"])
+@pytest.mark.parametrize("make", [Int4Weight.from_dense, Int8Weight.from_dense, GroupInt8Weight.from_dense], ids=["int4", "int8", "group-int8"])
 @pytest.mark.parametrize("num_rows", [1, 3, 40])
 def test_quantized_matmul_matches_the_dense_matmul_of_its_dequantized_weight(make, num_rows):
     g = torch.Generator().manual_seed(3)
