@@ -128,7 +128,10 @@ def build_schema() -> dict:
                                                             "mountPath": {"type": "string", "pattern": "^/"}}}}},
             "engine": {"type": "object", "additionalProperties": False, "properties": {
                 "dtype": {"enum": ["float32", "bfloat16"]},
+                "weights": {"enum": ["native", "bf16", "fp32", "int8", "int4"]},
                 "kvDtype": {"enum": ["fp32", "bf16", "fp8_e4m3"]},
+                "speculative": {"enum": ["off", "ngram"]},
+                "numSpeculativeTokens": {"type": "integer", "minimum": 1, "maximum": 16},
                 "maxModelLen": {"type": ["integer", "null"], "minimum": 2},
                 "kvCacheBytes": {"type": ["integer", "null"], "minimum": 1},
                 "cpuKvCacheBytes": _integer(0),

@@ -154,6 +154,14 @@ def test_without_cluster_tls_no_pod_has_an_init_container(example_objects):
     assert not any(a.startswith("--cluster-tls") for t in templates for a in container(t)["args"])
 
 
+def test_engine_weights_and_speculative_decoding_reach_the_head(example_objects):
+    head_args = container(find(example_objects["values-cpu-dev"], "RayCluster")["spec"]["headGroupSpec"]["template"])["args"]
+    dev = _parse(_add_up, [a for a in head_args[1:] if a not in ("--ray-port", "6379")])
+    assert (dev.weights, dev.speculative, dev.num_speculative_tokens) == ("native", "ngram", 4)
+    gpu = container(find(example_objects["values-gpu-70b-tp"], "RayCluster")["spec"]["headGroupSpec"]["template"])["args"]
+    assert flag(gpu, "--weights") == "native" and "--speculative" not in gpu, "speculation stays off unless asked for"
+
+
 def test_redis_in_the_release_is_a_statefulset_with_a_claim(example_objects):
     objects = example_objects["values-cpu-dev"]
     redis = find(objects, "StatefulSet", "splitserve-redis")

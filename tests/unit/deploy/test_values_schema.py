@@ -93,6 +93,11 @@ def test_tls_without_a_secret_is_refused():
     assert "at '/tls/secretName': minLength: got 0, want 1" in message
 
 
+def test_unknown_weights_or_speculation_are_refused():
+    assert "at '/engine/weights'" in _refusal(_with("values-cpu-dev", "engine.weights", "q4_k"))
+    assert "at '/engine/speculative'" in _refusal(_with("values-cpu-dev", "engine.speculative", "medusa"))
+
+
 def test_cluster_tls_without_a_ca_secret_is_refused():
     message = _refusal(_with("values-moe-ep", "clusterTLS.caSecretName", ""))
     assert "at '/clusterTLS/caSecretName': minLength: got 0, want 1" in message
