@@ -157,3 +157,15 @@ def test_fp32_weights_in_a_bfloat16_model_are_refused_at_start_up_with_the_suppo
         "weights: 'fp32' with dtype 'bfloat16' is not supported (supported: "
         "dtype float32: weights native, fp32, bf16, int8, int4; dtype bfloat16: weights native, bf16, int8, int4)"
     )
+
+
+def test_native_f16_and_f32_tensors_run_in_bf16_and_as_loaded(tiny_llama_dir):
+    config = ModelConfig.from_dir(tiny_llama_dir)
+    model = rank_model(config, tiny_llama_dir, 0, 1)
+    native = {name: NativeTensor("F16" if "mlp" in name else "F32", None) for name in q4_1_tensors(tiny_llama_dir)}
+    apply_native(model, native)
+    for name, module in linear_layers(model):
+        if ".mlp." in name:
+            assert module.quantized.kind == "dense" and module.quantized.weight.dtype == torch.bfloat16, name
+        else:
+            assert module.quantized is None and module.weight.dtype == torch.float32, name
