@@ -69,9 +69,11 @@ class EngineConfig:
     """Shortest tail of the sequence that n-gram drafting looks up earlier in it."""
     ngram_max_match: int = 4
     """Longest tail tried first by n-gram drafting."""
-    spec_token_cost: float = 0.15
+    spec_token_cost: float = 0.2
     """Marginal cost of one more token in a step, in decode steps of one sequence: drafting stops
-    for a sequence whose acceptance does not cover it (``engine/spec/policy.py``)."""
+    for a sequence whose acceptance does not cover it (``engine/spec/policy.py``). Measured on
+    SmolLM2 (native weights, one thread, 200 tokens of context): a chunk of 2 / 3 / 5 tokens
+    took 1.13x / 1.29x / 1.82x a one-token decode step."""
     tp_collective_timeout_s: float = 30.0
     """How long a rank waits in an all-reduce for the others before the replica fails (a hung rank)."""
 
