@@ -180,7 +180,7 @@ class LLMEngine:
         self.pool = self.pools[0]
         self.namespace = KeyNamespace(
             model_name=self.model_name,
-            weights_fingerprint=weights_fingerprint(self.checkpoint_dir),
+            weights_fingerprint=weights_fingerprint(self.checkpoint_dir, precision=f"dtype={config.dtype} weights={config.weights}"),
             kv_dtype=config.kv_dtype,
             block_size=config.block_size,
             tp_size=tp.size,

@@ -69,13 +69,17 @@ def iter_checkpoint(checkpoint_dir: Path) -> Iterator[tuple[str, object]]:
             raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
 
 
-def weights_fingerprint(checkpoint_dir: Path) -> str:
+def weights_fingerprint(checkpoint_dir: Path, precision: str = "") -> str:
     """A 128-bit hex digest of the weights: headers, sizes and evenly spaced samples of every file.
 
     Reads about 1 MiB per file, so it is cheap for large checkpoints while still telling apart
-    two checkpoints of the same shape (fine-tunes, quantizations).
+    two checkpoints of the same shape (fine-tunes, quantizations). ``precision`` says how the
+    engine computes with them (model dtype, weights format): the same file run as int4 or as
+    fp32 writes different K/V, so those engines must not share blocks.
     """
     h = xxhash.xxh3_128()
+    if precision:
+        h.update(f"precision:{precision}\n".encode())
     for path in safetensors_files(checkpoint_dir):
         size = path.stat().st_size
         h.update(f"{path.name}:{size}\n".encode())

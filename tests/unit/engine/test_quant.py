@@ -169,3 +169,14 @@ def test_native_f16_and_f32_tensors_run_in_bf16_and_as_loaded(tiny_llama_dir):
             assert module.quantized.kind == "dense" and module.quantized.weight.dtype == torch.bfloat16, name
         else:
             assert module.quantized is None and module.weight.dtype == torch.float32, name
+
+
+def test_engines_computing_at_different_precisions_never_share_kv_blocks(tiny_llama_dir):
+    """The same checkpoint run as int4 and as fp32 writes different K/V: its key namespace (prefix
+    cache, Redis tier, hand-off compatibility) tells them apart; the same precision shares it."""
+    fp32 = make_engine(tiny_llama_dir, weights="fp32").namespace
+    assert make_engine(tiny_llama_dir, weights="fp32").namespace == fp32
+    int4 = make_engine(tiny_llama_dir, weights="int4").namespace
+    bf16_model = make_engine(tiny_llama_dir, dtype="bfloat16", weights="bf16").namespace
+    assert len({fp32.weights_fingerprint, int4.weights_fingerprint, bf16_model.weights_fingerprint}) == 3
+    assert fp32.root_key() != int4.root_key()
