@@ -206,7 +206,7 @@ class LLMEngine:
 
     def _speculator(self, config: EngineConfig) -> Speculator:
         """The drafting of ``config.speculative``; a draft model must share the target's vocabulary."""
-        policy = SpecPolicy(token_cost=config.spec_token_cost)
+        policy = SpecPolicy(token_cost=config.spec_token_cost, chunk_cost=config.spec_chunk_cost)
         if config.speculative == "ngram":
             proposer = NgramProposer(config.ngram_min_match, config.ngram_max_match)
         else:

@@ -8,9 +8,11 @@ as a run that stops at the first rejection, so verifying k drafts yields on aver
 ``S = 1 + token_cost * (B - 1)`` and yields B tokens, one sequence's drafts pay when they raise
 the step's tokens per unit of cost::
 
-    gain(k) = ((B + E(k)) / (S + token_cost * k)) / (B / S)        (B = 1: (1 + E(k)) / (1 + token_cost * k))
+    gain(k) = ((B + E(k)) / (S + token_cost * k + chunk_cost)) / (B / S)      (chunk_cost only if B > 1)
 
-so the bar rises with the batch: a batch already amortises the weights over B tokens.
+so the bar rises with the batch: a batch already amortises the weights over B tokens, and a
+verify chunk leaves the batch's shared decode attention for an attention call of its own
+(``chunk_cost``; alone, a sequence's chunk costs what its decode did).
 The policy picks the k (up to what the proposer offered) with the best gain; when no k gains at
 least ``min_gain``, the sequence stops proposing for ``backoff`` steps, then probes again with
 one verify step of one draft: accepted, it raises the estimate enough to go on; rejected, the
@@ -63,6 +65,8 @@ class SpecPolicy:
 
     token_cost: float
     """Marginal cost of one more token in a step, in decode steps."""
+    chunk_cost: float = 0.0
+    """Cost of verifying one sequence in its own chunk beside a batch of decodes, in decode steps."""
     min_gain: float = 1.05
     """Expected tokens per unit of step cost below which speculating is not worth the risk."""
     first_backoff: int = 8
@@ -72,7 +76,8 @@ class SpecPolicy:
         """Tokens per unit of step cost with ``num_drafts`` drafts verified, over those without."""
         expected = sum(rate**i for i in range(1, num_drafts + 1))
         plain_cost = 1 + self.token_cost * (batch_size - 1)
-        return (batch_size + expected) / (plain_cost + self.token_cost * num_drafts) * plain_cost / batch_size
+        spec_cost = plain_cost + self.token_cost * num_drafts + (self.chunk_cost if batch_size > 1 else 0.0)
+        return (batch_size + expected) / spec_cost * plain_cost / batch_size
 
     def num_to_verify(self, tracker: AcceptanceTracker, num_offered: int, batch_size: int = 1) -> int:
         """How many of ``num_offered`` drafts to verify this step (0: decode plainly), in a step

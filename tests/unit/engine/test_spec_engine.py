@@ -2,13 +2,14 @@
 blocks rolled back, a batch mixing verify chunks with decodes and prefills, preemption, the
 draft-model variant, the decode side of disaggregation, and sampling checked statistically.
 
-The engines speculate with ``spec_token_cost=0`` (a free verify token), so that drafts of a
+The engines speculate with ``spec_token_cost=0`` and ``spec_chunk_cost=0`` (free verify steps), so that drafts of a
 tiny random model are verified often enough to exercise every path."""
 
 import torch
 
 from engine.params import SamplingParams
 from engine.runner import PlannedChunk, StepPlan
+from engine.spec.policy import SpecPolicy
 from tests.unit.engine.helpers import make_engine, random_prompts, run_staggered
 from tests.unit.engine.test_remote_prefill import _disaggregated
 
@@ -41,7 +42,7 @@ def _assert_cache_matches(spec_engine, plain_engine):
 
 def test_ngram_greedy_equals_plain_decoding_in_a_mixed_batch(tiny_llama_dir):
     plain = make_engine(tiny_llama_dir)
-    spec = make_engine(tiny_llama_dir, speculative="ngram", spec_token_cost=0.0)
+    spec = make_engine(tiny_llama_dir, speculative="ngram", spec_token_cost=0.0, spec_chunk_cost=0.0)
     prompts = _repetitive_prompts()
     want = run_staggered(plain, prompts, GREEDY_40)
     assert run_staggered(spec, prompts, GREEDY_40) == want
@@ -58,7 +59,7 @@ def test_rollback_frees_blocks_of_rejected_drafts_under_preemption(tiny_llama_di
     prompts = [p + p for p in random_prompts((5, 8, 10), seed=3)] + random_prompts((12,), seed=4)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     plain = make_engine(tiny_llama_dir, num_kv_blocks=14, block_size=4, max_num_batched_tokens=64)
-    spec = make_engine(tiny_llama_dir, num_kv_blocks=14, block_size=4, max_num_batched_tokens=64, speculative="ngram", spec_token_cost=0.0)
+    spec = make_engine(tiny_llama_dir, num_kv_blocks=14, block_size=4, max_num_batched_tokens=64, speculative="ngram", spec_token_cost=0.0, spec_chunk_cost=0.0)
     want = run_staggered(plain, prompts, params, every=1)
     assert run_staggered(spec, prompts, params, every=1) == want
     assert spec.stats().num_preemptions > 0 and spec.stats().num_draft_tokens > 0
@@ -68,7 +69,7 @@ def test_rollback_frees_blocks_of_rejected_drafts_under_preemption(tiny_llama_di
 def test_rollback_shrinks_the_sequence_to_its_accepted_tokens(tiny_llama_dir):
     """Step by step: after each verify step the request holds exactly the blocks of its
     computed tokens, and the pool's free count says the same."""
-    engine = make_engine(tiny_llama_dir, speculative="ngram", spec_token_cost=0.0, block_size=4)
+    engine = make_engine(tiny_llama_dir, speculative="ngram", spec_token_cost=0.0, spec_chunk_cost=0.0, block_size=4)
     [prompt] = random_prompts((6,), seed=3)
     engine.add_request("r", prompt * 3, GREEDY_40)
     request = engine._requests["r"]
@@ -89,15 +90,15 @@ def test_rollback_shrinks_the_sequence_to_its_accepted_tokens(tiny_llama_dir):
 def test_draft_model_greedy_equals_plain_decoding(tiny_checkpoint, tiny_llama_dir):
     """The draft is another tiny checkpoint of the same vocabulary (a different model, so some
     drafts are rejected); the same checkpoint as its own draft accepts every draft."""
-    prompts = random_prompts((5, 17, 40), seed=5)
+    prompts = random_prompts((5, 40), seed=5)
     want = [c.output_token_ids for c in make_engine(tiny_llama_dir).generate(prompts, GREEDY_40)]
-    other = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(tiny_checkpoint("qwen2")), spec_token_cost=0.0)
+    other = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(tiny_checkpoint("qwen2")), spec_token_cost=0.0, spec_chunk_cost=0.0)
     assert [c.output_token_ids for c in other.generate(prompts, GREEDY_40)] == want
     stats = other.stats()
     assert stats.num_draft_tokens > 0 and stats.num_accepted_draft_tokens < stats.num_draft_tokens
     _assert_no_blocks_held(other)
     assert other.speculator.proposer.pool.num_free_blocks == other.speculator.proposer.pool.num_blocks
-    itself = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(tiny_llama_dir), spec_token_cost=0.0)
+    itself = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(tiny_llama_dir), spec_token_cost=0.0, spec_chunk_cost=0.0)
     assert [c.output_token_ids for c in itself.generate(prompts, GREEDY_40)] == want
     stats = itself.stats()
     assert stats.num_accepted_draft_tokens == stats.num_draft_tokens > 0
@@ -106,7 +107,7 @@ def test_draft_model_greedy_equals_plain_decoding(tiny_checkpoint, tiny_llama_di
 def test_decode_side_of_disaggregation_speculates(tiny_llama_dir):
     prompts = [p + p for p in random_prompts((5, 16, 33), seed=3)]
     want = [c.output_token_ids for c in make_engine(tiny_llama_dir).generate(prompts, GREEDY_40)]
-    prefill, decode = make_engine(tiny_llama_dir), make_engine(tiny_llama_dir, speculative="ngram", spec_token_cost=0.0)
+    prefill, decode = make_engine(tiny_llama_dir), make_engine(tiny_llama_dir, speculative="ngram", spec_token_cost=0.0, spec_chunk_cost=0.0)
     assert _disaggregated(prefill, decode, prompts, GREEDY_40) == want
     assert decode.stats().num_accepted_draft_tokens > 0
     _assert_no_blocks_held(decode)
@@ -128,7 +129,8 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir):
     variation of 0.08, while accepting every draft would put all mass on argmax tokens."""
     params = [SamplingParams(max_tokens=3, temperature=1.5, top_k=4, seed=seed, ignore_eos=True) for seed in range(400)]
     [prompt] = random_prompts((6,), seed=8)
-    spec = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(tiny_llama_dir), spec_token_cost=0.0, max_num_seqs=8, num_kv_blocks=64)
+    spec = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(tiny_llama_dir), max_num_seqs=400, num_kv_blocks=512, max_num_batched_tokens=4096)
+    spec.speculator.policy = SpecPolicy(token_cost=0.0, min_gain=1.0)  # every sequence of the big batch verifies its draft
     completions = spec.generate([prompt] * len(params), params)
     stats = spec.stats()
     assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens

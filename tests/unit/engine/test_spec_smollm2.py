@@ -20,11 +20,13 @@ EDIT = [
 
 def test_ngram_greedy_equals_plain_decoding_on_a_copying_answer(smollm2_dir, smollm2_cache_dir):
     params = SamplingParams(max_tokens=32, temperature=0)
-    outputs = {}
+    engine = LLMEngine(EngineConfig(model="smollm2-135m", weights="fp32", kv_dtype="fp32", kv_cache_bytes=32 << 20, cache_dir=smollm2_cache_dir, speculative="ngram"))
+    speculator, outputs = engine.scheduler.speculator, {}
     for spec in ("off", "ngram"):
-        engine = LLMEngine(EngineConfig(model="smollm2-135m", weights="fp32", kv_dtype="fp32", kv_cache_bytes=32 << 20, cache_dir=smollm2_cache_dir, speculative=spec))
-        engine.add_request("edit", messages=EDIT, params=params)
-        [outputs[spec]] = engine.run_to_completion(["edit"])
+        engine.scheduler.speculator = speculator if spec == "ngram" else None  # one model load for both runs
+        engine.reset_prefix_cache()
+        engine.add_request(spec, messages=EDIT, params=params)
+        [outputs[spec]] = engine.run_to_completion([spec])
         stats = engine.stats()
         assert stats.num_free_kv_blocks == stats.num_kv_blocks
     assert outputs["ngram"].output_token_ids == outputs["off"].output_token_ids
