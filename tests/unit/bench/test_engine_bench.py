@@ -57,7 +57,7 @@ def test_both_systems_at_each_concurrency_emit_every_workload_token(tiny_llama_d
     for system, concurrency in runs:
         assert re.search(rf"^\[bench\.engine \d\d:\d\d:\d\d\] {system} N={concurrency}: ", captured.err, re.MULTILINE)
     for system in ("splitserve", "transformers"):
-        assert re.search(rf"^\[bench\.engine \d\d:\d\d:\d\d\] {system}: prompt [\d.]+ tok/s \(512 tokens\), decode [\d.]+ tok/s \(8 tokens\)$", captured.err, re.MULTILINE)
+        assert re.search(rf"^\[bench\.engine \d\d:\d\d:\d\d\] {system}: prompt [\d.]+ tok/s \(64 tokens\), decode [\d.]+ tok/s \(8 tokens\)$", captured.err, re.MULTILINE)
 
 
 def test_llama_cpp_missing_is_one_sentence_saying_how_to_install_it(monkeypatch, capsys):
