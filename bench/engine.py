@@ -24,6 +24,7 @@ import torch
 
 from bench.llama_cpp_peer import LlamaCppPeer, import_llama_cpp
 from bench.report import BenchError, arg_parser, check_ranges, emit_report, machine, median_s, percentile, plot, positive, progress, run, series
+from bench.spec import add_spec_arguments, spec_report
 from bench.workload import BenchRequest, greedy, random_tokens, random_workload
 from engine.bundled import bundled_model, bundled_model_names
 from engine.config import WEIGHT_FORMATS, EngineConfig
@@ -180,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             peer.close()
     if peer is not None:
         report["llama_cpp"] = peer.describe()
+    if args.spec != "off":
+        args.spec_method = args.spec
+        report.update(spec_report(args, lambda **overrides: LLMEngine(EngineConfig(
+            model=args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype, kv_cache_bytes=args.kv_cache_bytes, **overrides))))
     emit_report(report, args.json)
     if args.plot is not None:
         results = report["results"]
@@ -198,6 +203,8 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument("--output-len", type=positive, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--weights", default=EngineConfig.weights, choices=WEIGHT_FORMATS, help="splitserve's linear-layer weights (EngineConfig.weights)")
+    parser.add_argument("--spec", default="off", choices=("off", "ngram"), help="also measure speculative decoding against off on a copy-heavy and a chat workload (bench.spec)")
+    add_spec_arguments(parser, with_method=False)
     parser.add_argument("--kv-dtype", default=EngineConfig.kv_dtype, choices=["fp32", "bf16", "fp8_e4m3"])
     parser.add_argument("--kv-cache-bytes", type=positive, default=4 << 30)
     parser.add_argument("--threads", type=positive, default=torch.get_num_threads(), help="threads of every system (default: torch's, %(default)s)")

@@ -55,9 +55,10 @@ CHAT_QUESTIONS = (
 CONCURRENCIES = (1, 8)
 
 
-def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options ``spec_report`` reads."""
-    parser.add_argument("--spec-method", default="ngram", choices=("ngram",), help="drafting measured against speculative off (default: ngram)")
+def add_spec_arguments(parser: argparse.ArgumentParser, with_method: bool = True) -> None:
+    """The options ``spec_report`` reads (``bench.engine`` names the method with its own ``--spec``)."""
+    if with_method:
+        parser.add_argument("--spec-method", default="ngram", choices=("ngram",), help="drafting measured against speculative off (default: ngram)")
     parser.add_argument("--spec-requests", type=int, default=8, help="requests per workload and run (default: 8)")
     parser.add_argument("--spec-max-tokens", type=int, default=128, help="most output tokens per request (default: 128)")
     parser.add_argument("--spec-repeats", type=int, default=2, help="runs of each mode, alternating off and on; the best counts (default: 2)")

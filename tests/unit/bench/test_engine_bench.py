@@ -80,3 +80,24 @@ def test_bad_counts_are_refused_before_anything_loads(flag, capsys):
         bench_engine.main(flag)
     assert exited.value.code == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_spec_ngram_adds_acceptance_and_speedups_per_workload(tiny_llama_dir, tmp_path, capsys):
+    """`bench.engine --spec ngram` measures speculative decoding against off on the copy-heavy and
+    the chat workload at c1 and c8 (bench.spec), beside the usual rows."""
+    out = tmp_path / "engine.json"
+    argv = ["--model", str(tiny_llama_dir), "--systems", "splitserve", "--num-requests", "2", "--concurrency", "1", "--prompt-len", "4", "8",
+            "--output-len", "2", "4", "--kv-cache-bytes", str(1 << 22), "--weights", "fp32", "--threads", "1", "--probe-len", "16", "4",
+            "--spec", "ngram", "--spec-requests", "2", "--spec-max-tokens", "6", "--spec-repeats", "1", "--json", str(out)]
+    threads = torch.get_num_threads()
+    try:
+        assert bench_engine.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads(out.read_text())
+    assert set(report["spec"]) == {"copy", "chat"}
+    for row in report["spec"].values():
+        assert {"acceptance", "speedup_c1", "speedup_c8", "num_draft_tokens"} <= set(row)
+        assert 0.0 <= row["acceptance"] <= 1.0 and row["speedup_c1"] > 0 and row["speedup_c8"] > 0
+    err = capsys.readouterr().err
+    assert re.search(r"^\[bench\.spec \d\d:\d\d:\d\d\] copy c8 ngram: \d+ tokens", err, re.MULTILINE)
