@@ -25,7 +25,7 @@ import torch
 from bench.llama_cpp_peer import LlamaCppPeer, import_llama_cpp
 from bench.report import BenchError, arg_parser, check_ranges, emit_report, machine, median_s, percentile, plot, positive, progress, run, series
 from bench.spec import add_spec_arguments, spec_report
-from bench.workload import BenchRequest, greedy, random_tokens, random_workload
+from bench.workload import BenchRequest, closed_loop, greedy, random_tokens, random_workload
 from engine.bundled import bundled_model, bundled_model_names
 from engine.config import WEIGHT_FORMATS, EngineConfig
 from engine.errors import EngineError
@@ -52,26 +52,21 @@ class System:
 
 def run_splitserve(engine: LLMEngine, workload: list[BenchRequest], concurrency: int) -> dict:
     engine.reset_prefix_cache()  # every run starts cold, as transformers does
-    queue = list(enumerate(workload))
     submitted: dict[str, float] = {}
     ttfts: list[float] = []
-    in_flight: set[str] = set()
-    num_output = 0
-    start = time.perf_counter()
-    while queue or in_flight:
-        while queue and len(in_flight) < concurrency:
-            index, req = queue.pop(0)
-            rid = f"bench-{concurrency}-{index}"
-            engine.add_request(rid, list(req.prompt_token_ids), greedy(req.num_output_tokens))
-            submitted[rid] = time.perf_counter()
-            in_flight.add(rid)
-        for out in engine.step():
-            if out.new_token_ids and out.num_output_tokens == len(out.new_token_ids):
-                ttfts.append(time.perf_counter() - submitted[out.request_id])
-            num_output += len(out.new_token_ids)
-            if out.finished:
-                in_flight.discard(out.request_id)
-    wall_s = time.perf_counter() - start
+
+    def add(index: int) -> str:
+        rid = f"bench-{concurrency}-{index}"
+        req = workload[index]
+        engine.add_request(rid, list(req.prompt_token_ids), greedy(req.num_output_tokens))
+        submitted[rid] = time.perf_counter()
+        return rid
+
+    def on_output(out) -> None:
+        if out.new_token_ids and out.num_output_tokens == len(out.new_token_ids):
+            ttfts.append(time.perf_counter() - submitted[out.request_id])
+
+    num_output, wall_s = closed_loop(engine, len(workload), concurrency, add, on_output)
     return _result("splitserve", concurrency, num_output, wall_s, ttfts)
 
 

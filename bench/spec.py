@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 
 from bench.report import BenchError, arg_parser, emit_report, machine, progress, run
+from bench.workload import closed_loop
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
@@ -75,21 +75,13 @@ def run_closed_loop(engine: LLMEngine, conversations: list[list[dict[str, str]]]
     """Serve every conversation, ``concurrency`` at a time; (output tokens, wall seconds)."""
     engine.reset_prefix_cache()
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    queue = list(enumerate(conversations))
-    in_flight: set[str] = set()
-    num_output = 0
-    start = time.perf_counter()
-    while queue or in_flight:
-        while queue and len(in_flight) < concurrency:
-            index, messages = queue.pop(0)
-            request_id = f"spec-{concurrency}-{index}"
-            engine.add_request(request_id, messages=messages, params=params)
-            in_flight.add(request_id)
-        for out in engine.step():
-            num_output += len(out.new_token_ids)
-            if out.finished:
-                in_flight.discard(out.request_id)
-    return num_output, time.perf_counter() - start
+
+    def add(index: int) -> str:
+        request_id = f"spec-{concurrency}-{index}"
+        engine.add_request(request_id, messages=conversations[index], params=params)
+        return request_id
+
+    return closed_loop(engine, len(conversations), concurrency, add)
 
 
 def spec_report(args: argparse.Namespace, make_engine: Callable[..., LLMEngine]) -> dict:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import random
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -49,6 +50,26 @@ def start_decoding(engine: LLMEngine, prompts: list[list[int]], num_tokens: int)
     started: set[str] = set()
     while len(started) < len(request_ids):
         started.update(out.request_id for out in engine.step() if out.new_token_ids)
+
+
+def closed_loop(engine: LLMEngine, count: int, concurrency: int, add: Callable[[int], str], on_output: Callable = lambda out: None) -> tuple[int, float]:
+    """Serve ``count`` requests on ``engine``, ``concurrency`` in flight, the next joining when one
+    finishes: ``add(i)`` submits request i and returns its id, ``on_output`` sees every output.
+    (output tokens, wall seconds)."""
+    pending = iter(range(count))
+    in_flight: set[str] = set()
+    num_output = 0
+    start = time.perf_counter()
+    while True:
+        while len(in_flight) < concurrency and (index := next(pending, None)) is not None:
+            in_flight.add(add(index))
+        if not in_flight:
+            return num_output, time.perf_counter() - start
+        for out in engine.step():
+            on_output(out)
+            num_output += len(out.new_token_ids)
+            if out.finished:
+                in_flight.discard(out.request_id)
 
 
 def random_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int, seed: int) -> list[BenchRequest]:
