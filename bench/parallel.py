@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     report_machine, results, outputs = machine(), {}, {}
     for tp in args.tp:
         progress("parallel", f"TP {tp}: loading {args.model} over {tp} rank(s), {threads[tp]} torch thread(s) each")
-        config = EngineConfig(model=args.model, kv_dtype="fp32", tp_size=tp, max_num_batched_tokens=budget, num_kv_blocks=num_blocks)
+        # fp32 weights: TP 3's tokens are checked against TP 1's, which quantized kernels (picked by
+        # rows per call, and summed in another order across the ranks) do not promise.
+        config = EngineConfig(model=args.model, weights="fp32", kv_dtype="fp32", tp_size=tp, max_num_batched_tokens=budget, num_kv_blocks=num_blocks)
         start, load_avg_1m = time.perf_counter(), os.getloadavg()[0]
         with ranked_engine(config, threads[tp], f"tp{tp}") as (engine, followers):
             load_s = time.perf_counter() - start

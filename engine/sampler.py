@@ -56,8 +56,9 @@ def _temperatures(params: list[SamplingParams], rows: list[int]) -> torch.Tensor
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities of ``rows`` over their best tokens in rank order (top-k and top-p applied), and those tokens' ids."""
     vocab = logits.shape[-1]
-    top_k = torch.tensor([params[i].top_k or vocab for i in rows])
-    width = vocab if any(params[i].top_k == 0 for i in rows) else int(top_k.max())
+    # A top_k beyond the vocabulary keeps every token (as 0 does): topk cannot rank more than there are.
+    top_k = torch.tensor([min(params[i].top_k or vocab, vocab) for i in rows])
+    width = int(top_k.max())
     ranked_logits, ranked_ids = torch.topk(logits[rows] / _temperatures(params, rows)[:, None], width, dim=-1)
     ranked_logits.masked_fill_(torch.arange(width)[None, :] >= top_k[:, None], float("-inf"))
     probs = torch.softmax(ranked_logits, dim=-1)

@@ -25,6 +25,13 @@ def test_top_k_keeps_only_the_k_best():
     assert set(_draw(SamplingParams(top_k=2))) == {0, 1}
 
 
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token_as_zero_does():
+    """Found by the API fuzzer: a top_k above the vocabulary size must not crash the engine."""
+    assert _draw(SamplingParams(top_k=1000), 300) == _draw(SamplingParams(top_k=0), 300)
+    batch = sample(LOGITS.repeat(2, 1), [SamplingParams(top_k=1000), SamplingParams(top_k=2)], [0, 0], [7, 7])
+    assert batch[0] == _draw(SamplingParams(top_k=0), 8)[7] and batch[1] in (0, 1)
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p():
     assert set(_draw(SamplingParams(top_p=0.5))) == {0, 1}  # 0.4 < 0.5 <= 0.4 + 0.3
     assert set(_draw(SamplingParams(top_p=0.75))) == {0, 1, 2}
