@@ -92,6 +92,7 @@ class PagedAttention(torch.nn.Module):
         kv_rows = range(shard.kv_heads.start * hd, shard.kv_heads.stop * hd)
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, [("q", q_rows), ("k", kv_rows), ("v", kv_rows)], bias=config.qkv_bias)
         self.o_proj = RowParallelLinear(q_rows, config.hidden_size, tp, bias=config.o_bias)
+        self.o_proj.output_promoted = True  # added to the residual
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -107,6 +108,9 @@ class PagedAttention(torch.nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         batch.new_k[:, self.layer_index] = k
         batch.new_v[:, self.layer_index] = v
+        if len(batch.decode_groups) == 1 and not batch.prefill_chunks:  # every token in one group: no scatter
+            out = self._decode(q, k, v, batch.decode_groups[0], batch.kv_cache)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype)
         for group in batch.decode_groups:
             out[group.tokens] = self._decode(q[group.tokens], k[group.tokens], v[group.tokens], group, batch.kv_cache)

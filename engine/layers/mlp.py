@@ -21,6 +21,7 @@ class GatedMLP(torch.nn.Module):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [("gate", intermediate), ("up", intermediate)])
         self.down_proj = RowParallelLinear(intermediate, hidden_size, tp)
+        self.down_proj.output_promoted = True  # added to the residual (or weighted, in a shared expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -32,15 +32,19 @@ class _QuantizableLinear(torch.nn.Module):
 
     quantized = None
     """The weight in a quantized kernel's layout (``engine/quant/kernels.py``); None: ``weight`` is used."""
+    output_promoted = False
+    """Set by the owner when every use of the output promotes it exactly to the model dtype (a
+    residual add, RoPE's multiplies): a bf16 kernel's result is then returned as it is, with the
+    same values downstream and one cast fewer per call."""
 
     def use_weight(self, weight) -> None:
         """Compute with ``weight`` (anything with ``matmul(x) = x W^T``) and drop the dense parameter."""
         self.quantized = weight
         self.weight = None
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """``x W^T`` for this rank's slice of W, without bias."""
-        return F.linear(x, self.weight) if self.quantized is None else self.quantized.matmul(x)
+    def project(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
+        """``x W^T`` for this rank's slice of W, without bias; ``cast_back`` False may leave it in the kernel's dtype."""
+        return F.linear(x, self.weight) if self.quantized is None else self.quantized.matmul(x, cast_back)
 
 
 class ColumnParallelLinear(_QuantizableLinear):
@@ -65,7 +69,7 @@ class ColumnParallelLinear(_QuantizableLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is None:
             return F.linear(x, self.weight, self.bias)
-        y = self.quantized.matmul(x)
+        y = self.quantized.matmul(x, not self.output_promoted)
         return y if self.bias is None else y + self.bias
 
     def weight_slices(self, attr: str, part: str | None, shape: Sequence[int]) -> list[WeightSlice]:
@@ -92,7 +96,8 @@ class RowParallelLinear(_QuantizableLinear):
         self.bias = torch.nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.project(x))
+        # Partial sums are added across ranks in the model dtype.
+        y = self.tp.all_reduce(self.project(x, cast_back=not self.output_promoted or self.tp.size > 1))
         return y if self.bias is None else y + self.bias
 
     def weight_slices(self, attr: str, part: str | None, shape: Sequence[int]) -> list[WeightSlice]:

@@ -5,7 +5,9 @@ number of rows: the int4/int8 kernels stream 4-8x fewer weight bytes than bf16, 
 while a matmul is bound by reading the weight (decode steps of a few rows); past a few rows the
 kernels' arithmetic costs more than the bytes saved, and a dense bf16 copy (dequantized once
 at load, memory being plentiful on a CPU host) runs instead. Both kernels want bf16
-activations (float32 ones run about 10x slower), so ``x`` is cast to bf16 and back.
+activations (float32 ones run about 10x slower), so ``x`` is cast to bf16 and back;
+``cast_back=False`` skips the cast back for a caller whose next op promotes the bf16 result
+exactly (adding it to a float32 residual), one op fewer per matmul of a decode step.
 
 Measured on the 2-core dev box (one 1536x576 weight, µs per matmul, bench figures in
 engine/README.md): int4 beats bf16 up to about 24 rows, int8 up to about 6.
@@ -34,8 +36,9 @@ class DenseWeight:
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight.contiguous()
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+    def matmul(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
+        y = F.linear(x.to(self.weight.dtype), self.weight)
+        return y.to(x.dtype) if cast_back else y
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[out, in]``: the weight as the kernel sees it."""
@@ -85,10 +88,12 @@ class Int4Weight:
         codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
         return cls(codes.reshape(out_features, in_features), scales, low + _INT4_MID * scales)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
         if x.shape[0] > INT4_KERNEL_MAX_ROWS:
-            return F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
-        return self.kernel(x.to(torch.bfloat16)).to(x.dtype)
+            y = F.linear(x.to(torch.bfloat16), self.dense)
+        else:
+            y = self.kernel(x.to(torch.bfloat16))
+        return y.to(x.dtype) if cast_back else y
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 ``x W^T`` through the int4 kernel alone, whatever the rows."""
@@ -126,10 +131,12 @@ class Int8Weight:
         codes = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
         return cls(codes, scales)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
         if x.shape[0] > INT8_KERNEL_MAX_ROWS:
-            return F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).to(x.dtype)
+            y = F.linear(x.to(torch.bfloat16), self.dense)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
+        return y.to(x.dtype) if cast_back else y
 
     def dequantize(self) -> torch.Tensor:
         return self.codes.float() * self.scales.float()[:, None]
@@ -176,7 +183,8 @@ class GroupInt8Weight:
         groups = weight.shape[1] // GROUP_SIZE
         return cls(per_row.codes, per_row.scales.float()[:, None].expand(-1, groups).contiguous())
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
+        """``cast_back`` is accepted for the common interface; the two planes are summed in ``x``'s dtype."""
         if x.shape[0] > INT4_KERNEL_MAX_ROWS:
             return F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
         x16 = x.to(torch.bfloat16)
