@@ -353,20 +353,6 @@ class DecodeWorker(EngineReplica):
             num_open_handles=self.receiver.transport.num_open_handles() if self.receiver else 0,
         )
 
-    async def tokenize(self, request: pb.TokenizeRequest) -> wpb.TokenizeResult:
-        tokenizer = self.engine.tokenizer
-        if request.messages:
-            if not tokenizer.has_chat_template:
-                message = f"messages: model {self.engine.model_name!r} has no chat template"
-                return wpb.TokenizeResult(error=wpb.RequestError(code=wpb.RequestError.INVALID_ARGUMENT, message=message))
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids = tokenizer.encode(request.prompt, add_special_tokens=add_special)
-        return wpb.TokenizeResult(response=pb.TokenizeResponse(token_ids=ids))
-
     async def tokenizer_files(self) -> dict[str, bytes]:
         """This checkpoint's tokenizer files by name (those of ``TOKENIZER_FILES`` it has): a
         router tokenizes prompts with a copy of them, so requests reach workers as token ids."""

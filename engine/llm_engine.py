@@ -484,10 +484,7 @@ class LLMEngine:
         if messages is not None:
             if not messages:
                 raise InvalidRequestError("messages", "must not be empty")
-            if not self.tokenizer.has_chat_template:
-                raise InvalidRequestError("messages", f"model {self.model_name!r} has no chat template")
-            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.chat_prompt_ids(messages, self.model_name)
         if prompt is None:
             raise InvalidRequestError("prompt", "give a prompt or messages")
         if isinstance(prompt, str):

@@ -129,6 +129,14 @@ class Tokenizer:
                 token_ids = [self._bos_token_id, *token_ids]
         return token_ids
 
+    def chat_prompt_ids(self, messages: Sequence[dict[str, str]], model_name: str) -> list[int]:
+        """The prompt ids of a chat, as the engine and the router both make them: rendered with the
+        generation prompt, then encoded without special tokens (the template wrote its own).
+        ``InvalidRequestError`` (field ``messages``) naming ``model_name`` when it has no template."""
+        if not self.has_chat_template:
+            raise InvalidRequestError("messages", f"model {model_name!r} has no chat template")
+        return self.encode(self.apply_chat_template(list(messages), add_generation_prompt=True), add_special_tokens=False)
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from proto import splitserve_pb2 as proto_dot_splitserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\x16splitserve.internal.v1\x1a\x16proto/splitserve.proto\"\xf1\x01\n\x0cRequestError\x12\x37\n\x04\x63ode\x18\x01 \x01(\x0e\x32).splitserve.internal.v1.RequestError.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x96\x01\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x01\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x02\x12\x0f\n\x0bUNAVAILABLE\x10\x03\x12\x0c\n\x08INTERNAL\x10\x04\x12\x17\n\x13\x46\x41ILED_PRECONDITION\x10\x05\x12\x12\n\x0eREPLICA_FAILED\x10\x06\"\x95\x01\n\x0bWorkerEvent\x12\x33\n\x08response\x18\x01 \x01(\x0b\x32\x1f.splitserve.v1.GenerateResponseH\x00\x12\x35\n\x05\x65rror\x18\x02 \x01(\x0b\x32$.splitserve.internal.v1.RequestErrorH\x00\x12\x12\n\nrequest_id\x18\x03 \x01(\tB\x06\n\x04kind\"G\n\x10WorkerEventBatch\x12\x33\n\x06\x65vents\x18\x01 \x03(\x0b\x32#.splitserve.internal.v1.WorkerEvent\"\x84\x01\n\x0eTokenizeResult\x12\x33\n\x08response\x18\x01 \x01(\x0b\x32\x1f.splitserve.v1.TokenizeResponseH\x00\x12\x35\n\x05\x65rror\x18\x02 \x01(\x0b\x32$.splitserve.internal.v1.RequestErrorH\x00\x42\x06\n\x04kind\"A\n\x14RequestPlaneEndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\r\n\x05token\x18\x03 \x01(\x0c\"\xb0\x01\n\rRouterMessage\x12\x33\n\x04open\x18\x01 \x01(\x0b\x32#.splitserve.internal.v1.OpenChannelH\x00\x12\x30\n\x06submit\x18\x02 \x01(\x0b\x32\x1e.splitserve.internal.v1.SubmitH\x00\x12\x30\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x1e.splitserve.internal.v1.CancelH\x00\x42\x06\n\x04kind\"0\n\x0bOpenChannel\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"o\n\x06Submit\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1e.splitserve.v1.GenerateRequest\x12\x1a\n\x12prefill_replica_id\x18\x02 \x01(\t\x12\x18\n\x10resume_token_ids\x18\x03 \x03(\r\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\x16splitserve.internal.v1\x1a\x16proto/splitserve.proto\"\xf1\x01\n\x0cRequestError\x12\x37\n\x04\x63ode\x18\x01 \x01(\x0e\x32).splitserve.internal.v1.RequestError.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x96\x01\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x01\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x02\x12\x0f\n\x0bUNAVAILABLE\x10\x03\x12\x0c\n\x08INTERNAL\x10\x04\x12\x17\n\x13\x46\x41ILED_PRECONDITION\x10\x05\x12\x12\n\x0eREPLICA_FAILED\x10\x06\"\x95\x01\n\x0bWorkerEvent\x12\x33\n\x08response\x18\x01 \x01(\x0b\x32\x1f.splitserve.v1.GenerateResponseH\x00\x12\x35\n\x05\x65rror\x18\x02 \x01(\x0b\x32$.splitserve.internal.v1.RequestErrorH\x00\x12\x12\n\nrequest_id\x18\x03 \x01(\tB\x06\n\x04kind\"G\n\x10WorkerEventBatch\x12\x33\n\x06\x65vents\x18\x01 \x03(\x0b\x32#.splitserve.internal.v1.WorkerEvent\"A\n\x14RequestPlaneEndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\r\n\x05token\x18\x03 \x01(\x0c\"\xb0\x01\n\rRouterMessage\x12\x33\n\x04open\x18\x01 \x01(\x0b\x32#.splitserve.internal.v1.OpenChannelH\x00\x12\x30\n\x06submit\x18\x02 \x01(\x0b\x32\x1e.splitserve.internal.v1.SubmitH\x00\x12\x30\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x1e.splitserve.internal.v1.CancelH\x00\x42\x06\n\x04kind\"0\n\x0bOpenChannel\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"o\n\x06Submit\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1e.splitserve.v1.GenerateRequest\x12\x1a\n\x12prefill_replica_id\x18\x02 \x01(\t\x12\x18\n\x10resume_token_ids\x18\x03 \x03(\r\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,16 +41,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKEREVENT']._serialized_end=464
   _globals['_WORKEREVENTBATCH']._serialized_start=466
   _globals['_WORKEREVENTBATCH']._serialized_end=537
-  _globals['_TOKENIZERESULT']._serialized_start=540
-  _globals['_TOKENIZERESULT']._serialized_end=672
-  _globals['_REQUESTPLANEENDPOINT']._serialized_start=674
-  _globals['_REQUESTPLANEENDPOINT']._serialized_end=739
-  _globals['_ROUTERMESSAGE']._serialized_start=742
-  _globals['_ROUTERMESSAGE']._serialized_end=918
-  _globals['_OPENCHANNEL']._serialized_start=920
-  _globals['_OPENCHANNEL']._serialized_end=968
-  _globals['_SUBMIT']._serialized_start=970
-  _globals['_SUBMIT']._serialized_end=1081
-  _globals['_CANCEL']._serialized_start=1083
-  _globals['_CANCEL']._serialized_end=1111
+  _globals['_REQUESTPLANEENDPOINT']._serialized_start=539
+  _globals['_REQUESTPLANEENDPOINT']._serialized_end=604
+  _globals['_ROUTERMESSAGE']._serialized_start=607
+  _globals['_ROUTERMESSAGE']._serialized_end=783
+  _globals['_OPENCHANNEL']._serialized_start=785
+  _globals['_OPENCHANNEL']._serialized_end=833
+  _globals['_SUBMIT']._serialized_start=835
+  _globals['_SUBMIT']._serialized_end=946
+  _globals['_CANCEL']._serialized_start=948
+  _globals['_CANCEL']._serialized_end=976
 # @@protoc_insertion_point(module_scope)

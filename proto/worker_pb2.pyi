@@ -49,14 +49,6 @@ class WorkerEventBatch(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[WorkerEvent]
     def __init__(self, events: _Optional[_Iterable[_Union[WorkerEvent, _Mapping]]] = ...) -> None: ...
 
-class TokenizeResult(_message.Message):
-    __slots__ = ("response", "error")
-    RESPONSE_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    response: _splitserve_pb2.TokenizeResponse
-    error: RequestError
-    def __init__(self, response: _Optional[_Union[_splitserve_pb2.TokenizeResponse, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
-
 class RequestPlaneEndpoint(_message.Message):
     __slots__ = ("host", "port", "token")
     HOST_FIELD_NUMBER: _ClassVar[int]

@@ -105,11 +105,7 @@ def _write_and_load(directory: Path, files: dict[str, bytes]) -> Tokenizer:
 
 
 def _encode(tokenizer: Tokenizer, model: str, prompt: str | None, chat: list[tuple[str, str]], add_special_tokens: bool) -> pb.TokenizeResponse:
-    """Token ids as the decode worker's engine makes them (engine.llm_engine's prompt ids):
-    a chat is rendered with the generation prompt and encoded without special tokens."""
+    """Token ids as the decode worker's engine makes them (``Tokenizer.chat_prompt_ids`` for a chat)."""
     if chat:
-        if not tokenizer.has_chat_template:
-            raise InvalidRequestError("messages", f"model {model!r} has no chat template")
-        text = tokenizer.apply_chat_template([{"role": role, "content": content} for role, content in chat], add_generation_prompt=True)
-        return pb.TokenizeResponse(token_ids=tokenizer.encode(text, add_special_tokens=False))
+        return pb.TokenizeResponse(token_ids=tokenizer.chat_prompt_ids([{"role": role, "content": content} for role, content in chat], model))
     return pb.TokenizeResponse(token_ids=tokenizer.encode(prompt or "", add_special_tokens=add_special_tokens))
