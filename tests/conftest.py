@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -26,12 +27,27 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _distributed(config):
+        _slow_modules_first(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _distributed(config: pytest.Config) -> bool:
+    """Whether pytest-xdist runs this session (in the controller or in a worker)."""
+    return bool(os.environ.get("PYTEST_XDIST_WORKER")) or bool(getattr(config.option, "numprocesses", None))
+
+
+def _slow_modules_first(items: list[pytest.Item]) -> None:
+    """Modules holding a ``slow`` test go out to the workers first, in collection order otherwise:
+    with whole modules dealt to free workers, a long module dealt last would run alone at the end.
+    Every worker and the controller sort the same collection the same way, as xdist requires."""
+    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow") and getattr(item, "module", None)}
+    items.sort(key=lambda item: getattr(item, "module", None) is None or item.module.__name__ not in slow_modules)
 
 
 @pytest.fixture(scope="session")
@@ -62,18 +78,30 @@ def tiny_mixtral_dir(tiny_checkpoint):
     return tiny_checkpoint("mixtral")
 
 
+def _run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The temporary directory of this whole run: under pytest-xdist each worker's basetemp is a
+    ``popen-gwN`` directory inside it, so what is put here is shared by the workers."""
+    basetemp = tmp_path_factory.getbasetemp()
+    return basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp
+
+
 @pytest.fixture(scope="session")
 def smollm2_cache_dir(tmp_path_factory: pytest.TempPathFactory):
-    """A model cache private to this test session, so conversion itself is exercised every run."""
-    return tmp_path_factory.getbasetemp() / "splitserve-cache"
+    """A model cache private to this test run, so conversion itself is exercised every run."""
+    return _run_root(tmp_path_factory) / "splitserve-cache"
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_cache_dir):
-    """The bundled SmolLM2-135M, converted from its GGUF once per session."""
+    """The bundled SmolLM2-135M, converted from its GGUF once per run: the first worker to get
+    here converts it while the others wait on the lock, then they all find it converted."""
+    from filelock import FileLock
+
     from engine.bundled import resolve_model
 
-    return resolve_model("smollm2-135m", cache_dir=smollm2_cache_dir)
+    smollm2_cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(smollm2_cache_dir / ".convert.lock"):
+        return resolve_model("smollm2-135m", cache_dir=smollm2_cache_dir)
 
 
 __all__ = ["TINY_CONFIGS"]
