@@ -62,9 +62,13 @@ class ClusterConfig:
     Prefill replicas never run expert-parallel."""
 
     def pool_engine(self, pool: str) -> EngineConfig:
-        """The engine config of ``pool``'s replicas: ``engine`` with the pool's TP (and, for decode, EP) size."""
+        """The engine config of ``pool``'s replicas: ``engine`` with the pool's TP (and, for decode, EP) size.
+
+        Prefill replicas never speculate: they compute a prompt's KV and its first token, and the
+        decode replica that takes the hand-off drafts and verifies. So a speculative decode pool
+        runs beside a tensor-parallel prefill pool (speculation itself needs one-rank replicas)."""
         if pool == "prefill":
-            return replace(self.engine, tp_size=self.prefill_tp_size or self.engine.tp_size, ep_size=1)
+            return replace(self.engine, tp_size=self.prefill_tp_size or self.engine.tp_size, ep_size=1, speculative="off", draft_model=None)
         return replace(self.engine, tp_size=self.decode_tp_size or self.engine.tp_size, ep_size=self.decode_ep_size or self.engine.ep_size)
 
     def router_config(self, index: int) -> RouterConfig:

@@ -148,3 +148,13 @@ def test_router_i_listens_on_each_fixed_port_plus_i():
     assert ClusterConfig(router=RouterConfig(port=0)).router_config(1).port == 0  # 0: a free port each
     with pytest.raises(ValueError, match="num_routers: must be >= 1, got 0"):
         ClusterConfig(num_routers=0)
+
+
+def test_a_speculative_decode_pool_runs_beside_a_tensor_parallel_prefill_pool():
+    from router.launch import ClusterConfig
+
+    config = ClusterConfig(engine=EngineConfig(speculative="ngram"), num_prefill=1, prefill_tp_size=2)
+    assert (config.pool_engine("prefill").speculative, config.pool_engine("prefill").tp_size) == ("off", 2)
+    assert (config.pool_engine("decode").speculative, config.pool_engine("decode").tp_size) == ("ngram", 1)
+    with pytest.raises(ValueError, match="speculative: 'ngram' runs on replicas of one rank only"):
+        ClusterConfig(engine=EngineConfig(speculative="ngram"), decode_tp_size=2)
