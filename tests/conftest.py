@@ -12,6 +12,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads that find no work sleep instead of spinning. The suite runs many engines at once
+# on few cores (replicas of a test cluster, two pytest workers, and whatever else the machine
+# runs); a spinning team holds cores its peers need, and one descheduled member stalls the rest at
+# every barrier. A matmul loop on 2 threads beside 3 other busy agents: 442 s spinning, 36 s
+# sleeping. Set before torch is imported: libgomp reads it once, when it loads. Ray clusters and
+# subprocesses the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
