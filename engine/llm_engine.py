@@ -19,13 +19,14 @@ from engine.bundled import resolve_model, served_model_name, source_gguf
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache import PagedKVCache
+from engine.loader.gguf_native import read_native_tensors
 from engine.loader.weights import load_weights, weights_fingerprint
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
 from engine.parallel.sharding import check_ep_size, check_tp_size
 from engine.params import SamplingParams
-from engine.quant.apply import apply_weights, check_weights_dtype
+from engine.quant.apply import apply_weights, check_weights_dtype, load_native
 from engine.request import FinishReason, Request, RequestOutput
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
@@ -142,8 +143,12 @@ def build_shard(
     """
     check_weights_dtype(config.weights, config.dtype)
     model = DecoderModel.empty(mc, max_model_len, _TORCH_DTYPES[config.dtype], tp, ep)
-    load_weights(model, checkpoint_dir)
-    apply_weights(model, config.weights, source_gguf(checkpoint_dir) if config.weights == "native" else None)
+    gguf_path = source_gguf(checkpoint_dir) if config.weights == "native" else None
+    if gguf_path is not None:
+        load_native(model, checkpoint_dir, read_native_tensors(gguf_path, mc))
+    else:
+        load_weights(model, checkpoint_dir)
+        apply_weights(model, config.weights, None)
     layout = KVBlockLayout(mc.num_layers, model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
     if num_blocks < 1:
