@@ -77,7 +77,9 @@ def load_native(model: DecoderModel, checkpoint_dir: Path, native: dict[str, Nat
     """
     sources = _sources_by_module(model, native)
     layers = dict(linear_layers(model))
-    from_blocks = [name for name in layers if _runs_blocks(sources.get(name, []))]
+    # Largest first: the LM head's repacking needs several int32 copies of it for a moment,
+    # cheaper before the other layers' kernels are held.
+    from_blocks = sorted((name for name in layers if _runs_blocks(sources.get(name, []))), key=lambda name: -layers[name].weight.numel())
     for name in from_blocks:
         _convert(name, layers[name], "native", lambda: _native(layers[name], sources[name]))
     load_weights(model, checkpoint_dir, skip=_weight_tensor_names(model, native, set(from_blocks)))

@@ -1,17 +1,22 @@
 """``--weights native`` loads each linear layer once: from the GGUF's blocks, never from the
 checkpoint's float32 copy of it (``engine.quant.apply.load_native``). What the loader reads is
 recorded at the checkpoint's slices, and the model it builds equals the one built by loading
-everything and then replacing the projections (the old way)."""
+everything and then replacing the projections (the old way). The GGUF's tensors are read
+without parsing its metadata (``engine.loader.gguf_tensors``), as gguf's own reader reads them."""
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import engine.llm_engine
 import engine.loader.weights
+from engine.errors import CheckpointError
 from engine.loader.gguf_native import NativeTensor
+from engine.loader.gguf_tensors import read_gguf_tensors
 from engine.loader.weights import load_weights
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel
@@ -101,3 +106,33 @@ def test_an_engine_with_native_weights_never_reads_the_replaced_projections(tiny
     assert read_names == dense_names(native)
     kinds = {n: m.quantized.kind for n, m in linear_layers(llm.runner.model)}
     assert kinds.pop("lm_head") == "int8" and set(kinds.values()) == {"int4"}
+
+
+def test_gguf_tensors_are_read_as_gguf_reads_them_without_the_metadata(tmp_path):
+    """Tensor names, types, dims and bytes equal ``gguf.GGUFReader``'s, past metadata of every
+    kind (string and number arrays, a nested array) and a custom data alignment."""
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(64)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bé", "", "<s>"] * 5)
+    writer.add_array("tokenizer.ggml.scores", [0.5, -1.0, 2.0])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_uint64("test.big", 1 << 40)
+    writer.add_bool("test.flag", True)
+    rng = np.random.default_rng(5)
+    q8, _ = gguf_blocks("Q8_0", rng.standard_normal((3, 64)).astype(np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", rng.standard_normal(7).astype(np.float32))
+    writer.add_tensor("token_embd.weight", rng.standard_normal((5, 32)).astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    expected = gguf.GGUFReader(path).tensors
+    got = read_gguf_tensors(path)
+    assert [(t.name, t.kind, t.dims) for t in got] == [(t.name, t.tensor_type.name, tuple(int(n) for n in t.shape)) for t in expected]
+    for mine, theirs in zip(got, expected):
+        assert np.array_equal(mine.data, np.asarray(theirs.data).reshape(-1).view(np.uint8)), mine.name
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match=r"t\.gguf: not a readable GGUF file, truncated or corrupt\? \(tensor 'token_embd\.weight' runs past the end of the file\)"):
+        read_gguf_tensors(path)
