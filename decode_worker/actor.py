@@ -39,7 +39,7 @@ from decode_worker.request_plane import RequestPlaneServer, RequestPlaneStats
 from decode_worker.requests import to_engine_request, to_response
 from engine.config import EngineConfig
 from engine.engine_loop import AdmissionQueueFull, EngineLoopFailed
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestFailedError
 from engine.llm_engine import LLMEngine, RemotePrefill
 from engine.metrics import CountersCollector, RequestTimingHistograms
 from engine.params import SamplingParams
@@ -158,6 +158,8 @@ class DecodeWorker(EngineReplica):
             yield _error(wpb.RequestError.RESOURCE_EXHAUSTED, f"replica {self.replica_id}: {e}")
         except EngineLoopFailed as e:
             yield _error(wpb.RequestError.REPLICA_FAILED, f"replica {self.replica_id}: {e}")
+        except RequestFailedError as e:  # this request's own failure: INTERNAL, which the router never migrates
+            yield _error(wpb.RequestError.INTERNAL, f"replica {self.replica_id}: {e}")
         except RemotePrefillFailed as e:
             yield _error(e.code, f"replica {self.replica_id}: {e}")
 

@@ -17,6 +17,11 @@ from the event loop, and the event loop never waits on the engine.
     abort()   --(ABORT)-------->      abort_request()
     call(fn)  --(CALL, future)->      fn(engine)     --> future result / exception
     stream queue <--outputs----       step()
+    stream queue <--error------       take_failures()  (a request a step raised for, alone)
+
+A step that raises for one request fails that request's stream only (``engine/isolation.py``);
+any other exception of a step ends the loop and fails every stream with EngineLoopFailed, so
+the replica is replaced and its requests move.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.cpus import pin_current_thread
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestFailedError
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.request import EngineRequest, RequestOutput
 
@@ -126,7 +131,8 @@ class EngineLoop:
 
         ``admit(engine, request)`` replaces ``add_request`` (e.g. a remote-prefill admission);
         what it returns is yielded first. Raises InvalidRequestError or
-        AdmissionQueueFull before the first output.
+        AdmissionQueueFull before the first output; RequestFailedError when a step raised for
+        this request alone (the loop goes on); EngineLoopFailed when the loop died.
         """
         if self._failure is not None:
             raise EngineLoopFailed(f"engine loop failed: {self._failure!r}")
@@ -141,7 +147,7 @@ class EngineLoop:
                 yield admission
             while not finished:
                 output = await outputs.get()
-                if isinstance(output, EngineLoopFailed):
+                if isinstance(output, (EngineLoopFailed, RequestFailedError)):
                     raise output
                 finished = output.finished
                 yield output
@@ -170,8 +176,10 @@ class EngineLoop:
                     return
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
+                    failures = self.engine.take_failures()
                     self._stats = self.engine.stats()  # before delivery: a caller that sees its last output sees its blocks freed
                     self.deliver(*outputs)
+                    self._fail_streams(failures)
         except BaseException as e:  # the loop is dead: fail every stream instead of hanging it
             self._failure = e
             for outputs, loop in self._streams.values():
@@ -235,6 +243,14 @@ class EngineLoop:
         self._streams[request.request_id] = (command.outputs, command.loop)
         self._stats = self.engine.stats()
         command.admitted.set_result(admission)
+
+    def _fail_streams(self, failures: list[RequestFailedError]) -> None:
+        """End the stream of each request the engine failed alone with its error; the others go on."""
+        for failure in failures:
+            stream = self._streams.pop(failure.request_id, None)
+            if stream is not None:
+                outputs, loop = stream
+                _post(loop, outputs.put_nowait, failure)
 
     def deliver(self, *outputs: RequestOutput) -> None:
         """Hand each output to its request's stream: a step's outputs, or one produced by a

@@ -35,3 +35,20 @@ class UnsupportedModelError(EngineError, ValueError):
 
 class CheckpointError(EngineError, OSError):
     """A checkpoint is missing a file or a tensor, or a file is unreadable."""
+
+
+class RequestFailedError(EngineError, RuntimeError):
+    """A step raised because of this request alone: retried apart from the others, its tokens
+    still raised while theirs computed. It fails, with ``cause`` named; the engine goes on.
+
+    A serving layer reports it as an internal error of this request, never as a dead replica:
+    moving the request to another replica would only fail it (or take that one down) again.
+    """
+
+    def __init__(self, request_id: str, cause: str) -> None:
+        super().__init__(f"request {request_id!r} failed: a step raised {cause} for this request alone; the other requests go on")
+        self.request_id = request_id
+        self.cause = cause
+
+    def __reduce__(self):  # rebuilt from both arguments when it crosses a process (Ray) boundary
+        return type(self), (self.request_id, self.cause)

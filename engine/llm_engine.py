@@ -7,6 +7,7 @@ and abort requests between ``step()`` calls.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from collections.abc import Sequence
@@ -17,18 +18,20 @@ import torch
 
 from engine.bundled import resolve_model, served_model_name, source_gguf
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestFailedError
+from engine.isolation import IsolatedStep, blames_a_request, run_isolating
 from engine.kv_cache import PagedKVCache
+from engine.loader.gguf_native import read_native_tensors
 from engine.loader.weights import load_weights, weights_fingerprint
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
 from engine.parallel.sharding import check_ep_size, check_tp_size
 from engine.params import SamplingParams
-from engine.quant.apply import apply_weights, check_weights_dtype
+from engine.quant.apply import apply_weights, check_weights_dtype, load_native
 from engine.request import FinishReason, Request, RequestOutput
 from engine.runner import ModelRunner
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledChunk, Scheduler
 from engine.spec.draft import DraftModelProposer
 from engine.spec.policy import SpecPolicy
 from engine.spec.speculator import NgramProposer, Speculator
@@ -40,6 +43,8 @@ from kv_store.keys import KeyNamespace
 from kv_store.layout import KVBlockLayout
 from kv_store.redis_tier import RedisTier, RedisTierConfig
 from kv_store.tiered import TieredKVStore
+
+logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -77,6 +82,8 @@ class EngineStats:
     """Speculative draft tokens verified by the target model."""
     num_accepted_draft_tokens: int = 0
     """Of those, the ones accepted (each saved a decode step)."""
+    num_failed_requests: int = 0
+    """Requests dropped because a step raised for them alone (``LLMEngine.take_failures``)."""
 
 
 @dataclass(frozen=True)
@@ -142,8 +149,12 @@ def build_shard(
     """
     check_weights_dtype(config.weights, config.dtype)
     model = DecoderModel.empty(mc, max_model_len, _TORCH_DTYPES[config.dtype], tp, ep)
-    load_weights(model, checkpoint_dir)
-    apply_weights(model, config.weights, source_gguf(checkpoint_dir) if config.weights == "native" else None)
+    gguf_path = source_gguf(checkpoint_dir) if config.weights == "native" else None
+    if gguf_path is not None:
+        load_native(model, checkpoint_dir, read_native_tensors(gguf_path, mc))
+    else:
+        load_weights(model, checkpoint_dir)
+        apply_weights(model, config.weights, None)
     layout = KVBlockLayout(mc.num_layers, model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
     if num_blocks < 1:
@@ -202,6 +213,8 @@ class LLMEngine:
         self._step_s = self._step_cpu_s = 0.0
         self._prefilled: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
+        self._failures: list[RequestFailedError] = []
+        self._last_step_failed_all = False
         group.barrier()  # every follower has its shard loaded: the first step's collectives will not wait on a load
 
     def _speculator(self, config: EngineConfig) -> Speculator:
@@ -345,22 +358,31 @@ class LLMEngine:
         return True
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return the requests that produced tokens."""
+        """Run one scheduler step; return the requests that produced tokens.
+
+        A request whose part of the step raises fails alone (``engine/isolation.py``): its
+        blocks are freed and ``take_failures`` reports it; the others go on with the tokens
+        they would have had without it. A failure no request can be blamed for propagates.
+        """
         started_s, started_cpu_s = time.perf_counter(), time.thread_time()
         chunks = self.scheduler.schedule()
-        sampled = self.runner.execute(chunks) if chunks else {}
+        step = self._execute(chunks)
+        failed = dict(step.failed)
+        chunks = [chunk for chunk in chunks if chunk.request not in failed]
         num_tokens = sum(chunk.num_new_tokens for chunk in chunks)
         for chunk in chunks:
             if chunk.request.first_token_s is None:  # a step on its way to the first token
                 chunk.request.prefill_steps += 1
                 chunk.request.prefill_step_tokens += num_tokens
         outputs = []
-        for request in self.scheduler.update(chunks, sampled):
+        for request in self._update(chunks, step.sampled, failed):
             outputs.append(request.take_output())
             if request.finished:
                 del self._requests[request.request_id]
                 if request.hold_kv:
                     self._prefilled[request.request_id] = request
+        for request, error in failed.items():
+            self._fail(request, error)
         self.kv_events.flush()
         if chunks:
             self._num_steps += 1
@@ -368,6 +390,47 @@ class LLMEngine:
             self._step_cpu_s += time.thread_time() - started_cpu_s  # read inside the wall clock's interval
             self._step_s += time.perf_counter() - started_s
         return outputs
+
+    def take_failures(self) -> list[RequestFailedError]:
+        """The requests failed alone by the steps since the last call (each already dropped,
+        its blocks freed); the caller ends their streams with these errors."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> IsolatedStep:
+        """Run the step's chunks, setting apart the requests that make it raise. Two steps in a
+        row that fail every request they ran (each a lone request, or ``run_isolating`` would
+        have raised) blame the engine, not the requests: the second one's error propagates."""
+        if not chunks:
+            return IsolatedStep({}, {})
+        if self.group.size > 1:  # the other ranks may be stuck in a collective of the failed run
+            return IsolatedStep(self.runner.execute(chunks), {})
+        step = run_isolating(self.runner.execute, chunks)
+        all_failed = len(step.failed) == len(chunks)
+        if all_failed and self._last_step_failed_all:
+            raise next(iter(step.failed.values()))
+        self._last_step_failed_all = all_failed
+        return step
+
+    def _update(self, chunks: list[ScheduledChunk], sampled: dict[Request, list[int]], failed: dict[Request, Exception]) -> list[Request]:
+        """``Scheduler.update`` one chunk at a time: a request whose update raises (its stop
+        check or detokenizer, on its own tokens) joins ``failed``; the others' updates stand."""
+        touched = []
+        for chunk in chunks:
+            try:
+                touched += self.scheduler.update([chunk], sampled)
+            except Exception as error:
+                if not blames_a_request(error):
+                    raise
+                failed[chunk.request] = error
+        return [request for request in touched if request not in failed]
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        """Drop a request that failed alone, free its blocks and report it (``take_failures``)."""
+        logger.error("request %s failed alone and is dropped; the engine goes on", request.request_id, exc_info=error)
+        self._requests.pop(request.request_id, None)
+        self.scheduler.fail(request)
+        self._failures.append(RequestFailedError(request.request_id, f"{type(error).__name__}: {error}"))
 
     def kv_snapshot(self) -> KVSnapshot:
         """This engine's block keys per tier, with the number of the last KV event batch they include."""
@@ -417,6 +480,7 @@ class LLMEngine:
             step_cpu_s=self._step_cpu_s,
             num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
             num_accepted_draft_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
+            num_failed_requests=self.scheduler.num_failed,
         )
 
     def generate(
@@ -430,12 +494,17 @@ class LLMEngine:
         return self.run_to_completion(ids)
 
     def run_to_completion(self, request_ids: Sequence[str]) -> list[Completion]:
-        """Step until every listed request has finished; results in the listed order."""
+        """Step until every listed request has finished; results in the listed order. Raises
+        RequestFailedError when one of them fails alone (the others are left where they are)."""
         requests = {rid: self._requests[rid] for rid in request_ids}
         texts = {rid: [] for rid in request_ids}
         pending = set(request_ids)
         while pending:
-            for out in self.step():
+            outputs = self.step()
+            failure = next((f for f in self.take_failures() if f.request_id in pending), None)
+            if failure is not None:
+                raise failure
+            for out in outputs:
                 if out.request_id in texts:
                     texts[out.request_id].append(out.text_delta)
                     if out.finished:

@@ -96,6 +96,7 @@ class Scheduler:
         self._lease_ranks: dict[str, int] = {}
         self.num_preemptions = 0
         self.num_aborted = 0
+        self.num_failed = 0
         self.num_computed_prompt_tokens = 0
         """Prompt tokens whose K/V the engine computed (cache hits excluded); grows with recompute."""
         self.speculator = speculator
@@ -296,6 +297,18 @@ class Scheduler:
 
     def abort(self, request: Request) -> None:
         """Drop a request wherever it is and free its blocks."""
+        self._drop(request)
+        request.abort()
+        self.num_aborted += 1
+
+    def fail(self, request: Request) -> None:
+        """Drop a request whose step raised for it alone (``engine/isolation.py``), wherever it
+        is (a failed update may have left it half-finished), and free its blocks. Its own state
+        is left as it is: its detokenizer may be what raised."""
+        self._drop(request)
+        self.num_failed += 1
+
+    def _drop(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -303,8 +316,6 @@ class Scheduler:
         else:
             self.parked.pop(request.request_id, None)
         self._release(request)
-        request.abort()
-        self.num_aborted += 1
         if self.speculator is not None:
             self.speculator.forget(request)
 

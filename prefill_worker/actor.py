@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 
 from engine.config import EngineConfig
 from engine.engine_loop import AdmissionQueueFull, EngineLoopFailed
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.metrics import CountersCollector, KeyedCounterCollector
 from engine.params import SamplingParams
@@ -124,7 +124,7 @@ class PrefillWorker(EngineReplica):
             return self._failed(request_id, TransferStatus.FAILED, str(e))
         try:
             return await self._prefill_and_write(transfer, plan, prompt_token_ids, params, tenant_salt)
-        except (KVTransferError, InvalidRequestError, AdmissionQueueFull, EngineLoopFailed) as e:
+        except (KVTransferError, InvalidRequestError, AdmissionQueueFull, EngineLoopFailed, RequestFailedError) as e:
             return self._failed(request_id, TransferStatus.FAILED, f"{type(e).__name__}: {e}")
         except asyncio.CancelledError:
             self.stats.num_cancelled += 1

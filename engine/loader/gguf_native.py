@@ -1,10 +1,10 @@
 """Read a GGUF's linear-layer tensors at their own precision, for ``--weights native``.
 
 The converted safetensors checkpoint (``gguf_convert``) holds every tensor dequantized to
-float32; it still supplies the norms and the embedding table. This module reads the GGUF again
-and returns, per Hugging Face tensor name, the tensor's GGUF type and, for the block types, its
-blocks (``BlockQuant``) with llama.cpp's Q/K row order undone, so the linear layers can run on
-exactly the shipped codes.
+float32; it still supplies the norms and the embedding table. This module reads the GGUF's
+tensors again (``gguf_tensors``, without parsing its metadata) and returns, per Hugging Face
+tensor name, the tensor's GGUF type and, for the block types, its blocks (``BlockQuant``) with
+llama.cpp's Q/K row order undone, so the linear layers can run on exactly the shipped codes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from engine.errors import UnsupportedModelError
-from engine.loader.gguf_convert import hf_tensor_name, open_reader, unpermute_rope_rows
+from engine.loader.gguf_convert import hf_tensor_name, unpermute_rope_rows
+from engine.loader.gguf_tensors import read_gguf_tensors
 from engine.model_config import ModelConfig
 from engine.quant.blocks import BlockQuant, unpack_blocks
 
@@ -39,11 +40,10 @@ class NativeTensor:
 def read_native_tensors(gguf_path: Path, config: ModelConfig) -> dict[str, NativeTensor]:
     """Every tensor of the GGUF under its Hugging Face name; ``UnsupportedModelError`` naming the
     first tensor whose type the engine cannot run."""
-    reader = open_reader(gguf_path)
     tensors: dict[str, NativeTensor] = {}
-    for tensor in reader.tensors:
+    for tensor in read_gguf_tensors(gguf_path):
         name = hf_tensor_name(tensor.name, gguf_path)
-        kind = tensor.tensor_type.name
+        kind = tensor.kind
         if kind not in NATIVE_TYPES:
             raise UnsupportedModelError(
                 f"{gguf_path}: tensor {tensor.name!r} has GGUF type {kind}, which native weights cannot run "
@@ -51,8 +51,8 @@ def read_native_tensors(gguf_path: Path, config: ModelConfig) -> dict[str, Nativ
             )
         blocks = None
         if kind in BLOCK_KINDS:
-            cols, rows = (int(n) for n in tensor.shape.tolist())
-            blocks = unpack_blocks(kind, np.asarray(tensor.data), rows, cols)
+            cols, rows = tensor.dims
+            blocks = unpack_blocks(kind, tensor.data, rows, cols)
             heads = _rope_heads(name, config)
             if heads is not None:
                 order = unpermute_rope_rows(np.arange(rows), heads)

@@ -92,16 +92,18 @@ def weights_fingerprint(checkpoint_dir: Path, precision: str = "") -> str:
     return h.hexdigest()
 
 
-def load_weights(model: DecoderModel, checkpoint_dir: Path) -> None:
+def load_weights(model: DecoderModel, checkpoint_dir: Path, skip: frozenset[str] = frozenset()) -> None:
     """Fill every parameter of ``model`` from the checkpoint (cast to the model's dtype).
 
-    A tensor-parallel rank's model reads only its slices of each tensor.
+    A tensor-parallel rank's model reads only its slices of each tensor. ``skip`` names
+    checkpoint tensors not to read at all: those whose layer already holds its weight in another
+    form (native GGUF blocks, ``engine/quant/apply.py``) and no longer has the dense parameter.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     filled = {name: 0 for name in params}
     unexpected: list[str] = []
     for name, source in iter_checkpoint(checkpoint_dir):
-        if _IGNORED.match(name):
+        if _IGNORED.match(name) or name in skip:
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
@@ -118,7 +120,7 @@ def load_weights(model: DecoderModel, checkpoint_dir: Path) -> None:
     if unexpected:
         raise UnsupportedModelError(f"{checkpoint_dir}: unexpected tensors {unexpected[:5]} (+{max(0, len(unexpected) - 5)} more)")
     expected = {name: _expected_numel(model, name, param) for name, param in params.items()}
-    if model.config.tie_word_embeddings:
+    if model.config.tie_word_embeddings and "lm_head.weight" in params:
         filled["lm_head.weight"] = expected["lm_head.weight"]
     missing = [n for n, count in filled.items() if count != expected[n]]
     if missing:

@@ -2,7 +2,8 @@
 
 ``load_weights`` fills every parameter in the model dtype first; this then swaps each linear
 layer's dense weight for a kernel-layout one (``engine/quant/kernels.py``) and drops the dense
-parameter. The embedding table, the norms and the experts of MoE blocks stay as loaded: a
+parameter. Native GGUF blocks are the exception (``load_native``): their layers are built from
+the blocks before loading, and the checkpoint's float32 copies of them are never read. The embedding table, the norms and the experts of MoE blocks stay as loaded: a
 lookup reads one row per token, and the experts' stacked weights have no quantized kernel here.
 
 ``weights``:
@@ -23,7 +24,7 @@ import torch
 
 from engine.errors import UnsupportedModelError
 from engine.loader.gguf_native import BLOCK_KINDS, NativeTensor, read_native_tensors
-from engine.loader.weights import checkpoint_target
+from engine.loader.weights import checkpoint_target, load_weights
 from engine.models.decoder import DecoderModel
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from engine.quant.blocks import GROUP_SIZE, BlockQuant
@@ -62,6 +63,38 @@ def apply_native(model: DecoderModel, native: dict[str, NativeTensor]) -> None:
     sources = _sources_by_module(model, native)
     for name, module in linear_layers(model):
         _convert(name, module, "native", lambda: _native(module, sources.get(name, [])))
+
+
+def load_native(model: DecoderModel, checkpoint_dir: Path, native: dict[str, NativeTensor]) -> None:
+    """Load an empty ``model`` for ``--weights native`` from its converted checkpoint and the
+    GGUF tensors ``native`` it was converted from (by Hugging Face name).
+
+    Linear layers whose tensors are GGUF blocks are built from the blocks before anything is
+    read, and their float32 copies in the checkpoint are skipped: reading and widening them only
+    to drop them doubled start-up time and peak memory. The rest (embedding, norms, biases,
+    experts, float-typed GGUF tensors) is read from the checkpoint, then converted as
+    ``apply_native`` does.
+    """
+    sources = _sources_by_module(model, native)
+    layers = dict(linear_layers(model))
+    # Largest first: the LM head's repacking needs several int32 copies of it for a moment,
+    # cheaper before the other layers' kernels are held.
+    from_blocks = sorted((name for name in layers if _runs_blocks(sources.get(name, []))), key=lambda name: -layers[name].weight.numel())
+    for name in from_blocks:
+        _convert(name, layers[name], "native", lambda: _native(layers[name], sources[name]))
+    load_weights(model, checkpoint_dir, skip=_weight_tensor_names(model, native, set(from_blocks)))
+    for name in layers.keys() - set(from_blocks):
+        _convert(name, layers[name], "native", lambda: _native(layers[name], sources.get(name, [])))
+
+
+def _weight_tensor_names(model: DecoderModel, native: dict[str, NativeTensor], module_names: set[str]) -> frozenset[str]:
+    """The checkpoint tensors that fill the ``weight`` of the layers ``module_names``."""
+    names = set()
+    for hf_name in native:
+        module_name, _, attr = checkpoint_target(hf_name, model).param.rpartition(".")
+        if attr == "weight" and module_name in module_names:
+            names.add(hf_name)
+    return frozenset(names)
 
 
 def _convert(name: str, module: Linear, weights: str, make) -> None:
@@ -104,9 +137,15 @@ def _sources_by_module(model: DecoderModel, native: dict[str, NativeTensor]) -> 
     return sources
 
 
+def _runs_blocks(sources: list[tuple[str | None, NativeTensor]]) -> bool:
+    """Whether a layer's GGUF tensors are blocks of one kind, which it runs as they are."""
+    kinds = {tensor.kind for _, tensor in sources}
+    return len(kinds) == 1 and kinds <= set(BLOCK_KINDS)
+
+
 def _native(module: Linear, sources: list[tuple[str | None, NativeTensor]]) -> QuantizedWeight | None:
     kinds = {tensor.kind for _, tensor in sources}
-    if len(kinds) == 1 and kinds <= set(BLOCK_KINDS):
+    if _runs_blocks(sources):
         blocks = _rank_blocks(module, [(part, tensor.blocks) for part, tensor in sources])
         return GroupInt8Weight.from_blocks(blocks) if blocks.kind == "Q8_0" else Int4Weight.from_blocks(blocks)
     if kinds and kinds <= {"F16", "BF16"} or len(kinds) > 1:  # parts of different types fuse only dense

@@ -151,6 +151,48 @@ def test_with_no_migrations_allowed_a_dead_replica_ends_the_stream_with_unavaila
     full_pool(client, "decode", 2)
 
 
+def test_a_poison_request_fails_alone_with_internal_and_is_never_migrated(client, cluster):
+    """A query of death (here: a sampler that raises for the request seeded 666, installed in
+    both decode replicas) ends its own call with INTERNAL naming the error; its replica goes on
+    serving, nothing is migrated, and no replica is replaced."""
+
+    def poison(worker):
+        import engine.runner
+
+        real = engine.runner.sample
+
+        def sample(logits, params, seeds, positions):
+            if 666 in seeds:
+                raise ValueError("sampler bug on an odd parameter")
+            return real(logits, params, seeds, positions)
+
+        sample.real = real
+        engine.runner.sample = sample
+
+    def heal(worker):
+        import engine.runner
+
+        engine.runner.sample = getattr(engine.runner.sample, "real", engine.runner.sample)
+
+    full_pool(client, "decode", 2)
+    restarts = pool_status(client, "decode").num_restarts
+    migrations = metric(cluster.router_status.metrics_url, "splitserve_migrations_total")
+    decode = handles(cluster, "decode").values()
+    ray.get([h.__ray_call__.remote(poison) for h in decode])
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            collect(client.generate("a query of death", temperature=0, seed=666, max_tokens=8, ignore_eos=True))
+        ids, _, _ = collect(client.generate("a query of death", temperature=0, max_tokens=8, ignore_eos=True))
+    finally:
+        ray.get([h.__ray_call__.remote(heal) for h in decode])
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert "failed: a step raised ValueError: sampler bug on an odd parameter for this request alone" in e.value.details()
+    assert len(ids) == 8
+    assert metric(cluster.router_status.metrics_url, "splitserve_migrations_total") == migrations
+    full_pool(client, "decode", 2)
+    assert pool_status(client, "decode").num_restarts == restarts
+
+
 def test_replacements_that_fail_to_start_back_off_and_the_pool_heals_when_they_can(client, cluster, engine_config):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

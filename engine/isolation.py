@@ -1,0 +1,89 @@
+"""Find the request that makes a step raise (a "query of death"), so that it fails alone.
+
+A step that raises is run again in halves, and each half that raises in halves again, until a
+group of one request raises: that request is the culprit; the requests of every group that ran
+through keep what that run sampled. One culprit among n requests costs about ``2 log2 n``
+extra runs, paid only by a step that raised.
+
+Running a chunk again is safe: a run only writes the K/V of the chunk's own positions, into the
+request's own blocks (never a shared prefix block: those hold computed positions only), from
+the same tokens, and sampling is counter-based (``engine/sampler.py``), so a run of a smaller
+group samples what the whole batch would have. Nothing of the scheduler is committed before the
+run returns (``Scheduler.update`` comes after), so a failed run leaves nothing to undo.
+
+What cannot be blamed on a request propagates, and the caller's engine fails as a whole:
+running out of memory, or a step in which every request raises even alone (the model or the
+engine is broken, not a request).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+from engine.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+RunChunks = Callable[[list[ScheduledChunk]], dict[Request, list[int]]]
+"""Run a group of a step's chunks; the tokens sampled per request (``ModelRunner.execute``)."""
+
+
+@dataclass(frozen=True)
+class IsolatedStep:
+    """A step's result once its failing requests are set apart."""
+
+    sampled: dict[Request, list[int]]
+    """Tokens sampled for the requests that ran through."""
+    failed: dict[Request, Exception]
+    """What each culprit raised when it ran alone."""
+
+
+def blames_a_request(error: BaseException) -> bool:
+    """Whether ``error`` may come from one request's data; running out of memory never does
+    (a smaller group might pass, but the next step of the whole batch would run out again)."""
+    return isinstance(error, Exception) and not isinstance(error, (MemoryError, torch.OutOfMemoryError))
+
+
+def run_isolating(run: RunChunks, chunks: list[ScheduledChunk]) -> IsolatedStep:
+    """``run(chunks)``; if it raises an error that may be a request's, the culprits found by
+    running smaller groups. Re-raises the step's error when every request of a step of two or
+    more raises alone."""
+    try:
+        return IsolatedStep(run(chunks), {})
+    except Exception as error:
+        if not blames_a_request(error):
+            raise
+        logger.warning("a step of %d requests raised %r; running it again in smaller groups to find the request", len(chunks), error)
+        sampled: dict[Request, list[int]] = {}
+        failed: dict[Request, Exception] = {}
+        if len(chunks) == 1:
+            failed[chunks[0].request] = error
+        else:
+            for half in _halves(chunks):
+                _bisect(run, half, sampled, failed)
+        if len(chunks) > 1 and len(failed) == len(chunks):
+            raise error
+        return IsolatedStep(sampled, failed)
+
+
+def _bisect(run: RunChunks, chunks: list[ScheduledChunk], sampled: dict, failed: dict) -> None:
+    try:
+        sampled.update(run(chunks))
+    except Exception as error:
+        if not blames_a_request(error):
+            raise
+        if len(chunks) == 1:
+            failed[chunks[0].request] = error
+            return
+        for half in _halves(chunks):
+            _bisect(run, half, sampled, failed)
+
+
+def _halves(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
+    middle = len(chunks) // 2
+    return chunks[:middle], chunks[middle:]
