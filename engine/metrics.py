@@ -40,6 +40,11 @@ class EngineStatsCollector(Collector):
         aborted = CounterMetricFamily("splitserve_worker_requests_aborted", "Requests cancelled before finishing.", labels=names)
         aborted.add_metric(values, s.num_aborted_requests)
         yield aborted
+        failed = CounterMetricFamily(
+            "splitserve_worker_requests_failed", "Requests failed alone because a step raised for them (the replica kept serving).", labels=names
+        )
+        failed.add_metric(values, s.num_failed_requests)
+        yield failed
         computed = CounterMetricFamily(
             "splitserve_worker_prompt_tokens_computed", "Prompt tokens computed (cache hits excluded).", labels=names
         )

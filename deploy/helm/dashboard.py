@@ -72,6 +72,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         (_rate("splitserve_kv_handoff_failed_total", "pool"), "hand-off failed {{pool}}"),
         (_rate("splitserve_migrations_total", "stage"), "migrated {{stage}}"),
         (_rate("splitserve_replica_restarts_total", "pool"), "replica restarts {{pool}}"),
+        (_rate("splitserve_worker_requests_failed_total", "pool"), "requests failed alone {{pool}}"),
         (_rate("splitserve_planner_connector_errors_total"), "planner connector errors"),
     ]),
 ]

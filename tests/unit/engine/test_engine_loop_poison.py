@@ -150,3 +150,14 @@ def test_a_request_whose_update_raises_fails_alone(tiny_llama_dir, monkeypatch):
     assert len(tokens["poison"]) == POISON_AT  # what it streamed before its update raised
     stats = llm.stats()
     assert stats.num_failed_requests == 1 and stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_failed_requests_are_exported():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from engine.llm_engine import EngineStats
+    from engine.metrics import EngineStatsCollector
+
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(lambda: EngineStats(0, 0, 8, 8, 0, 0, 0, 0, num_failed_requests=2), {"replica": "d0"}))
+    assert 'splitserve_worker_requests_failed_total{replica="d0"} 2.0' in generate_latest(registry).decode()
