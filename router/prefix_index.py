@@ -21,7 +21,8 @@ so a lookup is one vectorized probe of all of a prompt's keys and a numpy search
 equal rows: Python only runs where the tier pattern changes, not per key (a 32k-token prompt
 on 16-token blocks is 2,048 keys). A router may also ``remember`` where it just sent a prompt's
 blocks, before any event says so; those count as pool blocks until ``forget_expired`` (the
-table's ``times`` hold each key's end of memory, NaN when it has none).
+table's ``times`` hold each key's end of memory, NaN when it has none). A routing step looks a
+prompt's keys up once (``lookup``) for both: the ``Lookup`` it matches is the one it remembers.
 """
 
 from __future__ import annotations
@@ -43,6 +44,26 @@ _PACKED_BITS = 16
 """Lane width while every worker fits in it: the four lanes are one uint64."""
 _GROW_AT = 0.375
 """Share of the table's slots in use past which ``forget_expired`` grows it (``insert`` would at 1/2)."""
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A prompt's keys and their table slots, found once for ``match`` and then ``remember``
+    (at 2,048 keys a find is most of either); stale once the table has changed since."""
+
+    keys: np.ndarray
+    """uint64."""
+    slots: np.ndarray
+    """The table slot of each key, -1 where the table does not hold it."""
+    version: int
+    """The table's version when they were found."""
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def suffix(self, start: int) -> Lookup:
+        """The keys from ``start`` on, with their slots."""
+        return Lookup(self.keys[start:], self.slots[start:], self.version)
 
 
 @dataclass(frozen=True)
@@ -131,14 +152,20 @@ class PrefixIndex:
         for tier, keys in fresh.keys.items():
             self._add(tier, keys, bit)
 
-    def remember(self, worker_id: str, keys: Sequence[int] | np.ndarray, until_s: float) -> None:
+    def lookup(self, keys: Sequence[int] | np.ndarray) -> Lookup:
+        """Where the table holds ``keys``: pass it to ``match`` and ``remember`` instead of the keys."""
+        keys = _key_array(keys)
+        return Lookup(keys, self._table.find(keys), self._table.version)
+
+    def remember(self, worker_id: str, keys: Sequence[int] | np.ndarray | Lookup, until_s: float) -> None:
         """Count ``keys`` as in ``worker_id``'s pool until ``until_s`` (this router just sent them
         there; the KV events will say so later)."""
         if not len(keys):
             return
         self.add_worker(worker_id)
-        keys = np.array(keys, dtype=np.uint64)  # a copy: the order below outlives the caller's array
-        slots = self._table.insert(keys)
+        found = self._current(keys)
+        keys = found.keys.copy()  # the order below outlives the caller's array
+        slots = self._table.insert(keys, found.slots)
         column, flag = self._column(self._bits[worker_id], _REMEMBERED)
         self._table.values[slots, column] |= flag
         self._table.times[slots] = until_s
@@ -164,7 +191,7 @@ class PrefixIndex:
         """When the oldest remembered keys expire (None: nothing remembered)."""
         return self._remember_order[0][0] if self._remember_order else None
 
-    def match(self, keys: Sequence[int] | np.ndarray, workers: Iterable[str] | None = None) -> dict[str, CachedRun]:
+    def match(self, keys: Sequence[int] | np.ndarray | Lookup, workers: Iterable[str] | None = None) -> dict[str, CachedRun]:
         """Each worker's longest cached run of ``keys`` from the first, split by serving tier."""
         names = list(self._sets) if workers is None else list(workers)
         known = [w for w in names if w in self._bits]  # a worker with no events yet holds nothing
@@ -189,10 +216,16 @@ class PrefixIndex:
         self._credit(counts, known, segment, length)
         return {name: CachedRun(*c) for name, c in counts.items()}
 
-    def _runs(self, keys: Sequence[int] | np.ndarray) -> list[tuple[tuple[int, int, int, int], int]]:
+    def _current(self, keys: Sequence[int] | np.ndarray | Lookup) -> Lookup:
+        """``keys`` found in the table as it is now (a Lookup found since it changed is kept)."""
+        if isinstance(keys, Lookup) and keys.version == self._table.version:
+            return keys
+        return self.lookup(keys.keys if isinstance(keys, Lookup) else keys)
+
+    def _runs(self, keys: Sequence[int] | np.ndarray | Lookup) -> list[tuple[tuple[int, int, int, int], int]]:
         """``((pool, cpu, redis, remembered) masks, count)`` for each run of equal rows of
         ``keys``, up to the first key no worker holds. Python steps once per run."""
-        slots = self._table.find(keys)
+        slots = self._current(keys).slots
         held = slots >= 0
         end = int(np.argmin(held)) if not held.all() else len(slots)
         if end == 0:

@@ -50,6 +50,7 @@ FEW_KEYS = st.one_of(st.integers(0, 9), st.integers(2**64 - 2, 2**64 - 1))
 OPS = st.one_of(
     st.tuples(st.just("event"), st.sampled_from(WORKERS), st.sampled_from(list(EventKind)), st.sampled_from(list(Tier)), st.lists(KEYS, max_size=30)),
     st.tuples(st.just("remember"), st.sampled_from(WORKERS), st.lists(KEYS, max_size=30), st.integers(0, 10)),
+    st.tuples(st.just("remember_found"), st.sampled_from(WORKERS), st.lists(KEYS, max_size=30), st.integers(0, 10), st.integers(0, 30), st.lists(KEYS, max_size=5)),
     st.tuples(st.just("forget"), st.integers(0, 10)),
     st.tuples(st.just("remove"), st.sampled_from(WORKERS)),
     st.tuples(st.just("snapshot"), st.sampled_from(WORKERS), st.lists(KEYS, max_size=30), st.lists(KEYS, max_size=10)),
@@ -65,7 +66,7 @@ def test_the_index_answers_as_the_dict_index_did(ops, prompt):
         for index in (new, old):
             _run(index, op)
         for keys in (prompt, next((part for part in op if isinstance(part, list)), [])):
-            assert new.match(keys) == old.match(keys)
+            assert new.match(keys) == old.match(keys) == new.match(new.lookup(keys))
             assert new.match(keys, ["b", "z", "a"]) == old.match(keys, ["b", "z", "a"])
         assert new.oldest_remembered_s() == old.oldest_remembered_s()
         assert {(w, t): new.num_keys(w, t) for w in WORKERS for t in Tier} == {(w, t): old.num_keys(w, t) for w in WORKERS for t in Tier}
@@ -78,6 +79,11 @@ def _run(index, op) -> None:
         index.apply(KVEventBatch(worker, seq, (KVEvent(kind, tier, () if kind is EventKind.CLEARED else tuple(keys)),)))
     elif op[0] == "remember":
         index.remember(op[1], op[2], float(op[3]))
+    elif op[0] == "remember_found":  # a routing step's one lookup, stale when other keys came in between
+        _, worker, keys, until_s, start, others = op
+        found = index.lookup(keys) if isinstance(index, PrefixIndex) else None
+        index.remember("e", others, float(until_s))
+        index.remember(worker, found.suffix(start) if found else keys[start:], float(until_s))
     elif op[0] == "forget":
         index.forget_expired(float(op[1]))
     elif op[0] == "remove":
