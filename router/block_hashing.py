@@ -42,6 +42,15 @@ class _Record:
     """The prompt's full blocks' tokens, uint32."""
     keys: np.ndarray
     """Their block keys, uint64."""
+    checkpoints: list[int]
+    """Their prefix fingerprints, one per checkpoint."""
+
+
+@dataclass(frozen=True)
+class _Seen:
+    record: _Record
+    num_tokens: int
+    """Tokens the record's prompt shares with this one from the start."""
 
 
 class BlockHasher:
@@ -77,19 +86,32 @@ class BlockHasher:
         if num_blocks == 0:
             return np.zeros(0, dtype=np.uint64)
         tokens = tokens[: num_blocks * self.block_size]
-        checkpoints = self._checkpoints(tokens, root_key)
-        shared, record = self._longest_shared(checkpoints, tokens, root_key)
+        checkpoints, seen = self._checkpoints(tokens, root_key)
+        shared, record = self._longest_shared(checkpoints, tokens, root_key, seen)
         reused = record.keys[:shared] if shared else np.zeros(0, dtype=np.uint64)
         keys = np.concatenate([reused, self._hash(tokens, shared, int(reused[-1]) if shared else root_key)])
-        self._store(_Record(root_key, tokens, keys), checkpoints)
+        self._store(_Record(root_key, tokens, keys, checkpoints))
         return keys
 
-    def _checkpoints(self, tokens: np.ndarray, root_key: int) -> list[int]:
-        """The prefix fingerprint at each checkpoint block of ``tokens`` (uint32, full blocks)."""
-        num_tokens = len(tokens) // (self.block_size * _STRIDE) * self.block_size * _STRIDE
-        chunks = np.frombuffer(tokens[:num_tokens].astype("<u4", copy=False), dtype=self._checkpoint_dtype).tolist()
-        fingerprint = root_key
-        return [fingerprint := _seeded_xxh3(chunk, fingerprint) for chunk in chunks]
+    def _checkpoints(self, tokens: np.ndarray, root_key: int) -> tuple[list[int], _Seen | None]:
+        """The prefix fingerprint at each checkpoint block of ``tokens`` (uint32, full blocks),
+        and the latest seen prompt through the first checkpoint (a session's previous turn, most
+        often) with the tokens it shares: it lends the fingerprints of the checkpoints whose
+        tokens it shares, so the chain only runs over the rest."""
+        per_checkpoint = self.block_size * _STRIDE
+        num_checkpoints = len(tokens) // per_checkpoint
+        if num_checkpoints == 0:
+            return [], None
+        checkpoints = [_seeded_xxh3(tokens[:per_checkpoint].astype("<u4", copy=False), root_key)]
+        record = self._lookup(checkpoints[0])
+        seen = None
+        if record is not None and record.root_key == root_key:
+            seen = _Seen(record, _num_shared_tokens(record.token_ids, tokens))
+            checkpoints = record.checkpoints[: min(seen.num_tokens // per_checkpoint, num_checkpoints)] or checkpoints
+        rest = tokens[len(checkpoints) * per_checkpoint : num_checkpoints * per_checkpoint].astype("<u4", copy=False)
+        chunks = np.frombuffer(rest, dtype=self._checkpoint_dtype).tolist()
+        fingerprint = checkpoints[-1]
+        return checkpoints + [fingerprint := _seeded_xxh3(chunk, fingerprint) for chunk in chunks], seen
 
     def _lookup(self, fingerprint: int) -> _Record | None:
         number = self._young.get(fingerprint)
@@ -98,9 +120,10 @@ class BlockHasher:
         number = self._old.get(fingerprint)
         return self._old_records[number] if number is not None else None
 
-    def _longest_shared(self, checkpoints: list[int], tokens: np.ndarray, root_key: int) -> tuple[int, _Record | None]:
+    def _longest_shared(self, checkpoints: list[int], tokens: np.ndarray, root_key: int, seen: _Seen | None) -> tuple[int, _Record | None]:
         """Blocks this prompt shares from its start with a seen prompt, and that prompt's record.
-        Checkpoints find the record; its tokens say how far it matches."""
+        Checkpoints find the record; its tokens say how far it matches (``seen`` has counted
+        that already when it is the same record)."""
         low, high = 0, len(checkpoints)  # checkpoints [0, low) known; [high, ...) not
         while low < high:
             middle = (low + high + 1) // 2
@@ -113,22 +136,28 @@ class BlockHasher:
         record = self._lookup(checkpoints[low - 1])
         if record.root_key != root_key:
             return 0, None
-        end = min(len(record.token_ids), len(tokens))
-        differ = np.flatnonzero(record.token_ids[:end] != tokens[:end])
-        return (int(differ[0]) if len(differ) else end) // self.block_size, record
+        num_tokens = seen.num_tokens if seen is not None and seen.record is record else _num_shared_tokens(record.token_ids, tokens)
+        return num_tokens // self.block_size, record
 
     def _hash(self, tokens: np.ndarray, start_block: int, parent_key: int) -> np.ndarray:
         keys = packed_block_keys(tokens[start_block * self.block_size :].astype("<u4", copy=False), self.block_size, parent_key)
         self.num_hashed_blocks += len(keys)
         return np.fromiter(keys, dtype=np.uint64, count=len(keys))
 
-    def _store(self, record: _Record, checkpoints: list[int]) -> None:
+    def _store(self, record: _Record) -> None:
         """Point every checkpoint of ``record`` at it: a checkpoint names the latest prompt
         through it, the one that goes on furthest (and the young generation stays prefix-closed)."""
-        if len(self._young) + len(checkpoints) > self.max_checkpoints:
+        if len(self._young) + len(record.checkpoints) > self.max_checkpoints:
             self._old, self._young = self._young, {}
             self._old_records, self._young_records = self._young_records, {}
         number = self._next_record
         self._next_record += 1
         self._young_records[number] = record
-        self._young.update(zip(checkpoints, repeat(number)))
+        self._young.update(zip(record.checkpoints, repeat(number)))
+
+
+def _num_shared_tokens(seen: np.ndarray, tokens: np.ndarray) -> int:
+    """How many tokens two prompts share from their start."""
+    end = min(len(seen), len(tokens))
+    differ = np.flatnonzero(seen[:end] != tokens[:end])
+    return int(differ[0]) if len(differ) else end
