@@ -48,6 +48,8 @@ class KeyTable:
         """Which rows survive a compaction (a bool per row, the key 0's row last); None: all used ones."""
         self.version = 0
         """Changes whenever a key is placed or rows move: a ``find`` made at another version is stale."""
+        self.rows_version = 0
+        """Changes whenever rows move (growth, compaction): until then a held key keeps its slot."""
         self._allocate(_power_of_two(capacity), num_columns)
 
     def __len__(self) -> int:
@@ -147,6 +149,7 @@ class KeyTable:
         self.num_used = 0
         self._shift = np.uint64(64 - (capacity.bit_length() - 1))
         self.version += 1
+        self.rows_version += 1
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
         return ((keys * _FIBONACCI) >> self._shift).astype(np.int64)

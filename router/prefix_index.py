@@ -44,6 +44,8 @@ _PACKED_BITS = 16
 """Lane width while every worker fits in it: the four lanes are one uint64."""
 _GROW_AT = 0.375
 """Share of the table's slots in use past which ``forget_expired`` grows it (``insert`` would at 1/2)."""
+_NUM_RECENT_LOOKUPS = 256
+"""Prompts (by first key) whose lookups a next turn starts from."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,9 @@ class PrefixIndex:
         self._packed = True
         """Lanes of ``_PACKED_BITS`` in one column, until a 17th worker bit is taken."""
         self._remember_order: deque[tuple[float, np.ndarray]] = deque()
+        self._recent: dict[int, Lookup] = {}
+        """First key -> the latest lookup of a prompt that starts with it (oldest first)."""
+        self._recent_rows_version = self._table.rows_version
 
     @property
     def workers(self) -> list[str]:
@@ -153,9 +158,30 @@ class PrefixIndex:
             self._add(tier, keys, bit)
 
     def lookup(self, keys: Sequence[int] | np.ndarray) -> Lookup:
-        """Where the table holds ``keys``: pass it to ``match`` and ``remember`` instead of the keys."""
+        """Where the table holds ``keys``: pass it to ``match`` and ``remember`` instead of the keys.
+
+        A session's next turn repeats its previous prompt's keys, and a held key keeps its slot
+        until rows move, so the keys the latest lookup through the same first key found (or
+        ``remember`` placed) keep their slots; only the others are looked for."""
         keys = _key_array(keys)
-        return Lookup(keys, self._table.find(keys), self._table.version)
+        table = self._table
+        if self._recent_rows_version != table.rows_version:
+            self._recent.clear()
+            self._recent_rows_version = table.rows_version
+        recent = self._recent.pop(int(keys[0]), None) if len(keys) else None
+        if recent is None:
+            slots = table.find(keys)
+        else:
+            num_shared = _num_shared(recent.keys, keys)
+            slots = np.concatenate([recent.slots[:num_shared], np.full(len(keys) - num_shared, -1, dtype=np.int64)])
+            unknown = np.flatnonzero(slots < 0)
+            slots[unknown] = table.find(keys[unknown])
+        found = Lookup(keys, slots, table.version)
+        if len(keys):
+            self._recent[int(keys[0])] = found
+            if len(self._recent) > _NUM_RECENT_LOOKUPS:
+                del self._recent[next(iter(self._recent))]
+        return found
 
     def remember(self, worker_id: str, keys: Sequence[int] | np.ndarray | Lookup, until_s: float) -> None:
         """Count ``keys`` as in ``worker_id``'s pool until ``until_s`` (this router just sent them
@@ -166,6 +192,8 @@ class PrefixIndex:
         found = self._current(keys)
         keys = found.keys.copy()  # the order below outlives the caller's array
         slots = self._table.insert(keys, found.slots)
+        if self._table.rows_version == self._recent_rows_version:
+            found.slots[:] = slots  # the recent lookup it belongs to learns where they went
         column, flag = self._column(self._bits[worker_id], _REMEMBERED)
         self._table.values[slots, column] |= flag
         self._table.times[slots] = until_s
@@ -313,6 +341,13 @@ def _any_per_row(flags: np.ndarray) -> np.ndarray:
         return flags[:, 0]
     words = np.ascontiguousarray(flags).view(np.uint32)
     return words[:, 0] != 0 if words.shape[1] == 1 else words.any(axis=1)
+
+
+def _num_shared(seen: np.ndarray, keys: np.ndarray) -> int:
+    """How many keys two prompts' key arrays share from their start."""
+    end = min(len(seen), len(keys))
+    differ = np.flatnonzero(seen[:end] != keys[:end])
+    return int(differ[0]) if len(differ) else end
 
 
 def _key_array(keys: Iterable[int]) -> np.ndarray:
