@@ -23,6 +23,8 @@ from collections.abc import Callable
 import numpy as np
 
 _FIBONACCI = np.uint64(0x9E3779B97F4A7C15)
+_FIBONACCI_INT = 0x9E3779B97F4A7C15
+_U64_MASK = 2**64 - 1
 _MAX_LOAD = 0.5
 _WINDOW = 8
 """Slots a probe reads per step: a row of 8 bools reads as one uint64."""
@@ -32,6 +34,8 @@ _BYTE_INDICES = np.uint64(0x0001020304050607)
 _TOP_BYTE = np.uint64(56)
 _OVERFLOW = 256
 """Slots past the capacity that probe paths may run into before the table grows."""
+_FEW_KEYS = 32
+"""Up to this many keys, a probe loop in Python beats ~20 numpy calls' fixed cost."""
 
 
 class KeyTable:
@@ -66,21 +70,38 @@ class KeyTable:
         the first slot of the path that holds the key or nothing answers. Most keys' home slot
         does; the others read the path 8 slots at a time."""
         keys = np.asarray(keys, dtype=np.uint64)
+        if len(keys) <= _FEW_KEYS:
+            return np.array([self._find_one(key) for key in keys.tolist()], dtype=np.int64)
         homes = self._home(keys)
         stored = self.keys[homes]
         result = np.where(stored == keys, homes, -1)
         pending = np.flatnonzero((result < 0) & (stored != 0))
         starts = homes[pending] + 1
-        while len(pending):
+        while len(pending) > _FEW_KEYS:
             column = self._first_stop(keys[pending], starts)
             decided = column >= 0
             slots = starts[decided] + column[decided]
             result[pending[decided]] = np.where(self.keys[slots] == keys[pending[decided]], slots, -1)
             onward = ~decided
             pending, starts = pending[onward], starts[onward] + _WINDOW
+        if len(pending):
+            result[pending] = [self._find_one(key) for key in keys[pending].tolist()]
         if not keys.all():  # the key 0 reads as an unused slot: it has a row of its own
             result[keys == 0] = self._zero_row if self._has_zero else -1
         return result
+
+    def _find_one(self, key: int) -> int:
+        """``find`` of one key (a Python int), slot by slot."""
+        if key == 0:
+            return self._zero_row if self._has_zero else -1
+        slot, column = self._home_of(key), self.keys
+        while True:
+            held = int(column[slot])
+            if held == key:
+                return slot
+            if held == 0:
+                return -1
+            slot += 1
 
     def values_at(self, slots: np.ndarray) -> np.ndarray:
         """``values[slots]``, gathered from the contiguous rows (several times faster than
@@ -148,6 +169,7 @@ class KeyTable:
         self._has_zero = False
         self.num_used = 0
         self._shift = np.uint64(64 - (capacity.bit_length() - 1))
+        self._shift_int = int(self._shift)
         self.version += 1
         self.rows_version += 1
 
@@ -160,6 +182,8 @@ class KeyTable:
         Keys that race for one slot each write their claim; the last claim written takes it
         (and repeats of its key with it), the others look again from the same place."""
         self.version += 1
+        if len(keys) <= _FEW_KEYS:
+            return self._place_few(keys)
         result = np.full(len(keys), -1, dtype=np.int64)
         zero = keys == 0
         if zero.any():
@@ -173,7 +197,7 @@ class KeyTable:
         retry = ~free
         retry[np.flatnonzero(free)[~done]] = True
         pending, starts = pending[retry], starts[retry]
-        while len(pending):
+        while len(pending) > _FEW_KEYS:
             free = _first_of_8(self._windows[starts] == 0)
             onward = free < 0
             claimed = starts[~onward] + free[~onward]
@@ -184,7 +208,36 @@ class KeyTable:
             retry = onward.copy()
             retry[np.flatnonzero(~onward)[~done]] = True
             pending, starts = pending[retry], starts[retry]
+        if len(pending):
+            placed = self._place_few(keys[pending])
+            if placed is None:
+                return None
+            result[pending] = placed
         return result
+
+    def _place_few(self, keys: np.ndarray) -> np.ndarray | None:
+        """``_place`` slot by slot (a repeat of a key finds it placed)."""
+        result, column = [], self.keys
+        for key in keys.tolist():
+            if key == 0:
+                self.num_used += not self._has_zero
+                self._has_zero = True
+                result.append(self._zero_row)
+                continue
+            slot = self._home_of(key)
+            while column[slot] != 0 and column[slot] != key:
+                slot += 1
+            if slot > self._last_slot:
+                return None
+            if column[slot] == 0:
+                column[slot] = key
+                self.num_used += 1
+            result.append(slot)
+        return np.array(result, dtype=np.int64)
+
+    def _home_of(self, key: int) -> int:
+        """``_home`` of one key (a Python int)."""
+        return (key * _FIBONACCI_INT & _U64_MASK) >> self._shift_int
 
     def _first_stop(self, keys: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """For each key, the column of the first slot holding it or nothing in the window of 8

@@ -44,6 +44,23 @@ def test_the_table_answers_as_a_dict(steps):
         assert len(table) <= table.capacity / 2
 
 
+def test_prompt_sized_batches_probe_past_full_windows():
+    """Thousands of keys a call (the vectorized probe rounds, then the slot-by-slot tail), many
+    sharing home slots, into a table that grows: every key found where it was put."""
+    rng = np.random.default_rng(7)
+    table = KeyTable(1, capacity=1024)
+    held: dict[int, int] = {}
+    for batch in range(4):
+        keys = np.concatenate([rng.integers(1, 2**64, 1500, dtype=np.uint64, endpoint=False), np.arange(batch * 300, batch * 300 + 600, dtype=np.uint64)])
+        slots = table.insert(keys)
+        table.values[slots, 0] = batch + 1
+        held.update({int(k): batch + 1 for k in keys})
+        probe = np.concatenate([np.array(list(held), dtype=np.uint64), rng.integers(1, 2**64, 500, dtype=np.uint64, endpoint=False)])
+        slots = table.find(probe)
+        assert [int(table.values[s, 0]) if s >= 0 else 0 for s in slots] == [held.get(int(k), 0) for k in probe]
+        assert len(table) == len(held)
+
+
 WORKERS = ["a", "b", "c", "d"]
 FEW_KEYS = st.one_of(st.integers(0, 9), st.integers(2**64 - 2, 2**64 - 1))
 """Few keys, so events, memories and lookups keep meeting on the same ones."""
