@@ -163,7 +163,7 @@ class PrefixIndex:
         A session's next turn repeats its previous prompt's keys, and a held key keeps its slot
         until rows move, so the keys the latest lookup through the same first key found (or
         ``remember`` placed) keep their slots; only the others are looked for."""
-        keys = _key_array(keys)
+        keys = _key_array(keys).copy()  # kept for the next turn, and by ``remember``: no caller may change them
         table = self._table
         if self._recent_rows_version != table.rows_version:
             self._recent.clear()
@@ -190,7 +190,7 @@ class PrefixIndex:
             return
         self.add_worker(worker_id)
         found = self._current(keys)
-        keys = found.keys.copy()  # the order below outlives the caller's array
+        keys = found.keys  # a lookup's own copy: the order below may hold it
         slots = self._table.insert(keys, found.slots)
         if self._table.rows_version == self._recent_rows_version:
             found.slots[:] = slots  # the recent lookup it belongs to learns where they went
