@@ -173,7 +173,8 @@ def live_decisions(num_workers: int = 8, block_size: int = 16, prompt_tokens: in
     stores the prompt's blocks) reach the index between calls, as the event poller applies them.
     Sessions open at ``prompt_tokens`` (their first call hashes every block: "cold") and each turn
     adds an answer and a message (100-800 tokens). ``decide_cpu_us_*``: the same steps in this
-    thread's CPU time, which a machine shared with other work inflates less than wall-clock."""
+    thread's CPU time, which a machine shared with other work inflates less than wall-clock. Each
+    figure is given over every decision, the first turns and the next turns."""
     rng = random.Random(seed)
     namespace = KeyNamespace("bench", "0", "fp8_e4m3", block_size)
     model = pb.ModelInfo(id="bench", max_model_len=4 * prompt_tokens, block_size=block_size)
@@ -186,34 +187,33 @@ def live_decisions(num_workers: int = 8, block_size: int = 16, prompt_tokens: in
     service = GenerationService(RouterConfig(), directory, RouterMetrics("bench-live"), make_policy("splitserve", index), channels=None)
     prefills, decode = directory.healthy("prefill", ""), directory.replicas[f"decode-{num_workers}"]
     sessions = [[rng.randrange(50_000) for _ in range(prompt_tokens)] for _ in range(num_sessions)]
-    warm_us, cold_us, lengths, cpu_us = [], [], [], []
+    wall_us, cpu_us, lengths = {"first": [], "next": []}, {"first": [], "next": []}, []
     for turn in range(num_turns):
         for prompt in sessions:
             request = pb.GenerateRequest(model="bench", prompt_token_ids=prompt, request_id=f"t{turn}")
             lengths.append(len(prompt))
             start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
             chosen = service.route(request, prefills, decode)
-            (cold_us if turn == 0 else warm_us).append((time.perf_counter_ns() - start) / 1000)
-            cpu_us.append((time.thread_time_ns() - start_cpu) / 1000)
+            wall_us["first" if turn == 0 else "next"].append((time.perf_counter_ns() - start) / 1000)
+            cpu_us["first" if turn == 0 else "next"].append((time.thread_time_ns() - start_cpu) / 1000)
             keys = block_keys(prompt, block_size, namespace.root_key())  # what the worker's KV events say
             for replica in prefills:  # the refresh loop's load reports (they expire old remembered keys)
                 service.policy.report(worker_load(replica))
             index.apply(KVEventBatch(chosen.replica_id, index.seq(chosen.replica_id) + 1 if chosen.replica_id in index.workers else 1, (KVEvent(EventKind.STORED, Tier.POOL, tuple(keys)),)))
             prompt += [rng.randrange(50_000) for _ in range(rng.randrange(100, 800))]
-    every = warm_us + cold_us
+    figures = {}
+    for clock, times in (("decide_us", wall_us), ("decide_cpu_us", cpu_us)):
+        for group, values in (("", times["first"] + times["next"]), ("_first_turns", times["first"]), ("_next_turns", times["next"])):
+            for q in (50, 99):
+                figures[f"{clock}_p{q}{group}"] = percentile(values, q)
     return {
-        "decide_us_p50": percentile(every, 50),
-        "decide_us_p99": percentile(every, 99),
-        "decide_us_p99_next_turns": percentile(warm_us, 99),
-        "decide_us_p50_first_turns": percentile(cold_us, 50),
-        "decide_cpu_us_p50": percentile(cpu_us, 50),
-        "decide_cpu_us_p99": percentile(cpu_us, 99),
+        **figures,
         "prompt_tokens": prompt_tokens,
         "prompt_tokens_mean": sum(lengths) / len(lengths),
         "workers": num_workers,
         "block_size": block_size,
-        "num_decisions": len(every),
-        "num_first_turns": len(cold_us),
+        "num_decisions": len(lengths),
+        "num_first_turns": len(wall_us["first"]),
         "code_path": "router.service.GenerationService.route in process (the step Generate runs after tokenizing)",
     }
 

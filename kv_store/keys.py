@@ -22,6 +22,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 KEY_SPEC_VERSION = 1
@@ -30,6 +31,7 @@ KEY_SPEC_VERSION = 1
 KV_DTYPES = ("fp32", "bf16", "fp8_e4m3")
 
 _MAX_TOKEN_ID = 2**32 - 1
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
 class NamespaceMismatchError(ValueError):
@@ -116,16 +118,15 @@ def block_keys(
     return packed_block_keys(_pack(token_ids[start_block * block_size : num_full_blocks * block_size]), block_size, parent_key)
 
 
-def packed_block_keys(data: bytes, block_size: int, parent_key: int) -> list[int]:
+def packed_block_keys(data: bytes | np.ndarray, block_size: int, parent_key: int) -> list[int]:
     """``block_keys`` of token ids already packed as little-endian u32s, block after block
-    (``len(data)`` a multiple of ``block_size * 4``): the one loop every key of ours comes from."""
-    step = block_size * 4
-    keys: list[int] = []
-    append = keys.append
-    for offset in range(0, len(data), step):
-        parent_key = xxhash.xxh3_64_intdigest(parent_key.to_bytes(8, "little") + data[offset : offset + step])
-        append(parent_key)
-    return keys
+    (any buffer, ``len`` a multiple of ``block_size * 4`` bytes): the one loop every key of ours
+    comes from. Each step is sequential by design (a block's key needs its parent's), so the
+    step is kept to one call of the hash: numpy cuts the buffer into one bytes object per block
+    in C, and the comprehension carries the parent key."""
+    blocks = np.frombuffer(data, dtype=np.dtype((np.void, block_size * 4))).tolist()
+    key = parent_key
+    return [key := _xxh3(key.to_bytes(8, "little") + block) for block in blocks]
 
 
 def _pack(token_ids: Sequence[int]) -> bytes:

@@ -23,13 +23,19 @@ from collections.abc import Callable
 import numpy as np
 
 _FIBONACCI = np.uint64(0x9E3779B97F4A7C15)
+_FIBONACCI_INT = 0x9E3779B97F4A7C15
+_U64_MASK = 2**64 - 1
 _MAX_LOAD = 0.5
 _WINDOW = 8
-"""Slots a probe reads per step: a row of 8 bools reads as one uint64, or packs into one byte."""
-_FIRST_BIT = np.array([(b & -b).bit_length() - 1 for b in range(256)], dtype=np.int64)
-"""For each byte, the index of its lowest set bit (-1 for 0)."""
+"""Slots a probe reads per step: a row of 8 bools reads as one uint64."""
+_ONE = np.uint64(1)
+_LITTLE_U64 = np.dtype("<u8")
+_BYTE_INDICES = np.uint64(0x0001020304050607)
+_TOP_BYTE = np.uint64(56)
 _OVERFLOW = 256
 """Slots past the capacity that probe paths may run into before the table grows."""
+_FEW_KEYS = 32
+"""Up to this many keys, a probe loop in Python beats ~20 numpy calls' fixed cost."""
 
 
 class KeyTable:
@@ -44,6 +50,10 @@ class KeyTable:
             raise ValueError(f"num_columns: must be >= 1, got {num_columns}")
         self._keep = keep
         """Which rows survive a compaction (a bool per row, the key 0's row last); None: all used ones."""
+        self.version = 0
+        """Changes whenever a key is placed or rows move: a ``find`` made at another version is stale."""
+        self.rows_version = 0
+        """Changes whenever rows move (growth, compaction): until then a held key keeps its slot."""
         self._allocate(_power_of_two(capacity), num_columns)
 
     def __len__(self) -> int:
@@ -57,36 +67,53 @@ class KeyTable:
         """The slot of each of ``keys`` (uint64), or -1 where the table does not hold it.
 
         A key sits before the first unused slot of its probe path (slots never empty again), so
-        a window of the path that holds it answers, and one that holds an unused slot and not it
-        says it is absent."""
+        the first slot of the path that holds the key or nothing answers. Most keys' home slot
+        does; the others read the path 8 slots at a time."""
         keys = np.asarray(keys, dtype=np.uint64)
+        if len(keys) <= _FEW_KEYS:
+            return np.array([self._find_one(key) for key in keys.tolist()], dtype=np.int64)
         homes = self._home(keys)
         stored = self.keys[homes]
-        result = np.where(stored == keys, homes, -1)  # most keys sit in their home slot
-        zero = keys == 0
-        pending = np.flatnonzero((result < 0) & (stored != 0) & ~zero)
+        result = np.where(stored == keys, homes, -1)
+        pending = np.flatnonzero((result < 0) & (stored != 0))
         starts = homes[pending] + 1
-        while len(pending):
-            window = self._windows[starts]
-            column = _first_of_8(window == keys[pending, None])
-            found = column >= 0
-            result[pending[found]] = starts[found] + column[found]
-            onward = ~found & ~_any_of_8(window == 0)
+        while len(pending) > _FEW_KEYS:
+            column = self._first_stop(keys[pending], starts)
+            decided = column >= 0
+            slots = starts[decided] + column[decided]
+            result[pending[decided]] = np.where(self.keys[slots] == keys[pending[decided]], slots, -1)
+            onward = ~decided
             pending, starts = pending[onward], starts[onward] + _WINDOW
-        if zero.any():
-            result[zero] = self._zero_row if self._has_zero else -1
+        if len(pending):
+            result[pending] = [self._find_one(key) for key in keys[pending].tolist()]
+        if not keys.all():  # the key 0 reads as an unused slot: it has a row of its own
+            result[keys == 0] = self._zero_row if self._has_zero else -1
         return result
+
+    def _find_one(self, key: int) -> int:
+        """``find`` of one key (a Python int), slot by slot."""
+        if key == 0:
+            return self._zero_row if self._has_zero else -1
+        slot, column = self._home_of(key), self.keys
+        while True:
+            held = int(column[slot])
+            if held == key:
+                return slot
+            if held == 0:
+                return -1
+            slot += 1
 
     def values_at(self, slots: np.ndarray) -> np.ndarray:
         """``values[slots]``, gathered from the contiguous rows (several times faster than
         indexing the ``values`` view)."""
         return np.take(self._rows, slots, axis=0)[:, 1:]
 
-    def insert(self, keys: np.ndarray) -> np.ndarray:
-        """The slot of each of ``keys``, adding those not held yet (values 0, times NaN)."""
+    def insert(self, keys: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
+        """The slot of each of ``keys``, adding those not held yet (values 0, times NaN).
+        ``slots``: what ``find`` said of ``keys`` at this ``version``, so it need not look again."""
         keys = np.asarray(keys, dtype=np.uint64)
         while True:
-            slots = self.find(keys)
+            slots = self.find(keys) if slots is None else slots.copy()
             missing = np.flatnonzero(slots < 0)
             if not len(missing):
                 return slots
@@ -96,6 +123,7 @@ class KeyTable:
                     slots[missing] = placed
                     return slots
             self.compact(len(keys))  # it moves rows, and may drop some of ``keys``: look again
+            slots = None
 
     def used_rows(self) -> np.ndarray:
         """A bool per row (the key 0's row last): which hold a key."""
@@ -132,15 +160,18 @@ class KeyTable:
 
     def _allocate(self, capacity: int, num_columns: int) -> None:
         num_rows = capacity + _OVERFLOW + _WINDOW + 1
-        self._set_rows(np.zeros((num_rows, 1 + num_columns), dtype=np.uint64))
+        self._set_rows(_touched_zeros((num_rows, 1 + num_columns), np.uint64))
         self.times = np.full(num_rows, np.nan)
-        self._claims = np.zeros(num_rows, dtype=np.int64)
+        self._claims = _touched_zeros(num_rows, np.int64)
         self._capacity = capacity
         self._zero_row = num_rows - 1
         self._last_slot = capacity + _OVERFLOW - 1
         self._has_zero = False
         self.num_used = 0
         self._shift = np.uint64(64 - (capacity.bit_length() - 1))
+        self._shift_int = int(self._shift)
+        self.version += 1
+        self.rows_version += 1
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
         return ((keys * _FIBONACCI) >> self._shift).astype(np.int64)
@@ -150,6 +181,9 @@ class KeyTable:
         and return their slots; None if a path ran past the overflow slots (grow, then again).
         Keys that race for one slot each write their claim; the last claim written takes it
         (and repeats of its key with it), the others look again from the same place."""
+        self.version += 1
+        if len(keys) <= _FEW_KEYS:
+            return self._place_few(keys)
         result = np.full(len(keys), -1, dtype=np.int64)
         zero = keys == 0
         if zero.any():
@@ -163,7 +197,7 @@ class KeyTable:
         retry = ~free
         retry[np.flatnonzero(free)[~done]] = True
         pending, starts = pending[retry], starts[retry]
-        while len(pending):
+        while len(pending) > _FEW_KEYS:
             free = _first_of_8(self._windows[starts] == 0)
             onward = free < 0
             claimed = starts[~onward] + free[~onward]
@@ -174,7 +208,44 @@ class KeyTable:
             retry = onward.copy()
             retry[np.flatnonzero(~onward)[~done]] = True
             pending, starts = pending[retry], starts[retry]
+        if len(pending):
+            placed = self._place_few(keys[pending])
+            if placed is None:
+                return None
+            result[pending] = placed
         return result
+
+    def _place_few(self, keys: np.ndarray) -> np.ndarray | None:
+        """``_place`` slot by slot (a repeat of a key finds it placed)."""
+        result, column = [], self.keys
+        for key in keys.tolist():
+            if key == 0:
+                self.num_used += not self._has_zero
+                self._has_zero = True
+                result.append(self._zero_row)
+                continue
+            slot = self._home_of(key)
+            while column[slot] != 0 and column[slot] != key:
+                slot += 1
+            if slot > self._last_slot:
+                return None
+            if column[slot] == 0:
+                column[slot] = key
+                self.num_used += 1
+            result.append(slot)
+        return np.array(result, dtype=np.int64)
+
+    def _home_of(self, key: int) -> int:
+        """``_home`` of one key (a Python int)."""
+        return (key * _FIBONACCI_INT & _U64_MASK) >> self._shift_int
+
+    def _first_stop(self, keys: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """For each key, the column of the first slot holding it or nothing in the window of 8
+        slots from its start; -1 where the window holds neither."""
+        windows = self._windows[starts]
+        stops = windows == keys[:, None]
+        stops |= windows == 0
+        return _first_of_8(stops)
 
     def _claim(self, keys: np.ndarray, claimants: np.ndarray, claimed: np.ndarray, result: np.ndarray) -> np.ndarray:
         """Claimants (indices into ``keys``) each take their unused ``claimed`` slot; where
@@ -188,15 +259,26 @@ class KeyTable:
         return done
 
 
-def _any_of_8(flags: np.ndarray) -> np.ndarray:
-    """``flags.any(axis=1)`` of an (n, 8) bool array, read as n uint64s (numpy's ``any`` over a
-    short axis is several times slower)."""
-    return np.ascontiguousarray(flags).view(np.uint64)[:, 0] != 0
-
-
 def _first_of_8(flags: np.ndarray) -> np.ndarray:
-    """The column of the first True of each row of an (n, 8) bool array; -1 where none."""
-    return _FIRST_BIT[np.packbits(flags, axis=1, bitorder="little")[:, 0]]
+    """The column of the first True of each row of an (n, 8) bool array; -1 where none.
+
+    A row read as a little-endian uint64 has byte ``j`` set to 1 for each True column ``j``, so
+    its lowest set bit is ``2^(8j)`` for the first; times ``0x0001020304050607`` (mod 2^64) that
+    puts the byte ``j`` of the constant, which is ``j``, in the top byte (numpy's ``argmax`` or
+    ``packbits`` over the short axis is several times slower)."""
+    words = np.ascontiguousarray(flags).view(_LITTLE_U64)[:, 0]
+    lowest = words & (~words + _ONE)
+    columns = ((lowest * _BYTE_INDICES) >> _TOP_BYTE).astype(np.int64)
+    columns[words == 0] = -1
+    return columns
+
+
+def _touched_zeros(shape, dtype) -> np.ndarray:
+    """Zeros written now: ``np.zeros`` leaves a large array's pages unmapped until first written,
+    and a routing step that writes them would pay a page fault per 4 KiB (~2 ms at 131k slots)."""
+    array = np.empty(shape, dtype=dtype)
+    array.fill(0)
+    return array
 
 
 def _power_of_two(n: int) -> int:

@@ -21,7 +21,8 @@ so a lookup is one vectorized probe of all of a prompt's keys and a numpy search
 equal rows: Python only runs where the tier pattern changes, not per key (a 32k-token prompt
 on 16-token blocks is 2,048 keys). A router may also ``remember`` where it just sent a prompt's
 blocks, before any event says so; those count as pool blocks until ``forget_expired`` (the
-table's ``times`` hold each key's end of memory, NaN when it has none).
+table's ``times`` hold each key's end of memory, NaN when it has none). A routing step looks a
+prompt's keys up once (``lookup``) for both: the ``Lookup`` it matches is the one it remembers.
 """
 
 from __future__ import annotations
@@ -43,6 +44,28 @@ _PACKED_BITS = 16
 """Lane width while every worker fits in it: the four lanes are one uint64."""
 _GROW_AT = 0.375
 """Share of the table's slots in use past which ``forget_expired`` grows it (``insert`` would at 1/2)."""
+_NUM_RECENT_LOOKUPS = 256
+"""Prompts (by first key) whose lookups a next turn starts from."""
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A prompt's keys and their table slots, found once for ``match`` and then ``remember``
+    (at 2,048 keys a find is most of either); stale once the table has changed since."""
+
+    keys: np.ndarray
+    """uint64."""
+    slots: np.ndarray
+    """The table slot of each key, -1 where the table does not hold it."""
+    version: int
+    """The table's version when they were found."""
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def suffix(self, start: int) -> Lookup:
+        """The keys from ``start`` on, with their slots."""
+        return Lookup(self.keys[start:], self.slots[start:], self.version)
 
 
 @dataclass(frozen=True)
@@ -71,6 +94,9 @@ class PrefixIndex:
         self._packed = True
         """Lanes of ``_PACKED_BITS`` in one column, until a 17th worker bit is taken."""
         self._remember_order: deque[tuple[float, np.ndarray]] = deque()
+        self._recent: dict[int, Lookup] = {}
+        """First key -> the latest lookup of a prompt that starts with it (oldest first)."""
+        self._recent_rows_version = self._table.rows_version
 
     @property
     def workers(self) -> list[str]:
@@ -131,14 +157,43 @@ class PrefixIndex:
         for tier, keys in fresh.keys.items():
             self._add(tier, keys, bit)
 
-    def remember(self, worker_id: str, keys: Sequence[int] | np.ndarray, until_s: float) -> None:
+    def lookup(self, keys: Sequence[int] | np.ndarray) -> Lookup:
+        """Where the table holds ``keys``: pass it to ``match`` and ``remember`` instead of the keys.
+
+        A session's next turn repeats its previous prompt's keys, and a held key keeps its slot
+        until rows move, so the keys the latest lookup through the same first key found (or
+        ``remember`` placed) keep their slots; only the others are looked for."""
+        keys = _key_array(keys).copy()  # kept for the next turn, and by ``remember``: no caller may change them
+        table = self._table
+        if self._recent_rows_version != table.rows_version:
+            self._recent.clear()
+            self._recent_rows_version = table.rows_version
+        recent = self._recent.pop(int(keys[0]), None) if len(keys) else None
+        if recent is None:
+            slots = table.find(keys)
+        else:
+            num_shared = _num_shared(recent.keys, keys)
+            slots = np.concatenate([recent.slots[:num_shared], np.full(len(keys) - num_shared, -1, dtype=np.int64)])
+            unknown = np.flatnonzero(slots < 0)
+            slots[unknown] = table.find(keys[unknown])
+        found = Lookup(keys, slots, table.version)
+        if len(keys):
+            self._recent[int(keys[0])] = found
+            if len(self._recent) > _NUM_RECENT_LOOKUPS:
+                del self._recent[next(iter(self._recent))]
+        return found
+
+    def remember(self, worker_id: str, keys: Sequence[int] | np.ndarray | Lookup, until_s: float) -> None:
         """Count ``keys`` as in ``worker_id``'s pool until ``until_s`` (this router just sent them
         there; the KV events will say so later)."""
         if not len(keys):
             return
         self.add_worker(worker_id)
-        keys = np.array(keys, dtype=np.uint64)  # a copy: the order below outlives the caller's array
-        slots = self._table.insert(keys)
+        found = self._current(keys)
+        keys = found.keys  # a lookup's own copy: the order below may hold it
+        slots = self._table.insert(keys, found.slots)
+        if self._table.rows_version == self._recent_rows_version:
+            found.slots[:] = slots  # the recent lookup it belongs to learns where they went
         column, flag = self._column(self._bits[worker_id], _REMEMBERED)
         self._table.values[slots, column] |= flag
         self._table.times[slots] = until_s
@@ -164,7 +219,7 @@ class PrefixIndex:
         """When the oldest remembered keys expire (None: nothing remembered)."""
         return self._remember_order[0][0] if self._remember_order else None
 
-    def match(self, keys: Sequence[int] | np.ndarray, workers: Iterable[str] | None = None) -> dict[str, CachedRun]:
+    def match(self, keys: Sequence[int] | np.ndarray | Lookup, workers: Iterable[str] | None = None) -> dict[str, CachedRun]:
         """Each worker's longest cached run of ``keys`` from the first, split by serving tier."""
         names = list(self._sets) if workers is None else list(workers)
         known = [w for w in names if w in self._bits]  # a worker with no events yet holds nothing
@@ -189,10 +244,16 @@ class PrefixIndex:
         self._credit(counts, known, segment, length)
         return {name: CachedRun(*c) for name, c in counts.items()}
 
-    def _runs(self, keys: Sequence[int] | np.ndarray) -> list[tuple[tuple[int, int, int, int], int]]:
+    def _current(self, keys: Sequence[int] | np.ndarray | Lookup) -> Lookup:
+        """``keys`` found in the table as it is now (a Lookup found since it changed is kept)."""
+        if isinstance(keys, Lookup) and keys.version == self._table.version:
+            return keys
+        return self.lookup(keys.keys if isinstance(keys, Lookup) else keys)
+
+    def _runs(self, keys: Sequence[int] | np.ndarray | Lookup) -> list[tuple[tuple[int, int, int, int], int]]:
         """``((pool, cpu, redis, remembered) masks, count)`` for each run of equal rows of
         ``keys``, up to the first key no worker holds. Python steps once per run."""
-        slots = self._table.find(keys)
+        slots = self._current(keys).slots
         held = slots >= 0
         end = int(np.argmin(held)) if not held.all() else len(slots)
         if end == 0:
@@ -280,6 +341,13 @@ def _any_per_row(flags: np.ndarray) -> np.ndarray:
         return flags[:, 0]
     words = np.ascontiguousarray(flags).view(np.uint32)
     return words[:, 0] != 0 if words.shape[1] == 1 else words.any(axis=1)
+
+
+def _num_shared(seen: np.ndarray, keys: np.ndarray) -> int:
+    """How many keys two prompts' key arrays share from their start."""
+    end = min(len(seen), len(keys))
+    differ = np.flatnonzero(seen[:end] != keys[:end])
+    return int(differ[0]) if len(differ) else end
 
 
 def _key_array(keys: Iterable[int]) -> np.ndarray:

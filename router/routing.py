@@ -248,7 +248,8 @@ class SplitservePolicy(RoutingPolicy):
         if not prefill:
             return Decision(None, decode_id, self.index.match(keys, [decode_id])[decode_id])
         self._expire_if_late()
-        runs = self.index.match(keys, [w.worker_id for w in prefill])
+        found = self.index.lookup(keys)  # one find of the keys for the match and the memory
+        runs = self.index.match(found, [w.worker_id for w in prefill])
         recent_work = self._decayed_recent_work()
         least_recent_work = min(recent_work.get(w.worker_id, 0.0) for w in prefill)
         costs = {}
@@ -259,7 +260,7 @@ class SplitservePolicy(RoutingPolicy):
             costs[load.worker_id] = self.queued_tokens(load) + weight * work + balance + config.decode_weight * load.decode_load
         worker = self._pick(costs, prefill, request.num_prompt_tokens)
         if config.memory_s:
-            self.index.remember(worker, keys[runs[worker].blocks :], self.clock() + config.memory_s)
+            self.index.remember(worker, found.suffix(runs[worker].blocks), self.clock() + config.memory_s)
         return Decision(worker, decode_id, runs[worker], costs[worker])
 
     def work_tokens(self, request: RouteRequest, run: CachedRun) -> float:
