@@ -20,9 +20,9 @@ export TOKENIZERS_PARALLELISM := false
 up: deps
 	$(VENV)/bin/splitserve up
 
-# Three pytest workers, whole modules each (--dist loadfile keeps a module's shared cluster in one
+# Two pytest workers, whole modules each (--dist loadfile keeps a module's shared cluster in one
 # worker); TEST_WORKERS=0 runs the suite in this one process.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 test: deps
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
