@@ -210,6 +210,8 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     args = parser.parse_args(argv)
     check_ranges(parser, args, "prompt_len", "output_len")
+    if args.num_requests < max(args.concurrency):
+        parser.error(f"--num-requests: {args.num_requests} requests never reach --concurrency {max(args.concurrency)}; pass at least that many")
     if args.probe_len[1] < 2:
         parser.error("--probe-len: OUTPUT must be at least 2 (decode is timed from the first output token)")
     return args

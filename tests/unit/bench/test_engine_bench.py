@@ -68,7 +68,7 @@ def test_llama_cpp_missing_is_one_sentence_saying_how_to_install_it(monkeypatch,
 
 def test_a_model_that_is_not_there_is_one_sentence_naming_it(tmp_path, capsys):
     missing = tmp_path / "no-such-model"
-    assert run("engine", bench_engine.main, ["--model", str(missing), "--num-requests", "1"] + SYSTEMS) == 2
+    assert run("engine", bench_engine.main, ["--model", str(missing), "--num-requests", "1", "--concurrency", "1"] + SYSTEMS) == 2
     lines = capsys.readouterr().err.splitlines()
     assert lines[-1].startswith("bench.engine: ") and str(missing) in lines[-1]
     assert all(line.startswith("[bench.engine ") for line in lines[:-1])  # progress lines only, no traceback
@@ -101,3 +101,11 @@ def test_spec_ngram_adds_acceptance_and_speedups_per_workload(tiny_llama_dir, tm
         assert 0.0 <= row["acceptance"] <= 1.0 and row["speedup_c1"] > 0 and row["speedup_c8"] > 0
     err = capsys.readouterr().err
     assert re.search(r"^\[bench\.spec \d\d:\d\d:\d\d\] copy c8 ngram: \d+ tokens", err, re.MULTILINE)
+
+
+def test_fewer_requests_than_the_concurrency_are_refused_naming_both(capsys):
+    """16 requests never put 32 in flight: such a row would report concurrency 16 as 32."""
+    with pytest.raises(SystemExit) as exited:
+        bench_engine.main(["--num-requests", "16", "--concurrency", "1", "32"])
+    assert exited.value.code == 2
+    assert "--num-requests: 16 requests never reach --concurrency 32" in capsys.readouterr().err
