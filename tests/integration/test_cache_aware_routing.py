@@ -32,8 +32,12 @@ def cluster(ray_session, tiny_llama_dir):
 
 
 def _prefill_workers():
+    return _replicas("prefill")
+
+
+def _replicas(*pools: str):
     controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
-    return {status.replica_id: handle for status, _, handle in ray.get(controller.replicas.remote()) if status.pool == "prefill"}
+    return {status.replica_id: handle for status, _, handle in ray.get(controller.replicas.remote()) if not pools or status.pool in pools}
 
 
 def _num_prefills(workers):
@@ -78,7 +82,7 @@ def test_two_routers_hold_the_same_index_and_send_a_prefix_to_the_same_worker(cl
     with SplitServeClient(addresses[0]) as client:
         list(client.generate(prefix + tails[0], max_tokens=2, temperature=0))
     [holder] = [w for w, n in _num_prefills(workers).items() if n > before[w]]
-    _wait_for_index(cluster, workers)
+    _wait_for_index(cluster, _replicas())  # the decode replica's events too: the views hold its blocks
     views = ray.get([router.prefix_index_view.remote() for router in cluster.routers])
     assert views[0] == views[1] and set(workers) <= set(views[0])
     assert views[0][holder][1] >= 64 // 16  # the prefix's blocks, in the holder's pool
