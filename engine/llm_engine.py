@@ -154,7 +154,7 @@ def build_shard(
         load_native(model, checkpoint_dir, read_native_tensors(gguf_path, mc))
     else:
         load_weights(model, checkpoint_dir)
-        apply_weights(model, config.weights, None)
+        apply_weights(model, config.weights)
     layout = KVBlockLayout(mc.num_layers, model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
     if num_blocks < 1:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import UnsupportedModelError
-from engine.loader.gguf_native import BLOCK_KINDS, NativeTensor, read_native_tensors
+from engine.loader.gguf_native import BLOCK_KINDS, NativeTensor
 from engine.loader.weights import checkpoint_target, load_weights
 from engine.models.decoder import DecoderModel
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -46,12 +46,10 @@ def check_weights_dtype(weights: str, dtype: str) -> None:
         raise ValueError(f"weights: {weights!r} with dtype {dtype!r} is not supported (supported: {supported})")
 
 
-def apply_weights(model: DecoderModel, weights: str, gguf_path: Path | None) -> None:
-    """Convert ``model``'s linear layers (already loaded) to ``weights``; ``gguf_path`` is the GGUF
-    the checkpoint was converted from, or None for a safetensors checkpoint."""
+def apply_weights(model: DecoderModel, weights: str) -> None:
+    """Convert ``model``'s linear layers (already loaded) to ``weights``. ``native`` keeps them as
+    loaded: a checkpoint converted from a GGUF loads through ``load_native`` instead."""
     if weights == "native":
-        if gguf_path is not None:
-            apply_native(model, read_native_tensors(gguf_path, model.config))
         return
     for name, module in linear_layers(model):
         _convert(name, module, weights, lambda: _at_load(module, weights, name == "lm_head"))
@@ -60,9 +58,8 @@ def apply_weights(model: DecoderModel, weights: str, gguf_path: Path | None) -> 
 def apply_native(model: DecoderModel, native: dict[str, NativeTensor]) -> None:
     """Run ``model``'s linear layers on the GGUF tensors ``native`` (by Hugging Face name), each
     rank on its slice; a slice that cuts a 32-weight block is refused."""
-    sources = _sources_by_module(model, native)
-    for name, module in linear_layers(model):
-        _convert(name, module, "native", lambda: _native(module, sources.get(name, [])))
+    layers = dict(linear_layers(model))
+    _convert_native(layers, list(layers), _sources_by_module(model, native))
 
 
 def load_native(model: DecoderModel, checkpoint_dir: Path, native: dict[str, NativeTensor]) -> None:
@@ -80,11 +77,16 @@ def load_native(model: DecoderModel, checkpoint_dir: Path, native: dict[str, Nat
     # Largest first: the LM head's repacking needs several int32 copies of it for a moment,
     # cheaper before the other layers' kernels are held.
     from_blocks = sorted((name for name in layers if _runs_blocks(sources.get(name, []))), key=lambda name: -layers[name].weight.numel())
-    for name in from_blocks:
-        _convert(name, layers[name], "native", lambda: _native(layers[name], sources[name]))
+    _convert_native(layers, from_blocks, sources)
     load_weights(model, checkpoint_dir, skip=_weight_tensor_names(model, native, set(from_blocks)))
-    for name in layers.keys() - set(from_blocks):
-        _convert(name, layers[name], "native", lambda: _native(layers[name], sources.get(name, [])))
+    _convert_native(layers, [name for name in layers if name not in from_blocks], sources)
+
+
+def _convert_native(layers: dict[str, Linear], names: list[str], sources: dict[str, list[tuple[str | None, NativeTensor]]]) -> None:
+    """Convert the layers ``names`` (in that order) to their GGUF tensors in ``sources``."""
+    for name in names:
+        module = layers[name]
+        _convert(name, module, "native", lambda: _native(module, sources.get(name, [])))
 
 
 def _weight_tensor_names(model: DecoderModel, native: dict[str, NativeTensor], module_names: set[str]) -> frozenset[str]:

@@ -108,7 +108,7 @@ def test_tp_2_shards_of_quantized_weights_equal_the_slices_of_tp_1(tiny_llama_di
     native = q4_1_tensors(tiny_llama_dir)
     models = [rank_model(config, tiny_llama_dir, rank, size) for rank, size in ((0, 1), (0, 2), (1, 2))]
     for model in models:
-        apply_native(model, native) if weights == "native" else apply_weights(model, weights, None)
+        apply_native(model, native) if weights == "native" else apply_weights(model, weights)
     whole = {name: m.quantized.dequantize() for name, m in linear_layers(models[0])}
     for rank, model in enumerate(models[1:]):
         for name, module in linear_layers(model):
