@@ -106,7 +106,7 @@ class BlockHasher:
         record = self._lookup(checkpoints[0])
         seen = None
         if record is not None and record.root_key == root_key:
-            seen = _Seen(record, _num_shared_tokens(record.token_ids, tokens))
+            seen = _Seen(record, shared_prefix_length(record.token_ids, tokens))
             checkpoints = record.checkpoints[: min(seen.num_tokens // per_checkpoint, num_checkpoints)] or checkpoints
         rest = tokens[len(checkpoints) * per_checkpoint : num_checkpoints * per_checkpoint].astype("<u4", copy=False)
         chunks = np.frombuffer(rest, dtype=self._checkpoint_dtype).tolist()
@@ -136,7 +136,7 @@ class BlockHasher:
         record = self._lookup(checkpoints[low - 1])
         if record.root_key != root_key:
             return 0, None
-        num_tokens = seen.num_tokens if seen is not None and seen.record is record else _num_shared_tokens(record.token_ids, tokens)
+        num_tokens = seen.num_tokens if seen is not None and seen.record is record else shared_prefix_length(record.token_ids, tokens)
         return num_tokens // self.block_size, record
 
     def _hash(self, tokens: np.ndarray, start_block: int, parent_key: int) -> np.ndarray:
@@ -156,8 +156,8 @@ class BlockHasher:
         self._young.update(zip(record.checkpoints, repeat(number)))
 
 
-def _num_shared_tokens(seen: np.ndarray, tokens: np.ndarray) -> int:
-    """How many tokens two prompts share from their start."""
-    end = min(len(seen), len(tokens))
-    differ = np.flatnonzero(seen[:end] != tokens[:end])
+def shared_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading items two arrays share (two prompts' tokens, or their block keys)."""
+    end = min(len(a), len(b))
+    differ = np.flatnonzero(a[:end] != b[:end])
     return int(differ[0]) if len(differ) else end

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kv_store.events import EventGap, EventKind, KeySets, KVEventBatch, KVSnapshot, Tier
+from router.block_hashing import shared_prefix_length
 from router.key_table import KeyTable
 
 _TIER_LANE = {Tier.POOL: 0, Tier.CPU: 1, Tier.REDIS: 2}
@@ -172,7 +173,7 @@ class PrefixIndex:
         if recent is None:
             slots = table.find(keys)
         else:
-            num_shared = _num_shared(recent.keys, keys)
+            num_shared = shared_prefix_length(recent.keys, keys)
             slots = np.concatenate([recent.slots[:num_shared], np.full(len(keys) - num_shared, -1, dtype=np.int64)])
             unknown = np.flatnonzero(slots < 0)
             slots[unknown] = table.find(keys[unknown])
@@ -341,13 +342,6 @@ def _any_per_row(flags: np.ndarray) -> np.ndarray:
         return flags[:, 0]
     words = np.ascontiguousarray(flags).view(np.uint32)
     return words[:, 0] != 0 if words.shape[1] == 1 else words.any(axis=1)
-
-
-def _num_shared(seen: np.ndarray, keys: np.ndarray) -> int:
-    """How many keys two prompts' key arrays share from their start."""
-    end = min(len(seen), len(keys))
-    differ = np.flatnonzero(seen[:end] != keys[:end])
-    return int(differ[0]) if len(differ) else end
 
 
 def _key_array(keys: Iterable[int]) -> np.ndarray:
