@@ -61,27 +61,25 @@ def run_isolating(run: RunChunks, chunks: list[ScheduledChunk]) -> IsolatedStep:
         logger.warning("a step of %d requests raised %r; running it again in smaller groups to find the request", len(chunks), error)
         sampled: dict[Request, list[int]] = {}
         failed: dict[Request, Exception] = {}
-        if len(chunks) == 1:
-            failed[chunks[0].request] = error
-        else:
-            for half in _halves(chunks):
-                _bisect(run, half, sampled, failed)
+        _split(run, chunks, error, sampled, failed)
         if len(chunks) > 1 and len(failed) == len(chunks):
             raise error
         return IsolatedStep(sampled, failed)
 
 
-def _bisect(run: RunChunks, chunks: list[ScheduledChunk], sampled: dict, failed: dict) -> None:
-    try:
-        sampled.update(run(chunks))
-    except Exception as error:
-        if not blames_a_request(error):
-            raise
-        if len(chunks) == 1:
-            failed[chunks[0].request] = error
-            return
-        for half in _halves(chunks):
-            _bisect(run, half, sampled, failed)
+def _split(run: RunChunks, chunks: list[ScheduledChunk], error: Exception, sampled: dict, failed: dict) -> None:
+    """``chunks`` raised ``error``: one chunk alone is the culprit; more run again by halves,
+    each half that raises split in turn."""
+    if len(chunks) == 1:
+        failed[chunks[0].request] = error
+        return
+    for half in _halves(chunks):
+        try:
+            sampled.update(run(half))
+        except Exception as half_error:
+            if not blames_a_request(half_error):
+                raise
+            _split(run, half, half_error, sampled, failed)
 
 
 def _halves(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
