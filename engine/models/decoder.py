@@ -62,7 +62,9 @@ class DecoderModel(torch.nn.Module):
         """A model with uninitialized weights (no time spent on random init), ready for load_weights."""
         with torch.device("meta"):
             model = cls(config, max_positions, tp, ep)
-        model.to_empty(device="cpu")
+        # Not ``to_empty``: its ``empty_like`` of a meta tensor runs torch's Python reference
+        # implementation, whose first call imports sympy (0.3-0.5 s in every rank's process).
+        model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
         for name, buffer in model.named_buffers():
             if name.endswith("expert_tokens"):
                 buffer.zero_()
