@@ -170,7 +170,7 @@ def process_gone(pid: int) -> bool:
 
 
 def test_a_follower_rank_killed_mid_prefill_fails_the_replica_whose_calls_migrate_to_its_replacement(client, reference, engine_config):
-    [long_prompt] = random_prompts([1500], vocab=49152, seed=5)
+    [long_prompt] = random_prompts([800], vocab=49152, seed=5)  # 4 chunks of 256: a window to kill in
     old = decode_replica(client)
     [pool] = [p for p in client.cluster_status().pools if p.pool == "decode"]
     outcome: dict = {}
