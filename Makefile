@@ -15,16 +15,22 @@ export RAY_USAGE_STATS_ENABLED := 0
 export UCX_NET_DEVICES := lo
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: up test deps system-deps bench bench-peers build-deps clean chart chart-check
+.PHONY: up test test-durations deps system-deps bench bench-peers build-deps clean chart chart-check
 
 up: deps
 	$(VENV)/bin/splitserve up
 
 # Two pytest workers, whole modules each (--dist loadfile keeps a module's shared cluster in one
-# worker); TEST_WORKERS=0 runs the suite in this one process.
+# worker), dealt longest first by tests/durations.json (--no-loadscope-reorder keeps that order;
+# xdist would otherwise sort modules by their number of tests); TEST_WORKERS=0 runs the suite in
+# this one process. test-durations reruns the suite and rewrites tests/durations.json.
 TEST_WORKERS ?= 2
+XDIST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: deps
-	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST_ARGS) $(PYTEST_ARGS)
+
+test-durations: deps
+	$(PY) -m pytest $(XDIST_ARGS) --store-durations $(PYTEST_ARGS)
 
 bench: deps bench-peers
 	$(PY) -m bench.engine --model smollm2-135m --json bench/out/engine.json

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -33,9 +34,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+DURATIONS_FILE = Path(__file__).with_name("durations.json")
+"""Seconds each test module took in a measured run (``--store-durations`` updates the modules it ran)."""
+_UNMEASURED_SLOW_S = 30.0
+"""A module missing from the file, with a ``slow`` test: guessed long, so it is not dealt last."""
+_UNMEASURED_S = 1.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--store-durations", action="store_true", help=f"write each test module's seconds to {DURATIONS_FILE.name}")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _distributed(config):
-        _slow_modules_first(items)
+        _longest_modules_first(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
@@ -49,12 +61,38 @@ def _distributed(config: pytest.Config) -> bool:
     return bool(os.environ.get("PYTEST_XDIST_WORKER")) or bool(getattr(config.option, "numprocesses", None))
 
 
-def _slow_modules_first(items: list[pytest.Item]) -> None:
-    """Modules holding a ``slow`` test go out to the workers first, in collection order otherwise:
-    with whole modules dealt to free workers, a long module dealt last would run alone at the end.
-    Every worker and the controller sort the same collection the same way, as xdist requires."""
-    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow") and getattr(item, "module", None)}
-    items.sort(key=lambda item: getattr(item, "module", None) is None or item.module.__name__ not in slow_modules)
+def _longest_modules_first(items: list[pytest.Item]) -> None:
+    """Modules go out to the workers longest first, by their seconds in ``durations.json``
+    (longest-processing-time-first: whole modules are dealt to whichever worker frees up, and a
+    long module dealt last would run alone at the end while the other worker idles). The Makefile
+    passes ``--no-loadscope-reorder``, or xdist would re-sort them by their number of tests. Every
+    worker and the controller sort the same collection the same way, as xdist requires."""
+    measured = json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.exists() else {}
+    slow = {_module_of(item.nodeid) for item in items if item.get_closest_marker("slow")}
+
+    def seconds(module: str) -> float:
+        return measured.get(module, _UNMEASURED_SLOW_S if module in slow else _UNMEASURED_S)
+
+    items.sort(key=lambda item: -seconds(_module_of(item.nodeid)))
+
+
+def _module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+_module_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Under xdist the controller sees every worker's reports here, so it can add them all up."""
+    _module_seconds[_module_of(report.nodeid)] = _module_seconds.get(_module_of(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if session.config.getoption("--store-durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        known = json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.exists() else {}
+        known.update((module, round(seconds, 1)) for module, seconds in _module_seconds.items())
+        DURATIONS_FILE.write_text(json.dumps(dict(sorted(known.items(), key=lambda kv: -kv[1])), indent=0) + "\n")
 
 
 @pytest.fixture(scope="session")
