@@ -75,7 +75,7 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 def test_incremental_hashing_equals_hashing_from_scratch_and_hashes_only_new_blocks():
     rng = random.Random(3)
-    hasher = BlockHasher(16)
+    hasher = BlockHasher(16, reuse=True)  # the Python chain's way (the default where the C one is missing)
     prompt = _prompt(rng, 1000)
     assert hasher.keys(prompt, 7).tolist() == block_keys(prompt, 16, 7)
     assert hasher.num_hashed_blocks == 62
@@ -92,7 +92,7 @@ def test_incremental_hashing_equals_hashing_from_scratch_and_hashes_only_new_blo
 
 def test_hashing_survives_generations_and_refuses_bad_ids():
     rng = random.Random(4)
-    hasher = BlockHasher(4, max_blocks=40)  # two prompts' worth: generations turn over
+    hasher = BlockHasher(4, max_blocks=40, reuse=True)  # two prompts' worth: generations turn over
     prompts = [_prompt(rng, 100) for _ in range(6)]
     for prompt in prompts * 2:
         assert hasher.keys(prompt, 1).tolist() == block_keys(prompt, 4, 1)
