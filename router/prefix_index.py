@@ -95,6 +95,8 @@ class PrefixIndex:
         self._packed = True
         """Lanes of ``_PACKED_BITS`` in one column, until a 17th worker bit is taken."""
         self._remember_order: deque[tuple[float, np.ndarray]] = deque()
+        self._unsettled: deque[tuple[str, np.ndarray | Lookup, float]] = deque()
+        """``remember`` calls not in the table yet: ``settle`` applies them."""
         self._recent: dict[int, Lookup] = {}
         """First key -> the latest lookup of a prompt that starts with it (oldest first)."""
         self._recent_rows_version = self._table.rows_version
@@ -116,6 +118,7 @@ class PrefixIndex:
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker that left (its Redis writes stay known through other workers only)."""
+        self.settle()
         sets = self._sets.pop(worker_id, None)
         if sets is None:
             return
@@ -128,6 +131,7 @@ class PrefixIndex:
 
     def apply(self, batch: KVEventBatch) -> None:
         """Apply a worker's next batch; EventGap if one is missing (then ``load_snapshot``)."""
+        self.settle()
         self.add_worker(batch.worker_id)
         sets = self._sets[batch.worker_id]
         if batch.seq <= sets.seq:
@@ -150,7 +154,7 @@ class PrefixIndex:
 
     def load_snapshot(self, snapshot: KVSnapshot) -> None:
         """Replace a worker's key sets with a snapshot (after a gap, or when it joins)."""
-        self.remove_worker(snapshot.worker_id)
+        self.remove_worker(snapshot.worker_id)  # it settles first
         self.add_worker(snapshot.worker_id)
         bit = self._bits[snapshot.worker_id]
         fresh = KeySets.from_snapshot(snapshot)
@@ -164,6 +168,11 @@ class PrefixIndex:
         A session's next turn repeats its previous prompt's keys, and a held key keeps its slot
         until rows move, so the keys the latest lookup through the same first key found (or
         ``remember`` placed) keep their slots; only the others are looked for."""
+        self.settle()
+        return self._lookup(keys)
+
+    def _lookup(self, keys: Sequence[int] | np.ndarray) -> Lookup:
+        """``lookup`` of the table as it is (``settle`` runs this, so it must not settle)."""
         keys = _key_array(keys).copy()  # kept for the next turn, and by ``remember``: no caller may change them
         table = self._table
         if self._recent_rows_version != table.rows_version:
@@ -186,10 +195,28 @@ class PrefixIndex:
 
     def remember(self, worker_id: str, keys: Sequence[int] | np.ndarray | Lookup, until_s: float) -> None:
         """Count ``keys`` as in ``worker_id``'s pool until ``until_s`` (this router just sent them
-        there; the KV events will say so later)."""
+        there; the KV events will say so later).
+
+        Placing a new prompt's keys is most of a routing step (~300 us at 2,048 keys), and the
+        request has no need of it: it only informs the next step. So the keys go into the table
+        at ``settle``, which the router runs once the request is sent, and which every other
+        method here runs first: nothing can see the index without them."""
         if not len(keys):
             return
         self.add_worker(worker_id)
+        self._unsettled.append((worker_id, keys if isinstance(keys, Lookup) else _key_array(keys).copy(), until_s))
+
+    @property
+    def num_unsettled(self) -> int:
+        """``remember`` calls whose keys are not in the table yet."""
+        return len(self._unsettled)
+
+    def settle(self) -> None:
+        """Put the keys of every ``remember`` so far in the table (a no-op when there are none)."""
+        while self._unsettled:
+            self._remember_now(*self._unsettled.popleft())
+
+    def _remember_now(self, worker_id: str, keys: np.ndarray | Lookup, until_s: float) -> None:
         found = self._current(keys)
         keys = found.keys  # a lookup's own copy: the order below may hold it
         slots = self._table.insert(keys, found.slots)
@@ -203,6 +230,7 @@ class PrefixIndex:
     def forget_expired(self, now_s: float) -> None:
         """Drop remembered keys whose last ``remember`` ended by ``now_s``. It runs at load
         reports, off the requests' path: a table that fills up grows here first."""
+        self.settle()
         order, table = self._remember_order, self._table
         if len(table) > _GROW_AT * table.capacity:
             table.compact()
@@ -218,10 +246,12 @@ class PrefixIndex:
 
     def oldest_remembered_s(self) -> float | None:
         """When the oldest remembered keys expire (None: nothing remembered)."""
+        self.settle()
         return self._remember_order[0][0] if self._remember_order else None
 
     def match(self, keys: Sequence[int] | np.ndarray | Lookup, workers: Iterable[str] | None = None) -> dict[str, CachedRun]:
         """Each worker's longest cached run of ``keys`` from the first, split by serving tier."""
+        self.settle()
         names = list(self._sets) if workers is None else list(workers)
         known = [w for w in names if w in self._bits]  # a worker with no events yet holds nothing
         alive = 0
@@ -249,7 +279,7 @@ class PrefixIndex:
         """``keys`` found in the table as it is now (a Lookup found since it changed is kept)."""
         if isinstance(keys, Lookup) and keys.version == self._table.version:
             return keys
-        return self.lookup(keys.keys if isinstance(keys, Lookup) else keys)
+        return self._lookup(keys.keys if isinstance(keys, Lookup) else keys)
 
     def _runs(self, keys: Sequence[int] | np.ndarray | Lookup) -> list[tuple[tuple[int, int, int, int], int]]:
         """``((pool, cpu, redis, remembered) masks, count)`` for each run of equal rows of

@@ -3,20 +3,23 @@ context refusal before routing."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import grpc
 import pytest
 
 from kv_store.events import EventKind, KVEvent, KVEventBatch, Tier
-from kv_store.keys import block_keys
+from kv_store.keys import KeyNamespace, block_keys
 from proto import splitserve_pb2 as pb
 from router.block_hashing import BlockHasher
 from router.errors import CallRejected
 from router.prefix_index import CachedRun, PrefixIndex
 from router.routing import PolicyConfig, RouteRequest, WorkerLoad, make_policy
-from router.service import check_fits_context
-from router.workers import Replica
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.service import GenerationService, check_fits_context
+from router.workers import Replica, WorkerDirectory
 
 KEYS = list(range(1, 65))  # 64 blocks of 16 tokens
 
@@ -67,6 +70,38 @@ def test_remembered_decisions_count_as_pool_blocks_until_they_expire():
     policy.report(WorkerLoad(first))
     assert index.match(KEYS)[first] == CachedRun()
     assert index.oldest_remembered_s() is None
+
+
+def test_a_decision_returns_before_its_memory_is_placed_and_nothing_reads_the_index_without_it():
+    index = PrefixIndex()
+    policy = make_policy("splitserve", index, PolicyConfig(memory_s=2.0), clock=lambda: 0.0)
+    first = policy.choose(_request(), [WorkerLoad("a"), WorkerLoad("b")]).prefill
+    assert index.num_unsettled == 1
+    assert index.oldest_remembered_s() == 2.0 and index.num_unsettled == 0  # a reader settles first
+    second = policy.choose(_request(), [WorkerLoad("a"), WorkerLoad("b")])
+    assert (second.prefill, second.cached) == (first, CachedRun(pool=64))
+    _stored(index, "b", Tier.POOL, KEYS)  # so does a writer: the memory goes in before the event
+    assert index.num_unsettled == 0 and index.match(KEYS) == {"a": CachedRun(pool=64), "b": CachedRun(pool=64)}
+
+
+def test_the_router_settles_its_decision_once_the_call_goes_on():
+    namespace = KeyNamespace("m", "0", "fp8_e4m3", 16)
+    directory = WorkerDirectory()
+    for replica_id, pool in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+        status = pb.ReplicaStatus(replica_id=replica_id, pool=pool, healthy=True, num_kv_blocks=64, num_free_kv_blocks=64)
+        directory.replicas[replica_id] = Replica(None, pb.ModelInfo(id="m", max_model_len=4096, block_size=16), status, namespace=namespace)
+    index = PrefixIndex()
+    service = GenerationService(RouterConfig(), directory, RouterMetrics("test-settle"), make_policy("splitserve", index), channels=None)
+    request = pb.GenerateRequest(model="m", prompt_token_ids=list(range(1000)), request_id="r")
+
+    async def route_then_yield() -> tuple[int, int]:
+        chosen = await service._choose_prefill(request, directory.replicas["d0"])
+        unsettled = index.num_unsettled
+        await asyncio.sleep(0)  # the call's first wait: the loop runs the settle it scheduled
+        assert index.match(block_keys(request.prompt_token_ids[:992], 16, namespace.root_key()))[chosen.replica_id] == CachedRun(pool=62)
+        return unsettled, index.num_unsettled
+
+    assert asyncio.run(route_then_yield()) == (1, 0)
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
