@@ -47,6 +47,8 @@ _GROW_AT = 0.375
 """Share of the table's slots in use past which ``forget_expired`` grows it (``insert`` would at 1/2)."""
 _NUM_RECENT_LOOKUPS = 256
 """Prompts (by first key) whose lookups a next turn starts from."""
+UNKNOWN = -2
+"""A ``Lookup`` slot not looked for."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,8 @@ class Lookup:
     keys: np.ndarray
     """uint64."""
     slots: np.ndarray
-    """The table slot of each key, -1 where the table does not hold it."""
+    """The table slot of each key, -1 where the table does not hold it, ``UNKNOWN`` where it
+    was not looked for (only ever past a -1: no cached run reaches it)."""
     version: int
     """The table's version when they were found."""
 
@@ -167,7 +170,9 @@ class PrefixIndex:
 
         A session's next turn repeats its previous prompt's keys, and a held key keeps its slot
         until rows move, so the keys the latest lookup through the same first key found (or
-        ``remember`` placed) keep their slots; only the others are looked for."""
+        ``remember`` placed) keep their slots; only the others are looked for. And only as far
+        as a cached run can reach: past the first key the table does not hold, none is looked
+        for (a new conversation's 2,048 keys cost one probe); ``remember`` finds those."""
         self.settle()
         return self._lookup(keys)
 
@@ -180,12 +185,11 @@ class PrefixIndex:
             self._recent_rows_version = table.rows_version
         recent = self._recent.pop(int(keys[0]), None) if len(keys) else None
         if recent is None:
-            slots = table.find(keys)
+            slots = np.full(len(keys), UNKNOWN, dtype=np.int64)
         else:
             num_shared = shared_prefix_length(recent.keys, keys)
-            slots = np.concatenate([recent.slots[:num_shared], np.full(len(keys) - num_shared, -1, dtype=np.int64)])
-            unknown = np.flatnonzero(slots < 0)
-            slots[unknown] = table.find(keys[unknown])
+            slots = np.concatenate([recent.slots[:num_shared], np.full(len(keys) - num_shared, UNKNOWN, dtype=np.int64)])
+        _find_up_to_a_miss(table, keys, slots, np.flatnonzero(slots < 0))
         found = Lookup(keys, slots, table.version)
         if len(keys):
             self._recent[int(keys[0])] = found
@@ -219,6 +223,8 @@ class PrefixIndex:
     def _remember_now(self, worker_id: str, keys: np.ndarray | Lookup, until_s: float) -> None:
         found = self._current(keys)
         keys = found.keys  # a lookup's own copy: the order below may hold it
+        unknown = np.flatnonzero(found.slots == UNKNOWN)
+        found.slots[unknown] = self._table.find(keys[unknown])
         slots = self._table.insert(keys, found.slots)
         if self._table.rows_version == self._recent_rows_version:
             found.slots[:] = slots  # the recent lookup it belongs to learns where they went
@@ -350,6 +356,17 @@ class PrefixIndex:
         for lane in range(_LANES):
             values[:, lane] = packed >> np.uint64(lane * _PACKED_BITS) & np.uint64((1 << _PACKED_BITS) - 1)
         self._packed = False
+
+
+def _find_up_to_a_miss(table: KeyTable, keys: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> None:
+    """``slots[positions] = table.find(keys[positions])`` (``positions`` ascending), except that
+    when the first of them is not held, the rest stay ``UNKNOWN``: every run stops there."""
+    if not len(positions):
+        return
+    first = table.find(keys[positions[:1]])
+    slots[positions[0]] = first[0]
+    if first[0] >= 0 and len(positions) > 1:
+        slots[positions[1:]] = table.find(keys[positions[1:]])
 
 
 def _unpack(row: list[int]) -> tuple[int, int, int, int]:
