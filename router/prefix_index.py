@@ -279,7 +279,7 @@ class PrefixIndex:
                 segment, length = pattern, 0
             length += num_keys
         self._credit(counts, known, segment, length)
-        return {name: CachedRun(*c) for name, c in counts.items()}
+        return {name: CachedRun(*c) if any(c) else _NO_RUN for name, c in counts.items()}
 
     def _current(self, keys: Sequence[int] | np.ndarray | Lookup) -> Lookup:
         """``keys`` found in the table as it is now (a Lookup found since it changed is kept)."""
@@ -291,11 +291,13 @@ class PrefixIndex:
         """``((pool, cpu, redis, remembered) masks, count)`` for each run of equal rows of
         ``keys``, up to the first key no worker holds. Python steps once per run."""
         slots = self._current(keys).slots
-        held = slots >= 0
-        end = int(np.argmin(held)) if not held.all() else len(slots)
+        misses = np.flatnonzero(slots < 0)
+        end = int(misses[0]) if len(misses) else len(slots)
         if end == 0:
             return []
         rows = self._table.values_at(slots[:end])
+        if self._packed:
+            return _packed_runs(rows[:, 0])
         nonzero = _any_per_row(rows != 0)
         if not nonzero.all():
             end = int(np.argmin(nonzero))
@@ -303,8 +305,7 @@ class PrefixIndex:
                 return []
             rows = rows[:end]
         starts = [0, *(np.flatnonzero(_any_per_row(rows[1:] != rows[:-1])) + 1).tolist(), end]
-        lanes = _unpack if self._packed else _lanes
-        return [(lanes(row), b - a) for row, a, b in zip(rows[starts[:-1]].tolist(), starts, starts[1:])]
+        return [(_lanes(row), b - a) for row, a, b in zip(rows[starts[:-1]].tolist(), starts, starts[1:])]
 
     def num_keys(self, worker_id: str, tier: Tier = Tier.POOL) -> int:
         sets = self._sets.get(worker_id)
@@ -358,20 +359,32 @@ class PrefixIndex:
         self._packed = False
 
 
+_NO_RUN = CachedRun()
+
+
 def _find_up_to_a_miss(table: KeyTable, keys: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> None:
     """``slots[positions] = table.find(keys[positions])`` (``positions`` ascending), except that
     when the first of them is not held, the rest stay ``UNKNOWN``: every run stops there."""
     if not len(positions):
         return
-    first = table.find(keys[positions[:1]])
-    slots[positions[0]] = first[0]
-    if first[0] >= 0 and len(positions) > 1:
+    first = slots[positions[0]] = table.find_one(int(keys[positions[0]]))
+    if first >= 0 and len(positions) > 1:
         slots[positions[1:]] = table.find(keys[positions[1:]])
 
 
-def _unpack(row: list[int]) -> tuple[int, int, int, int]:
-    """A packed row (one uint64) as one Python int of worker bits per lane."""
-    value, mask = row[0], (1 << _PACKED_BITS) - 1
+def _packed_runs(values: np.ndarray) -> list[tuple[tuple[int, int, int, int], int]]:
+    """``_runs`` over packed rows (one uint64 each), up to the first that no worker holds:
+    1-D arrays all through (a lookup's few numpy calls on memory it last touched a turn ago)."""
+    empty = np.flatnonzero(values == 0)
+    end = int(empty[0]) if len(empty) else len(values)
+    values = values[:end]
+    starts = [0, *(np.flatnonzero(values[1:] != values[:-1]) + 1).tolist(), end] if end else [0]
+    return [(_unpack(value), b - a) for value, a, b in zip(values[starts[:-1]].tolist(), starts, starts[1:])]
+
+
+def _unpack(value: int) -> tuple[int, int, int, int]:
+    """A packed row's value as one Python int of worker bits per lane."""
+    mask = (1 << _PACKED_BITS) - 1
     return value & mask, value >> _PACKED_BITS & mask, value >> 2 * _PACKED_BITS & mask, value >> 3 * _PACKED_BITS
 
 
