@@ -35,7 +35,7 @@ _U64_MAX = 2**64 - 1
 _xxh3 = xxhash.xxh3_64_intdigest
 
 try:
-    from kv_store import _chain
+    import kv_store._chain as _chain
 except ImportError:  # not built (no compiler or no xxhash.h at install): the Python loop, same keys
     _chain = None
 
