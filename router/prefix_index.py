@@ -47,6 +47,8 @@ _GROW_AT = 0.375
 """Share of the table's slots in use past which ``forget_expired`` grows it (``insert`` would at 1/2)."""
 _NUM_RECENT_LOOKUPS = 256
 """Prompts (by first key) whose lookups a next turn starts from."""
+UNKNOWN = -2
+"""A ``Lookup`` slot not looked for."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,8 @@ class Lookup:
     keys: np.ndarray
     """uint64."""
     slots: np.ndarray
-    """The table slot of each key, -1 where the table does not hold it."""
+    """The table slot of each key, -1 where the table does not hold it, ``UNKNOWN`` where it
+    was not looked for (only ever past a -1: no cached run reaches it)."""
     version: int
     """The table's version when they were found."""
 
@@ -95,6 +98,8 @@ class PrefixIndex:
         self._packed = True
         """Lanes of ``_PACKED_BITS`` in one column, until a 17th worker bit is taken."""
         self._remember_order: deque[tuple[float, np.ndarray]] = deque()
+        self._unsettled: deque[tuple[str, np.ndarray | Lookup, float]] = deque()
+        """``remember`` calls not in the table yet: ``settle`` applies them."""
         self._recent: dict[int, Lookup] = {}
         """First key -> the latest lookup of a prompt that starts with it (oldest first)."""
         self._recent_rows_version = self._table.rows_version
@@ -116,6 +121,7 @@ class PrefixIndex:
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker that left (its Redis writes stay known through other workers only)."""
+        self.settle()
         sets = self._sets.pop(worker_id, None)
         if sets is None:
             return
@@ -128,6 +134,7 @@ class PrefixIndex:
 
     def apply(self, batch: KVEventBatch) -> None:
         """Apply a worker's next batch; EventGap if one is missing (then ``load_snapshot``)."""
+        self.settle()
         self.add_worker(batch.worker_id)
         sets = self._sets[batch.worker_id]
         if batch.seq <= sets.seq:
@@ -150,7 +157,7 @@ class PrefixIndex:
 
     def load_snapshot(self, snapshot: KVSnapshot) -> None:
         """Replace a worker's key sets with a snapshot (after a gap, or when it joins)."""
-        self.remove_worker(snapshot.worker_id)
+        self.remove_worker(snapshot.worker_id)  # it settles first
         self.add_worker(snapshot.worker_id)
         bit = self._bits[snapshot.worker_id]
         fresh = KeySets.from_snapshot(snapshot)
@@ -163,7 +170,14 @@ class PrefixIndex:
 
         A session's next turn repeats its previous prompt's keys, and a held key keeps its slot
         until rows move, so the keys the latest lookup through the same first key found (or
-        ``remember`` placed) keep their slots; only the others are looked for."""
+        ``remember`` placed) keep their slots; only the others are looked for. And only as far
+        as a cached run can reach: past the first key the table does not hold, none is looked
+        for (a new conversation's 2,048 keys cost one probe); ``remember`` finds those."""
+        self.settle()
+        return self._lookup(keys)
+
+    def _lookup(self, keys: Sequence[int] | np.ndarray) -> Lookup:
+        """``lookup`` of the table as it is (``settle`` runs this, so it must not settle)."""
         keys = _key_array(keys).copy()  # kept for the next turn, and by ``remember``: no caller may change them
         table = self._table
         if self._recent_rows_version != table.rows_version:
@@ -171,12 +185,11 @@ class PrefixIndex:
             self._recent_rows_version = table.rows_version
         recent = self._recent.pop(int(keys[0]), None) if len(keys) else None
         if recent is None:
-            slots = table.find(keys)
+            slots = np.full(len(keys), UNKNOWN, dtype=np.int64)
         else:
             num_shared = shared_prefix_length(recent.keys, keys)
-            slots = np.concatenate([recent.slots[:num_shared], np.full(len(keys) - num_shared, -1, dtype=np.int64)])
-            unknown = np.flatnonzero(slots < 0)
-            slots[unknown] = table.find(keys[unknown])
+            slots = np.concatenate([recent.slots[:num_shared], np.full(len(keys) - num_shared, UNKNOWN, dtype=np.int64)])
+        _find_up_to_a_miss(table, keys, slots, np.flatnonzero(slots < 0))
         found = Lookup(keys, slots, table.version)
         if len(keys):
             self._recent[int(keys[0])] = found
@@ -186,12 +199,32 @@ class PrefixIndex:
 
     def remember(self, worker_id: str, keys: Sequence[int] | np.ndarray | Lookup, until_s: float) -> None:
         """Count ``keys`` as in ``worker_id``'s pool until ``until_s`` (this router just sent them
-        there; the KV events will say so later)."""
+        there; the KV events will say so later).
+
+        Placing a new prompt's keys is most of a routing step (~300 us at 2,048 keys), and the
+        request has no need of it: it only informs the next step. So the keys go into the table
+        at ``settle``, which the router runs once the request is sent, and which every other
+        method here runs first: nothing can see the index without them."""
         if not len(keys):
             return
         self.add_worker(worker_id)
+        self._unsettled.append((worker_id, keys if isinstance(keys, Lookup) else _key_array(keys).copy(), until_s))
+
+    @property
+    def num_unsettled(self) -> int:
+        """``remember`` calls whose keys are not in the table yet."""
+        return len(self._unsettled)
+
+    def settle(self) -> None:
+        """Put the keys of every ``remember`` so far in the table (a no-op when there are none)."""
+        while self._unsettled:
+            self._remember_now(*self._unsettled.popleft())
+
+    def _remember_now(self, worker_id: str, keys: np.ndarray | Lookup, until_s: float) -> None:
         found = self._current(keys)
         keys = found.keys  # a lookup's own copy: the order below may hold it
+        unknown = np.flatnonzero(found.slots == UNKNOWN)
+        found.slots[unknown] = self._table.find(keys[unknown])
         slots = self._table.insert(keys, found.slots)
         if self._table.rows_version == self._recent_rows_version:
             found.slots[:] = slots  # the recent lookup it belongs to learns where they went
@@ -203,6 +236,7 @@ class PrefixIndex:
     def forget_expired(self, now_s: float) -> None:
         """Drop remembered keys whose last ``remember`` ended by ``now_s``. It runs at load
         reports, off the requests' path: a table that fills up grows here first."""
+        self.settle()
         order, table = self._remember_order, self._table
         if len(table) > _GROW_AT * table.capacity:
             table.compact()
@@ -218,10 +252,12 @@ class PrefixIndex:
 
     def oldest_remembered_s(self) -> float | None:
         """When the oldest remembered keys expire (None: nothing remembered)."""
+        self.settle()
         return self._remember_order[0][0] if self._remember_order else None
 
     def match(self, keys: Sequence[int] | np.ndarray | Lookup, workers: Iterable[str] | None = None) -> dict[str, CachedRun]:
         """Each worker's longest cached run of ``keys`` from the first, split by serving tier."""
+        self.settle()
         names = list(self._sets) if workers is None else list(workers)
         known = [w for w in names if w in self._bits]  # a worker with no events yet holds nothing
         alive = 0
@@ -243,23 +279,25 @@ class PrefixIndex:
                 segment, length = pattern, 0
             length += num_keys
         self._credit(counts, known, segment, length)
-        return {name: CachedRun(*c) for name, c in counts.items()}
+        return {name: CachedRun(*c) if any(c) else _NO_RUN for name, c in counts.items()}
 
     def _current(self, keys: Sequence[int] | np.ndarray | Lookup) -> Lookup:
         """``keys`` found in the table as it is now (a Lookup found since it changed is kept)."""
         if isinstance(keys, Lookup) and keys.version == self._table.version:
             return keys
-        return self.lookup(keys.keys if isinstance(keys, Lookup) else keys)
+        return self._lookup(keys.keys if isinstance(keys, Lookup) else keys)
 
     def _runs(self, keys: Sequence[int] | np.ndarray | Lookup) -> list[tuple[tuple[int, int, int, int], int]]:
         """``((pool, cpu, redis, remembered) masks, count)`` for each run of equal rows of
         ``keys``, up to the first key no worker holds. Python steps once per run."""
         slots = self._current(keys).slots
-        held = slots >= 0
-        end = int(np.argmin(held)) if not held.all() else len(slots)
+        misses = np.flatnonzero(slots < 0)
+        end = int(misses[0]) if len(misses) else len(slots)
         if end == 0:
             return []
         rows = self._table.values_at(slots[:end])
+        if self._packed:
+            return _packed_runs(rows[:, 0])
         nonzero = _any_per_row(rows != 0)
         if not nonzero.all():
             end = int(np.argmin(nonzero))
@@ -267,8 +305,7 @@ class PrefixIndex:
                 return []
             rows = rows[:end]
         starts = [0, *(np.flatnonzero(_any_per_row(rows[1:] != rows[:-1])) + 1).tolist(), end]
-        lanes = _unpack if self._packed else _lanes
-        return [(lanes(row), b - a) for row, a, b in zip(rows[starts[:-1]].tolist(), starts, starts[1:])]
+        return [(_lanes(row), b - a) for row, a, b in zip(rows[starts[:-1]].tolist(), starts, starts[1:])]
 
     def num_keys(self, worker_id: str, tier: Tier = Tier.POOL) -> int:
         sets = self._sets.get(worker_id)
@@ -322,9 +359,32 @@ class PrefixIndex:
         self._packed = False
 
 
-def _unpack(row: list[int]) -> tuple[int, int, int, int]:
-    """A packed row (one uint64) as one Python int of worker bits per lane."""
-    value, mask = row[0], (1 << _PACKED_BITS) - 1
+_NO_RUN = CachedRun()
+
+
+def _find_up_to_a_miss(table: KeyTable, keys: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> None:
+    """``slots[positions] = table.find(keys[positions])`` (``positions`` ascending), except that
+    when the first of them is not held, the rest stay ``UNKNOWN``: every run stops there."""
+    if not len(positions):
+        return
+    first = slots[positions[0]] = table.find_one(int(keys[positions[0]]))
+    if first >= 0 and len(positions) > 1:
+        slots[positions[1:]] = table.find(keys[positions[1:]])
+
+
+def _packed_runs(values: np.ndarray) -> list[tuple[tuple[int, int, int, int], int]]:
+    """``_runs`` over packed rows (one uint64 each), up to the first that no worker holds:
+    1-D arrays all through (a lookup's few numpy calls on memory it last touched a turn ago)."""
+    empty = np.flatnonzero(values == 0)
+    end = int(empty[0]) if len(empty) else len(values)
+    values = values[:end]
+    starts = [0, *(np.flatnonzero(values[1:] != values[:-1]) + 1).tolist(), end] if end else [0]
+    return [(_unpack(value), b - a) for value, a, b in zip(values[starts[:-1]].tolist(), starts, starts[1:])]
+
+
+def _unpack(value: int) -> tuple[int, int, int, int]:
+    """A packed row's value as one Python int of worker bits per lane."""
+    mask = (1 << _PACKED_BITS) - 1
     return value & mask, value >> _PACKED_BITS & mask, value >> 2 * _PACKED_BITS & mask, value >> 3 * _PACKED_BITS
 
 

@@ -213,11 +213,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             if sent_as_ids:  # a text prompt too long is the engine's to refuse, after its sampling checks, as before
                 check_fits_context(len(request.prompt_token_ids), [*prefills, decode])
             return prefills[0] if prefills else None
-        return self.route(request, prefills, decode)
+        chosen = self.route(request, prefills, decode)
+        asyncio.get_running_loop().call_soon(self.policy.index.settle)  # once the request is sent (the call's first wait)
+        return chosen
 
     def route(self, request: pb.GenerateRequest, prefills: list[Replica], decode: Replica) -> Replica | None:
-        """The routing decision proper, on the event loop: hash the prompt's blocks (reusing the
-        keys of a prefix seen before), refuse a prompt no worker's context holds, ask the policy."""
+        """The routing decision proper, on the event loop: hash the prompt's blocks, refuse a
+        prompt no worker's context holds, ask the policy. What the decision leaves the prefix
+        index to learn (``PrefixIndex.settle``) is the caller's to run after sending it."""
         token_ids = request.prompt_token_ids
         check_fits_context(len(token_ids), [*prefills, decode])
         namespace = prefills[0].namespace or decode.namespace

@@ -1,9 +1,14 @@
+import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kv_store import keys as keys_module
 from kv_store.keys import KeyNamespace, NamespaceMismatchError, block_keys, hash_block
 
 NS = KeyNamespace(model_name="m", weights_fingerprint="abc", kv_dtype="fp8_e4m3", block_size=4)
@@ -88,3 +93,65 @@ def test_bad_namespace_names_the_field(kwargs, field):
 def test_token_ids_must_be_u32():
     with pytest.raises(ValueError, match="token_ids: -1"):
         hash_block(0, [1, -1])
+
+
+@pytest.fixture(scope="module")
+def native_chain():
+    """The C extension kv_store._chain. Where it is not built the Python loop serves (same keys)
+    and its tests skip, unless SPLITSERVE_REQUIRE_NATIVE=1 (``make test``) says it must be."""
+    if keys_module._chain is None:
+        if os.environ.get("SPLITSERVE_REQUIRE_NATIVE") == "1":
+            pytest.fail("kv_store._chain is not built (SPLITSERVE_REQUIRE_NATIVE=1): `pip install -e .` needs gcc and "
+                        "/usr/include/xxhash.h (libxxhash-dev, `make system-deps`); see the build log for why it failed")
+        pytest.skip("kv_store._chain is not built: keys come from the Python loop")
+    return keys_module._chain
+
+
+def test_the_native_chain_is_built_where_required(native_chain):
+    assert keys_module.NATIVE_CHAIN
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=300),
+    block_size=st.integers(1, 40),
+    root=st.integers(0, 2**64 - 1),
+)
+def test_the_native_chain_gives_the_python_loops_keys(native_chain, tokens, block_size, root):
+    """Whole blocks, partial tails (block_keys drops them) and empty prompts, any u32 id and root."""
+    num_full = len(tokens) // block_size * block_size
+    packed = np.asarray(tokens[:num_full], dtype="<u4")
+    expected = keys_module.python_packed_block_keys(packed, block_size, root)
+    assert np.frombuffer(native_chain.chain_keys(packed, block_size, root), dtype=np.uint64).tolist() == expected
+    assert keys_module.packed_block_key_array(packed.tobytes(), block_size, root).tolist() == expected
+    assert block_keys(tokens, block_size, root) == expected
+
+
+def test_without_the_extension_the_python_loop_gives_the_same_keys(monkeypatch):
+    root, tokens = NS.root_key(), np.arange(1000, 1064, dtype="<u4")
+    native = keys_module.packed_block_key_array(tokens, 4, root)
+    monkeypatch.setattr(keys_module, "_chain", None)
+    fallback = keys_module.packed_block_key_array(tokens, 4, root)
+    assert fallback.dtype == np.uint64 and fallback.tolist() == native.tolist() == block_keys(tokens.tolist(), 4, root)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bad_chain_arguments_are_named_the_same_on_both_paths(request, monkeypatch, native):
+    if native:
+        request.getfixturevalue("native_chain")
+    else:
+        monkeypatch.setattr(keys_module, "_chain", None)
+    tokens = np.arange(8, dtype="<u4")
+    with pytest.raises(ValueError, match="block_size: must be >= 1, got 0"):
+        keys_module.packed_block_key_array(tokens, 0, 1)
+    with pytest.raises(ValueError, match="parent_key: -1 is not a u64 key"):
+        keys_module.packed_block_key_array(tokens, 4, -1)
+    with pytest.raises(ValueError, match="parent_key: 18446744073709551616"):
+        keys_module.packed_block_key_array(tokens, 4, 2**64)
+    with pytest.raises(ValueError):
+        keys_module.packed_block_key_array(tokens[:7], 4, 1)  # 28 bytes: not whole 4-token blocks
+
+
+def test_the_native_chain_names_a_partial_block(native_chain):
+    with pytest.raises(ValueError, match="data: 28 bytes is not a whole number of 4-token blocks"):
+        native_chain.chain_keys(np.arange(7, dtype="<u4"), 4, 1)

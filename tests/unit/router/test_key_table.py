@@ -130,7 +130,7 @@ def test_more_workers_than_a_word_holds():
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 200), st.lists(st.integers(0, 50), max_size=120), st.integers(1, 2)), min_size=1, max_size=12))
 def test_the_block_hasher_gives_the_workers_keys_whatever_it_reuses(steps):
     """Prompts that branch off earlier ones at any token, two roots, generations that turn over."""
-    hasher = BlockHasher(4, max_blocks=64)
+    hasher = BlockHasher(4, max_blocks=64, reuse=True)
     prompts: list[list[int]] = []
     for parent, cut, tail, root in steps:
         base = prompts[parent % len(prompts)][:cut] if prompts else []

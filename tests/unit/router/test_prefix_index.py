@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kv_store.events import EventGap, EventKind, KVEvent, KVEventBatch, KVEventLog, KVSnapshot, Tier
-from router.prefix_index import CachedRun, PrefixIndex
+from router.prefix_index import UNKNOWN, CachedRun, PrefixIndex
 from router.routing import POLICIES, PolicyConfig, RouteRequest, WorkerLoad, make_policy
 
 
@@ -23,6 +23,19 @@ def test_longest_run_per_worker_split_by_tier():
     assert runs["b"] == CachedRun(pool=3, redis=1)  # k2 from Redis; k1, k3, k4 from its pool
     assert runs["c"] == CachedRun(redis=4)
     assert index.match([9, 1]) == {"a": CachedRun(), "b": CachedRun(), "c": CachedRun()}
+
+
+def test_a_lookup_stops_at_the_first_missing_key_and_remember_finds_the_rest():
+    index = PrefixIndex()
+    held = list(range(100, 140))
+    index.apply(_batch("x", 1, ("stored", "pool", held)))
+    found = index.lookup([7, *held])  # 7 is new: no run reaches past it, so the 40 held keys are not looked for
+    assert found.slots.tolist() == [-1] + [UNKNOWN] * 40
+    assert index.match(found) == {"x": CachedRun()}
+    index.remember("y", found, until_s=9.0)
+    index.settle()  # it must find the held keys rather than place them twice
+    assert index.match(held) == {"x": CachedRun(pool=40), "y": CachedRun(pool=40)}
+    assert index.match([7, *held]) == {"x": CachedRun(), "y": CachedRun(pool=41)}
 
 
 def test_pool_beats_cpu_beats_redis_for_one_key():

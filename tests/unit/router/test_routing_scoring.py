@@ -3,20 +3,23 @@ context refusal before routing."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import grpc
 import pytest
 
 from kv_store.events import EventKind, KVEvent, KVEventBatch, Tier
-from kv_store.keys import block_keys
+from kv_store.keys import KeyNamespace, block_keys
 from proto import splitserve_pb2 as pb
 from router.block_hashing import BlockHasher
 from router.errors import CallRejected
 from router.prefix_index import CachedRun, PrefixIndex
 from router.routing import PolicyConfig, RouteRequest, WorkerLoad, make_policy
-from router.service import check_fits_context
-from router.workers import Replica
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.service import GenerationService, check_fits_context
+from router.workers import Replica, WorkerDirectory
 
 KEYS = list(range(1, 65))  # 64 blocks of 16 tokens
 
@@ -69,13 +72,45 @@ def test_remembered_decisions_count_as_pool_blocks_until_they_expire():
     assert index.oldest_remembered_s() is None
 
 
+def test_a_decision_returns_before_its_memory_is_placed_and_nothing_reads_the_index_without_it():
+    index = PrefixIndex()
+    policy = make_policy("splitserve", index, PolicyConfig(memory_s=2.0), clock=lambda: 0.0)
+    first = policy.choose(_request(), [WorkerLoad("a"), WorkerLoad("b")]).prefill
+    assert index.num_unsettled == 1
+    assert index.oldest_remembered_s() == 2.0 and index.num_unsettled == 0  # a reader settles first
+    second = policy.choose(_request(), [WorkerLoad("a"), WorkerLoad("b")])
+    assert (second.prefill, second.cached) == (first, CachedRun(pool=64))
+    _stored(index, "b", Tier.POOL, KEYS)  # so does a writer: the memory goes in before the event
+    assert index.num_unsettled == 0 and index.match(KEYS) == {"a": CachedRun(pool=64), "b": CachedRun(pool=64)}
+
+
+def test_the_router_settles_its_decision_once_the_call_goes_on():
+    namespace = KeyNamespace("m", "0", "fp8_e4m3", 16)
+    directory = WorkerDirectory()
+    for replica_id, pool in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+        status = pb.ReplicaStatus(replica_id=replica_id, pool=pool, healthy=True, num_kv_blocks=64, num_free_kv_blocks=64)
+        directory.replicas[replica_id] = Replica(None, pb.ModelInfo(id="m", max_model_len=4096, block_size=16), status, namespace=namespace)
+    index = PrefixIndex()
+    service = GenerationService(RouterConfig(), directory, RouterMetrics("test-settle"), make_policy("splitserve", index), channels=None)
+    request = pb.GenerateRequest(model="m", prompt_token_ids=list(range(1000)), request_id="r")
+
+    async def route_then_yield() -> tuple[int, int]:
+        chosen = await service._choose_prefill(request, directory.replicas["d0"])
+        unsettled = index.num_unsettled
+        await asyncio.sleep(0)  # the call's first wait: the loop runs the settle it scheduled
+        assert index.match(block_keys(request.prompt_token_ids[:992], 16, namespace.root_key()))[chosen.replica_id] == CachedRun(pool=62)
+        return unsettled, index.num_unsettled
+
+    assert asyncio.run(route_then_yield()) == (1, 0)
+
+
 def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(50_000) for _ in range(n)]
 
 
 def test_incremental_hashing_equals_hashing_from_scratch_and_hashes_only_new_blocks():
     rng = random.Random(3)
-    hasher = BlockHasher(16)
+    hasher = BlockHasher(16, reuse=True)  # the Python chain's way (the default where the C one is missing)
     prompt = _prompt(rng, 1000)
     assert hasher.keys(prompt, 7).tolist() == block_keys(prompt, 16, 7)
     assert hasher.num_hashed_blocks == 62
@@ -92,7 +127,7 @@ def test_incremental_hashing_equals_hashing_from_scratch_and_hashes_only_new_blo
 
 def test_hashing_survives_generations_and_refuses_bad_ids():
     rng = random.Random(4)
-    hasher = BlockHasher(4, max_blocks=40)  # two prompts' worth: generations turn over
+    hasher = BlockHasher(4, max_blocks=40, reuse=True)  # two prompts' worth: generations turn over
     prompts = [_prompt(rng, 100) for _ in range(6)]
     for prompt in prompts * 2:
         assert hasher.keys(prompt, 1).tolist() == block_keys(prompt, 4, 1)
