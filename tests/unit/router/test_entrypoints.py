@@ -251,6 +251,20 @@ def test_the_image_installs_pinned_torch_first_then_the_package_under_the_constr
     assert [args for kind, args in instructions if kind == "FROM"][-1] == "base-${VARIANT}"
 
 
+def test_the_image_builds_the_block_key_extension_and_checks_it_imports():
+    instructions = _dockerfile_instructions()
+    copies = [args.split()[:-1] for kind, args in instructions if kind == "COPY"]
+    assert any("setup.py" in sources for sources in copies) and ["kv_store/"] in copies
+    [package_run] = [args for kind, args in instructions if kind == "RUN" and re.search(r"pip install -c constraints\.txt \.(\s|$)", args)]
+    steps = [step.strip() for step in package_run.split("&&")]
+    install = next(i for i, step in enumerate(steps) if "apt-get install" in step)
+    build = next(i for i, step in enumerate(steps) if re.match(r"pip install -c constraints\.txt \.$", step))
+    check = next(i for i, step in enumerate(steps) if "import kv_store._chain" in step)
+    assert install < build < check  # a build that silently fell back to Python fails the image
+    assert all(dep in package_run for dep in ("gcc", "libxxhash-dev"))
+    assert '(cd / && python -c "import kv_store._chain")' in package_run  # the installed package, not the source tree
+
+
 def test_every_docker_run_in_the_image_readme_names_a_subcommand_the_cli_has():
     text = re.sub(r"\\\n\s*", " ", (DOCKER / "README.md").read_text())
     runs = [line.split("splitserve:cpu", 1)[1] for line in text.splitlines() if line.strip().startswith("docker run") and "splitserve:cpu" in line]
