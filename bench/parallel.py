@@ -27,7 +27,8 @@ from bench.workload import greedy, random_tokens, ranked_engine, start_decoding
 from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
 from engine.errors import EngineError
-from engine.llm_engine import LLMEngine, model_len
+from engine.build import model_len
+from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
 from engine.parallel.follower import parameter_bytes
 from engine.parallel.sharding import check_tp_size

@@ -40,7 +40,8 @@ from decode_worker.requests import to_engine_request, to_response
 from engine.config import EngineConfig
 from engine.engine_loop import AdmissionQueueFull, EngineLoopFailed
 from engine.errors import InvalidRequestError, RequestFailedError
-from engine.llm_engine import LLMEngine, RemotePrefill
+from engine.llm_engine import LLMEngine
+from engine.outputs import RemotePrefill
 from engine.metrics import CountersCollector, RequestTimingHistograms
 from engine.params import SamplingParams
 from engine.replica import EngineReplica

@@ -38,7 +38,8 @@ import torch
 
 from engine.cpus import pin_current_thread
 from engine.errors import InvalidRequestError, RequestFailedError
-from engine.llm_engine import EngineStats, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineStats
 from engine.request import EngineRequest, RequestOutput
 
 

@@ -6,160 +6,36 @@ and abort requests between ``step()`` calls.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from engine.bundled import resolve_model, served_model_name, source_gguf
+from engine.build import build_shard, build_speculator, model_len, split_group
+from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, RequestFailedError
+from engine.intake import PromptIntake
 from engine.isolation import IsolatedStep, blames_a_request, run_isolating
-from engine.kv_cache import PagedKVCache
-from engine.loader.gguf_native import read_native_tensors
-from engine.loader.weights import load_weights, weights_fingerprint
+from engine.loader.weights import weights_fingerprint
 from engine.model_config import ModelConfig
-from engine.models.decoder import DecoderModel
+from engine.outputs import Completion, EngineStats, PrefilledKV, RemotePrefill
 from engine.parallel.group import TPGroup
 from engine.parallel.sharding import check_ep_size, check_tp_size
 from engine.params import SamplingParams
-from engine.quant.apply import apply_weights, check_weights_dtype, load_native
-from engine.request import FinishReason, Request, RequestOutput
+from engine.request import Request, RequestOutput
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledChunk, Scheduler
-from engine.spec.draft import DraftModelProposer
-from engine.spec.policy import SpecPolicy
-from engine.spec.speculator import NgramProposer, Speculator
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kv_store.block_pool import BlockPool
 from kv_store.cpu_tier import CPUTier
 from kv_store.events import KVEventBatch, KVEventLog, KVSnapshot
 from kv_store.keys import KeyNamespace
-from kv_store.layout import KVBlockLayout
 from kv_store.redis_tier import RedisTier, RedisTierConfig
 from kv_store.tiered import TieredKVStore
 
 logger = logging.getLogger(__name__)
-
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's queues and KV pool."""
-
-    num_running: int
-    num_waiting: int
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    num_cached_kv_blocks: int
-    num_preemptions: int
-    num_aborted_requests: int
-    num_computed_prompt_tokens: int
-    num_parked: int = 0
-    """Requests waiting for their prompt KV from a prefill worker."""
-    num_leases: int = 0
-    """KV transfers that may still touch this pool's blocks."""
-    num_queued_prefill_tokens: int = 0
-    """Prompt tokens not yet computed, over waiting and running requests (the prefill backlog)."""
-    num_steps: int = 0
-    """Steps that computed tokens."""
-    num_step_tokens: int = 0
-    """Tokens those steps computed (prompt chunks and decode tokens)."""
-    step_s: float = 0.0
-    """Wall time spent in those steps."""
-    step_cpu_s: float = 0.0
-    """CPU time of the stepping thread in those steps. ``step_s - step_cpu_s`` is time the thread
-    was not running inside a step: waiting for the GIL (another thread of the process holds it),
-    for a core (preempted), or for its OpenMP team where the team's threads sleep. Alone on its
-    cores with the GIL to itself, a step's wall and CPU time agree to a few tenths of a ms."""
-    num_draft_tokens: int = 0
-    """Speculative draft tokens verified by the target model."""
-    num_accepted_draft_tokens: int = 0
-    """Of those, the ones accepted (each saved a decode step)."""
-    num_failed_requests: int = 0
-    """Requests dropped because a step raised for them alone (``LLMEngine.take_failures``)."""
-
-
-@dataclass(frozen=True)
-class RemotePrefill:
-    """Where a parked request's prompt KV must be written (``add_remote_request``)."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    first_block: int
-    """Index of the first prompt block to fill; the blocks before it are this pool's cached prefix."""
-    block_ids: tuple[int, ...]
-    """This pool's blocks for prompt blocks ``first_block, first_block + 1, ...``; leased."""
-    num_cached_tokens: int
-    dp_rank: int = 0
-    """The data-parallel rank whose pool ``block_ids`` belong to (expert-parallel replicas)."""
-
-
-@dataclass(frozen=True)
-class PrefilledKV:
-    """A finished prefill-only request (``hold_kv``) whose prompt blocks stay leased until shipped."""
-
-    request_id: str
-    first_token: int
-    block_ids: tuple[int, ...]
-    """Every prompt block, in order (the last one may be partly filled)."""
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    """Prompt tokens this engine found in its own prefix cache."""
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A finished request, as returned by ``LLMEngine.generate``."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
-    text: str
-    finish_reason: FinishReason
-    num_cached_tokens: int
-
-
-def model_len(config: EngineConfig, mc: ModelConfig) -> int:
-    """Longest prompt plus output the engine serves: the configured length, capped by the model's context and sliding window."""
-    limits = [config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings]
-    return min(limits + ([mc.sliding_window] if mc.sliding_window else []))
-
-
-def split_group(config: EngineConfig, group: TPGroup) -> tuple[TPGroup, TPGroup]:
-    """``(tp, ep)``: the group is the tensor-parallel one or the expert-parallel one (never both)."""
-    single = TPGroup.single()
-    return (group, single) if config.tp_size > 1 else (single, group) if config.ep_size > 1 else (single, single)
-
-
-def build_shard(
-    config: EngineConfig, mc: ModelConfig, checkpoint_dir: Path, max_model_len: int, tp: TPGroup, ep: TPGroup | None = None
-) -> tuple[DecoderModel, PagedKVCache]:
-    """This rank's slice of the model, loaded, and its slice of the paged KV pool.
-
-    Every rank sizes its pool alike. Tensor-parallel ranks hold their KV heads of the same
-    blocks (one block id names the same tokens on every rank); expert-parallel ranks hold every
-    head for requests of their own.
-    """
-    check_weights_dtype(config.weights, config.dtype)
-    model = DecoderModel.empty(mc, max_model_len, _TORCH_DTYPES[config.dtype], tp, ep)
-    gguf_path = source_gguf(checkpoint_dir) if config.weights == "native" else None
-    if gguf_path is not None:
-        load_native(model, checkpoint_dir, read_native_tensors(gguf_path, mc))
-    else:
-        load_weights(model, checkpoint_dir)
-        apply_weights(model, config.weights)
-    layout = KVBlockLayout(mc.num_layers, model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
-    num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
-    if num_blocks < 1:
-        raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} holds no block of {layout.block_bytes} bytes")
-    return model, PagedKVCache(layout, num_blocks, _TORCH_DTYPES[config.dtype])
 
 
 class LLMEngine:
@@ -202,12 +78,15 @@ class LLMEngine:
         if config.redis_url is not None:
             redis = RedisTier(RedisTierConfig(config.redis_url, config.redis_ttl_s, tls_ca_file=config.redis_tls_ca_file), self.namespace, layout)
         self.kv_store = TieredKVStore(self.pool, self.kv_cache.buffer, self.kv_events, cpu, redis)
-        self.speculator = self._speculator(config) if config.speculative != "off" else None
+        self.speculator = (
+            build_speculator(config, self.model_name, mc, self.max_model_len, num_blocks) if config.speculative != "off" else None
+        )
         self.scheduler = Scheduler(
             self.pools, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, self.kv_store, self.speculator
         )
         self.runner = ModelRunner(model, self.kv_cache, tp, ep)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
+        self.intake = PromptIntake(self.tokenizer, self.model_name, mc.vocab_size, self.max_model_len, config.block_size, num_blocks)
         self._requests: dict[str, Request] = {}
         self._num_steps = self._num_step_tokens = 0
         self._step_s = self._step_cpu_s = 0.0
@@ -216,27 +95,6 @@ class LLMEngine:
         self._failures: list[RequestFailedError] = []
         self._last_step_failed_all = False
         group.barrier()  # every follower has its shard loaded: the first step's collectives will not wait on a load
-
-    def _speculator(self, config: EngineConfig) -> Speculator:
-        """The drafting of ``config.speculative``; a draft model must share the target's vocabulary."""
-        policy = SpecPolicy(token_cost=config.spec_token_cost, chunk_cost=config.spec_chunk_cost)
-        if config.speculative == "ngram":
-            proposer = NgramProposer(config.ngram_min_match, config.ngram_max_match)
-        else:
-            draft_dir = resolve_model(config.draft_model, config.cache_dir)
-            draft_mc = ModelConfig.from_dir(draft_dir)
-            if draft_mc.vocab_size != self.model_config.vocab_size:
-                raise ValueError(
-                    f"draft_model: {config.draft_model!r} has a vocabulary of {draft_mc.vocab_size} tokens, "
-                    f"the model {self.model_name!r} one of {self.model_config.vocab_size}; drafts must be the target's tokens"
-                )
-            draft_config = dataclasses.replace(
-                config, model=config.draft_model, speculative="off", draft_model=None, num_kv_blocks=self.kv_cache.num_blocks
-            )
-            single = TPGroup.single()
-            model, kv_cache = build_shard(draft_config, draft_mc, draft_dir, self.max_model_len, single, single)
-            proposer = DraftModelProposer(model, kv_cache)
-        return Speculator(proposer, policy, config.num_speculative_tokens)
 
     def add_request(
         self,
@@ -525,9 +383,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._requests or request_id in self.scheduler.leases:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        prompt_token_ids = self._prompt_token_ids(prompt, messages)
-        resume_token_ids = self._token_ids_in_vocab("resume_token_ids", resume_token_ids)
-        self._check_fits(prompt_token_ids, params)
+        prompt_token_ids = self.intake.prompt_token_ids(prompt, messages)
+        resume_token_ids = self.intake.token_ids_in_vocab("resume_token_ids", resume_token_ids)
+        self.intake.check_fits(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(
             request_id=request_id,
@@ -546,40 +404,3 @@ class LLMEngine:
         if arrival_s is not None:
             request.arrival_s = arrival_s
         return request
-
-    def _prompt_token_ids(self, prompt: str | Sequence[int] | None, messages: Sequence[dict[str, str]] | None) -> list[int]:
-        if prompt is not None and messages is not None:
-            raise InvalidRequestError("prompt", "give either prompt or messages, not both")
-        if messages is not None:
-            if not messages:
-                raise InvalidRequestError("messages", "must not be empty")
-            return self.tokenizer.chat_prompt_ids(messages, self.model_name)
-        if prompt is None:
-            raise InvalidRequestError("prompt", "give a prompt or messages")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            return self.tokenizer.encode(prompt)
-        if not prompt:
-            raise InvalidRequestError("prompt_token_ids", "must not be empty")
-        return self._token_ids_in_vocab("prompt_token_ids", prompt)
-
-    def _token_ids_in_vocab(self, field: str, token_ids: Sequence[int]) -> list[int]:
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(field, f"token id {bad!r} is outside the vocabulary [0, {vocab})")
-        return list(token_ids)
-
-    def _check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"{len(prompt_token_ids)} tokens do not fit the context of {self.max_model_len} tokens"
-            )
-        max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
-        needed = -(-max_len // self.config.block_size)
-        if needed > self.pool.num_blocks:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt plus max_tokens needs {needed} KV blocks but the pool holds {self.pool.num_blocks}",
-            )

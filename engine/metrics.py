@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.llm_engine import EngineStats
+from engine.outputs import EngineStats
 
 
 class EngineStatsCollector(Collector):

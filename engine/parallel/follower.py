@@ -16,7 +16,7 @@ import torch
 
 from engine.bundled import resolve_model
 from engine.config import EngineConfig
-from engine.llm_engine import build_shard, model_len, split_group
+from engine.build import build_shard, model_len, split_group
 from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
 from engine.runner import ModelRunner

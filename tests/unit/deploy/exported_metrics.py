@@ -22,7 +22,7 @@ import decode_worker.actor
 import engine.replica
 import prefill_worker.actor
 from decode_worker.request_plane import RequestPlaneStats
-from engine.llm_engine import EngineStats
+from engine.outputs import EngineStats
 from engine.metrics import CountersCollector, EngineStatsCollector, RequestTimingHistograms, TierStatsCollector, TPRankCollector
 from kv_store.redis_tier import RedisTierStats
 from kv_store.tiered import TieredStats

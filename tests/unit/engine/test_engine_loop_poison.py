@@ -155,7 +155,7 @@ def test_a_request_whose_update_raises_fails_alone(tiny_llama_dir, monkeypatch):
 def test_failed_requests_are_exported():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from engine.llm_engine import EngineStats
+    from engine.outputs import EngineStats
     from engine.metrics import EngineStatsCollector
 
     registry = CollectorRegistry()

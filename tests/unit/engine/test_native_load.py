@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import engine.llm_engine
+import engine.build
 import engine.loader.weights
 from engine.errors import CheckpointError
 from engine.loader.gguf_native import NativeTensor
@@ -100,8 +100,8 @@ def test_an_engine_with_native_weights_never_reads_the_replaced_projections(tiny
     model_dir = tiny_checkpoint("llama-tied")
     native = gguf_like(model_dir)
     gguf_path = tmp_path / "tiny.gguf"
-    monkeypatch.setattr(engine.llm_engine, "source_gguf", lambda checkpoint_dir: gguf_path)
-    monkeypatch.setattr(engine.llm_engine, "read_native_tensors", lambda path, config: native if path == gguf_path else None)
+    monkeypatch.setattr(engine.build, "source_gguf", lambda checkpoint_dir: gguf_path)
+    monkeypatch.setattr(engine.build, "read_native_tensors", lambda path, config: native if path == gguf_path else None)
     llm = make_engine(model_dir, weights="native")
     assert read_names == dense_names(native)
     kinds = {n: m.quantized.kind for n, m in linear_layers(llm.runner.model)}

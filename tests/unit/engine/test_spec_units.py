@@ -89,7 +89,7 @@ def test_config_refuses_speculation_on_more_than_one_rank():
 def test_draft_counters_are_exported():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from engine.llm_engine import EngineStats
+    from engine.outputs import EngineStats
     from engine.metrics import EngineStatsCollector
 
     stats = EngineStats(0, 0, 8, 8, 0, 0, 0, 0, num_draft_tokens=40, num_accepted_draft_tokens=31)

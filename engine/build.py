@@ -1,0 +1,85 @@
+"""An engine's parts: its rank's slice of the model and of the KV pool, and its speculator.
+
+The leader (``LLMEngine``) and every follower rank (``engine.parallel.follower``) build their
+shard the same way, so one block id names the same tokens on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from engine.bundled import resolve_model, source_gguf
+from engine.config import EngineConfig
+from engine.kv_cache import PagedKVCache
+from engine.loader.gguf_native import read_native_tensors
+from engine.loader.weights import load_weights
+from engine.model_config import ModelConfig
+from engine.models.decoder import DecoderModel
+from engine.parallel.group import TPGroup
+from engine.quant.apply import apply_weights, check_weights_dtype, load_native
+from engine.spec.draft import DraftModelProposer
+from engine.spec.policy import SpecPolicy
+from engine.spec.speculator import NgramProposer, Speculator
+from kv_store.layout import KVBlockLayout
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def model_len(config: EngineConfig, mc: ModelConfig) -> int:
+    """Longest prompt plus output the engine serves: the configured length, capped by the model's context and sliding window."""
+    limits = [config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings]
+    return min(limits + ([mc.sliding_window] if mc.sliding_window else []))
+
+
+def split_group(config: EngineConfig, group: TPGroup) -> tuple[TPGroup, TPGroup]:
+    """``(tp, ep)``: the group is the tensor-parallel one or the expert-parallel one (never both)."""
+    single = TPGroup.single()
+    return (group, single) if config.tp_size > 1 else (single, group) if config.ep_size > 1 else (single, single)
+
+
+def build_shard(
+    config: EngineConfig, mc: ModelConfig, checkpoint_dir: Path, max_model_len: int, tp: TPGroup, ep: TPGroup | None = None
+) -> tuple[DecoderModel, PagedKVCache]:
+    """This rank's slice of the model, loaded, and its slice of the paged KV pool.
+
+    Every rank sizes its pool alike. Tensor-parallel ranks hold their KV heads of the same
+    blocks (one block id names the same tokens on every rank); expert-parallel ranks hold every
+    head for requests of their own.
+    """
+    check_weights_dtype(config.weights, config.dtype)
+    model = DecoderModel.empty(mc, max_model_len, TORCH_DTYPES[config.dtype], tp, ep)
+    gguf_path = source_gguf(checkpoint_dir) if config.weights == "native" else None
+    if gguf_path is not None:
+        load_native(model, checkpoint_dir, read_native_tensors(gguf_path, mc))
+    else:
+        load_weights(model, checkpoint_dir)
+        apply_weights(model, config.weights)
+    layout = KVBlockLayout(mc.num_layers, model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
+    num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} holds no block of {layout.block_bytes} bytes")
+    return model, PagedKVCache(layout, num_blocks, TORCH_DTYPES[config.dtype])
+
+
+def build_speculator(config: EngineConfig, model_name: str, model_config: ModelConfig, max_model_len: int, num_kv_blocks: int) -> Speculator:
+    """The drafting of ``config.speculative``; a draft model must share the target's vocabulary
+    and gets as many KV blocks as the target (``num_kv_blocks``)."""
+    policy = SpecPolicy(token_cost=config.spec_token_cost, chunk_cost=config.spec_chunk_cost)
+    if config.speculative == "ngram":
+        proposer = NgramProposer(config.ngram_min_match, config.ngram_max_match)
+    else:
+        draft_dir = resolve_model(config.draft_model, config.cache_dir)
+        draft_mc = ModelConfig.from_dir(draft_dir)
+        if draft_mc.vocab_size != model_config.vocab_size:
+            raise ValueError(
+                f"draft_model: {config.draft_model!r} has a vocabulary of {draft_mc.vocab_size} tokens, "
+                f"the model {model_name!r} one of {model_config.vocab_size}; drafts must be the target's tokens"
+            )
+        draft_config = dataclasses.replace(config, model=config.draft_model, speculative="off", draft_model=None, num_kv_blocks=num_kv_blocks)
+        single = TPGroup.single()
+        model, kv_cache = build_shard(draft_config, draft_mc, draft_dir, max_model_len, single, single)
+        proposer = DraftModelProposer(model, kv_cache)
+    return Speculator(proposer, policy, config.num_speculative_tokens)
