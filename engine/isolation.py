@@ -12,8 +12,10 @@ group samples what the whole batch would have. Nothing of the scheduler is commi
 run returns (``Scheduler.update`` comes after), so a failed run leaves nothing to undo.
 
 What cannot be blamed on a request propagates, and the caller's engine fails as a whole:
-running out of memory, or a step in which every request raises even alone (the model or the
-engine is broken, not a request).
+running out of memory, or a step in which requests of two or more different inputs all raise,
+each alone (the model or the engine is broken, not a request). Requests of one input (a client
+sending the same poison prompt several times, or retrying it) raise alike, so together they are
+one piece of evidence against the engine, as one request is: they fail, and the engine goes on.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def blames_a_request(error: BaseException) -> bool:
 
 def run_isolating(run: RunChunks, chunks: list[ScheduledChunk]) -> IsolatedStep:
     """``run(chunks)``; if it raises an error that may be a request's, the culprits found by
-    running smaller groups. Re-raises the step's error when every request of a step of two or
-    more raises alone."""
+    running smaller groups. Re-raises the step's error when every request raises alone and they
+    have more than one input between them."""
     try:
         return IsolatedStep(run(chunks), {})
     except Exception as error:
@@ -62,9 +64,17 @@ def run_isolating(run: RunChunks, chunks: list[ScheduledChunk]) -> IsolatedStep:
         sampled: dict[Request, list[int]] = {}
         failed: dict[Request, Exception] = {}
         _split(run, chunks, error, sampled, failed)
-        if len(chunks) > 1 and len(failed) == len(chunks):
+        if len(failed) == len(chunks) and len(inputs_of(chunks)) > 1:
             raise error
         return IsolatedStep(sampled, failed)
+
+
+def inputs_of(chunks: list[ScheduledChunk]) -> frozenset[tuple[int, ...]]:
+    """The distinct inputs the chunks compute from: each request's tokens up to the chunk's last
+    position (a verify chunk's drafts included)."""
+    return frozenset(
+        tuple(c.request.token_ids[: c.start + c.num_new_tokens - len(c.draft_token_ids)]) + tuple(c.draft_token_ids) for c in chunks
+    )
 
 
 def _split(run: RunChunks, chunks: list[ScheduledChunk], error: Exception, sampled: dict, failed: dict) -> None:

@@ -17,7 +17,7 @@ from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, RequestFailedError
 from engine.intake import PromptIntake
-from engine.isolation import IsolatedStep, blames_a_request, run_isolating
+from engine.isolation import IsolatedStep, blames_a_request, inputs_of, run_isolating
 from engine.loader.weights import weights_fingerprint
 from engine.model_config import ModelConfig
 from engine.outputs import Completion, EngineStats, PrefilledKV, RemotePrefill
@@ -93,7 +93,8 @@ class LLMEngine:
         self._prefilled: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self._failures: list[RequestFailedError] = []
-        self._last_step_failed_all = False
+        self._last_failed_inputs: frozenset[tuple[int, ...]] | None = None
+        """The inputs of the last step that ran, when every request of it failed."""
         group.barrier()  # every follower has its shard loaded: the first step's collectives will not wait on a load
 
     def add_request(
@@ -257,17 +258,19 @@ class LLMEngine:
 
     def _execute(self, chunks: list[ScheduledChunk]) -> IsolatedStep:
         """Run the step's chunks, setting apart the requests that make it raise. Two steps in a
-        row that fail every request they ran (each a lone request, or ``run_isolating`` would
-        have raised) blame the engine, not the requests: the second one's error propagates."""
+        row that fail every request they ran (requests of one input each, or ``run_isolating``
+        would have raised) blame the engine, not the requests, when their inputs differ: the
+        second one's error propagates. The same poison input failing step after step (a client
+        retrying it) stays that input's failure."""
         if not chunks:
             return IsolatedStep({}, {})
         if self.group.size > 1:  # the other ranks may be stuck in a collective of the failed run
             return IsolatedStep(self.runner.execute(chunks), {})
         step = run_isolating(self.runner.execute, chunks)
-        all_failed = len(step.failed) == len(chunks)
-        if all_failed and self._last_step_failed_all:
+        failed_inputs = inputs_of(chunks) if len(step.failed) == len(chunks) else None
+        if failed_inputs and self._last_failed_inputs and len(failed_inputs | self._last_failed_inputs) > 1:
             raise next(iter(step.failed.values()))
-        self._last_step_failed_all = all_failed
+        self._last_failed_inputs = failed_inputs
         return step
 
     def _update(self, chunks: list[ScheduledChunk], sampled: dict[Request, list[int]], failed: dict[Request, Exception]) -> list[Request]:

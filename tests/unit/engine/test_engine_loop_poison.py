@@ -27,15 +27,15 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 POISON = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, seed=POISON_SEED)
 
 
-def poisoned_sampler(monkeypatch, fail_everyone: bool = False, error: type[BaseException] = ValueError) -> list[int]:
-    """Make the runner's sampler raise for the poison request (or for every batch); returns a
-    list that records the size of every batch it was called with."""
+def poisoned_sampler(monkeypatch, fail_everyone: bool = False, error: type[BaseException] = ValueError, at: int = POISON_AT) -> list[int]:
+    """Make the runner's sampler raise for the poison request from its ``at``-th output token on
+    (or for every batch); returns a list that records the size of every batch it was called with."""
     real = engine.runner.sample
     batch_sizes: list[int] = []
 
     def sample(logits, params, seeds, positions):
         batch_sizes.append(len(seeds))
-        if fail_everyone or any(s == POISON_SEED and p >= POISON_AT for s, p in zip(seeds, positions)):
+        if fail_everyone or any(s == POISON_SEED and p >= at for s, p in zip(seeds, positions)):
             raise error("top_k out of range for this request")
         return real(logits, params, seeds, positions)
 
@@ -100,6 +100,34 @@ async def _two(a, b):
     return await asyncio.gather(a, b)
 
 
+def test_the_same_poison_sent_twice_at_once_and_retried_fails_each_time_and_the_loop_goes_on(tiny_llama_dir, make_loop, monkeypatch):
+    """Requests of one input raise alike: two copies alone in a step, then a retry alone in the
+    very next step, are one input's failures, not an engine's (whose failure needs two different
+    inputs). The poison raises at its first token, so no step between them runs through."""
+    prompt = random_prompts([6], seed=5)[0]
+    [expected] = [c.output_token_ids for c in make_engine(tiny_llama_dir, weights="fp32").generate([prompt], PARAMS)]
+    batch_sizes = poisoned_sampler(monkeypatch, at=0)
+    loop = make_loop()
+    release = threading.Event()
+
+    async def copies():
+        busy = asyncio.ensure_future(loop.call(lambda engine: release.wait(30)))  # holds the engine thread: both copies join its next step
+        streams = asyncio.gather(*(collect(loop, f"poison-{i}", [3, 4, 5, 6, 7], POISON) for i in range(2)))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        release.set()
+        await busy
+        return await streams
+
+    assert all(isinstance(r, RequestFailedError) for r in asyncio.run(copies()))
+    assert batch_sizes == [2] + [1] * (len(batch_sizes) - 1)  # together, then each alone while isolating
+    assert isinstance(asyncio.run(collect(loop, "poison-retry", [3, 4, 5, 6, 7], POISON)), RequestFailedError)
+    assert loop.alive
+    assert asyncio.run(collect(loop, "fresh", prompt)) == expected
+    stats = loop.stats
+    assert stats.num_failed_requests == 3 and stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread dies raising, as it should
 @pytest.mark.parametrize("error", [ValueError, MemoryError], ids=["every-request-raises", "out-of-memory"])
 def test_a_failure_no_request_explains_ends_the_loop_for_every_stream(make_loop, monkeypatch, error):
@@ -121,6 +149,17 @@ def test_a_failure_no_request_explains_ends_the_loop_for_every_stream(make_loop,
     assert all(isinstance(r, EngineLoopFailed) for r in results), results
     assert "top_k out of range" in str(results[0]) and not loop.alive
     loop.stop()  # joins the dying thread, whose exception pytest reports within this test
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread dies raising, as it should
+def test_two_different_lone_requests_failing_in_a_row_end_the_loop(make_loop, monkeypatch):
+    poisoned_sampler(monkeypatch, fail_everyone=True)
+    loop = make_loop()
+    a, b = random_prompts([5, 9], seed=3)
+    assert isinstance(asyncio.run(collect(loop, "r0", a)), RequestFailedError)  # alone, it may be the request's
+    assert isinstance(asyncio.run(collect(loop, "r1", b)), EngineLoopFailed)  # a second input failing too is the engine's
+    assert not loop.alive
+    loop.stop()
 
 
 def test_a_request_whose_update_raises_fails_alone(tiny_llama_dir, monkeypatch):
