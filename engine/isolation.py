@@ -11,11 +11,9 @@ the same tokens, and sampling is counter-based (``engine/sampler.py``), so a run
 group samples what the whole batch would have. Nothing of the scheduler is committed before the
 run returns (``Scheduler.update`` comes after), so a failed run leaves nothing to undo.
 
-What cannot be blamed on a request propagates, and the caller's engine fails as a whole:
-running out of memory, or a step in which requests of two or more different inputs all raise,
-each alone (the model or the engine is broken, not a request). Requests of one input (a client
-sending the same poison prompt several times, or retrying it) raise alike, so together they are
-one piece of evidence against the engine, as one request is: they fail, and the engine goes on.
+Running out of memory cannot be blamed on a request: it propagates. Whether culprits that make
+up a whole step (or two steps in a row) point at the engine rather than at themselves is the
+caller's rule (``LLMEngine._execute``, by their distinct inputs: ``inputs_of``).
 """
 
 from __future__ import annotations
@@ -53,8 +51,7 @@ def blames_a_request(error: BaseException) -> bool:
 
 def run_isolating(run: RunChunks, chunks: list[ScheduledChunk]) -> IsolatedStep:
     """``run(chunks)``; if it raises an error that may be a request's, the culprits found by
-    running smaller groups. Re-raises the step's error when every request raises alone and they
-    have more than one input between them."""
+    running smaller groups."""
     try:
         return IsolatedStep(run(chunks), {})
     except Exception as error:
@@ -64,8 +61,6 @@ def run_isolating(run: RunChunks, chunks: list[ScheduledChunk]) -> IsolatedStep:
         sampled: dict[Request, list[int]] = {}
         failed: dict[Request, Exception] = {}
         _split(run, chunks, error, sampled, failed)
-        if len(failed) == len(chunks) and len(inputs_of(chunks)) > 1:
-            raise error
         return IsolatedStep(sampled, failed)
 
 

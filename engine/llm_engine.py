@@ -257,18 +257,18 @@ class LLMEngine:
         return failures
 
     def _execute(self, chunks: list[ScheduledChunk]) -> IsolatedStep:
-        """Run the step's chunks, setting apart the requests that make it raise. Two steps in a
-        row that fail every request they ran (requests of one input each, or ``run_isolating``
-        would have raised) blame the engine, not the requests, when their inputs differ: the
-        second one's error propagates. The same poison input failing step after step (a client
-        retrying it) stays that input's failure."""
+        """Run the step's chunks, setting apart the requests that make it raise. Requests of
+        two or more different inputs all failing, in this step alone or in it and the step
+        before (which also failed all it ran), blame the engine, not the requests: this step's
+        first error propagates. Requests of one input raise alike (a client sending the same
+        poison several times, or retrying it): they are one request's evidence, and fail alone."""
         if not chunks:
             return IsolatedStep({}, {})
         if self.group.size > 1:  # the other ranks may be stuck in a collective of the failed run
             return IsolatedStep(self.runner.execute(chunks), {})
         step = run_isolating(self.runner.execute, chunks)
         failed_inputs = inputs_of(chunks) if len(step.failed) == len(chunks) else None
-        if failed_inputs and self._last_failed_inputs and len(failed_inputs | self._last_failed_inputs) > 1:
+        if failed_inputs and len(failed_inputs | (self._last_failed_inputs or frozenset())) > 1:
             raise next(iter(step.failed.values()))
         self._last_failed_inputs = failed_inputs
         return step
