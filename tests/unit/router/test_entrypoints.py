@@ -251,18 +251,25 @@ def test_the_image_installs_pinned_torch_first_then_the_package_under_the_constr
     assert [args for kind, args in instructions if kind == "FROM"][-1] == "base-${VARIANT}"
 
 
-def test_the_image_builds_the_block_key_extension_and_checks_it_imports():
+def test_the_image_builds_every_extension_and_checks_it_imports():
+    """Each extension setup.py lists must import from the installed package, or the image would
+    silently run the Python fallbacks (the routers' key chain, the engine's CPU kernels)."""
+    extensions = re.findall(r'Extension\(\s*"([\w.]+)"', (REPO / "setup.py").read_text())
+    assert "kv_store._chain" in extensions
     instructions = _dockerfile_instructions()
     copies = [args.split()[:-1] for kind, args in instructions if kind == "COPY"]
-    assert any("setup.py" in sources for sources in copies) and ["kv_store/"] in copies
+    assert any("setup.py" in sources for sources in copies)
+    assert all([name.split(".")[0] + "/"] in copies for name in extensions)
     [package_run] = [args for kind, args in instructions if kind == "RUN" and re.search(r"pip install -c constraints\.txt \.(\s|$)", args)]
     steps = [step.strip() for step in package_run.split("&&")]
     install = next(i for i, step in enumerate(steps) if "apt-get install" in step)
     build = next(i for i, step in enumerate(steps) if re.match(r"pip install -c constraints\.txt \.$", step))
-    check = next(i for i, step in enumerate(steps) if "import kv_store._chain" in step)
+    [check] = [i for i, step in enumerate(steps) if 'python -c "import torch' in step]
+    assert steps[check - 1] == "(cd /"  # the installed package, not the source tree
     assert install < build < check  # a build that silently fell back to Python fails the image
+    imported = re.search(r'python -c "import ([\w., ]+)"', steps[check]).group(1).replace(" ", "").split(",")
+    assert imported[0] == "torch" and sorted(imported[1:]) == sorted(extensions)  # torch first: its libgomp serves the kernels' OpenMP
     assert all(dep in package_run for dep in ("gcc", "libxxhash-dev"))
-    assert '(cd / && python -c "import kv_store._chain")' in package_run  # the installed package, not the source tree
 
 
 def test_every_docker_run_in_the_image_readme_names_a_subcommand_the_cli_has():
