@@ -126,17 +126,27 @@ static void quantize_block(float *v, int8_t *out, float *scale, int32_t *offset)
     *offset = 128 * code_sum;
 }
 
-static void quantize_acts(const float *x, int64_t m, int64_t k, int8_t **q, float **scale, float *sum, int32_t **offset) {
+/* The block's sum as a tree, v[i] + v[i + 16], then + [i + 8], [i + 4], [i + 2], [i + 1]: the
+ * order the AVX-512 path adds in, so both give the same bits. */
+static float block_sum(const float *v) {
+    float partial[GROUP];
+    memcpy(partial, v, sizeof partial);
+    for (int width = GROUP / 2; width >= 1; width /= 2) {
+        for (int i = 0; i < width; i++) {
+            partial[i] += partial[i + width];
+        }
+    }
+    return partial[0];
+}
+
+static void quantize_acts_scalar(const float *x, int64_t m, int64_t k, int8_t **q, float **scale, float *sum, int32_t **offset) {
     int64_t num_blocks = k / GROUP;
     for (int64_t r = 0; r < m; r++) {
         for (int64_t b = 0; b < num_blocks; b++) {
-            float rest[GROUP], total = 0.0f;
+            float rest[GROUP];
             int64_t at = r * num_blocks + b;
             memcpy(rest, x + r * k + b * GROUP, sizeof rest);
-            for (int i = 0; i < GROUP; i++) {
-                total += rest[i];
-            }
-            sum[at] = total;
+            sum[at] = block_sum(rest);
             for (int p = 0; p < PLANES; p++) {
                 quantize_block(rest, q[p] + r * k + b * GROUP, scale[p] + at, offset[p] + at);
             }
@@ -288,6 +298,42 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q8_tile_avx512_b
     }
 }
 
+/* quantize_acts_scalar with vectors: a block is two 16-float halves. */
+AVX512_TARGET static void quantize_acts_avx512(const float *x, int64_t m, int64_t k, int8_t **q, float **scale, float *sum, int32_t **offset) {
+    int64_t num_blocks = k / GROUP;
+    const __m512 limit = _mm512_set1_ps(127.0f);
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t b = 0; b < num_blocks; b++) {
+            int64_t at = r * num_blocks + b;
+            const float *v = x + r * k + b * GROUP;
+            __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+            __m512 t16 = _mm512_add_ps(lo, hi);
+            __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(t16), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t16), 1)));
+            __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+            __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+            __m128 t1 = _mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1));
+            sum[at] = _mm_cvtss_f32(t1);
+            for (int p = 0; p < PLANES; p++) {
+                float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+                float d = amax / 127.0f;
+                __m512 inverse = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f), dv = _mm512_set1_ps(d);
+                __m512 code_lo = _mm512_roundscale_ps(_mm512_mul_ps(lo, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                __m512 code_hi = _mm512_roundscale_ps(_mm512_mul_ps(hi, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                code_lo = _mm512_max_ps(_mm512_min_ps(code_lo, limit), _mm512_sub_ps(_mm512_setzero_ps(), limit));
+                code_hi = _mm512_max_ps(_mm512_min_ps(code_hi, limit), _mm512_sub_ps(_mm512_setzero_ps(), limit));
+                __m512i int_lo = _mm512_cvtps_epi32(code_lo), int_hi = _mm512_cvtps_epi32(code_hi);
+                int8_t *out = q[p] + r * k + b * GROUP;
+                _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(int_lo));
+                _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtepi32_epi8(int_hi));
+                scale[p][at] = d;
+                offset[p][at] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(int_lo, int_hi));
+                lo = _mm512_fnmadd_ps(dv, code_lo, lo);
+                hi = _mm512_fnmadd_ps(dv, code_hi, hi);
+            }
+        }
+    }
+}
+
 /* One copy of each body per chunk height, so the accumulators are a fixed set of registers. */
 #define CHUNK_CASES(body) \
     switch (mt) {                                                    \
@@ -431,7 +477,14 @@ static PyObject *matmul_impl(PyObject *args, const format_t *fmt) {
     }
     tile_fn fn = used_isa == ISA_AVX512VNNI ? fmt->avx512 : fmt->scalar;
     Py_BEGIN_ALLOW_THREADS
-    quantize_acts((const float *)x.buf, m, k, q, scale, (float *)a.sum, offset);
+#if HAVE_X86
+    if (used_isa == ISA_AVX512VNNI) {
+        quantize_acts_avx512((const float *)x.buf, m, k, q, scale, (float *)a.sum, offset);
+    } else
+#endif
+    {
+        quantize_acts_scalar((const float *)x.buf, m, k, q, scale, (float *)a.sum, offset);
+    }
     run_tiles(fmt, fn, (const uint8_t *)packed.buf, &a, m, n, (float *)out.buf);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
