@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 def _route_every_row_to_the_decode_kernels() -> None:
     from engine.quant import kernels
 
-    for name in ("INT4_KERNEL_MAX_ROWS", "GROUP_INT8_KERNEL_MAX_ROWS", "INT8_KERNEL_MAX_ROWS"):
+    for name in ("INT4_KERNEL_MAX_ROWS", "GROUP_INT8_KERNEL_MAX_ROWS", "TORCH_INT4_KERNEL_MAX_ROWS", "INT8_KERNEL_MAX_ROWS"):
         setattr(kernels, name, 1 << 30)
 
 

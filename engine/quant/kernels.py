@@ -14,8 +14,9 @@ slower), so ``x`` is cast to bf16 and back; ``cast_back=False`` skips the cast b
 whose next op promotes the bf16 result exactly (adding it to a float32 residual).
 
 Measured on the 2-core dev box (µs per matmul, ``python -m bench.qmatmul``, figures in
-engine/README.md): the native kernel beats the bf16 copy up to about 12 rows on SmolLM2's Q4
-projections and past 16 on its Q8_0 LM head; torch's int8 kernel beats bf16 up to about 6.
+engine/README.md): the native kernel beats the bf16 copy up to 20-24 rows at 1 thread and
+24-32 at 2 on SmolLM2's Q4 projections and Q8_0 LM head (torch's int4 kernel, the fallback,
+up to about 16); torch's int8 kernel beats bf16 up to about 6.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import torch.nn.functional as F
 from engine.quant import native
 from engine.quant.blocks import GROUP_SIZE, BlockQuant
 
-INT4_KERNEL_MAX_ROWS = 12
+INT4_KERNEL_MAX_ROWS = 24
 """Most rows a matmul sends to the 4-bit kernel; more go to the dense bf16 copy."""
-GROUP_INT8_KERNEL_MAX_ROWS = 16
-"""Most rows a matmul sends to the group-32 int8 kernel (native; 16 for torch's two int4 planes too)."""
+GROUP_INT8_KERNEL_MAX_ROWS = 24
+"""Most rows a matmul sends to the group-32 int8 kernel; more go to the dense bf16 copy."""
+TORCH_INT4_KERNEL_MAX_ROWS = 16
+"""The same limit for both group-32 formats where they run torch's int4 kernel (the fallback)."""
 INT8_KERNEL_MAX_ROWS = 4
 """Most rows a matmul sends to the per-row int8 kernel; more go to the dense bf16 copy."""
 _INT4_ROW_MULTIPLE = 16
@@ -107,7 +110,7 @@ class Int4Weight:
         return cls(codes.reshape(out_features, in_features), scales, low)
 
     def matmul(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
-        if x.shape[0] > INT4_KERNEL_MAX_ROWS:
+        if x.shape[0] > (INT4_KERNEL_MAX_ROWS if self.native else TORCH_INT4_KERNEL_MAX_ROWS):
             y = F.linear(x.to(torch.bfloat16), self.dense)
         elif self.native:
             return native.q4_matmul(x, self._packed_array, self.shape[0])
@@ -216,7 +219,7 @@ class GroupInt8Weight:
 
     def matmul(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
         """``cast_back`` is accepted for the common interface; the result is in ``x``'s dtype."""
-        if x.shape[0] > GROUP_INT8_KERNEL_MAX_ROWS:
+        if x.shape[0] > (GROUP_INT8_KERNEL_MAX_ROWS if self.native else TORCH_INT4_KERNEL_MAX_ROWS):
             return F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
         if self.native:
             return native.q8_matmul(x, self._packed_array, self.shape[0])
