@@ -8,7 +8,7 @@ at load, memory being plentiful on a CPU host) runs instead.
 
 The group-32 formats (``Int4Weight``, ``GroupInt8Weight``) run the C kernel of
 ``engine/quant/native.py`` where it is built (``NATIVE_QMATMUL``): int8 dot products on float32
-activations quantized per 32-block, no bf16 round trip. Elsewhere they run torch's
+activations quantized per 32-block to two int8 planes (about 15 bits), no bf16 round trip. Elsewhere they run torch's
 ``_weight_int4pack_mm_for_cpu``, which wants bf16 activations (float32 ones run about 10x
 slower), so ``x`` is cast to bf16 and back; ``cast_back=False`` skips the cast back for a caller
 whose next op promotes the bf16 result exactly (adding it to a float32 residual).
