@@ -12,7 +12,9 @@ For each ``--weights`` choice (native, bf16, fp32, int8, int4) one engine is loa
 A row "fp32 + 2:4 pruned" (``engine.sparsity.prune_model_2_4``, magnitude pruning) shows the
 perplexity cost of 2:4 sparsity; on a CPU it claims no speed. The KV pool is fp32 in every row
 so that only the weights differ. Windows run as prefill steps of many rows, which take the
-quantized formats' dense bf16 copies (the same dequantized values the decode kernels use).
+quantized formats' dense bf16 copies (the same dequantized values the decode kernels use);
+``--decode-kernels`` sends them through the decode kernels instead, so the perplexity also
+carries what those kernels round (the native kernel's int8 activations).
 
     python -m bench.quality --json bench/results/quality.json
 """
@@ -50,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-tokens", type=positive, default=32, help="greedy tokens per prompt (default: 32)")
     parser.add_argument("--decode-tokens", type=positive, default=64, help="tokens per c1 decode run (default: 64)")
     parser.add_argument("--threads", type=positive, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--decode-kernels", action="store_true", help="score the text through the decode kernels, not the dense copies")
     args = parser.parse_args(argv)
+    if args.decode_kernels:
+        _route_every_row_to_the_decode_kernels()
     if args.threads:
         torch.set_num_threads(args.threads)
     if "fp32" not in args.weights:
@@ -66,10 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     pruned = _pruned_row(args)
     if pruned is not None:
         rows.append(pruned)
-    settings = {name: getattr(args, name) for name in ("window", "max_text_tokens", "gen_tokens", "decode_tokens", "threads")}
+    settings = {name: getattr(args, name) for name in ("window", "max_text_tokens", "gen_tokens", "decode_tokens", "threads", "decode_kernels")}
     report = {"bench": "quality", "model": args.model, "machine": machine(), "text": TEXT_PATH.name, **settings, "rows": rows}
     emit_report(report, args.json)
     return 0
+
+
+def _route_every_row_to_the_decode_kernels() -> None:
+    from engine.quant import kernels
+
+    for name in ("INT4_KERNEL_MAX_ROWS", "GROUP_INT8_KERNEL_MAX_ROWS", "TORCH_INT4_KERNEL_MAX_ROWS", "INT8_KERNEL_MAX_ROWS"):
+        setattr(kernels, name, 1 << 30)
 
 
 def _engine(model: str, weights: str, window: int) -> LLMEngine:

@@ -7,12 +7,14 @@ the blocks before loading, and the checkpoint's float32 copies of them are never
 lookup reads one row per token, and the experts' stacked weights have no quantized kernel here.
 
 ``weights``:
-- ``native``: a GGUF-sourced model runs its Q4_0/Q4_1/Q8_0 blocks as they are (the int4
-  kernel; Q8_0 as two 4-bit planes), F16/BF16 in bf16, F32 in the model dtype; a safetensors checkpoint as stored
-  (in the model dtype).
+- ``native``: a GGUF-sourced model runs its Q4_0/Q4_1/Q8_0 blocks as they are (the C kernel of
+  ``quant/native.py``, or torch's int4 kernel where it is not built, Q8_0 then as two 4-bit
+  planes), F16/BF16 in bf16, F32 in the model dtype; a safetensors checkpoint as stored (in the
+  model dtype).
 - ``fp32`` / ``bf16``: dense, in that dtype (``bf16`` in a float32 model runs its matmuls in bf16).
 - ``int8``: symmetric per output channel; ``int4``: asymmetric per group of 32 input features,
-  except the LM head, which stays int8 (as llama.cpp's 4-bit files keep their output layer at 6-8 bits).
+  except the LM head, which stays int8 (as llama.cpp's 4-bit files keep their output layer at
+  6-8 bits), per output channel and run as a group-32 int8 weight (the Q8 kernel).
 """
 
 from __future__ import annotations
@@ -117,9 +119,9 @@ def linear_layers(model: DecoderModel) -> Iterator[tuple[str, Linear]]:
 
 def _at_load(module: Linear, weights: str, is_lm_head: bool) -> QuantizedWeight | None:
     dense = module.weight.data
-    if weights == "int4" and not is_lm_head:
-        return Int4Weight.from_dense(dense)
-    if weights in ("int8", "int4"):  # an int4 LM head cost SmolLM2 ~10% mean error per logit weight: int8 it is
+    if weights == "int4":
+        return GroupInt8Weight.from_dense(dense) if is_lm_head else Int4Weight.from_dense(dense)
+    if weights == "int8":  # an int4 LM head cost SmolLM2 ~10% mean error per logit weight: int8 it is
         return Int8Weight.from_dense(dense)
     if weights == "bf16" and dense.dtype != torch.bfloat16:
         return DenseWeight(dense.to(torch.bfloat16))

@@ -1,16 +1,22 @@
-"""Linear weights in the layouts of torch's weight-only quantized CPU kernels.
+"""Linear weights in the layouts of the quantized CPU kernels.
 
 Each class answers ``matmul(x) = x W^T`` in ``x``'s dtype and picks its kernel per call by the
-number of rows: the int4/int8 kernels stream 4-8x fewer weight bytes than bf16, which wins
+number of rows: the quantized kernels stream 4-8x fewer weight bytes than bf16, which wins
 while a matmul is bound by reading the weight (decode steps of a few rows); past a few rows the
 kernels' arithmetic costs more than the bytes saved, and a dense bf16 copy (dequantized once
-at load, memory being plentiful on a CPU host) runs instead. Both kernels want bf16
-activations (float32 ones run about 10x slower), so ``x`` is cast to bf16 and back;
-``cast_back=False`` skips the cast back for a caller whose next op promotes the bf16 result
-exactly (adding it to a float32 residual), one op fewer per matmul of a decode step.
+at load, memory being plentiful on a CPU host) runs instead.
 
-Measured on the 2-core dev box (one 1536x576 weight, µs per matmul, bench figures in
-engine/README.md): int4 beats bf16 up to about 24 rows, int8 up to about 6.
+The group-32 formats (``Int4Weight``, ``GroupInt8Weight``) run the C kernel of
+``engine/quant/native.py`` where it is built (``NATIVE_QMATMUL``): int8 dot products on float32
+activations quantized per 32-block to two int8 planes (about 15 bits), no bf16 round trip. Elsewhere they run torch's
+``_weight_int4pack_mm_for_cpu``, which wants bf16 activations (float32 ones run about 10x
+slower), so ``x`` is cast to bf16 and back; ``cast_back=False`` skips the cast back for a caller
+whose next op promotes the bf16 result exactly (adding it to a float32 residual).
+
+Measured on the 2-core dev box (µs per matmul, ``python -m bench.qmatmul``, figures in
+engine/README.md): the native kernel beats the bf16 copy up to 20-24 rows at 1 thread and
+24-32 at 2 on SmolLM2's Q4 projections and Q8_0 LM head (torch's int4 kernel, the fallback,
+up to about 16); torch's int8 kernel beats bf16 up to about 6.
 """
 
 from __future__ import annotations
@@ -18,14 +24,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.quant import native
 from engine.quant.blocks import GROUP_SIZE, BlockQuant
 
-INT4_KERNEL_MAX_ROWS = 16
-"""Most rows a matmul sends to the int4 kernel; more go to the dense bf16 copy."""
+INT4_KERNEL_MAX_ROWS = 24
+"""Most rows a matmul sends to the 4-bit kernel; more go to the dense bf16 copy."""
+GROUP_INT8_KERNEL_MAX_ROWS = 24
+"""Most rows a matmul sends to the group-32 int8 kernel; more go to the dense bf16 copy."""
+TORCH_INT4_KERNEL_MAX_ROWS = 16
+"""The same limit for both group-32 formats where they run torch's int4 kernel (the fallback)."""
 INT8_KERNEL_MAX_ROWS = 4
-"""Most rows a matmul sends to the int8 kernel; more go to the dense bf16 copy."""
+"""Most rows a matmul sends to the per-row int8 kernel; more go to the dense bf16 copy."""
 _INT4_ROW_MULTIPLE = 16
-_INT4_MID = 8  # the int4 kernel dequantizes w = (q - 8) * scale + zero
+_INT4_MID = 8  # torch's int4 kernel dequantizes w = (q - 8) * scale + zero
 
 
 class DenseWeight:
@@ -51,20 +62,30 @@ class DenseWeight:
 
 
 class Int4Weight:
-    """Group-32 asymmetric 4-bit weight: ``w = (q - 8) * scale + zero`` per 32 input features.
+    """Group-32 4-bit weight: ``w = scale * q + min`` per 32 input features, q in 0..15.
 
-    Layout of ``_weight_int4pack_mm_for_cpu``: codes packed two per byte, ``scales_and_zeros``
-    bf16 ``[in / 32, out, 2]``.
+    Native: the C kernel's Q4 block-tiles (``native.pack_q4``; fp16 scale and min). Fallback:
+    torch's ``_weight_int4pack_mm_for_cpu`` layout, codes two per byte and bf16
+    ``scales_and_zeros`` ``[in / 32, out, 2]`` with ``zero = min + 8 * scale``.
     """
 
     kind = "int4"
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dense_copy: bool = True) -> None:
-        """``codes`` 0..15 ``[out, in]``; ``scales``, ``zeros`` float32 ``[out, in / 32]``;
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dense_copy: bool = True) -> None:
+        """``codes`` 0..15 ``[out, in]``; ``scales``, ``mins`` float32 ``[out, in / 32]``;
         ``dense_copy`` False skips the bf16 copy (a caller that keeps its own)."""
         self.shape = tuple(codes.shape)
-        scales, zeros = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
-        self.dense = _dequantize_int4(codes, scales, zeros).to(torch.bfloat16) if dense_copy else None
+        self.native = native.NATIVE_QMATMUL  # read per weight: a test may switch it off
+        if self.native:
+            self.packed = native.pack_q4(codes, scales, mins)
+            self._packed_array = self.packed.numpy()
+            self.dense = self.dequantize().to(torch.bfloat16) if dense_copy else None
+        else:
+            scales, zeros = scales.to(torch.bfloat16), (mins + _INT4_MID * scales).to(torch.bfloat16)
+            self.dense = _dequantize_int4(codes, scales, zeros).to(torch.bfloat16) if dense_copy else None
+            self._pack_for_torch(codes, scales, zeros)
+
+    def _pack_for_torch(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         pad = -codes.shape[0] % _INT4_ROW_MULTIPLE  # the packing wants whole tiles of 16 rows
         if pad:
             codes, scales, zeros = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scales, zeros))
@@ -73,8 +94,8 @@ class Int4Weight:
 
     @classmethod
     def from_blocks(cls, blocks: BlockQuant) -> Int4Weight:
-        """Q4_0 / Q4_1 blocks as they are: the same codes, ``d`` as the scale (rounded to bf16)."""
-        return cls(blocks.codes, blocks.scales, int4_zeros(blocks))
+        """Q4_0 / Q4_1 blocks as they are: the same codes, ``d`` as the scale."""
+        return cls(blocks.codes, blocks.scales, int4_mins(blocks))
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> Int4Weight:
@@ -86,29 +107,36 @@ class Int4Weight:
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
         codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8)
-        return cls(codes.reshape(out_features, in_features), scales, low + _INT4_MID * scales)
+        return cls(codes.reshape(out_features, in_features), scales, low)
 
     def matmul(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
-        if x.shape[0] > INT4_KERNEL_MAX_ROWS:
+        if x.shape[0] > (INT4_KERNEL_MAX_ROWS if self.native else TORCH_INT4_KERNEL_MAX_ROWS):
             y = F.linear(x.to(torch.bfloat16), self.dense)
+        elif self.native:
+            return native.q4_matmul(x, self._packed_array, self.shape[0])
         else:
             y = self.kernel(x.to(torch.bfloat16))
         return y.to(x.dtype) if cast_back else y
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """bf16 ``x W^T`` through the int4 kernel alone, whatever the rows."""
+        """``x W^T`` through the 4-bit kernel alone, whatever the rows (bf16 ``x`` on torch's)."""
+        if self.native:
+            return native.q4_matmul(x, self._packed_array, self.shape[0])
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
         return y if y.shape[1] == self.shape[0] else y[:, : self.shape[0]]
 
     def dequantize(self) -> torch.Tensor:
-        """float32 ``[out, in]`` as the kernel itself computes it (a matmul with the identity)."""
+        """float32 ``[out, in]`` as the kernel sees it: read back from the native layout, or a
+        matmul of torch's kernel with the identity."""
+        if self.native:
+            return native.dequantize_q4(self.packed, self.shape)
         eye = torch.eye(self.shape[1], dtype=torch.bfloat16)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, self.scales_and_zeros)
         return out[:, : self.shape[0]].t().float()
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_and_zeros.nbytes
+        return self.packed.nbytes + (0 if self.native else self.scales_and_zeros.nbytes)
 
 
 class Int8Weight:
@@ -147,14 +175,15 @@ class Int8Weight:
 
 
 class GroupInt8Weight:
-    """8-bit codes with one scale per 32 input features (GGUF's Q8_0), run as two int4 matmuls.
+    """8-bit codes with one scale per 32 input features (GGUF's Q8_0): ``w = scale * q``.
 
-    torch's int8 kernel takes one scale per row and streams a wide matrix slowly at one row of
+    Native: the C kernel's Q8 block-tiles (``native.pack_q8``; fp16 scale). Fallback: torch's
+    int8 kernel takes one scale per row and streams a wide matrix slowly at one row of
     activations (the 49152 x 576 LM head: 12 ms against 1.5 ms for int4, measured alone on the
-    dev box). Splitting ``u = q + 128`` into nibbles, ``u = 16 hi + lo``, gives
-    ``d q = 16 d (hi - 8) + d (lo - 8) + 8 d``: two int4 weights (scales ``16 d`` and ``d``,
-    zero ``8 d`` on the low one) whose sum is the block's exact value (``d`` rounded to bf16),
-    at 8 bits per weight in two passes of the fast kernel.
+    dev box), so the weight runs as two int4 matmuls. Splitting ``u = q + 128`` into nibbles,
+    ``u = 16 hi + lo``, gives ``d q = 16 d hi + d lo - 128 d``: two int4 weights (scales ``16 d``
+    and ``d``, mins ``-128 d`` and 0) whose sum is the block's exact value (``d`` rounded to
+    bf16), at 8 bits per weight in two passes of the fast kernel.
     """
 
     kind = "int8"
@@ -162,12 +191,17 @@ class GroupInt8Weight:
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """``codes`` int8 ``[out, in]``; ``scales`` float32 ``[out, in / 32]``."""
         self.shape = tuple(codes.shape)
-        scales = scales.to(torch.bfloat16).float()
-        unsigned = codes.to(torch.int32) + 128
-        self.high = Int4Weight(unsigned >> 4, 16 * scales, torch.zeros_like(scales), dense_copy=False)
-        self.low = Int4Weight(unsigned & 15, scales, _INT4_MID * scales, dense_copy=False)
-        groups = codes.shape[1] // GROUP_SIZE
-        self.dense = (codes.view(-1, groups, GROUP_SIZE).float() * scales[..., None]).view(self.shape).to(torch.bfloat16)
+        self.native = native.NATIVE_QMATMUL  # read per weight: a test may switch it off
+        if self.native:
+            self.packed = native.pack_q8(codes, scales)
+            self._packed_array = self.packed.numpy()
+        else:
+            scales = scales.to(torch.bfloat16).float()
+            unsigned = codes.to(torch.int32) + 128
+            self.high = Int4Weight(unsigned >> 4, 16 * scales, -128 * scales, dense_copy=False)
+            self.low = Int4Weight(unsigned & 15, scales, torch.zeros_like(scales), dense_copy=False)
+        groups = codes.view(self.shape[0], -1, GROUP_SIZE).float() * (scales.half() if self.native else scales).float()[..., None]
+        self.dense = groups.view(self.shape).to(torch.bfloat16)
 
     @classmethod
     def from_blocks(cls, blocks: BlockQuant) -> GroupInt8Weight:
@@ -184,18 +218,23 @@ class GroupInt8Weight:
         return cls(per_row.codes, per_row.scales.float()[:, None].expand(-1, groups).contiguous())
 
     def matmul(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
-        """``cast_back`` is accepted for the common interface; the two planes are summed in ``x``'s dtype."""
-        if x.shape[0] > INT4_KERNEL_MAX_ROWS:
+        """``cast_back`` is accepted for the common interface; the result is in ``x``'s dtype."""
+        if x.shape[0] > (GROUP_INT8_KERNEL_MAX_ROWS if self.native else TORCH_INT4_KERNEL_MAX_ROWS):
             return F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
+        if self.native:
+            return native.q8_matmul(x, self._packed_array, self.shape[0])
         x16 = x.to(torch.bfloat16)
         return (self.high.kernel(x16).float() + self.low.kernel(x16).float()).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
+        """float32 ``[out, in]`` as the kernel sees it."""
+        if self.native:
+            return native.dequantize_q8(self.packed, self.shape)
         return self.high.dequantize() + self.low.dequantize()
 
     @property
     def nbytes(self) -> int:
-        return self.high.nbytes + self.low.nbytes
+        return self.packed.nbytes if self.native else self.high.nbytes + self.low.nbytes
 
 
 def _dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -204,12 +243,12 @@ def _dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return w.view(codes.shape)
 
 
-def int4_zeros(blocks: BlockQuant) -> torch.Tensor:
-    """The int4 layout's ``zero`` per block of a Q4_0 / Q4_1 weight, whose ``d`` is the scale as it is."""
+def int4_mins(blocks: BlockQuant) -> torch.Tensor:
+    """``min`` per block of a Q4_0 / Q4_1 weight written as ``w = d * q + min``."""
     if blocks.kind == "Q4_0":  # d * (q - 8)
-        return torch.zeros_like(blocks.scales)
-    if blocks.kind == "Q4_1":  # d * q + m == (q - 8) * d + (m + 8 d)
-        return blocks.mins + _INT4_MID * blocks.scales
+        return -_INT4_MID * blocks.scales
+    if blocks.kind == "Q4_1":  # d * q + m
+        return blocks.mins
     raise ValueError(f"GGUF type {blocks.kind} is not 4-bit")
 
 

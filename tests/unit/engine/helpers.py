@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
+from engine.quant import native
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPT_LENGTHS = (1, 5, 16, 17, 33, 40, 70, 100)
@@ -63,3 +66,17 @@ def transformers_greedy(model_dir: Path, prompts: list[list[int]], max_new_token
         )
         out.append(tuple(gen[0, len(prompt) :].tolist()))
     return out
+
+
+@pytest.fixture
+def native_qmatmul(monkeypatch):
+    """The C extension engine.quant._qmatmul, with quantized weights built for it (also on a CPU
+    where only its scalar path runs). Where it is not built torch's int4 kernel serves and these
+    tests skip, unless SPLITSERVE_REQUIRE_NATIVE=1 (``make test``) says it must be built."""
+    if native._qmatmul is None:
+        if os.environ.get("SPLITSERVE_REQUIRE_NATIVE") == "1":
+            pytest.fail("engine.quant._qmatmul is not built (SPLITSERVE_REQUIRE_NATIVE=1): `pip install -e .` needs gcc "
+                        "with OpenMP (libgomp); see the build log for why it failed")
+        pytest.skip("engine.quant._qmatmul is not built: quantized weights run torch's int4 kernel")
+    monkeypatch.setattr(native, "NATIVE_QMATMUL", True)
+    return native._qmatmul

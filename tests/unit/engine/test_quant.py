@@ -1,5 +1,5 @@
-"""Quantized linear weights (engine/quant): GGUF blocks unpacked and repacked for torch's int4 and
-int8 CPU kernels, quantization at load, tensor-parallel shards, and what is refused."""
+"""Quantized linear weights (engine/quant): GGUF blocks unpacked and repacked for the native kernel
+and torch's int4 and int8 CPU kernels, quantization at load, tensor-parallel shards, and what is refused."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
 from engine.quant.apply import apply_native, apply_weights, linear_layers
 from engine.quant.blocks import unpack_blocks
-from engine.quant.kernels import INT4_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS, GroupInt8Weight, Int4Weight, Int8Weight
-from tests.unit.engine.helpers import make_engine
+from engine.quant import native
+from engine.quant import kernels
+from engine.quant.kernels import GroupInt8Weight, Int4Weight, Int8Weight
+from tests.unit.engine.helpers import make_engine, native_qmatmul  # noqa: F401 (a fixture)
 
 
 def gguf_blocks(kind: str, weight: np.ndarray):
@@ -35,8 +37,31 @@ def test_unpacked_blocks_dequantize_bit_for_bit_as_gguf_does(kind):
     assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))
 
 
+@pytest.fixture(params=["native", "torch"])
+def kernel_path(request, monkeypatch):
+    """Build weights for the C kernel (skipped where it is not built) or for torch's int4 kernel."""
+    if request.param == "native":
+        request.getfixturevalue("native_qmatmul")
+    else:
+        monkeypatch.setattr(native, "NATIVE_QMATMUL", False)
+    return request.param
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_native_layout_holds_gguf_blocks_bit_for_bit(native_qmatmul, kind):
+    """fp16 scales and mins, as GGUF stores them: ``d * q + m`` is gguf's own dequantization."""
+    weight = np.random.default_rng(1).standard_normal((40, 64)).astype(np.float32)  # 40 rows: padded to 48 for the tiles
+    raw, expected = gguf_blocks(kind, weight)
+    blocks = unpack_blocks(kind, raw, 40, 64)
+    kernel = GroupInt8Weight.from_blocks(blocks) if kind == "Q8_0" else Int4Weight.from_blocks(blocks)
+    assert kernel.native and kernel.packed.nbytes == 3 * 2 * (544 if kind == "Q8_0" else 320)
+    assert torch.equal(kernel.dequantize(), torch.from_numpy(expected))
+    assert torch.equal(kernel.dense.float(), torch.from_numpy(expected).bfloat16().float())
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_int4_repack_keeps_the_codes_and_rounds_only_the_scales_to_bf16(kind):
+def test_torch_int4_repack_keeps_the_codes_and_rounds_only_the_scales_to_bf16(monkeypatch, kind):
+    monkeypatch.setattr(native, "NATIVE_QMATMUL", False)
     weight = np.random.default_rng(1).standard_normal((40, 64)).astype(np.float32)  # 40 rows: padded to 48 for the packing
     raw, expected = gguf_blocks(kind, weight)
     blocks = unpack_blocks(kind, raw, 40, 64)
@@ -52,7 +77,8 @@ def test_int4_repack_keeps_the_codes_and_rounds_only_the_scales_to_bf16(kind):
     assert ((dequantized - reference).abs() <= step / 16 + reference.abs() / 128).all()  # far below the quantization step
 
 
-def test_q8_0_blocks_run_as_two_int4_planes_with_their_own_codes_and_scales():
+def test_q8_0_blocks_run_on_torch_as_two_int4_planes_with_their_own_codes_and_scales(monkeypatch):
+    monkeypatch.setattr(native, "NATIVE_QMATMUL", False)
     weight = np.random.default_rng(2).standard_normal((40, 64)).astype(np.float32)
     raw, expected = gguf_blocks("Q8_0", weight)
     blocks = unpack_blocks("Q8_0", raw, 40, 64)
@@ -66,7 +92,7 @@ def test_q8_0_blocks_run_as_two_int4_planes_with_their_own_codes_and_scales():
 
 @pytest.mark.parametrize("make", [Int4Weight.from_dense, Int8Weight.from_dense, GroupInt8Weight.from_dense], ids=["int4", "int8", "group-int8"])
 @pytest.mark.parametrize("num_rows", [1, 3, 40])
-def test_quantized_matmul_matches_the_dense_matmul_of_its_dequantized_weight(make, num_rows):
+def test_quantized_matmul_matches_the_dense_matmul_of_its_dequantized_weight(kernel_path, make, num_rows):
     g = torch.Generator().manual_seed(3)
     kernel = make(torch.randn(80, 128, generator=g))
     x = torch.randn(num_rows, 128, generator=g).bfloat16().float()
@@ -74,7 +100,8 @@ def test_quantized_matmul_matches_the_dense_matmul_of_its_dequantized_weight(mak
     got = kernel.matmul(x)
     assert got.dtype == torch.float32 and got.shape == (num_rows, 80)
     torch.testing.assert_close(got, expected, rtol=0.02, atol=0.02 * expected.abs().max().item())
-    assert INT8_KERNEL_MAX_ROWS < 40 and INT4_KERNEL_MAX_ROWS < 40  # 40 rows ran the dense bf16 copy
+    limits = ("INT8_KERNEL_MAX_ROWS", "INT4_KERNEL_MAX_ROWS", "GROUP_INT8_KERNEL_MAX_ROWS", "TORCH_INT4_KERNEL_MAX_ROWS")
+    assert max(getattr(kernels, name) for name in limits) < 40  # 40 rows ran the dense bf16 copy
 
 
 def test_int4_at_load_refuses_input_features_that_are_not_whole_groups():

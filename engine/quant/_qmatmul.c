@@ -1,0 +1,556 @@
+/* engine.quant._qmatmul: y[M, N] = x[M, K] W^T in float32 for decode-sized M, on group-32
+ * quantized weights, with int8 dot products (VNNI's vpdpbusd: unsigned weight codes times
+ * signed activation codes, as llama.cpp does).
+ *
+ *   Q4 (scale and min)  w = d * q + m,  q in 0..15      (GGUF Q4_0, Q4_1; --weights int4)
+ *   Q8 (scale)          w = d * q,      q in -128..127  (GGUF Q8_0; the int4 format's LM head)
+ *
+ * Activations, per row and 32-block, in two int8 planes: sx1 = amax / 127 and
+ * xq1 = round_half_even(x / sx1); then the same for what xq1 left over, r = x - sx1 * xq1
+ * (sx2, xq2). One plane (llama.cpp's Q8_0 activations) cost SmolLM2 ~1% perplexity and most
+ * of its greedy agreement with fp32; two carry ~15 bits of x and match fp32's perplexity, for
+ * twice the integer dots. The min term uses the block's exact float sum of x (xsum):
+ *
+ *   Q4: sum_i w_i x_i ~ d * (sx1 * idot(q, xq1) + sx2 * idot(q, xq2)) + m * xsum
+ *   Q8: the same without m, each idot(q + 128, xq) - 128 * sum(xq)
+ *
+ * Layout, built once at load by engine/quant/native.py: output rows in tiles of 16 (the last
+ * padded with zero rows), each tile its 32-blocks in order, each block-tile contiguous:
+ *
+ *   Q4 block-tile, 320 bytes:
+ *     [p = 0..3] 64 bytes: byte 4 j + t = code(row j, k 4p + t) | code(row j, k 4(p + 4) + t) << 4
+ *     32 bytes: d of rows 0..15 (fp16)      32 bytes: m of rows 0..15 (fp16)
+ *   Q8 block-tile, 544 bytes:
+ *     [g = 0..7] 64 bytes: byte 4 j + t = q(row j, k 4g + t) + 128
+ *     32 bytes: d of rows 0..15 (fp16)
+ *
+ * so one 64-byte vector holds 4 consecutive k of each of 16 rows: a VNNI dot (vpdpbusd) with
+ * 4 bytes of xq broadcast adds into one int32 lane per output row, and 8 of them finish a block
+ * with no horizontal sums. Per output row the float work is the same sequence on every path:
+ *
+ *   acc = fma((float)idot1, d * sx1, acc); acc = fma((float)idot2, d * sx2, acc);
+ *   then, Q4 only, acc = fma(m, xsum, acc)
+ *
+ * block after block, so the AVX-512 and the scalar paths give the same bits, and each output
+ * is written by one thread (OpenMP over tiles): the result does not depend on the thread count.
+ * OpenMP is torch's libgomp (engine/quant/native.py imports torch first), so
+ * torch.set_num_threads governs both. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#else
+#define HAVE_X86 0
+#endif
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define GROUP 32
+#define TILE_ROWS 16
+#define Q4_TILE_BYTES 320
+#define Q8_TILE_BYTES 544
+#define ROW_CHUNK 8 /* activation rows per pass over a tile: 8 accumulators stay in registers */
+#define PARALLEL_MIN_WEIGHTS (1 << 17) /* below this a parallel region costs more than it saves */
+
+enum isa { ISA_SCALAR = 0, ISA_AVX512VNNI = 1 };
+static const char *ISA_NAMES[] = {"scalar", "avx512vnni"};
+static enum isa best_isa = ISA_SCALAR;
+static enum isa used_isa = ISA_SCALAR;
+
+/* Activations of all M rows, quantized once per call. */
+#define PLANES 2 /* x ~ sx1 * xq1 + sx2 * xq2: the second plane quantizes what the first rounded off */
+
+/* Activations of all M rows, quantized once per call. */
+typedef struct {
+    const int8_t *q[PLANES];       /* [M, K] each */
+    const float *scale[PLANES];    /* [M, K / 32] each: sx */
+    const int32_t *offset[PLANES]; /* [M, K / 32] each: 128 * sum(xq), the Q8 unsigned-code correction */
+    const float *sum;              /* [M, K / 32]: xsum */
+    int64_t k;
+    int64_t num_blocks;
+} acts_t;
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exponent = (h >> 10) & 0x1F;
+    uint32_t mantissa = h & 0x3FF;
+    uint32_t bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000 | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: value = mantissa * 2^-24, exact in float */
+        float value = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -value : value;
+    }
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* One plane of one block: codes of v at amax / 127, rounded half to even (as torch.round, so
+ * the Python reference quantizes the same way); v becomes what the codes left over, exactly
+ * rounded (fmaf). */
+static void quantize_block(float *v, int8_t *out, float *scale, int32_t *offset) {
+    float amax = 0.0f;
+    for (int i = 0; i < GROUP; i++) {
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    float d = amax / 127.0f;
+    float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t code_sum = 0;
+    for (int i = 0; i < GROUP; i++) {
+        float rounded = nearbyintf(v[i] * inverse);
+        int32_t code = (int32_t)fmaxf(-127.0f, fminf(127.0f, rounded));
+        out[i] = (int8_t)code;
+        code_sum += code;
+        v[i] = fmaf(-d, (float)code, v[i]);
+    }
+    *scale = d;
+    *offset = 128 * code_sum;
+}
+
+/* The block's sum as a tree, v[i] + v[i + 16], then + [i + 8], [i + 4], [i + 2], [i + 1]: the
+ * order the AVX-512 path adds in, so both give the same bits. */
+static float block_sum(const float *v) {
+    float partial[GROUP];
+    memcpy(partial, v, sizeof partial);
+    for (int width = GROUP / 2; width >= 1; width /= 2) {
+        for (int i = 0; i < width; i++) {
+            partial[i] += partial[i + width];
+        }
+    }
+    return partial[0];
+}
+
+static void quantize_acts_scalar(const float *x, int64_t m, int64_t k, int8_t **q, float **scale, float *sum, int32_t **offset) {
+    int64_t num_blocks = k / GROUP;
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t b = 0; b < num_blocks; b++) {
+            float rest[GROUP];
+            int64_t at = r * num_blocks + b;
+            memcpy(rest, x + r * k + b * GROUP, sizeof rest);
+            sum[at] = block_sum(rest);
+            for (int p = 0; p < PLANES; p++) {
+                quantize_block(rest, q[p] + r * k + b * GROUP, scale[p] + at, offset[p] + at);
+            }
+        }
+    }
+}
+
+/* ---- scalar path: the same integer dots and float sequence, one output at a time ---- */
+
+static int q4_code(const uint8_t *block, int row, int k) {
+    int g = k / 4, t = k % 4;
+    uint8_t byte = block[64 * (g & 3) + 4 * row + t];
+    return g < 4 ? byte & 0x0F : byte >> 4;
+}
+
+static void q4_tile_scalar(const uint8_t *tile, const acts_t *a, int64_t r0, int mt, float *y, int64_t ldy, int rows) {
+    for (int r = 0; r < mt; r++) {
+        for (int j = 0; j < rows; j++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < a->num_blocks; b++) {
+                const uint8_t *block = tile + b * Q4_TILE_BYTES;
+                float d = half_to_float(load_u16(block + 256 + 2 * j));
+                float mn = half_to_float(load_u16(block + 288 + 2 * j));
+                int64_t at = (r0 + r) * a->num_blocks + b;
+                for (int p = 0; p < PLANES; p++) {
+                    const int8_t *xq = a->q[p] + (r0 + r) * a->k + b * GROUP;
+                    int32_t idot = 0;
+                    for (int i = 0; i < GROUP; i++) {
+                        idot += q4_code(block, j, i) * xq[i];
+                    }
+                    acc = fmaf((float)idot, d * a->scale[p][at], acc);
+                }
+                acc = fmaf(mn, a->sum[at], acc);
+            }
+            y[r * ldy + j] = acc;
+        }
+    }
+}
+
+static void q8_tile_scalar(const uint8_t *tile, const acts_t *a, int64_t r0, int mt, float *y, int64_t ldy, int rows) {
+    for (int r = 0; r < mt; r++) {
+        for (int j = 0; j < rows; j++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < a->num_blocks; b++) {
+                const uint8_t *block = tile + b * Q8_TILE_BYTES;
+                float d = half_to_float(load_u16(block + 512 + 2 * j));
+                int64_t at = (r0 + r) * a->num_blocks + b;
+                for (int p = 0; p < PLANES; p++) {
+                    const int8_t *xq = a->q[p] + (r0 + r) * a->k + b * GROUP;
+                    int32_t idot = -a->offset[p][at];
+                    for (int i = 0; i < GROUP; i++) {
+                        idot += block[64 * (i / 4) + 4 * j + i % 4] * xq[i];
+                    }
+                    acc = fmaf((float)idot, d * a->scale[p][at], acc);
+                }
+            }
+            y[r * ldy + j] = acc;
+        }
+    }
+}
+
+/* ---- AVX-512 VNNI path ---- */
+
+#if HAVE_X86
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+
+static inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+AVX512_TARGET static inline __attribute__((always_inline)) void store_rows(float *y, __m512 acc, int rows) {
+    if (rows == TILE_ROWS) {
+        _mm512_storeu_ps(y, acc);
+    } else {
+        _mm512_mask_storeu_ps(y, (__mmask16)((1u << rows) - 1), acc);
+    }
+}
+
+AVX512_TARGET static inline __attribute__((always_inline)) void q4_tile_avx512_body(
+    const uint8_t *tile, const acts_t *a, int64_t r0, const int mt, float *y, int64_t ldy, int rows) {
+    __m512 acc[ROW_CHUNK];
+    for (int r = 0; r < mt; r++) {
+        acc[r] = _mm512_setzero_ps();
+    }
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < a->num_blocks; b++) {
+        const uint8_t *block = tile + b * Q4_TILE_BYTES;
+        __m512i w[8];
+        for (int p = 0; p < 4; p++) {
+            __m512i raw = _mm512_loadu_si512((const void *)(block + 64 * p));
+            w[p] = _mm512_and_si512(raw, nibble);
+            w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 256)));
+        __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 288)));
+        for (int r = 0; r < mt; r++) {
+            int64_t at = (r0 + r) * a->num_blocks + b;
+            for (int p = 0; p < PLANES; p++) {
+                const int8_t *xq = a->q[p] + (r0 + r) * a->k + b * GROUP;
+                __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512(); /* two chains of 4 */
+                for (int g = 0; g < 8; g += 2) {
+                    even = _mm512_dpbusd_epi32(even, w[g], _mm512_set1_epi32(load_i32(xq + 4 * g)));
+                    odd = _mm512_dpbusd_epi32(odd, w[g + 1], _mm512_set1_epi32(load_i32(xq + 4 * g + 4)));
+                }
+                __m512i idot = _mm512_add_epi32(even, odd);
+                __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a->scale[p][at]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), ds, acc[r]);
+            }
+            acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->sum[at]), acc[r]);
+        }
+    }
+    for (int r = 0; r < mt; r++) {
+        store_rows(y + r * ldy, acc[r], rows);
+    }
+}
+
+AVX512_TARGET static inline __attribute__((always_inline)) void q8_tile_avx512_body(
+    const uint8_t *tile, const acts_t *a, int64_t r0, const int mt, float *y, int64_t ldy, int rows) {
+    __m512 acc[ROW_CHUNK];
+    for (int r = 0; r < mt; r++) {
+        acc[r] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < a->num_blocks; b++) {
+        const uint8_t *block = tile + b * Q8_TILE_BYTES;
+        __m512i w[8];
+        for (int g = 0; g < 8; g++) {
+            w[g] = _mm512_loadu_si512((const void *)(block + 64 * g));
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 512)));
+        for (int r = 0; r < mt; r++) {
+            int64_t at = (r0 + r) * a->num_blocks + b;
+            for (int p = 0; p < PLANES; p++) {
+                const int8_t *xq = a->q[p] + (r0 + r) * a->k + b * GROUP;
+                __m512i even = _mm512_set1_epi32(-a->offset[p][at]), odd = _mm512_setzero_si512();
+                for (int g = 0; g < 8; g += 2) {
+                    even = _mm512_dpbusd_epi32(even, w[g], _mm512_set1_epi32(load_i32(xq + 4 * g)));
+                    odd = _mm512_dpbusd_epi32(odd, w[g + 1], _mm512_set1_epi32(load_i32(xq + 4 * g + 4)));
+                }
+                __m512i idot = _mm512_add_epi32(even, odd);
+                __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a->scale[p][at]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot), ds, acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < mt; r++) {
+        store_rows(y + r * ldy, acc[r], rows);
+    }
+}
+
+/* quantize_acts_scalar with vectors: a block is two 16-float halves. */
+AVX512_TARGET static void quantize_acts_avx512(const float *x, int64_t m, int64_t k, int8_t **q, float **scale, float *sum, int32_t **offset) {
+    int64_t num_blocks = k / GROUP;
+    const __m512 limit = _mm512_set1_ps(127.0f);
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t b = 0; b < num_blocks; b++) {
+            int64_t at = r * num_blocks + b;
+            const float *v = x + r * k + b * GROUP;
+            __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
+            __m512 t16 = _mm512_add_ps(lo, hi);
+            __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(t16), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t16), 1)));
+            __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+            __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+            __m128 t1 = _mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1));
+            sum[at] = _mm_cvtss_f32(t1);
+            for (int p = 0; p < PLANES; p++) {
+                float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+                float d = amax / 127.0f;
+                __m512 inverse = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f), dv = _mm512_set1_ps(d);
+                __m512 code_lo = _mm512_roundscale_ps(_mm512_mul_ps(lo, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                __m512 code_hi = _mm512_roundscale_ps(_mm512_mul_ps(hi, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                code_lo = _mm512_max_ps(_mm512_min_ps(code_lo, limit), _mm512_sub_ps(_mm512_setzero_ps(), limit));
+                code_hi = _mm512_max_ps(_mm512_min_ps(code_hi, limit), _mm512_sub_ps(_mm512_setzero_ps(), limit));
+                __m512i int_lo = _mm512_cvtps_epi32(code_lo), int_hi = _mm512_cvtps_epi32(code_hi);
+                int8_t *out = q[p] + r * k + b * GROUP;
+                _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(int_lo));
+                _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtepi32_epi8(int_hi));
+                scale[p][at] = d;
+                offset[p][at] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(int_lo, int_hi));
+                lo = _mm512_fnmadd_ps(dv, code_lo, lo);
+                hi = _mm512_fnmadd_ps(dv, code_hi, hi);
+            }
+        }
+    }
+}
+
+/* One copy of each body per chunk height, so the accumulators are a fixed set of registers. */
+#define CHUNK_CASES(body) \
+    switch (mt) {                                                    \
+    case 1: body(tile, a, r0, 1, y, ldy, rows); break;               \
+    case 2: body(tile, a, r0, 2, y, ldy, rows); break;               \
+    case 3: body(tile, a, r0, 3, y, ldy, rows); break;               \
+    case 4: body(tile, a, r0, 4, y, ldy, rows); break;               \
+    case 5: body(tile, a, r0, 5, y, ldy, rows); break;               \
+    case 6: body(tile, a, r0, 6, y, ldy, rows); break;               \
+    case 7: body(tile, a, r0, 7, y, ldy, rows); break;               \
+    default: body(tile, a, r0, ROW_CHUNK, y, ldy, rows); break;      \
+    }
+
+AVX512_TARGET static void q4_tile_avx512(const uint8_t *tile, const acts_t *a, int64_t r0, int mt, float *y, int64_t ldy, int rows) {
+    CHUNK_CASES(q4_tile_avx512_body)
+}
+
+AVX512_TARGET static void q8_tile_avx512(const uint8_t *tile, const acts_t *a, int64_t r0, int mt, float *y, int64_t ldy, int rows) {
+    CHUNK_CASES(q8_tile_avx512_body)
+}
+#endif
+
+/* ---- the call: validate, quantize x, run the tiles ---- */
+
+typedef void (*tile_fn)(const uint8_t *, const acts_t *, int64_t, int, float *, int64_t, int);
+
+typedef struct {
+    const char *name;
+    int64_t tile_bytes;
+    tile_fn scalar;
+    tile_fn avx512;
+} format_t;
+
+static const format_t Q4 = {"q4", Q4_TILE_BYTES, q4_tile_scalar,
+#if HAVE_X86
+                            q4_tile_avx512
+#else
+                            NULL
+#endif
+};
+static const format_t Q8 = {"q8", Q8_TILE_BYTES, q8_tile_scalar,
+#if HAVE_X86
+                            q8_tile_avx512
+#else
+                            NULL
+#endif
+};
+
+static int check_float_matrix(const Py_buffer *view, const char *name) {
+    if (view->ndim != 2) {
+        PyErr_Format(PyExc_ValueError, "%s: must be 2-D [rows, features], got %d dimensions", name, view->ndim);
+        return -1;
+    }
+    const char *format = view->format ? view->format : "B";
+    if (view->itemsize != 4 || format[strlen(format) - 1] != 'f') {
+        PyErr_Format(PyExc_ValueError, "%s: must be float32, got buffer format '%s'", name, format);
+        return -1;
+    }
+    if (!PyBuffer_IsContiguous(view, 'C')) {
+        PyErr_Format(PyExc_ValueError, "%s: must be C-contiguous", name);
+        return -1;
+    }
+    return 0;
+}
+
+static void run_tiles(const format_t *fmt, tile_fn fn, const uint8_t *weights, const acts_t *a, int64_t m, int64_t n, float *y) {
+    int64_t num_tiles = (n + TILE_ROWS - 1) / TILE_ROWS;
+    int64_t tile_stride = a->num_blocks * fmt->tile_bytes;
+    int parallel = n * a->k >= PARALLEL_MIN_WEIGHTS;
+    (void)parallel;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t t = 0; t < num_tiles; t++) {
+        int rows = (int)(n - t * TILE_ROWS < TILE_ROWS ? n - t * TILE_ROWS : TILE_ROWS);
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK) {
+            int mt = (int)(m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK);
+            fn(weights + t * tile_stride, a, r0, mt, y + r0 * n + t * TILE_ROWS, n, rows);
+        }
+    }
+}
+
+static PyObject *matmul_impl(PyObject *args, const format_t *fmt) {
+    PyObject *x_obj, *packed_obj, *out_obj;
+    if (!PyArg_ParseTuple(args, "OOO", &x_obj, &packed_obj, &out_obj)) {
+        return NULL;
+    }
+    Py_buffer x = {0}, packed = {0}, out = {0};
+    PyObject *result = NULL;
+    void *scratch = NULL;
+    if (PyObject_GetBuffer(x_obj, &x, PyBUF_RECORDS_RO) < 0) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "x: must be a C-contiguous float32 buffer (a numpy array)");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(packed_obj, &packed, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "packed: must be a C-contiguous byte buffer");
+        goto done;
+    }
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_RECORDS) < 0) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "out: must be a writable C-contiguous float32 buffer");
+        goto done;
+    }
+    if (check_float_matrix(&x, "x") < 0 || check_float_matrix(&out, "out") < 0) {
+        goto done;
+    }
+    int64_t m = x.shape[0], k = x.shape[1], n = out.shape[1];
+    if (k <= 0 || k % GROUP != 0) {
+        PyErr_Format(PyExc_ValueError, "x: %lld input features are not a positive whole number of %d-blocks", (long long)k, GROUP);
+        goto done;
+    }
+    if (out.shape[0] != m) {
+        PyErr_Format(PyExc_ValueError, "out: %lld rows for %lld rows of x", (long long)out.shape[0], (long long)m);
+        goto done;
+    }
+    int64_t num_blocks = k / GROUP;
+    int64_t expected = (n + TILE_ROWS - 1) / TILE_ROWS * num_blocks * fmt->tile_bytes;
+    if (n <= 0 || packed.len != expected) {
+        PyErr_Format(PyExc_ValueError, "packed: %zd bytes, but %lld x %lld %s weights take %lld", packed.len, (long long)n, (long long)k,
+                     fmt->name, (long long)expected);
+        goto done;
+    }
+    if (m == 0) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    int64_t num_values = m * num_blocks;
+    scratch = PyMem_RawMalloc((size_t)(num_values * 4 * (1 + 2 * PLANES) + PLANES * m * k));
+    if (scratch == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    acts_t a = {.sum = (float *)scratch, .k = k, .num_blocks = num_blocks};
+    float *scale[PLANES];
+    int32_t *offset[PLANES];
+    int8_t *q[PLANES];
+    for (int p = 0; p < PLANES; p++) {
+        a.scale[p] = scale[p] = (float *)scratch + num_values * (1 + p);
+        a.offset[p] = offset[p] = (int32_t *)scratch + num_values * (1 + PLANES + p);
+        a.q[p] = q[p] = (int8_t *)scratch + num_values * 4 * (1 + 2 * PLANES) + p * m * k;
+    }
+    tile_fn fn = used_isa == ISA_AVX512VNNI ? fmt->avx512 : fmt->scalar;
+    Py_BEGIN_ALLOW_THREADS
+#if HAVE_X86
+    if (used_isa == ISA_AVX512VNNI) {
+        quantize_acts_avx512((const float *)x.buf, m, k, q, scale, (float *)a.sum, offset);
+    } else
+#endif
+    {
+        quantize_acts_scalar((const float *)x.buf, m, k, q, scale, (float *)a.sum, offset);
+    }
+    run_tiles(fmt, fn, (const uint8_t *)packed.buf, &a, m, n, (float *)out.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_RawFree(scratch);
+    if (x.obj) PyBuffer_Release(&x);
+    if (packed.obj) PyBuffer_Release(&packed);
+    if (out.obj) PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *q4_matmul(PyObject *module, PyObject *args) {
+    return matmul_impl(args, &Q4);
+}
+
+static PyObject *q8_matmul(PyObject *module, PyObject *args) {
+    return matmul_impl(args, &Q8);
+}
+
+static PyObject *isa(PyObject *module, PyObject *unused) {
+    return PyUnicode_FromString(ISA_NAMES[used_isa]);
+}
+
+/* Tests run the scalar path on a machine with AVX-512 through this; the engine never calls it. */
+static PyObject *use_isa(PyObject *module, PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s:use_isa", &name)) {
+        return NULL;
+    }
+    for (int i = 0; i <= (int)best_isa; i++) {
+        if (strcmp(name, ISA_NAMES[i]) == 0) {
+            enum isa previous = used_isa;
+            used_isa = (enum isa)i;
+            return PyUnicode_FromString(ISA_NAMES[previous]);
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "isa: %s is not available on this CPU (best: %s)", name, ISA_NAMES[best_isa]);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"q4_matmul", q4_matmul, METH_VARARGS,
+     "q4_matmul(x, packed, out) -> None\n\n"
+     "out[M, N] = x[M, K] W^T for a Q4 weight (w = d * q + m) in the 320-byte block-tile layout;\n"
+     "x and out float32 C-contiguous (numpy arrays), K a multiple of 32."},
+    {"q8_matmul", q8_matmul, METH_VARARGS,
+     "q8_matmul(x, packed, out) -> None\n\n"
+     "out[M, N] = x[M, K] W^T for a Q8 weight (w = d * q) in the 544-byte block-tile layout."},
+    {"isa", isa, METH_NOARGS, "isa() -> str: the instruction set the kernels run ('avx512vnni' or 'scalar')."},
+    {"use_isa", use_isa, METH_VARARGS, "use_isa(name) -> str: run on ``name`` (for tests); returns the previous one."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef qmatmul_module = {
+    PyModuleDef_HEAD_INIT, "engine.quant._qmatmul",
+    "Group-32 quantized matmuls with int8 dot products (engine/quant/kernels.py wraps them).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__qmatmul(void) {
+#if HAVE_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) {
+        best_isa = ISA_AVX512VNNI;
+    }
+#endif
+    used_isa = best_isa;
+    return PyModule_Create(&qmatmul_module);
+}
