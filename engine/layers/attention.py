@@ -14,10 +14,12 @@ For FP8 that turns thirty requantizations of the touched blocks into one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import cpu_attention
 from engine.kv_cache import PagedKVCache
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary
@@ -41,6 +43,11 @@ class DecodeGroup:
     """[batch, num_blocks] block ids, padded with any valid id."""
     mask: torch.Tensor
     """[batch, 1, 1, num_blocks * block_size] True where the key is inside the context."""
+
+    @cached_property
+    def sequences(self) -> cpu_attention.PagedSequences:
+        """The group as the C kernel takes it; built by the first layer, reused by the others."""
+        return cpu_attention.PagedSequences.decode(self.block_tables, self.positions)
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,8 @@ class PagedAttention(torch.nn.Module):
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _decode(self, q, k, v, group: DecodeGroup, kv_cache: PagedKVCache) -> torch.Tensor:
+        if cpu_attention.NATIVE_ATTENTION and q.dtype in cpu_attention.NATIVE_DTYPES:
+            return cpu_attention.paged_attention(q, k, v, kv_cache.native, self.layer_index, group.sequences)
         keys, values = kv_cache.gather(self.layer_index, group.block_tables)
         keys[group.rows, :, group.positions] = k
         values[group.rows, :, group.positions] = v
