@@ -16,7 +16,7 @@ setup(
         Extension(
             "engine.kernels._cpu_attention",
             ["engine/kernels/_cpu_attention.c"],
-            extra_compile_args=["-O3", "-fopenmp"],
+            extra_compile_args=["-O3", "-fopenmp", "-fno-trapping-math"],  # see the C file's head
             extra_link_args=["-fopenmp"],
             libraries=["m"],
             optional=True,

@@ -36,6 +36,8 @@
  * Compiled for the portable baseline, with AVX2+FMA copies of the hot loops chosen at import
  * (__builtin_cpu_supports), never -march=native: the image runs on other machines than it is
  * built on. OpenMP is libgomp, the one torch loaded (the Python wrapper imports torch first).
+ * setup.py adds -fno-trapping-math, which changes no value (no fast-math) but lets GCC compute
+ * both sides of the e4m3 encoder's select and so vectorize it; FP exception flags are unused.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -170,11 +172,58 @@ ALWAYS_INLINE float dot(const float *a, const float *b, int n) {
     return total;
 }
 
+/* Four dot products with one query: four independent sums, so the adds do not wait on each other. */
+ALWAYS_INLINE void dot4(const float *q, const float *k0, Py_ssize_t stride, int n, float *out) {
+    const float *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int i = 0; i < n; i++) {
+        s0 += q[i] * k0[i];
+        s1 += q[i] * k1[i];
+        s2 += q[i] * k2[i];
+        s3 += q[i] * k3[i];
+    }
+    out[0] = s0;
+    out[1] = s1;
+    out[2] = s2;
+    out[3] = s3;
+}
+
 ALWAYS_INLINE void axpy(float *y, float a, const float *x, int n) {
 #pragma omp simd
     for (int i = 0; i < n; i++) {
         y[i] += a * x[i];
     }
+}
+
+/* y += w[0] x0 + .. + w[3] x3 (rows `stride` apart): one pass over y for four rows. */
+ALWAYS_INLINE void axpy4(float *y, const float *w, const float *x0, Py_ssize_t stride, int n) {
+    const float *x1 = x0 + stride, *x2 = x1 + stride, *x3 = x2 + stride;
+    float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+#pragma omp simd
+    for (int i = 0; i < n; i++) {
+        y[i] += w0 * x0[i] + w1 * x1[i] + w2 * x2[i] + w3 * x3[i];
+    }
+}
+
+/* e**x for x <= 0 (a score minus the running max), in a form that vectorizes, unlike expf:
+ * x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so r is exact), e**r by its Taylor series
+ * to r**7 (truncation below 1e-8 relative), 2**n built in the exponent bits. Below -87 the
+ * result would leave float's normal range; e**-87 stands in (a weight of ~1e-38 beside the
+ * row's maximum, whose weight is 1). */
+ALWAYS_INLINE float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2**23 */
+    float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * bits_to_float((uint32_t)((int32_t)n + 127) << 23);
 }
 
 ALWAYS_INLINE void widen_fp8(float *dst, const uint8_t *src, Py_ssize_t n) {
@@ -205,29 +254,40 @@ ALWAYS_INLINE void attend_tile(Scratch *w, int rows, int group, int head_dim, in
         int n = visible < num_keys ? (int)visible : num_keys;
         const float *q = w->q + (Py_ssize_t)r * head_dim;
         float *acc = w->acc + (Py_ssize_t)r * head_dim;
+        float *scores = w->weights;
+        int j = 0;
+        for (; j + 4 <= n; j += 4) {
+            dot4(q, keys + j * key_stride, key_stride, head_dim, scores + j);
+        }
+        for (; j < n; j++) {
+            scores[j] = dot(q, keys + j * key_stride, head_dim);
+        }
         float tile_max = -INFINITY;
-        for (int j = 0; j < n; j++) {
-            float score = dot(q, keys + j * key_stride, head_dim) * k_scale;
-            w->weights[j] = score;
-            tile_max = score > tile_max ? score : tile_max;
+        for (j = 0; j < n; j++) {
+            scores[j] *= k_scale;
+            tile_max = scores[j] > tile_max ? scores[j] : tile_max;
         }
         if (tile_max > w->max[r]) {
-            float alpha = expf(w->max[r] - tile_max);
+            float alpha = exp_nonpositive(w->max[r] - tile_max);
             w->sum[r] *= alpha;
             for (int d = 0; d < head_dim; d++) {
                 acc[d] *= alpha;
             }
             w->max[r] = tile_max;
         }
-        float total = 0.0f;
-        for (int j = 0; j < n; j++) {
-            float p = expf(w->weights[j] - w->max[r]);
+        float row_max = w->max[r], total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (j = 0; j < n; j++) {
+            float p = exp_nonpositive(scores[j] - row_max);
             total += p;
-            w->weights[j] = p * v_scale;
+            scores[j] = p * v_scale;
         }
         w->sum[r] += total;
-        for (int j = 0; j < n; j++) {
-            axpy(acc, w->weights[j], values + j * value_stride, head_dim);
+        for (j = 0; j + 4 <= n; j += 4) {
+            axpy4(acc, scores + j, values + j * value_stride, value_stride, head_dim);
+        }
+        for (; j < n; j++) {
+            axpy(acc, scores[j], values + j * value_stride, head_dim);
         }
     }
 }

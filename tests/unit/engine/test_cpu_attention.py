@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from engine.kernels import cpu_attention
 from engine.kv_cache import PagedKVCache
-from engine.layers.attention import DecodeGroup, PagedAttention
+from engine.layers.attention import NATIVE_MAX_CHUNK_TOKENS, DecodeGroup, PagedAttention, PrefillChunk
 from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
 from engine.parallel.sharding import TPShard
@@ -196,6 +196,25 @@ def test_engine_decode_uses_the_kernel_and_matches_the_torch_path(native, monkey
     with torch_path(monkeypatch):
         fallback = attention._decode(q, k, v, group, cache)
     assert len(calls) == 1
+    torch.testing.assert_close(got, fallback, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [5, NATIVE_MAX_CHUNK_TOKENS + 1])
+def test_engine_short_prefill_chunks_use_the_kernel(native, monkeypatch, num_tokens):
+    """A verify chunk (1 + 4 drafts) runs in the kernel, a longer chunk in torch; both as the torch path."""
+    cache, tables = filled_cache("fp8_e4m3", 3, (21,))
+    config = _model_config(num_heads=9, num_kv_heads=3)
+    attention = PagedAttention(config, 0, TPShard(config, 0, 1), TPGroup.single())
+    start, table = 21, torch.cat((tables, tables[:, :1]), dim=1)
+    mask = torch.arange(table.shape[1] * BLOCK_SIZE)[None, :] <= torch.arange(start, start + num_tokens)[:, None]
+    chunk = PrefillChunk(0, num_tokens, start, table, mask)
+    q, k, v = random_rows(num_tokens, 9, seed=29), random_rows(num_tokens, 3, seed=30), random_rows(num_tokens, 3, seed=31)
+    calls = []
+    monkeypatch.setattr(cpu_attention._native, "attention", _counting(cpu_attention._native.attention, calls), raising=False)
+    got = attention._prefill(q, k, v, chunk, cache)
+    assert len(calls) == (num_tokens <= NATIVE_MAX_CHUNK_TOKENS)
+    with torch_path(monkeypatch):
+        fallback = attention._prefill(q, k, v, chunk, cache)
     torch.testing.assert_close(got, fallback, rtol=1e-5, atol=1e-5)
 
 
