@@ -53,6 +53,10 @@ enum { KV_FP32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
 
 #define FP8_E4M3_MAX 448.0f
 #define MIN_PARALLEL_ELEMENTS 16384 /* K/V elements below which one thread beats waking the team */
+/* K/V elements from which a call gives up the GIL while it computes (about a millisecond). Below,
+ * it keeps it: the call replaces ~20 torch ops that would each give it up and take it back, and
+ * taking it back from a busy thread can cost a switch interval (5 ms). */
+#define MIN_GIL_FREE_ELEMENTS (1 << 20)
 
 /* ------------------------------------------------------------------------------------------ */
 /* Scalar conversions (exact, or round-to-nearest-even where they narrow)                     */
@@ -784,8 +788,12 @@ static PyObject *attention(PyObject *module, PyObject *args) {
     for (Py_ssize_t s = 0; s < num_seqs; s++) {
         work += (a.starts[s] + a.query_starts[s + 1] - a.query_starts[s]) * a.pool.num_kv_heads * hd;
     }
-    /* The GIL stays held: the call replaces ~20 torch ops that would each give it up and take it back. */
-    if (run_attention(&a, num_seqs, num_threads < 1 ? 1 : num_threads, work) < 0) {
+    PyThreadState *thread = work >= MIN_GIL_FREE_ELEMENTS ? PyEval_SaveThread() : NULL;
+    int status = run_attention(&a, num_seqs, num_threads < 1 ? 1 : num_threads, work);
+    if (thread != NULL) {
+        PyEval_RestoreThread(thread);
+    }
+    if (status < 0) {
         PyErr_NoMemory();
         goto done;
     }
@@ -914,6 +922,7 @@ static PyObject *write_fp8(PyObject *module, PyObject *args) {
         num_threads = 1;
     }
     int failed = 0;
+    PyThreadState *thread = num_groups * count >= MIN_GIL_FREE_ELEMENTS ? PyEval_SaveThread() : NULL;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         float *x = malloc(sizeof(float) * count);
@@ -930,6 +939,9 @@ static PyObject *write_fp8(PyObject *module, PyObject *args) {
             }
         }
         free(x);
+    }
+    if (thread != NULL) {
+        PyEval_RestoreThread(thread);
     }
     if (failed) {
         PyErr_NoMemory();

@@ -294,6 +294,19 @@ def test_fp8_write_is_bit_identical_to_torch(native, isa, monkeypatch, dtype):
     assert torch.all(cache.scales[5] > 0) and cache.scales[3].eq(1).all()  # an untouched block keeps scale 1
 
 
+def test_a_whole_prompts_write_is_bit_identical(native, monkeypatch):
+    """A 512-token prompt written at once (2**20 values: large enough to run without the GIL, on every thread)."""
+    layout = KVBlockLayout(4, 4, HEAD_DIM, BLOCK_SIZE, "fp8_e4m3")
+    g = torch.Generator().manual_seed(32)
+    k, v = torch.randn(512, 4, 4, HEAD_DIM, generator=g), torch.randn(512, 4, 4, HEAD_DIM, generator=g) * 50
+    native_cache, torch_cache = PagedKVCache(layout, 40, torch.float32), PagedKVCache(layout, 40, torch.float32)
+    ids, offsets = torch.randperm(40, generator=g)[:32].repeat_interleave(BLOCK_SIZE), torch.arange(512) % BLOCK_SIZE
+    native_cache.write(k, v, ids, offsets)
+    with torch_path(monkeypatch):
+        torch_cache.write(k, v, ids, offsets)
+    assert torch.equal(native_cache.buffer, torch_cache.buffer), _first_difference(native_cache, torch_cache)
+
+
 def test_fp8_write_rounds_every_kind_of_value_as_torch(native, isa, monkeypatch):
     """Random float32 bit patterns within +-448 (one value of 448 per group pins the scale to 1, so
     the codes are the cast itself): normals, subnormals, ties, signed zeros; and non-finite rows."""
