@@ -16,6 +16,7 @@ setup(
         Extension(
             "engine.kernels._cpu_attention",
             ["engine/kernels/_cpu_attention.c"],
+            depends=["engine/kernels/_cpu_attention_loops.h"],
             extra_compile_args=["-O3", "-fopenmp", "-fno-trapping-math"],  # see the C file's head
             extra_link_args=["-fopenmp"],
             libraries=["m"],
