@@ -1,10 +1,14 @@
-"""The compiled parts of the package, each optional: kv_store._chain (the block-key chain in C)
-and engine.quant._qmatmul (quantized matmuls for decode steps).
+"""The compiled parts of the package, each an optional C extension; everything else is in pyproject.toml.
 
-Everything else is in pyproject.toml. Where an extension does not build (no C compiler, no
-xxhash.h from libxxhash-dev), the install goes on and the Python paths run: kv_store.keys hashes
-in Python, to the same keys; engine.quant.kernels runs torch's int4 kernel.
-``SPLITSERVE_REQUIRE_NATIVE=1`` makes the tests fail in that case.
+- kv_store._chain: the block-key chain (needs xxhash.h from libxxhash-dev).
+- engine.quant._qmatmul: quantized matmuls for decode steps (AVX-512 VNNI).
+- engine.kernels._cpu_attention: paged attention and FP8 KV writes on CPU.
+
+The two engine kernels use OpenMP and share the libgomp that torch ships: their wrappers
+(engine/quant/native.py, engine/kernels/cpu_attention.py) import torch before them. Where one does
+not build (no C compiler, a missing header), the install goes on and the Python path serves, to the
+same results (kv_store.keys hashes in Python; engine.quant.kernels runs torch's int4 kernel; the
+attention layers gather and run SDPA). ``SPLITSERVE_REQUIRE_NATIVE=1`` makes the tests fail in that case.
 """
 
 from setuptools import Extension, setup
@@ -12,7 +16,21 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension("kv_store._chain", ["kv_store/_chain.c"], extra_compile_args=["-O3"], optional=True),
-        # -fopenmp links libgomp.so.1, which resolves to torch's own copy (kernels.py imports torch first).
-        Extension("engine.quant._qmatmul", ["engine/quant/_qmatmul.c"], extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"], optional=True),
+        Extension(
+            "engine.quant._qmatmul",
+            ["engine/quant/_qmatmul.c"],
+            extra_compile_args=["-O3", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        ),
+        Extension(
+            "engine.kernels._cpu_attention",
+            ["engine/kernels/_cpu_attention.c"],
+            depends=["engine/kernels/_cpu_attention_loops.h"],
+            extra_compile_args=["-O3", "-fopenmp", "-fno-trapping-math"],  # see the C file's head
+            extra_link_args=["-fopenmp"],
+            libraries=["m"],
+            optional=True,
+        ),
     ],
 )

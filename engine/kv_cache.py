@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.kernels import cpu_attention
 from kv_store.fp8 import FP8_DTYPE, dequantize_fp8, fp8_scales, quantize_fp8
 from kv_store.layout import KVBlockLayout
 
@@ -26,7 +27,10 @@ class PagedKVCache:
         # numpy's zeros come from calloc: pages are zeroed lazily by the kernel as they are first
         # touched, so a large pool costs nothing until it is used. Zero, not garbage: attention
         # reads (masked) slots that were never written, and NaN * 0 would still be NaN.
-        self.buffer = torch.from_numpy(np.zeros((num_blocks, layout.block_bytes), dtype=np.uint8))
+        array = np.zeros((num_blocks, layout.block_bytes), dtype=np.uint8)
+        self.buffer = torch.from_numpy(array)
+        self.native = cpu_attention.NativePool.of(array, layout)
+        """The same bytes as the C kernels read them (engine/kernels/cpu_attention.py)."""
         storage = STORAGE_DTYPES[layout.kv_dtype]
         payload = self.buffer[:, : layout.payload_bytes].view(storage)
         self.payload = payload.view(num_blocks, *layout.payload_shape)
@@ -40,8 +44,12 @@ class PagedKVCache:
         """Store ``k``, ``v`` (``[num_tokens, num_layers, kv_heads, head_dim]``) at slots ``(block_ids[i], offsets[i])``.
 
         Every layer at once. Slots of one block must continue the block from its current fill
-        level (how sequences grow), so that the block's valid prefix is known.
+        level (how sequences grow), so that the block's valid prefix is known. FP8 pools are
+        written by the C kernel where it is built, bit for bit what the torch code below does.
         """
+        if self.scales is not None and cpu_attention.NATIVE_ATTENTION and k.dtype in cpu_attention.NATIVE_DTYPES:
+            cpu_attention.write_fp8(k, v, block_ids, offsets, self.native)
+            return
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [tokens, kv_heads, layers, head_dim]
         if self.scales is None:
             self.payload[block_ids, :, :, 0, offsets] = k.to(self.payload.dtype)

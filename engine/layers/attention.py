@@ -9,15 +9,21 @@ The cache holds the K/V of tokens computed in earlier steps. This step's own K/V
 into the gathered context at their positions and stashed in ``AttentionBatch.new_k/new_v``; the
 model runner writes them to the cache once, for every layer together, after the forward pass.
 For FP8 that turns thirty requantizations of the touched blocks into one.
+
+Where the C extension is built (``engine/kernels/cpu_attention.py``), decode groups and short
+prefill chunks read the pool in place instead, with the step's K/V passed beside it: the same
+contract, without the gathered copy. The torch code stays as the fallback and the reference.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import cpu_attention
 from engine.kv_cache import PagedKVCache
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary
@@ -25,6 +31,12 @@ from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from engine.parallel.sharding import TPShard
+
+
+NATIVE_MAX_CHUNK_TOKENS = 8
+"""Prefill chunks this short (speculative verify chunks: 1 + 4 drafts by default) run in the C
+kernel too; longer ones gather and call SDPA, whose matrix products win from about 16 tokens
+(measured on SmolLM2's shapes, 1 and 2 threads)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,11 @@ class DecodeGroup:
     mask: torch.Tensor
     """[batch, 1, 1, num_blocks * block_size] True where the key is inside the context."""
 
+    @cached_property
+    def sequences(self) -> cpu_attention.PagedSequences:
+        """The group as the C kernel takes it; built by the first layer, reused by the others."""
+        return cpu_attention.PagedSequences.decode(self.block_tables, self.positions)
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -56,6 +73,11 @@ class PrefillChunk:
     """[1, num_blocks] every block of the sequence up to the chunk's end."""
     mask: torch.Tensor
     """[num_tokens, num_blocks * block_size] causal mask in absolute positions."""
+
+    @cached_property
+    def sequences(self) -> cpu_attention.PagedSequences:
+        """The chunk as the C kernel takes it; built by the first layer, reused by the others."""
+        return cpu_attention.PagedSequences.chunk(self.block_table, self.start, self.num_tokens)
 
 
 @dataclass(frozen=True)
@@ -120,6 +142,8 @@ class PagedAttention(torch.nn.Module):
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _decode(self, q, k, v, group: DecodeGroup, kv_cache: PagedKVCache) -> torch.Tensor:
+        if cpu_attention.NATIVE_ATTENTION and q.dtype in cpu_attention.NATIVE_DTYPES:
+            return cpu_attention.paged_attention(q, k, v, kv_cache.native, self.layer_index, group.sequences)
         keys, values = kv_cache.gather(self.layer_index, group.block_tables)
         keys[group.rows, :, group.positions] = k
         values[group.rows, :, group.positions] = v
@@ -130,6 +154,8 @@ class PagedAttention(torch.nn.Module):
         return out.reshape(q.shape)
 
     def _prefill(self, q, k, v, chunk: PrefillChunk, kv_cache: PagedKVCache) -> torch.Tensor:
+        if chunk.num_tokens <= NATIVE_MAX_CHUNK_TOKENS and cpu_attention.NATIVE_ATTENTION and q.dtype in cpu_attention.NATIVE_DTYPES:
+            return cpu_attention.paged_attention(q, k, v, kv_cache.native, self.layer_index, chunk.sequences)
         keys, values = kv_cache.gather(self.layer_index, chunk.block_table)
         span = slice(chunk.start, chunk.start + chunk.num_tokens)
         keys[0, :, span] = k.transpose(0, 1)
