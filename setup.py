@@ -3,6 +3,7 @@
 - kv_store._chain: the block-key chain (needs xxhash.h from libxxhash-dev).
 - engine.quant._qmatmul: quantized matmuls for decode steps (AVX-512 VNNI).
 - engine.kernels._cpu_attention: paged attention and FP8 KV writes on CPU.
+- engine.kernels._cpu_norm: RMSNorm of float32 rows.
 
 The two engine kernels use OpenMP and share the libgomp that torch ships: their wrappers
 (engine/quant/native.py, engine/kernels/cpu_attention.py) import torch before them. Where one does
@@ -32,5 +33,6 @@ setup(
             libraries=["m"],
             optional=True,
         ),
+        Extension("engine.kernels._cpu_norm", ["engine/kernels/_cpu_norm.c"], extra_compile_args=["-O3"], libraries=["m"], optional=True),
     ],
 )

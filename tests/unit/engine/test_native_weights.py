@@ -5,11 +5,13 @@ output that agrees with the float32 dequantization of the same file."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
 from engine.quant.apply import linear_layers
+from engine.runner import PlannedChunk, StepPlan
 
 pytestmark = pytest.mark.slow
 
@@ -21,14 +23,35 @@ def engine(smollm2_cache_dir, weights: str) -> LLMEngine:
     return LLMEngine(EngineConfig(model="smollm2-135m", weights=weights, kv_cache_bytes=16 << 20, cache_dir=smollm2_cache_dir))
 
 
+CLEAR_MARGIN = 0.1
+"""A top-2 logit gap of fp32 this wide is a choice the native path must make the same way. Its
+8-bit activations (two planes, ~15 bits) move logits by ~0.01 with any ulp-level change upstream
+(measured: a C RMSNorm instead of torch's moved SmolLM2's logits by 4e-5 in fp32, 1.3e-2 native),
+so a closer call is a coin toss, not a verdict on the weights."""
+
+
 def test_native_weights_run_the_gguf_blocks_and_agree_with_fp32(smollm2_dir, smollm2_cache_dir):
     native = engine(smollm2_cache_dir, "native")
     kinds = {name: module.quantized.kind for name, module in linear_layers(native.runner.model)}
     assert kinds.pop("lm_head") == "int8"
     assert set(kinds.values()) == {"int4"} and len(kinds) == 4 * 30
     [got] = native.generate([PROMPT], GREEDY)
-    del native
-    [expected] = engine(smollm2_cache_dir, "fp32").generate([PROMPT], GREEDY)
     assert "Paris" in got.text
-    agree = next((i for i, (a, b) in enumerate(zip(got.output_token_ids, expected.output_token_ids)) if a != b), GREEDY.max_tokens)
-    assert agree >= 8, (got.text, expected.text)
+    fp32 = engine(smollm2_cache_dir, "fp32")
+    [expected] = fp32.generate([PROMPT], GREEDY)
+    # Teacher-forced on fp32's text: every step fp32 decides clearly, native decides the same.
+    sequence = tuple(fp32.tokenizer.encode(PROMPT)) + tuple(expected.output_token_ids)
+    reference, ours = (_logits_of_every_row(e, sequence)[-len(expected.output_token_ids) - 1 : -1] for e in (fp32, native))
+    top = reference.topk(2, dim=-1).values
+    clear = (top[:, 0] - top[:, 1]) > CLEAR_MARGIN
+    assert int(clear.sum()) >= 8, "the prompt no longer gives 8 clear steps to compare"
+    assert torch.equal(ours.argmax(-1)[clear], reference.argmax(-1)[clear]), (got.text, expected.text)
+    assert (ours - reference).abs().max() < 1.0  # the same model, not merely the same argmax
+
+
+def _logits_of_every_row(engine: LLMEngine, sequence: tuple[int, ...]) -> torch.Tensor:
+    """float32 logits at every position of ``sequence``, one prefill step on the idle pool (the
+    rows are few enough to take the decode kernels, as in a decode step)."""
+    blocks = tuple(range(-(-len(sequence) // engine.config.block_size)))
+    plan = StepPlan(decodes=(), prefills=(PlannedChunk(0, len(sequence), sequence, blocks),), sample_rows=tuple(range(len(sequence))))
+    return engine.runner.run(plan).float()
