@@ -13,7 +13,7 @@ activations quantized per 32-block to two int8 planes (about 15 bits), no bf16 r
 slower), so ``x`` is cast to bf16 and back; ``cast_back=False`` skips the cast back for a caller
 whose next op promotes the bf16 result exactly (adding it to a float32 residual).
 
-Measured on the 2-core dev box (µs per matmul, ``python -m bench.qmatmul``, figures in
+Measured on the 2-core dev box (µs per matmul, ``python -m bench.kernels``, figures in
 engine/README.md): the native kernel beats the bf16 copy up to 20-24 rows at 1 thread and
 24-32 at 2 on SmolLM2's Q4 projections and Q8_0 LM head (torch's int4 kernel, the fallback,
 up to about 16); torch's int8 kernel beats bf16 up to about 6.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -10,8 +9,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model_config import ModelConfig
 from engine.params import SamplingParams
 from engine.quant import native
+from tests.native import built_or_skip
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPT_LENGTHS = (1, 5, 16, 17, 33, 40, 70, 100)
@@ -71,12 +72,23 @@ def transformers_greedy(model_dir: Path, prompts: list[list[int]], max_new_token
 @pytest.fixture
 def native_qmatmul(monkeypatch):
     """The C extension engine.quant._qmatmul, with quantized weights built for it (also on a CPU
-    where only its scalar path runs). Where it is not built torch's int4 kernel serves and these
-    tests skip, unless SPLITSERVE_REQUIRE_NATIVE=1 (``make test``) says it must be built."""
-    if native._qmatmul is None:
-        if os.environ.get("SPLITSERVE_REQUIRE_NATIVE") == "1":
-            pytest.fail("engine.quant._qmatmul is not built (SPLITSERVE_REQUIRE_NATIVE=1): `pip install -e .` needs gcc "
-                        "with OpenMP (libgomp); see the build log for why it failed")
-        pytest.skip("engine.quant._qmatmul is not built: quantized weights run torch's int4 kernel")
+    where only its scalar path runs)."""
+    built_or_skip(native._qmatmul, "engine.quant._qmatmul", "gcc with OpenMP (libgomp)", "quantized weights run torch's int4 kernel")
     monkeypatch.setattr(native, "NATIVE_QMATMUL", True)
     return native._qmatmul
+
+
+def attention_model_config(num_heads: int, num_kv_heads: int, head_dim: int, num_layers: int) -> ModelConfig:
+    """A Llama config for attention tests: only the head counts, head size and layers matter."""
+    return ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 64,
+            "hidden_size": num_heads * head_dim,
+            "intermediate_size": 64,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": num_kv_heads,
+            "head_dim": head_dim,
+        }
+    )

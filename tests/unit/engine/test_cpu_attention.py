@@ -6,7 +6,6 @@ FP8 writes: bit for bit the torch path, because blocks travel byte for byte betw
 """
 
 import contextlib
-import os
 
 import numpy as np
 import pytest
@@ -16,10 +15,11 @@ import torch.nn.functional as F
 from engine.kernels import cpu_attention
 from engine.kv_cache import PagedKVCache
 from engine.layers.attention import NATIVE_MAX_CHUNK_TOKENS, DecodeGroup, PagedAttention, PrefillChunk
-from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
 from engine.parallel.sharding import TPShard
 from kv_store.layout import KVBlockLayout
+from tests.native import built_or_skip
+from tests.unit.engine.helpers import attention_model_config
 
 BLOCK_SIZE = 16
 HEAD_DIM = 64
@@ -29,14 +29,8 @@ NUM_BLOCKS = 16
 
 @pytest.fixture(scope="module")
 def native():
-    """The extension. Where it is not built the torch path serves and these tests skip, unless
-    SPLITSERVE_REQUIRE_NATIVE=1 (``make test``) says it must be."""
-    if cpu_attention._native is None:
-        if os.environ.get("SPLITSERVE_REQUIRE_NATIVE") == "1":
-            pytest.fail("engine.kernels._cpu_attention is not built (SPLITSERVE_REQUIRE_NATIVE=1): `pip install -e .` "
-                        "needs gcc with OpenMP (libgomp); see the build log for why it failed")
-        pytest.skip("engine.kernels._cpu_attention is not built: attention runs in torch")
-    return cpu_attention._native
+    """The extension (where it is not built attention gathers and runs SDPA in torch)."""
+    return built_or_skip(cpu_attention._native, "engine.kernels._cpu_attention", "gcc with OpenMP (libgomp)", "attention runs in torch")
 
 
 @pytest.fixture(params=["avx2", "portable"])
@@ -182,7 +176,7 @@ def test_strided_rows_of_the_qkv_projection(native):
 def test_engine_decode_uses_the_kernel_and_matches_the_torch_path(native, monkeypatch):
     """PagedAttention._decode with the kernel, and with the flag off (the fallback), agree."""
     cache, tables = filled_cache("fp8_e4m3", 3, (3, 17, 31))
-    config = _model_config(num_heads=9, num_kv_heads=3)
+    config = attention_model_config(9, 3, HEAD_DIM, NUM_LAYERS)
     attention = PagedAttention(config, 1, TPShard(config, 0, 1), TPGroup.single())
     positions = torch.tensor([3, 17, 31])
     tables = torch.cat((tables, tables[:, :1]), dim=1)
@@ -203,7 +197,7 @@ def test_engine_decode_uses_the_kernel_and_matches_the_torch_path(native, monkey
 def test_engine_short_prefill_chunks_use_the_kernel(native, monkeypatch, num_tokens):
     """A verify chunk (1 + 4 drafts) runs in the kernel, a longer chunk in torch; both as the torch path."""
     cache, tables = filled_cache("fp8_e4m3", 3, (21,))
-    config = _model_config(num_heads=9, num_kv_heads=3)
+    config = attention_model_config(9, 3, HEAD_DIM, NUM_LAYERS)
     attention = PagedAttention(config, 0, TPShard(config, 0, 1), TPGroup.single())
     start, table = 21, torch.cat((tables, tables[:, :1]), dim=1)
     mask = torch.arange(table.shape[1] * BLOCK_SIZE)[None, :] <= torch.arange(start, start + num_tokens)[:, None]
@@ -337,7 +331,7 @@ def test_fallback_runs_without_the_extension(monkeypatch):
     monkeypatch.setattr(cpu_attention, "NATIVE_ATTENTION", False)
     monkeypatch.setattr(cpu_attention, "_native", None)
     cache, tables = filled_cache("fp8_e4m3", 3, (5, 20))
-    config = _model_config(num_heads=9, num_kv_heads=3)
+    config = attention_model_config(9, 3, HEAD_DIM, NUM_LAYERS)
     attention = PagedAttention(config, 0, TPShard(config, 0, 1), TPGroup.single())
     positions = torch.tensor([5, 20])
     tables = torch.cat((tables, tables[:, :1]), dim=1)
@@ -393,18 +387,3 @@ def _counting(function, calls):
         return function(*args)
 
     return counted
-
-
-def _model_config(num_heads: int, num_kv_heads: int) -> ModelConfig:
-    return ModelConfig.from_dict(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": 64,
-            "hidden_size": num_heads * HEAD_DIM,
-            "intermediate_size": 64,
-            "num_hidden_layers": NUM_LAYERS,
-            "num_attention_heads": num_heads,
-            "num_key_value_heads": num_kv_heads,
-            "head_dim": HEAD_DIM,
-        }
-    )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -11,17 +10,13 @@ import torch.nn.functional as F
 
 from engine.layers import norm
 from engine.layers.norm import RMSNorm
+from tests.native import built_or_skip
 
 
 @pytest.fixture(scope="module")
 def native():
-    """The extension. Where it is not built torch's rms_norm serves and these tests skip, unless
-    SPLITSERVE_REQUIRE_NATIVE=1 (``make test``) says it must be."""
-    if norm._native is None:
-        if os.environ.get("SPLITSERVE_REQUIRE_NATIVE") == "1":
-            pytest.fail("engine.kernels._cpu_norm is not built (SPLITSERVE_REQUIRE_NATIVE=1): `pip install -e .` needs gcc")
-        pytest.skip("engine.kernels._cpu_norm is not built: RMSNorm runs in torch")
-    return norm._native
+    """The extension (where it is not built torch's rms_norm serves)."""
+    return built_or_skip(norm._native, "engine.kernels._cpu_norm", "gcc", "RMSNorm runs in torch")
 
 
 def _layer(dim: int, seed: int = 0) -> RMSNorm:

@@ -11,10 +11,10 @@ import torch
 from engine.kernels.paged_attention import paged_decode_attention, reference_paged_decode_attention
 from engine.kv_cache import PagedKVCache
 from engine.layers.attention import DecodeGroup, PagedAttention
-from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
 from engine.parallel.sharding import TPShard
 from kv_store.layout import KVBlockLayout
+from tests.unit.engine.helpers import attention_model_config
 
 # On CPU the kernels run in Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET=1
 # before anything imports Triton (it is read once, at that import). On a CUDA host they
@@ -105,7 +105,7 @@ def test_reference_equals_engine_attention(kv_dtype):
     """The engine's decode attention over the same pool gives the reference's output."""
     num_kv_heads, num_heads, layer = 2, 6, 1
     cache, tables = filled_cache(kv_dtype, num_kv_heads)
-    config = _model_config(num_heads, num_kv_heads)
+    config = attention_model_config(num_heads, num_kv_heads, HEAD_DIM, NUM_LAYERS)
     attention = PagedAttention(config, layer, TPShard(config, 0, 1), TPGroup.single())
     lens = torch.tensor(CONTEXT_LENS)
     rows, positions = torch.arange(len(lens)), lens - 1
@@ -130,18 +130,3 @@ def test_bad_inputs_are_refused_by_name():
         paged_decode_attention(random_queries(1, 3), cache.buffer, cache.layout, 0, tables, torch.tensor([20]))
     with pytest.raises(ValueError, match="layer"):
         paged_decode_attention(q, cache.buffer, cache.layout, 2, tables, torch.tensor([20]))
-
-
-def _model_config(num_heads: int, num_kv_heads: int) -> ModelConfig:
-    return ModelConfig.from_dict(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": 64,
-            "hidden_size": num_heads * HEAD_DIM,
-            "intermediate_size": 64,
-            "num_hidden_layers": NUM_LAYERS,
-            "num_attention_heads": num_heads,
-            "num_key_value_heads": num_kv_heads,
-            "head_dim": HEAD_DIM,
-        }
-    )

@@ -1,4 +1,3 @@
-import os
 import subprocess
 import sys
 
@@ -10,6 +9,7 @@ from hypothesis import strategies as st
 
 from kv_store import keys as keys_module
 from kv_store.keys import KeyNamespace, NamespaceMismatchError, block_keys, hash_block
+from tests.native import built_or_skip
 
 NS = KeyNamespace(model_name="m", weights_fingerprint="abc", kv_dtype="fp8_e4m3", block_size=4)
 
@@ -97,14 +97,9 @@ def test_token_ids_must_be_u32():
 
 @pytest.fixture(scope="module")
 def native_chain():
-    """The C extension kv_store._chain. Where it is not built the Python loop serves (same keys)
-    and its tests skip, unless SPLITSERVE_REQUIRE_NATIVE=1 (``make test``) says it must be."""
-    if keys_module._chain is None:
-        if os.environ.get("SPLITSERVE_REQUIRE_NATIVE") == "1":
-            pytest.fail("kv_store._chain is not built (SPLITSERVE_REQUIRE_NATIVE=1): `pip install -e .` needs gcc and "
-                        "/usr/include/xxhash.h (libxxhash-dev, `make system-deps`); see the build log for why it failed")
-        pytest.skip("kv_store._chain is not built: keys come from the Python loop")
-    return keys_module._chain
+    """The C extension kv_store._chain (where it is not built the Python loop gives the same keys)."""
+    return built_or_skip(keys_module._chain, "kv_store._chain", "gcc and /usr/include/xxhash.h (libxxhash-dev, `make system-deps`)",
+                         "keys come from the Python loop")
 
 
 def test_the_native_chain_is_built_where_required(native_chain):
