@@ -113,7 +113,7 @@ class Int4Weight:
         if x.shape[0] > (INT4_KERNEL_MAX_ROWS if self.native else TORCH_INT4_KERNEL_MAX_ROWS):
             y = F.linear(x.to(torch.bfloat16), self.dense)
         elif self.native:
-            return native.q4_matmul(x, self._packed_array, self.shape[0])
+            return self.kernel(x)  # float32 in, x's dtype out: no cast either way
         else:
             y = self.kernel(x.to(torch.bfloat16))
         return y.to(x.dtype) if cast_back else y
