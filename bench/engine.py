@@ -254,7 +254,7 @@ def _systems(args, engine: LLMEngine, peer: LlamaCppPeer | None, workload: list[
     progress("engine", f"warming up {', '.join(systems)}")
     warmup = [BenchRequest(r.prompt_token_ids, 4) for r in workload[:2]]
     for system in systems.values():
-        system.serve(warmup, 2)
+        system.serve(warmup, min(len(warmup), max(args.concurrency)))  # llama.cpp holds max(concurrency) sequences
     return systems
 
 

@@ -156,6 +156,11 @@ class PagedAttention(torch.nn.Module):
     def _prefill(self, q, k, v, chunk: PrefillChunk, kv_cache: PagedKVCache) -> torch.Tensor:
         if chunk.num_tokens <= NATIVE_MAX_CHUNK_TOKENS and cpu_attention.NATIVE_ATTENTION and q.dtype in cpu_attention.NATIVE_DTYPES:
             return cpu_attention.paged_attention(q, k, v, kv_cache.native, self.layer_index, chunk.sequences)
+        if chunk.start == 0:  # the chunk is its own whole context: causal over its fresh K/V, no gather
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True
+            )
+            return out.squeeze(0).transpose(0, 1)
         keys, values = kv_cache.gather(self.layer_index, chunk.block_table)
         span = slice(chunk.start, chunk.start + chunk.num_tokens)
         keys[0, :, span] = k.transpose(0, 1)
