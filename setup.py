@@ -4,6 +4,8 @@
 - engine.quant._qmatmul: quantized matmuls for decode steps (AVX-512 VNNI).
 - engine.kernels._cpu_attention: paged attention and FP8 KV writes on CPU.
 - engine.kernels._cpu_norm: RMSNorm of float32 rows.
+- engine.kernels._cpu_decoder: a small step's decoder layers in one call, through the C APIs
+  (engine/kernels/native_api.h) of _qmatmul and _cpu_attention; it needs both.
 
 The two engine kernels use OpenMP and share the libgomp that torch ships: their wrappers
 (engine/quant/native.py, engine/kernels/cpu_attention.py) import torch before them. Where one does
@@ -20,6 +22,8 @@ setup(
         Extension(
             "engine.quant._qmatmul",
             ["engine/quant/_qmatmul.c"],
+            include_dirs=["engine/kernels"],
+            depends=["engine/kernels/native_api.h"],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             optional=True,
@@ -27,12 +31,21 @@ setup(
         Extension(
             "engine.kernels._cpu_attention",
             ["engine/kernels/_cpu_attention.c"],
-            depends=["engine/kernels/_cpu_attention_loops.h"],
+            depends=["engine/kernels/_cpu_attention_loops.h", "engine/kernels/native_api.h"],
             extra_compile_args=["-O3", "-fopenmp", "-fno-trapping-math"],  # see the C file's head
             extra_link_args=["-fopenmp"],
             libraries=["m"],
             optional=True,
         ),
-        Extension("engine.kernels._cpu_norm", ["engine/kernels/_cpu_norm.c"], extra_compile_args=["-O3"], libraries=["m"], optional=True),
+        Extension("engine.kernels._cpu_norm", ["engine/kernels/_cpu_norm.c"], depends=["engine/kernels/_rms_norm.h"], extra_compile_args=["-O3"],
+                  libraries=["m"], optional=True),
+        Extension(
+            "engine.kernels._cpu_decoder",
+            ["engine/kernels/_cpu_decoder.c"],
+            depends=["engine/kernels/_rms_norm.h", "engine/kernels/native_api.h"],
+            extra_compile_args=["-O3", "-ffp-contract=off"],  # the Python path's float order, see the C file's head
+            libraries=["m"],
+            optional=True,
+        ),
     ],
 )

@@ -6,9 +6,11 @@
 - ``matmul``: µs per quantized matmul (``engine/quant/_qmatmul.c``) on SmolLM2's shapes at
   1-16 rows, against torch's int4 kernel as the engine ran it before (bf16 casts; Q8_0 as two
   int4 planes) and the dense bf16 matmul (the copy run past the kernel's row limit).
-- ``decode_steps``: ms per whole-engine decode step, two engines on the same requests, steps
-  alternating: every C kernel (quantized matmuls, paged attention and FP8 writes, RMSNorm)
-  against every torch path. Alternating makes it a paired comparison, robust on a shared box.
+- ``decode_steps``: ms per whole-engine decode step, three engines on the same requests, steps
+  alternating: ``native``, every C kernel (quantized matmuls, paged attention and FP8 writes,
+  RMSNorm) with small steps' layers in one C call (``engine/kernels/cpu_decoder.py``);
+  ``kernels_only``, the same kernels called layer by layer from Python; ``torch``, every torch
+  path. Alternating makes it a paired comparison, robust on a shared box.
 
 **CUDA**: decode attention reads every context token's K and V once and does little
 arithmetic with them, so its ceiling is memory bandwidth: ``bytes of KV read / time`` is
@@ -207,39 +209,42 @@ def matmul_rows(threads: list[int], rows: list[int], repeats: int) -> list[dict]
 
 
 class _Kernels:
-    """Switches every C kernel of the engine on or off: the weights' layout is fixed when an engine
-    is built, attention and RMSNorm read their flags at each call."""
+    """Switches the engine's C code per mode (``MODES``): the weights' layout is fixed when an
+    engine is built, the fused layers, attention and RMSNorm read their flags at each call."""
+
+    MODES = ("torch", "kernels_only", "native")
 
     def __init__(self) -> None:
-        from engine.kernels import cpu_attention
+        from engine.kernels import cpu_attention, cpu_decoder
         from engine.layers import norm
         from engine.quant import native
 
-        self.flags = ((native, "NATIVE_QMATMUL"), (cpu_attention, "NATIVE_ATTENTION"), (norm, "NATIVE_NORM"))
+        self.flags = ((native, "NATIVE_QMATMUL"), (cpu_attention, "NATIVE_ATTENTION"), (norm, "NATIVE_NORM"), (cpu_decoder, "NATIVE_DECODER"))
         self.built = {name: getattr(module, name) for module, name in self.flags}
 
-    def set(self, on: bool) -> None:
+    def set(self, mode: str) -> None:
         for module, name in self.flags:
+            on = mode == "native" or (mode == "kernels_only" and name != "NATIVE_DECODER")
             setattr(module, name, on and self.built[name])
 
 
 def decode_step_rows(model: str, kv_dtype: str, concurrency: list[int], prompt_len: int, tokens: int) -> list[dict]:
-    """Per concurrency: ms per decode step of the C kernels and of the torch paths, steps alternating."""
+    """Per concurrency: ms per decode step in each of ``_Kernels.MODES``, steps alternating."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
     kernels = _Kernels()
     engines = {}
     try:
-        for mode in ("torch", "native"):
-            kernels.set(mode == "native")
+        for mode in kernels.MODES:
+            kernels.set(mode)
             engines[mode] = LLMEngine(EngineConfig(model=model, weights="native", kv_dtype=kv_dtype))
         rows = []
         for n in concurrency:
             progress("kernels", f"decode steps at concurrency {n}")
             vocab = engines["native"].model_config.vocab_size
             for mode, engine in engines.items():
-                kernels.set(mode == "native")
+                kernels.set(mode)
                 for i in range(n):
                     engine.add_request(f"{mode}-{n}-{i}", [(1000 + i * 7919 + j * 31) % vocab for j in range(prompt_len)], greedy(tokens + 1))
                 while sum(bool(o.new_token_ids) for o in engine.step()) < n:  # prefills, up to every first token
@@ -247,7 +252,7 @@ def decode_step_rows(model: str, kv_dtype: str, concurrency: list[int], prompt_l
             step_s = {mode: [] for mode in engines}
             while engines["native"].has_unfinished_requests():
                 for mode, engine in engines.items():
-                    kernels.set(mode == "native")
+                    kernels.set(mode)
                     start = time.perf_counter()
                     engine.step()
                     step_s[mode].append(time.perf_counter() - start)
@@ -256,7 +261,7 @@ def decode_step_rows(model: str, kv_dtype: str, concurrency: list[int], prompt_l
             rows.append(row)
         return rows
     finally:
-        kernels.set(True)
+        kernels.set("native")
 
 
 def cpu_report(args) -> dict:

@@ -57,6 +57,7 @@ def build_shard(
     else:
         load_weights(model, checkpoint_dir)
         apply_weights(model, config.weights)
+    model.bind_fused_layers()
     layout = KVBlockLayout(mc.num_layers, model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
     if num_blocks < 1:

@@ -48,6 +48,7 @@
 #include <string.h>
 
 #include "_cpu_attention_loops.h"
+#include "native_api.h"
 
 #define MIN_PARALLEL_ELEMENTS 16384 /* K/V elements below which one thread beats waking the team */
 /* K/V elements from which a call gives up the GIL while it computes (about a millisecond). Below,
@@ -398,6 +399,96 @@ done:
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* The C API (native_api.h): attention() split into a plan per step and a run per layer        */
+
+struct AttentionPlan {
+    Buffers buffers;
+    AttentionArgs args; /* everything but the layer and the rows */
+    Py_ssize_t num_seqs;
+    Py_ssize_t work;
+};
+
+static void api_free(AttentionPlan *plan) {
+    if (plan != NULL) {
+        release_all(&plan->buffers);
+        PyMem_Free(plan);
+    }
+}
+
+static AttentionPlan *api_plan(PyObject *pool_obj, PyObject *layout, PyObject *tables_obj, PyObject *starts_obj,
+                               PyObject *query_starts_obj, int64_t num_tokens, int num_heads, int head_dim) {
+    AttentionPlan *plan = PyMem_Calloc(1, sizeof(AttentionPlan));
+    if (plan == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    AttentionArgs *a = &plan->args;
+    if (!PyTuple_Check(layout)) {
+        PyErr_SetString(PyExc_TypeError, "layout: expected a tuple");
+        goto fail;
+    }
+    if (parse_pool(&plan->buffers, pool_obj, layout, 0, &a->pool) < 0) {
+        goto fail;
+    }
+    Py_buffer *tables = get_array(&plan->buffers, tables_obj, "block_tables", 2, "lq", 8, 0, 2);
+    Py_buffer *starts = tables ? get_array(&plan->buffers, starts_obj, "starts", 1, "lq", 8, 0, 1) : NULL;
+    Py_buffer *query_starts = starts ? get_array(&plan->buffers, query_starts_obj, "query_starts", 1, "lq", 8, 0, 1) : NULL;
+    if (query_starts == NULL) {
+        goto fail;
+    }
+    Py_ssize_t num_seqs = tables->shape[0];
+    if (head_dim != a->pool.head_dim || num_heads < 1 || num_heads % a->pool.num_kv_heads) {
+        PyErr_Format(PyExc_ValueError, "pool: its %d KV heads of %d dims do not serve %d query heads of %d dims", a->pool.num_kv_heads,
+                     a->pool.head_dim, num_heads, head_dim);
+        goto fail;
+    }
+    if (num_seqs < 1 || starts->shape[0] != num_seqs || query_starts->shape[0] != num_seqs + 1) {
+        PyErr_Format(PyExc_ValueError, "starts, query_starts: expected [%zd] and [%zd] for %zd block tables (at least one), got [%zd] and [%zd]",
+                     num_seqs, num_seqs + 1, num_seqs, starts->shape[0], query_starts->shape[0]);
+        goto fail;
+    }
+    a->num_heads = num_heads;
+    a->group = num_heads / a->pool.num_kv_heads;
+    a->tables = tables->buf;
+    a->table_width = tables->shape[1];
+    a->starts = starts->buf;
+    a->query_starts = query_starts->buf;
+    a->sm_scale = (float)(1.0 / sqrt((double)head_dim));
+    if (check_sequences(a, num_seqs, (Py_ssize_t)num_tokens) < 0) {
+        goto fail;
+    }
+    plan->num_seqs = num_seqs;
+    for (Py_ssize_t s = 0; s < num_seqs; s++) {
+        plan->work += (a->starts[s] + a->query_starts[s + 1] - a->query_starts[s]) * a->pool.num_kv_heads * head_dim;
+    }
+    return plan;
+fail:
+    api_free(plan);
+    return NULL;
+}
+
+static int api_run(const AttentionPlan *plan, int layer, const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                   const float *v, int64_t v_stride, float *out, int num_threads) {
+    AttentionArgs a = plan->args;
+    a.layer = layer;
+    a.q = (const char *)q;
+    a.k = (const char *)k;
+    a.v = (const char *)v;
+    a.out = (char *)out;
+    a.q_token_stride = q_stride;
+    a.k_token_stride = k_stride;
+    a.v_token_stride = v_stride;
+    return run_attention(&a, plan->num_seqs, num_threads < 1 ? 1 : num_threads, plan->work);
+}
+
+static void api_geometry(const AttentionPlan *plan, int *num_kv_heads, int *num_layers) {
+    *num_kv_heads = plan->args.pool.num_kv_heads;
+    *num_layers = plan->args.pool.num_layers;
+}
+
+static AttentionApi c_api = {NATIVE_API_VERSION, api_plan, api_run, api_geometry, api_free};
+
+/* ------------------------------------------------------------------------------------------ */
 /* write_fp8()                                                                                */
 
 typedef struct {
@@ -599,5 +690,13 @@ PyMODINIT_FUNC PyInit__cpu_attention(void) {
     if (select_isa("best") < 0) {
         return NULL;
     }
-    return PyModule_Create(&cpu_attention_module);
+    PyObject *module = PyModule_Create(&cpu_attention_module);
+    PyObject *capsule = module ? PyCapsule_New(&c_api, ATTENTION_API_NAME, NULL) : NULL;
+    int added = capsule ? PyModule_AddObjectRef(module, "_C_API", capsule) : -1;
+    Py_XDECREF(capsule);
+    if (added < 0) {
+        Py_XDECREF(module);
+        return NULL;
+    }
+    return module;
 }

@@ -4,13 +4,15 @@
  *
  * torch's CPU rms_norm is composite (pow, mean, add, rsqrt, mul, mul): about 20 us for one
  * 576-wide row, 61 of them per SmolLM2 decode step. Here it is one pass for the sum of squares
- * (in double, so the order of the sum does not matter to a float result) and one for the scale.
+ * (in double, so the order of the sum does not matter to a float result) and one for the scale
+ * (_rms_norm.h, which the fused decode layers of _cpu_decoder.c share).
  * Rows of a decode step are few and short: one thread, the GIL held. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <math.h>
 #include <string.h>
+
+#include "_rms_norm.h"
 
 static int float_rows(Py_buffer *view, const char *name, Py_ssize_t *rows, Py_ssize_t *dim) {
     if (view->itemsize != 4 || view->format == NULL || strcmp(view->format, "f") != 0) {
@@ -57,21 +59,7 @@ static PyObject *rms_norm(PyObject *module, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "x: rows must have at least one element");
         goto done;
     }
-    const float *in = x.buf;
-    const float *w = weight.buf;
-    float *dst = out.buf;
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        const float *row = in + r * dim;
-        double sum = 0.0;
-        for (Py_ssize_t i = 0; i < dim; i++) {
-            sum += (double)row[i] * (double)row[i];
-        }
-        float inv = (float)(1.0 / sqrt(sum / (double)dim + eps));
-        float *o = dst + r * dim;
-        for (Py_ssize_t i = 0; i < dim; i++) {
-            o[i] = row[i] * inv * w[i];
-        }
-    }
+    rms_norm_rows(x.buf, weight.buf, rows, dim, eps, out.buf);
     result = Py_NewRef(Py_None);
 done:
     if (x.obj != NULL) PyBuffer_Release(&x);

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.cpu_decoder import FusedLayers, unsupported
 from engine.layers.attention import AttentionBatch, PagedAttention
 from engine.layers.mlp import GatedMLP, SparseMoE
 from engine.layers.norm import RMSNorm
@@ -42,6 +43,9 @@ class DecoderLayer(torch.nn.Module):
 
 class DecoderModel(torch.nn.Module):
     """Embedding, decoder layers, final norm and LM head; forward works on a flat token batch."""
+
+    fused_layers: FusedLayers | None = None
+    """Small steps' layers in C (``bind_fused_layers``); None: always the Python layers."""
 
     def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup | None = None, ep: TPGroup | None = None) -> None:
         super().__init__()
@@ -87,9 +91,18 @@ class DecoderModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]`` of a flat batch of tokens."""
         hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, batch)
+        if self.fused_layers is not None and self.fused_layers.covers(batch, hidden.shape[0]):
+            hidden = self.fused_layers.run(hidden, batch)
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden, batch)
         return self.norm(hidden)
+
+    def bind_fused_layers(self) -> str | None:
+        """Bind the loaded weights for small steps' layers in one C call (``engine/kernels/cpu_decoder.py``);
+        returns why not where the model does not qualify. Call again after changing weights."""
+        self.fused_layers = FusedLayers.of(self)
+        return unsupported(self) if self.fused_layers is None else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits for the rows of ``hidden`` that will be sampled; None on a rank other than the leader."""

@@ -40,7 +40,10 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "native_api.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -414,6 +417,44 @@ static void run_tiles(const format_t *fmt, tile_fn fn, const uint8_t *weights, c
     }
 }
 
+static int64_t fmt_packed_bytes(const format_t *fmt, int64_t n, int64_t k) {
+    return (n + TILE_ROWS - 1) / TILE_ROWS * (k / GROUP) * fmt->tile_bytes;
+}
+
+/* y = x W^T once the arguments are checked; no GIL. -1: no memory for the activation planes. */
+static int compute(const format_t *fmt, const float *x, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y) {
+    if (m == 0) {
+        return 0;
+    }
+    int64_t num_blocks = k / GROUP;
+    int64_t num_values = m * num_blocks;
+    void *scratch = malloc((size_t)(num_values * 4 * (1 + 2 * PLANES) + PLANES * m * k));
+    if (scratch == NULL) {
+        return -1;
+    }
+    acts_t a = {.sum = (float *)scratch, .k = k, .num_blocks = num_blocks};
+    float *scale[PLANES];
+    int32_t *offset[PLANES];
+    int8_t *q[PLANES];
+    for (int p = 0; p < PLANES; p++) {
+        a.scale[p] = scale[p] = (float *)scratch + num_values * (1 + p);
+        a.offset[p] = offset[p] = (int32_t *)scratch + num_values * (1 + PLANES + p);
+        a.q[p] = q[p] = (int8_t *)scratch + num_values * 4 * (1 + 2 * PLANES) + p * m * k;
+    }
+    tile_fn fn = used_isa == ISA_AVX512VNNI ? fmt->avx512 : fmt->scalar;
+#if HAVE_X86
+    if (used_isa == ISA_AVX512VNNI) {
+        quantize_acts_avx512(x, m, k, q, scale, (float *)a.sum, offset);
+    } else
+#endif
+    {
+        quantize_acts_scalar(x, m, k, q, scale, (float *)a.sum, offset);
+    }
+    run_tiles(fmt, fn, packed, &a, m, n, y);
+    free(scratch);
+    return 0;
+}
+
 static PyObject *matmul_impl(PyObject *args, const format_t *fmt) {
     PyObject *x_obj, *packed_obj, *out_obj;
     if (!PyArg_ParseTuple(args, "OOO", &x_obj, &packed_obj, &out_obj)) {
@@ -421,7 +462,6 @@ static PyObject *matmul_impl(PyObject *args, const format_t *fmt) {
     }
     Py_buffer x = {0}, packed = {0}, out = {0};
     PyObject *result = NULL;
-    void *scratch = NULL;
     if (PyObject_GetBuffer(x_obj, &x, PyBUF_RECORDS_RO) < 0) {
         PyErr_Clear();
         PyErr_SetString(PyExc_ValueError, "x: must be a C-contiguous float32 buffer (a numpy array)");
@@ -449,8 +489,7 @@ static PyObject *matmul_impl(PyObject *args, const format_t *fmt) {
         PyErr_Format(PyExc_ValueError, "out: %lld rows for %lld rows of x", (long long)out.shape[0], (long long)m);
         goto done;
     }
-    int64_t num_blocks = k / GROUP;
-    int64_t expected = (n + TILE_ROWS - 1) / TILE_ROWS * num_blocks * fmt->tile_bytes;
+    int64_t expected = fmt_packed_bytes(fmt, n, k);
     if (n <= 0 || packed.len != expected) {
         PyErr_Format(PyExc_ValueError, "packed: %zd bytes, but %lld x %lld %s weights take %lld", packed.len, (long long)n, (long long)k,
                      fmt->name, (long long)expected);
@@ -460,36 +499,16 @@ static PyObject *matmul_impl(PyObject *args, const format_t *fmt) {
         result = Py_NewRef(Py_None);
         goto done;
     }
-    int64_t num_values = m * num_blocks;
-    scratch = PyMem_RawMalloc((size_t)(num_values * 4 * (1 + 2 * PLANES) + PLANES * m * k));
-    if (scratch == NULL) {
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = compute(fmt, (const float *)x.buf, m, k, (const uint8_t *)packed.buf, n, (float *)out.buf);
+    Py_END_ALLOW_THREADS
+    if (status < 0) {
         PyErr_NoMemory();
         goto done;
     }
-    acts_t a = {.sum = (float *)scratch, .k = k, .num_blocks = num_blocks};
-    float *scale[PLANES];
-    int32_t *offset[PLANES];
-    int8_t *q[PLANES];
-    for (int p = 0; p < PLANES; p++) {
-        a.scale[p] = scale[p] = (float *)scratch + num_values * (1 + p);
-        a.offset[p] = offset[p] = (int32_t *)scratch + num_values * (1 + PLANES + p);
-        a.q[p] = q[p] = (int8_t *)scratch + num_values * 4 * (1 + 2 * PLANES) + p * m * k;
-    }
-    tile_fn fn = used_isa == ISA_AVX512VNNI ? fmt->avx512 : fmt->scalar;
-    Py_BEGIN_ALLOW_THREADS
-#if HAVE_X86
-    if (used_isa == ISA_AVX512VNNI) {
-        quantize_acts_avx512((const float *)x.buf, m, k, q, scale, (float *)a.sum, offset);
-    } else
-#endif
-    {
-        quantize_acts_scalar((const float *)x.buf, m, k, q, scale, (float *)a.sum, offset);
-    }
-    run_tiles(fmt, fn, (const uint8_t *)packed.buf, &a, m, n, (float *)out.buf);
-    Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
-    PyMem_RawFree(scratch);
     if (x.obj) PyBuffer_Release(&x);
     if (packed.obj) PyBuffer_Release(&packed);
     if (out.obj) PyBuffer_Release(&out);
@@ -503,6 +522,18 @@ static PyObject *q4_matmul(PyObject *module, PyObject *args) {
 static PyObject *q8_matmul(PyObject *module, PyObject *args) {
     return matmul_impl(args, &Q8);
 }
+
+/* The C API (native_api.h) */
+
+static int api_matmul(int format, const float *x, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y) {
+    return compute(format == QMATMUL_Q8 ? &Q8 : &Q4, x, m, k, packed, n, y);
+}
+
+static int64_t api_packed_bytes(int format, int64_t n, int64_t k) {
+    return fmt_packed_bytes(format == QMATMUL_Q8 ? &Q8 : &Q4, n, k);
+}
+
+static QMatmulApi c_api = {NATIVE_API_VERSION, api_matmul, api_packed_bytes};
 
 static PyObject *isa(PyObject *module, PyObject *unused) {
     return PyUnicode_FromString(ISA_NAMES[used_isa]);
@@ -552,5 +583,13 @@ PyMODINIT_FUNC PyInit__qmatmul(void) {
     }
 #endif
     used_isa = best_isa;
-    return PyModule_Create(&qmatmul_module);
+    PyObject *module = PyModule_Create(&qmatmul_module);
+    PyObject *capsule = module ? PyCapsule_New(&c_api, QMATMUL_API_NAME, NULL) : NULL;
+    int added = capsule ? PyModule_AddObjectRef(module, "_C_API", capsule) : -1;
+    Py_XDECREF(capsule);
+    if (added < 0) {
+        Py_XDECREF(module);
+        return NULL;
+    }
+    return module;
 }

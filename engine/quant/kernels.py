@@ -13,10 +13,12 @@ activations quantized per 32-block to two int8 planes (about 15 bits), no bf16 r
 slower), so ``x`` is cast to bf16 and back; ``cast_back=False`` skips the cast back for a caller
 whose next op promotes the bf16 result exactly (adding it to a float32 residual).
 
-Measured on the 2-core dev box (µs per matmul, ``python -m bench.kernels``, figures in
-engine/README.md): the native kernel beats the bf16 copy up to 20-24 rows at 1 thread and
-24-32 at 2 on SmolLM2's Q4 projections and Q8_0 LM head (torch's int4 kernel, the fallback,
-up to about 16); torch's int8 kernel beats bf16 up to about 6.
+Measured on the 2-core dev box (``python -m bench.kernels``, figures in engine/README.md): per
+matmul the native kernel and the bf16 copy trade places between 24 and 64 rows at 2 threads on
+SmolLM2's shapes (the LM head favours the kernel, the 576x1536 down projection the copy); a whole
+decode step at 32 sequences took 60.9 ms with the kernel up to 32 rows against 70.6 ms with the
+copy past 24, so the limit is 32 (torch's int4 kernel, the fallback, wins up to about 16);
+torch's int8 kernel beats bf16 up to about 6.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import torch.nn.functional as F
 from engine.quant import native
 from engine.quant.blocks import GROUP_SIZE, BlockQuant
 
-INT4_KERNEL_MAX_ROWS = 24
+INT4_KERNEL_MAX_ROWS = 32
 """Most rows a matmul sends to the 4-bit kernel; more go to the dense bf16 copy."""
-GROUP_INT8_KERNEL_MAX_ROWS = 24
+GROUP_INT8_KERNEL_MAX_ROWS = 32
 """Most rows a matmul sends to the group-32 int8 kernel; more go to the dense bf16 copy."""
 TORCH_INT4_KERNEL_MAX_ROWS = 16
 """The same limit for both group-32 formats where they run torch's int4 kernel (the fallback)."""
