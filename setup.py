@@ -31,7 +31,8 @@ setup(
         Extension(
             "engine.kernels._cpu_attention",
             ["engine/kernels/_cpu_attention.c"],
-            depends=["engine/kernels/_cpu_attention_loops.h", "engine/kernels/native_api.h"],
+            depends=["engine/kernels/_cpu_attention_loops.h", "engine/kernels/_cpu_attention_avx512.h",
+                     "engine/kernels/_cpu_attention_split.h", "engine/kernels/native_api.h"],
             extra_compile_args=["-O3", "-fopenmp", "-fno-trapping-math"],  # see the C file's head
             extra_link_args=["-fopenmp"],
             libraries=["m"],

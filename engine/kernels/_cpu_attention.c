@@ -48,6 +48,8 @@
 #include <string.h>
 
 #include "_cpu_attention_loops.h"
+#include "_cpu_attention_avx512.h"
+#include "_cpu_attention_split.h"
 #include "native_api.h"
 
 #define MIN_PARALLEL_ELEMENTS 16384 /* K/V elements below which one thread beats waking the team */
@@ -59,12 +61,21 @@
 /* ------------------------------------------------------------------------------------------ */
 /* Per-ISA copies of the loops (_cpu_attention_loops.h)                                       */
 
-__attribute__((target("avx2,fma"))) static void attend_item_avx2(const AttentionArgs *a, Scratch *w, Py_ssize_t seq, int kv_head) {
-    attend_item(a, w, seq, kv_head);
+/* head dims that are no multiple of 16 run the generic loops, compiled for AVX-512 too */
+__attribute__((target(AVX512_TARGET))) static void attend_unit_avx512_entry(const AttentionArgs *a, Scratch *w, const WorkUnit *u) {
+    if (a->pool.head_dim % 16 == 0) {
+        attend_unit_avx512(a, w, u);
+    } else {
+        attend_unit(a, w, u);
+    }
 }
 
-static void attend_item_portable(const AttentionArgs *a, Scratch *w, Py_ssize_t seq, int kv_head) {
-    attend_item(a, w, seq, kv_head);
+__attribute__((target("avx2,fma"))) static void attend_unit_avx2(const AttentionArgs *a, Scratch *w, const WorkUnit *u) {
+    attend_unit(a, w, u);
+}
+
+static void attend_unit_portable(const AttentionArgs *a, Scratch *w, const WorkUnit *u) {
+    attend_unit(a, w, u);
 }
 
 __attribute__((target("avx2,fma"))) static void requantize_group_avx2(const WriteArgs *a, float *x, Py_ssize_t unique, int head, int layer, int kv) {
@@ -78,10 +89,10 @@ static void requantize_group_portable(const WriteArgs *a, float *x, Py_ssize_t u
 /* ------------------------------------------------------------------------------------------ */
 /* Dispatch                                                                                   */
 
-typedef void (*AttendFn)(const AttentionArgs *, Scratch *, Py_ssize_t, int);
+typedef void (*AttendFn)(const AttentionArgs *, Scratch *, const WorkUnit *);
 typedef void (*RequantizeFn)(const WriteArgs *, float *, Py_ssize_t, int, int, int);
 
-static AttendFn attend_fn = attend_item_portable;
+static AttendFn attend_fn = attend_unit_portable;
 static RequantizeFn requantize_fn = requantize_group_portable;
 static const char *isa_name = "portable";
 
@@ -90,23 +101,36 @@ static int cpu_has_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
+static int cpu_has_avx512(void) {
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+
+/* write_fp8 keeps its AVX2 loops under 'avx512' (it is bit-exact and not the hot path). */
 static int select_isa(const char *name) {
     if (strcmp(name, "best") == 0) {
-        name = cpu_has_avx2() ? "avx2" : "portable";
+        name = cpu_has_avx512() ? "avx512" : cpu_has_avx2() ? "avx2" : "portable";
+    }
+    if (strcmp(name, "avx512") == 0 && cpu_has_avx512()) {
+        attend_fn = attend_unit_avx512_entry;
+        requantize_fn = requantize_group_avx2;
+        isa_name = "avx512";
+        return 0;
     }
     if (strcmp(name, "avx2") == 0 && cpu_has_avx2()) {
-        attend_fn = attend_item_avx2;
+        attend_fn = attend_unit_avx2;
         requantize_fn = requantize_group_avx2;
         isa_name = "avx2";
         return 0;
     }
     if (strcmp(name, "portable") == 0) {
-        attend_fn = attend_item_portable;
+        attend_fn = attend_unit_portable;
         requantize_fn = requantize_group_portable;
         isa_name = "portable";
         return 0;
     }
-    PyErr_Format(PyExc_ValueError, "isa: '%s' is not one of 'best', 'portable' or (on a CPU with AVX2 and FMA) 'avx2'", name);
+    PyErr_Format(PyExc_ValueError, "isa: '%s' is not one of 'best', 'portable', 'avx2' (a CPU with AVX2 and FMA) or "
+                 "'avx512' (AVX-512 F, BW, DQ and VL)", name);
     return -1;
 }
 
@@ -268,37 +292,37 @@ static int check_sequences(const AttentionArgs *a, Py_ssize_t num_seqs, Py_ssize
 /* ------------------------------------------------------------------------------------------ */
 /* attention()                                                                                */
 
+/* Units (_cpu_attention_split.h) across the team, then the split items' merges. */
 static int run_attention(const AttentionArgs *a, Py_ssize_t num_seqs, int num_threads, Py_ssize_t work) {
-    Py_ssize_t max_tokens = 0;
-    for (Py_ssize_t s = 0; s < num_seqs; s++) {
-        Py_ssize_t n = a->query_starts[s + 1] - a->query_starts[s];
-        max_tokens = n > max_tokens ? n : max_tokens;
+    UnitPlan plan;
+    if (plan_units(a, num_seqs, &plan) < 0) {
+        return -1;
     }
-    Py_ssize_t rows = max_tokens * a->group;
-    Py_ssize_t hd = a->pool.head_dim, bs = a->pool.block_size;
-    Py_ssize_t floats = 2 * rows * hd + 2 * rows + bs + 2 * bs * hd;
-    Py_ssize_t num_items = num_seqs * a->pool.num_kv_heads;
     int failed = 0;
-    if (work < MIN_PARALLEL_ELEMENTS || num_items < 2) {
+    if (work < MIN_PARALLEL_ELEMENTS || plan.num_units < 2) {
         num_threads = 1;
     }
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
-        float *scratch = malloc(sizeof(float) * floats);
-        if (scratch == NULL) {
+        Scratch w;
+        int ready = thread_scratch_for(&w, plan.max_rows, a->pool.head_dim, a->pool.block_size) == 0;
+        if (!ready) {
 #pragma omp atomic write
             failed = 1;
         }
-        Scratch w = {scratch, scratch + rows * hd, scratch + 2 * rows * hd, scratch + 2 * rows * hd + rows,
-                     scratch + 2 * rows * hd + 2 * rows, scratch + 2 * rows * hd + 2 * rows + bs,
-                     scratch + 2 * rows * hd + 2 * rows + bs + bs * hd};
 #pragma omp for schedule(dynamic, 1)
-        for (Py_ssize_t item = 0; item < num_items; item++) {
-            if (scratch != NULL) {
-                attend_fn(a, &w, item / a->pool.num_kv_heads, (int)(item % a->pool.num_kv_heads));
+        for (Py_ssize_t i = 0; i < plan.num_units; i++) {
+            if (ready) {
+                attend_fn(a, &w, &plan.units[i]);
             }
         }
-        free(scratch);
+#pragma omp for schedule(dynamic, 1)
+        for (Py_ssize_t i = 0; i < plan.num_units; i++) {
+            const WorkUnit *u = &plan.units[i];
+            if (ready && u->partial != NULL && u->part == 0) {
+                merge_parts(a, &w, u);
+            }
+        }
     }
     return failed ? -1 : 0;
 }
@@ -676,7 +700,7 @@ static PyMethodDef methods[] = {
      "block requantized with scale amax / 448 per (kv head, layer, K|V)."},
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa(name) -> previous name\n\n"
-     "Pick the compiled loops: 'best' (the default at import), 'avx2' or 'portable'. For tests and benchmarks."},
+     "Pick the compiled loops: 'best' (the default at import), 'avx512', 'avx2' or 'portable'. For tests and benchmarks."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -123,8 +123,9 @@ typedef struct {
     float *max;    /* [rows] */
     float *sum;    /* [rows] */
     float *weights; /* [block_size] */
-    float *k_tile;  /* [block_size, head_dim] widened K (fp8, bf16) */
+    float *k_tile;  /* [max(block_size, 16), head_dim] widened K (fp8, bf16), or K transposed */
     float *v_tile;
+    float *probs;   /* [rows][16] softmax weights of a 16-key tile (AVX-512 loops) */
 } Scratch;
 
 ALWAYS_INLINE float dot(const float *a, const float *b, int n) {
@@ -284,13 +285,22 @@ ALWAYS_INLINE const float *pool_tile(const Pool *p, const uint8_t *src, int n, f
     return tile;
 }
 
-/* head_dim is a parameter so that callers can pass a constant and have the loops specialized. */
-ALWAYS_INLINE void attend_item_dim(const AttentionArgs *a, Scratch *w, Py_ssize_t seq, int kv_head, int hd) {
-    const Pool *p = &a->pool;
+/* One work unit: a (sequence, KV head) item over the pool blocks [first_block, end_block), plus
+ * this step's own K/V rows when own_rows. An item runs as one unit, or, split along its context
+ * (_cpu_attention_split.h), as several whose partial softmax states are merged afterwards. */
+typedef struct {
+    Py_ssize_t seq;
+    int kv_head;
+    int own_rows;
+    int64_t first_block, end_block;
+    float *partial; /* NULL: normalize into out; else [rows][head_dim + 2]: acc, max, sum */
+    int part, num_parts; /* this unit's place among its item's parts */
+} WorkUnit;
+
+/* The item's query rows (token-major, then the group's heads), times sm_scale; state reset. */
+ALWAYS_INLINE int load_queries(const AttentionArgs *a, Scratch *w, Py_ssize_t seq, int kv_head, int hd) {
     int64_t token0 = a->query_starts[seq];
-    int num_tokens = (int)(a->query_starts[seq + 1] - token0);
-    int64_t start = a->starts[seq];
-    int rows = num_tokens * a->group;
+    int rows = (int)(a->query_starts[seq + 1] - token0) * a->group;
     for (int r = 0; r < rows; r++) {
         int64_t token = token0 + r / a->group;
         int head = kv_head * a->group + r % a->group;
@@ -310,33 +320,24 @@ ALWAYS_INLINE void attend_item_dim(const AttentionArgs *a, Scratch *w, Py_ssize_
         w->max[r] = -INFINITY;
         w->sum[r] = 0.0f;
     }
-    int bs = p->block_size;
-    int64_t num_pool_blocks = (start + bs - 1) / bs;
-    for (int64_t b = 0; b < num_pool_blocks; b++) {
-        int64_t block = a->tables[seq * a->table_width + b];
-        int n = start - b * bs < bs ? (int)(start - b * bs) : bs;
-        const uint8_t *base = p->base + block * p->block_bytes;
-        const float *keys = pool_tile(p, base + tile_offset(p, kv_head, a->layer, 0), n, w->k_tile);
-        const float *values = pool_tile(p, base + tile_offset(p, kv_head, a->layer, 1), n, w->v_tile);
-        float k_scale = 1.0f, v_scale = 1.0f;
-        if (p->kind == KV_FP8) {
-            k_scale = *scale_ptr(p, block, kv_head, a->layer, 0);
-            v_scale = *scale_ptr(p, block, kv_head, a->layer, 1);
-        }
-        attend_tile(w, rows, a->group, hd, start, keys, hd, values, hd, n, b * bs, k_scale, v_scale);
-    }
-    for (int j0 = 0; j0 < num_tokens; j0 += bs) {
-        int n = num_tokens - j0 < bs ? num_tokens - j0 : bs;
-        Py_ssize_t k_stride, v_stride;
-        const float *keys = token_rows(a, a->k, a->k_token_stride, token0 + j0, kv_head, n, w->k_tile, &k_stride);
-        const float *values = token_rows(a, a->v, a->v_token_stride, token0 + j0, kv_head, n, w->v_tile, &v_stride);
-        attend_tile(w, rows, a->group, hd, start, keys, k_stride, values, v_stride, n, start + j0, 1.0f, 1.0f);
-    }
+    return rows;
+}
+
+/* The unit's rows out: normalized into `out` (a whole item), or its raw state into the partial. */
+ALWAYS_INLINE void store_rows(const AttentionArgs *a, const Scratch *w, const WorkUnit *u, int rows, int hd) {
+    int64_t token0 = a->query_starts[u->seq];
     for (int r = 0; r < rows; r++) {
-        int64_t token = token0 + r / a->group;
-        int head = kv_head * a->group + r % a->group;
-        Py_ssize_t offset = (token * a->num_heads + head) * hd;
         const float *acc = w->acc + (Py_ssize_t)r * hd;
+        if (u->partial != NULL) {
+            float *dst = u->partial + (Py_ssize_t)r * (hd + 2);
+            memcpy(dst, acc, sizeof(float) * hd);
+            dst[hd] = w->max[r];
+            dst[hd + 1] = w->sum[r];
+            continue;
+        }
+        int64_t token = token0 + r / a->group;
+        int head = u->kv_head * a->group + r % a->group;
+        Py_ssize_t offset = (token * a->num_heads + head) * hd;
         float inverse = 1.0f / w->sum[r];
         if (a->bf16) {
             uint16_t *dst = (uint16_t *)a->out + offset;
@@ -352,16 +353,49 @@ ALWAYS_INLINE void attend_item_dim(const AttentionArgs *a, Scratch *w, Py_ssize_
     }
 }
 
-ALWAYS_INLINE void attend_item(const AttentionArgs *a, Scratch *w, Py_ssize_t seq, int kv_head) {
+/* head_dim is a parameter so that callers can pass a constant and have the loops specialized. */
+ALWAYS_INLINE void attend_unit_dim(const AttentionArgs *a, Scratch *w, const WorkUnit *u, int hd) {
+    const Pool *p = &a->pool;
+    Py_ssize_t seq = u->seq;
+    int kv_head = u->kv_head;
+    int64_t token0 = a->query_starts[seq];
+    int num_tokens = (int)(a->query_starts[seq + 1] - token0);
+    int64_t start = a->starts[seq];
+    int rows = load_queries(a, w, seq, kv_head, hd);
+    int bs = p->block_size;
+    for (int64_t b = u->first_block; b < u->end_block; b++) {
+        int64_t block = a->tables[seq * a->table_width + b];
+        int n = start - b * bs < bs ? (int)(start - b * bs) : bs;
+        const uint8_t *base = p->base + block * p->block_bytes;
+        const float *keys = pool_tile(p, base + tile_offset(p, kv_head, a->layer, 0), n, w->k_tile);
+        const float *values = pool_tile(p, base + tile_offset(p, kv_head, a->layer, 1), n, w->v_tile);
+        float k_scale = 1.0f, v_scale = 1.0f;
+        if (p->kind == KV_FP8) {
+            k_scale = *scale_ptr(p, block, kv_head, a->layer, 0);
+            v_scale = *scale_ptr(p, block, kv_head, a->layer, 1);
+        }
+        attend_tile(w, rows, a->group, hd, start, keys, hd, values, hd, n, b * bs, k_scale, v_scale);
+    }
+    for (int j0 = 0; u->own_rows && j0 < num_tokens; j0 += bs) {
+        int n = num_tokens - j0 < bs ? num_tokens - j0 : bs;
+        Py_ssize_t k_stride, v_stride;
+        const float *keys = token_rows(a, a->k, a->k_token_stride, token0 + j0, kv_head, n, w->k_tile, &k_stride);
+        const float *values = token_rows(a, a->v, a->v_token_stride, token0 + j0, kv_head, n, w->v_tile, &v_stride);
+        attend_tile(w, rows, a->group, hd, start, keys, k_stride, values, v_stride, n, start + j0, 1.0f, 1.0f);
+    }
+    store_rows(a, w, u, rows, hd);
+}
+
+ALWAYS_INLINE void attend_unit(const AttentionArgs *a, Scratch *w, const WorkUnit *u) {
     switch (a->pool.head_dim) {
     case 64:
-        attend_item_dim(a, w, seq, kv_head, 64);
+        attend_unit_dim(a, w, u, 64);
         break;
     case 128:
-        attend_item_dim(a, w, seq, kv_head, 128);
+        attend_unit_dim(a, w, u, 128);
         break;
     default:
-        attend_item_dim(a, w, seq, kv_head, a->pool.head_dim);
+        attend_unit_dim(a, w, u, a->pool.head_dim);
     }
 }
 

@@ -104,7 +104,7 @@ def write_fp8(k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, offsets
 
 
 def use_isa(name: str) -> str:
-    """Pick the compiled loops ('best', 'avx2' or 'portable'); returns the previous choice. For tests and benchmarks."""
+    """Pick the compiled loops ('best', 'avx512', 'avx2' or 'portable'); returns the previous choice. For tests and benchmarks."""
     return _native.use_isa(name)
 
 

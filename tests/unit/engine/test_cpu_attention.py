@@ -33,7 +33,7 @@ def native():
     return built_or_skip(cpu_attention._native, "engine.kernels._cpu_attention", "gcc with OpenMP (libgomp)", "attention runs in torch")
 
 
-@pytest.fixture(params=["avx2", "portable"])
+@pytest.fixture(params=["avx512", "avx2", "portable"])
 def isa(request, native):
     """Each compiled variant of the loops (the portable one is what a CPU without AVX2 runs)."""
     try:
@@ -52,16 +52,16 @@ def torch_path(monkeypatch):
         yield
 
 
-def filled_cache(kv_dtype, num_kv_heads, context_lens, seed=0, shared_first_block=False):
+def filled_cache(kv_dtype, num_kv_heads, context_lens, seed=0, shared_first_block=False, num_blocks=NUM_BLOCKS):
     """A pool holding random K/V of sequences of ``context_lens`` tokens, written in 7-token steps
     through the torch path; scattered block ids, tables padded by repeating a block (as the runner
     pads). With ``shared_first_block`` the sequences of 16 tokens or more share their first
     block, as prefix-cached sequences do. Returns (cache, tables int64 [seqs, width])."""
     g = torch.Generator().manual_seed(seed)
     layout = KVBlockLayout(NUM_LAYERS, num_kv_heads, HEAD_DIM, BLOCK_SIZE, kv_dtype)
-    cache = PagedKVCache(layout, NUM_BLOCKS, torch.float32)
+    cache = PagedKVCache(layout, num_blocks, torch.float32)
     width = max(1, max(-(-n // BLOCK_SIZE) for n in context_lens))
-    free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    free = torch.randperm(num_blocks, generator=g).tolist()
     shared, shared_written = free.pop(), False
     tables = torch.zeros(len(context_lens), width, dtype=torch.long)
     for row, length in enumerate(context_lens):
@@ -150,6 +150,62 @@ def test_verification_runs_see_their_own_prefix(isa, kv_dtype):
     changed = run_kernel(q, later, v, cache, 1, tables, starts, query_starts)
     torch.testing.assert_close(changed[[0, 1, 2, 3, 5, 6, 7]], got[[0, 1, 2, 3, 5, 6, 7]], rtol=0, atol=0)
     assert not torch.equal(changed[4], got[4])
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "bf16", "fp32"])
+def test_long_contexts_split_into_parts_match_sdpa(isa, kv_dtype):
+    """Contexts of 12 blocks and more are split into parts merged afterwards (split-K): one
+    sequence of 250 tokens with an 8-token verify run (24 rows of 3 heads per KV head), and one
+    of 200 in decode, beside a short one that is not split."""
+    lens = (242, 200, 20)
+    cache, tables = filled_cache(kv_dtype, 1, lens, num_blocks=36)
+    starts, query_starts = [242, 200, 20], [0, 8, 9, 10]
+    q = random_rows(10, 3, seed=21)
+    k, v = random_rows(10, 1, seed=22) * 3, random_rows(10, 1, seed=23)
+    got = run_kernel(q, k, v, cache, 1, tables, starts, query_starts)
+    expected = reference(q, k, v, cache, 1, tables, starts, query_starts)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sequence_gives_the_same_bits_alone_or_batched(native):
+    """The fused decoder attends all of a step's sequences in one call where the Python layers make
+    one call per group: a sequence's output may not depend on the call's other sequences (nor on
+    the thread count), split or not."""
+    lens = (240, 100, 30)
+    cache, tables = filled_cache("fp8_e4m3", 2, lens, num_blocks=32)
+    q, k, v = random_rows(3, 6, seed=24), random_rows(3, 2, seed=25), random_rows(3, 2, seed=26)
+    starts = [n - 1 for n in lens]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batched = run_kernel(q, k, v, cache, 0, tables, starts, range(4))
+        torch.set_num_threads(1)
+        alone = [run_kernel(q[s : s + 1], k[s : s + 1], v[s : s + 1], cache, 0, tables[s : s + 1], starts[s : s + 1], range(2))
+                 for s in range(3)]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batched, torch.cat(alone))
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "bf16", "fp32"])
+def test_every_isa_agrees_with_the_portable_loops(native, kv_dtype):
+    """Each compiled variant (AVX-512's transposed tiles, AVX2) against the portable loops on the
+    engine's shapes: decode, verify runs of up to 8 tokens, partial blocks, split contexts."""
+    cache, tables = filled_cache(kv_dtype, 2, (230, 61, 17, 3), num_blocks=28)
+    starts, query_starts = [222, 61, 12, 3], [0, 8, 9, 14, 15]
+    q, k, v = random_rows(15, 6, seed=27), random_rows(15, 2, seed=28), random_rows(15, 2, seed=29)
+    previous = cpu_attention.use_isa("portable")
+    try:
+        portable = run_kernel(q, k, v, cache, 1, tables, starts, query_starts)
+        for name in ("avx2", "avx512"):
+            try:
+                cpu_attention.use_isa(name)
+            except ValueError:
+                continue  # this CPU cannot run it
+            got = run_kernel(q, k, v, cache, 1, tables, starts, query_starts)
+            torch.testing.assert_close(got, portable, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    finally:
+        cpu_attention.use_isa(previous)
 
 
 def test_bf16_activations(isa):
