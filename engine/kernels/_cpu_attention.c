@@ -103,7 +103,7 @@ static int cpu_has_avx2(void) {
 
 static int cpu_has_avx512(void) {
     return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
 }
 
 /* write_fp8 keeps its AVX2 loops under 'avx512' (it is bit-exact and not the hot path). */

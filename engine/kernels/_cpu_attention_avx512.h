@@ -21,13 +21,19 @@
 
 #include "_cpu_attention_loops.h"
 
-#define AVX512_TARGET "avx512f,avx512bw,avx512dq,avx512vl,fma"
+#define AVX512_TARGET "avx512f,avx512bw,avx512dq,avx512vl,fma,f16c"
 #define AVX512_INLINE static inline __attribute__((always_inline, target(AVX512_TARGET)))
 #define TILE_KEYS 16
 #define ROW_GROUP 4 /* rows whose accumulators stay in registers together */
 
-/* 16 consecutive elements of a K/V row, widened exactly to float32 (the bit moves of
- * e4m3_to_float and bf16_to_float, in 16 lanes). */
+/* e4m3 codes are read as float16 bit patterns 2**8 times smaller: the sign-extended code shifted
+ * left by 7 puts e4m3's 4 exponent and 3 mantissa bits at the bottom of float16's exponent and
+ * the top of its mantissa, the mask drops the extra sign copy. Every e4m3 value, subnormals
+ * included, is exact in float16, and vcvtph2ps widens without the float32 subnormals of
+ * e4m3_to_float's bit move; the block's scales take the 2**8 back (exact: a power of two). */
+#define FP8_AS_HALF_SCALE 256.0f
+
+/* 16 consecutive elements of a K/V row, widened exactly to float32 (e4m3: times 2**-8, see above). */
 AVX512_INLINE __m512 load16(const void *src, int kind) {
     if (kind == KV_FP32) {
         return _mm512_loadu_ps(src);
@@ -36,9 +42,8 @@ AVX512_INLINE __m512 load16(const void *src, int kind) {
         __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
         return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
     }
-    __m512i x = _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)), 20);
-    x = _mm512_and_si512(x, _mm512_set1_epi32((int)0x87F00000u));
-    return _mm512_mul_ps(_mm512_castsi512_ps(x), _mm512_set1_ps(0x1p120f));
+    __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)src)), 7);
+    return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16((short)0xBFFF)));
 }
 
 /* r[i] (row i, 16 columns) becomes column i: three stages of in-lane interleaves, then a 4 x 4
@@ -72,8 +77,14 @@ AVX512_INLINE void transpose_keys(float *kt, const uint8_t *src, Py_ssize_t stri
                                   int n, int hd) {
     for (int d0 = 0; d0 < hd; d0 += 16) {
         __m512 r[16];
-        for (int j = 0; j < 16; j++) {
-            r[j] = j < n ? load16(src + (j * stride + d0) * element_bytes, kind) : _mm512_setzero_ps();
+        if (n == 16) {
+            for (int j = 0; j < 16; j++) {
+                r[j] = load16(src + (j * stride + d0) * element_bytes, kind);
+            }
+        } else {
+            for (int j = 0; j < 16; j++) {
+                r[j] = j < n ? load16(src + (j * stride + d0) * element_bytes, kind) : _mm512_setzero_ps();
+            }
         }
         transpose16(r);
         for (int i = 0; i < 16; i++) {
@@ -161,21 +172,34 @@ AVX512_INLINE void softmax_row(Scratch *w, int r, __m512 s, int visible, float k
     _mm512_store_ps(probs, _mm512_mul_ps(p, _mm512_set1_ps(v_scale)));
 }
 
-/* acc[r] += sum_j probs[r][j] * values[j] for rows r0 .. r0 + nr - 1, 16 head dims at a time. */
+/* acc[r] += sum_j probs[r][j] * values[j] for rows r0 .. r0 + nr - 1, 64 head dims at a time:
+ * the 4 x nr accumulators stay in registers and are independent FMA chains (a loop over 16 dims
+ * at a time had nr chains of 16 dependent FMAs, bound by their latency). */
 AVX512_INLINE void accumulate_rows(Scratch *w, int r0, int nr, const float *values, Py_ssize_t stride, int n, int hd) {
-    for (int d0 = 0; d0 < hd; d0 += 16) {
-        __m512 acc[ROW_GROUP];
+    for (int d0 = 0; d0 < hd; d0 += 64) {
+        int nv = hd - d0 >= 64 ? 4 : (hd - d0) / 16;
+        __m512 acc[ROW_GROUP][4];
         for (int r = 0; r < nr; r++) {
-            acc[r] = _mm512_loadu_ps(w->acc + (Py_ssize_t)(r0 + r) * hd + d0);
+            for (int i = 0; i < nv; i++) {
+                acc[r][i] = _mm512_loadu_ps(w->acc + (Py_ssize_t)(r0 + r) * hd + d0 + 16 * i);
+            }
         }
         for (int j = 0; j < n; j++) {
-            __m512 v = _mm512_loadu_ps(values + j * stride + d0);
+            __m512 v[4];
+            for (int i = 0; i < nv; i++) {
+                v[i] = _mm512_loadu_ps(values + j * stride + d0 + 16 * i);
+            }
             for (int r = 0; r < nr; r++) {
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->probs[(r0 + r) * 16 + j]), v, acc[r]);
+                __m512 p = _mm512_set1_ps(w->probs[(r0 + r) * 16 + j]);
+                for (int i = 0; i < nv; i++) {
+                    acc[r][i] = _mm512_fmadd_ps(p, v[i], acc[r][i]);
+                }
             }
         }
         for (int r = 0; r < nr; r++) {
-            _mm512_storeu_ps(w->acc + (Py_ssize_t)(r0 + r) * hd + d0, acc[r]);
+            for (int i = 0; i < nv; i++) {
+                _mm512_storeu_ps(w->acc + (Py_ssize_t)(r0 + r) * hd + d0 + 16 * i, acc[r][i]);
+            }
         }
     }
 }
@@ -217,13 +241,11 @@ AVX512_INLINE void attend_tile16(Scratch *w, int rows, int group, int hd, int64_
     }
 }
 
-AVX512_INLINE void attend_unit_avx512_dim(const AttentionArgs *a, Scratch *w, const WorkUnit *u, int hd) {
+/* The pool's blocks [first_block, end_block) of the unit; `kind` a constant at each call site. */
+AVX512_INLINE void pool_tiles(const AttentionArgs *a, Scratch *w, const WorkUnit *u, int rows, int hd, int kind) {
     const Pool *p = &a->pool;
-    int64_t token0 = a->query_starts[u->seq];
-    int num_tokens = (int)(a->query_starts[u->seq + 1] - token0);
     int64_t start = a->starts[u->seq];
-    int rows = load_queries(a, w, u->seq, u->kv_head, hd);
-    int bs = p->block_size;
+    int bs = p->block_size, element_bytes = kind == KV_FP32 ? 4 : kind == KV_BF16 ? 2 : 1;
     for (int64_t b = u->first_block; b < u->end_block; b++) {
         int64_t block = a->tables[u->seq * a->table_width + b];
         int n = start - b * bs < bs ? (int)(start - b * bs) : bs;
@@ -231,25 +253,51 @@ AVX512_INLINE void attend_unit_avx512_dim(const AttentionArgs *a, Scratch *w, co
         const uint8_t *k_src = base + tile_offset(p, u->kv_head, a->layer, 0);
         const uint8_t *v_src = base + tile_offset(p, u->kv_head, a->layer, 1);
         float k_scale = 1.0f, v_scale = 1.0f;
-        if (p->kind == KV_FP8) {
-            k_scale = *scale_ptr(p, block, u->kv_head, a->layer, 0);
-            v_scale = *scale_ptr(p, block, u->kv_head, a->layer, 1);
+        if (kind == KV_FP8) {
+            k_scale = *scale_ptr(p, block, u->kv_head, a->layer, 0) * FP8_AS_HALF_SCALE;
+            v_scale = *scale_ptr(p, block, u->kv_head, a->layer, 1) * FP8_AS_HALF_SCALE;
         }
         for (int j0 = 0; j0 < n; j0 += TILE_KEYS) {
             int m = n - j0 < TILE_KEYS ? n - j0 : TILE_KEYS;
-            Py_ssize_t skip = (Py_ssize_t)j0 * hd * p->element_bytes;
-            attend_tile16(w, rows, a->group, hd, start, b * bs + j0, m, k_src + skip, hd, v_src + skip, hd, p->kind,
-                          p->element_bytes, k_scale, v_scale);
+            Py_ssize_t skip = (Py_ssize_t)j0 * hd * element_bytes;
+            attend_tile16(w, rows, a->group, hd, start, b * bs + j0, m, k_src + skip, hd, v_src + skip, hd, kind,
+                          element_bytes, k_scale, v_scale);
         }
     }
-    int kind = a->bf16 ? KV_BF16 : KV_FP32, element_bytes = a->bf16 ? 2 : 4;
+}
+
+/* This step's own K/V rows (float32 or bf16, `kind` a constant at each call site). */
+AVX512_INLINE void own_tiles(const AttentionArgs *a, Scratch *w, const WorkUnit *u, int rows, int hd, int kind) {
+    int64_t token0 = a->query_starts[u->seq];
+    int num_tokens = (int)(a->query_starts[u->seq + 1] - token0);
+    int64_t start = a->starts[u->seq];
+    int element_bytes = kind == KV_BF16 ? 2 : 4;
     Py_ssize_t head_offset = (Py_ssize_t)u->kv_head * hd * element_bytes;
-    for (int j0 = 0; u->own_rows && j0 < num_tokens; j0 += TILE_KEYS) {
+    for (int j0 = 0; j0 < num_tokens; j0 += TILE_KEYS) {
         int m = num_tokens - j0 < TILE_KEYS ? num_tokens - j0 : TILE_KEYS;
         const uint8_t *k_src = (const uint8_t *)a->k + (token0 + j0) * a->k_token_stride * element_bytes + head_offset;
         const uint8_t *v_src = (const uint8_t *)a->v + (token0 + j0) * a->v_token_stride * element_bytes + head_offset;
         attend_tile16(w, rows, a->group, hd, start, start + j0, m, k_src, a->k_token_stride, v_src, a->v_token_stride,
                       kind, element_bytes, 1.0f, 1.0f);
+    }
+}
+
+AVX512_INLINE void attend_unit_avx512_dim(const AttentionArgs *a, Scratch *w, const WorkUnit *u, int hd) {
+    int rows = load_queries(a, w, u->seq, u->kv_head, hd);
+    switch (a->pool.kind) {
+    case KV_FP8:
+        pool_tiles(a, w, u, rows, hd, KV_FP8);
+        break;
+    case KV_BF16:
+        pool_tiles(a, w, u, rows, hd, KV_BF16);
+        break;
+    default:
+        pool_tiles(a, w, u, rows, hd, KV_FP32);
+    }
+    if (u->own_rows && a->bf16) {
+        own_tiles(a, w, u, rows, hd, KV_BF16);
+    } else if (u->own_rows) {
+        own_tiles(a, w, u, rows, hd, KV_FP32);
     }
     store_rows(a, w, u, rows, hd);
 }
