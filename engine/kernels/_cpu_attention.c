@@ -22,8 +22,10 @@
  * One work item per (sequence, KV head): the query heads sharing that KV head (GQA) take each
  * K/V element once. Blocks stream through an online softmax in float32; a FP8 block's K scale
  * multiplies its scores and its V scale the softmax weights, so elements are widened exactly and
- * never scaled one by one. Items are independent, so the result does not depend on the number
- * of threads.
+ * never scaled one by one. An item with a long context runs as several units over parts of it,
+ * merged afterwards (split-K, _cpu_attention_split.h); how an item is split depends on its own
+ * context length only, so the result depends neither on the number of threads nor on the other
+ * sequences of the call.
  *
  * write_fp8(): PagedKVCache.write for FP8 pools, bit for bit the torch path, because blocks
  * travel byte for byte to other workers and tiers. A touched block is dequantized (code value
@@ -33,9 +35,10 @@
  * scale = amax / 448 (1 where that is not > 0) and codes = e4m3(clamp(x / scale, +-448)) with
  * round-to-nearest-even. Every step is elementwise, or a max, so vectorizing changes no bit.
  *
- * Compiled for the portable baseline, with AVX2+FMA copies of the hot loops chosen at import
- * (__builtin_cpu_supports), never -march=native: the image runs on other machines than it is
- * built on. OpenMP is libgomp, the one torch loaded (the Python wrapper imports torch first).
+ * Compiled for the portable baseline, with AVX2+FMA copies of the hot loops and AVX-512 loops of
+ * their own (_cpu_attention_avx512.h: transposed 16-key tiles, no horizontal sums) chosen at
+ * import (__builtin_cpu_supports), never -march=native: the image runs on other machines than it
+ * is built on. Scratch is per thread and kept between calls (no malloc per call). OpenMP is libgomp, the one torch loaded (the Python wrapper imports torch first).
  * setup.py adds -fno-trapping-math, which changes no value (no fast-math) but lets GCC compute
  * both sides of the e4m3 encoder's select and so vectorize it; FP exception flags are unused.
  */

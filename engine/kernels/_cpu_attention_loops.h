@@ -1,7 +1,8 @@
 /* The loops of engine/kernels/_cpu_attention.c: e4m3 and bf16 conversions, the pool's geometry,
- * the attention work item and the FP8 requantization of one group. Everything is inlined into
+ * the attention work unit and the FP8 requantization of one group. Everything is inlined into
  * the .c file's per-ISA entry points (always_inline), so each copy compiles these loops for its
- * own target (AVX2+FMA or the portable baseline). Included once, by that file only. */
+ * own target (AVX2+FMA, the portable baseline, or AVX-512 for head dims that are no multiple of
+ * 16; _cpu_attention_avx512.h has AVX-512's own). Included once, by that file only. */
 
 #ifndef SPLITSERVE_CPU_ATTENTION_LOOPS_H
 #define SPLITSERVE_CPU_ATTENTION_LOOPS_H
