@@ -717,13 +717,5 @@ PyMODINIT_FUNC PyInit__cpu_attention(void) {
     if (select_isa("best") < 0) {
         return NULL;
     }
-    PyObject *module = PyModule_Create(&cpu_attention_module);
-    PyObject *capsule = module ? PyCapsule_New(&c_api, ATTENTION_API_NAME, NULL) : NULL;
-    int added = capsule ? PyModule_AddObjectRef(module, "_C_API", capsule) : -1;
-    Py_XDECREF(capsule);
-    if (added < 0) {
-        Py_XDECREF(module);
-        return NULL;
-    }
-    return module;
+    return module_with_c_api(&cpu_attention_module, &c_api, ATTENTION_API_NAME);
 }

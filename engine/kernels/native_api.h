@@ -49,4 +49,18 @@ typedef struct {
     void (*free)(AttentionPlan *plan); /* GIL held */
 } AttentionApi;
 
+/* The module `def` describes, with `api` as its _C_API capsule (named `capsule_name`); NULL with
+ * the error set when either cannot be made. For the lending modules' PyInit functions. */
+static inline PyObject *module_with_c_api(struct PyModuleDef *def, void *api, const char *capsule_name) {
+    PyObject *module = PyModule_Create(def);
+    PyObject *capsule = module ? PyCapsule_New(api, capsule_name, NULL) : NULL;
+    int added = capsule ? PyModule_AddObjectRef(module, "_C_API", capsule) : -1;
+    Py_XDECREF(capsule);
+    if (added < 0) {
+        Py_XDECREF(module);
+        return NULL;
+    }
+    return module;
+}
+
 #endif

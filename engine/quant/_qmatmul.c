@@ -596,13 +596,5 @@ PyMODINIT_FUNC PyInit__qmatmul(void) {
     }
 #endif
     used_isa = best_isa;
-    PyObject *module = PyModule_Create(&qmatmul_module);
-    PyObject *capsule = module ? PyCapsule_New(&c_api, QMATMUL_API_NAME, NULL) : NULL;
-    int added = capsule ? PyModule_AddObjectRef(module, "_C_API", capsule) : -1;
-    Py_XDECREF(capsule);
-    if (added < 0) {
-        Py_XDECREF(module);
-        return NULL;
-    }
-    return module;
+    return module_with_c_api(&qmatmul_module, &c_api, QMATMUL_API_NAME);
 }
