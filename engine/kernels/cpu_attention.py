@@ -76,6 +76,22 @@ class PagedSequences:
         """One sequence's run of ``num_tokens`` tokens from ``start`` (a PrefillChunk)."""
         return cls(_int64(block_table), np.array([start], dtype=np.int64), np.array([0, num_tokens], dtype=np.int64))
 
+    @classmethod
+    def joined(cls, parts: list[PagedSequences]) -> PagedSequences:
+        """The sequences of consecutive calls as one call's, in order; tables padded to the
+        widest (the pad is never read: a sequence reads only the blocks before its start)."""
+        if len(parts) == 1:
+            return parts[0]
+        width = max(p.block_tables.shape[1] for p in parts)
+        tables = np.zeros((sum(p.block_tables.shape[0] for p in parts), width), dtype=np.int64)
+        row, query_starts, offset = 0, [np.zeros(1, dtype=np.int64)], 0
+        for p in parts:
+            tables[row : row + p.block_tables.shape[0], : p.block_tables.shape[1]] = p.block_tables
+            row += p.block_tables.shape[0]
+            query_starts.append(p.query_starts[1:] + offset)
+            offset += int(p.query_starts[-1])
+        return cls(tables, np.concatenate([p.starts for p in parts]), np.concatenate(query_starts))
+
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: NativePool, layer: int, sequences: PagedSequences

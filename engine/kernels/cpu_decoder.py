@@ -33,7 +33,7 @@ except ImportError:  # not built, or _qmatmul / _cpu_attention missing: the laye
 NATIVE_DECODER = _native is not None
 """Whether small steps may run their layers in C (tests switch it off to compare)."""
 
-MAX_ROWS = qkernels.INT4_KERNEL_MAX_ROWS
+MAX_ROWS = min(qkernels.INT4_KERNEL_MAX_ROWS, qkernels.GROUP_INT8_KERNEL_MAX_ROWS)
 """Most tokens a fused step takes: past it the layers' matmuls run on the dense bf16 copy."""
 
 _FORMATS = {qkernels.Int4Weight: 0, qkernels.GroupInt8Weight: 1}
@@ -46,22 +46,10 @@ class FusedLayers:
         self._plan = plan
 
     @classmethod
-    def of(cls, model) -> FusedLayers | None:
-        """The model's layers bound, or None where ``unsupported`` names a reason."""
-        if unsupported(model) is not None:
-            return None
-        config = model.config
-        layers = tuple(
-            (
-                layer.input_layernorm.weight.detach().numpy(),
-                layer.post_attention_layernorm.weight.detach().numpy(),
-                *(_linear(proj) for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)),
-            )
-            for layer in model.layers
-        )
-        intermediate = layer_intermediate(model.layers[0])
-        return cls(_native.plan(layers, model.layers[0].self_attn.num_heads, model.num_kv_heads, config.head_dim,
-                                config.hidden_size, intermediate, config.rms_norm_eps))
+    def of(cls, model) -> FusedLayers:
+        """``model``'s layers bound; the model must qualify (``unsupported(model)`` is None)."""
+        layers, dims = plan_args(model)
+        return cls(_native.plan(layers, *dims))
 
     def covers(self, batch: AttentionBatch, num_tokens: int) -> bool:
         """Whether this step's layers run here: few tokens, short chunks, the switch on."""
@@ -74,7 +62,7 @@ class FusedLayers:
     def run(self, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Every layer on ``hidden`` [tokens, hidden] (float32; updated in place and returned),
         filling ``batch.new_k`` / ``new_v`` as the layers do."""
-        seqs = combined([g.sequences for g in batch.decode_groups] + [c.sequences for c in batch.prefill_chunks])
+        seqs = cpu_attention.PagedSequences.joined([g.sequences for g in batch.decode_groups] + [c.sequences for c in batch.prefill_chunks])
         tokens = hidden.shape[0]
         pool = batch.kv_cache.native
         _native.run(
@@ -108,24 +96,21 @@ def unsupported(model) -> str | None:
     return None
 
 
-def layer_intermediate(layer) -> int:
-    """The MLP's intermediate width (half the fused gate/up projection's rows)."""
-    return layer.mlp.gate_up_proj.quantized.shape[0] // 2
-
-
-def combined(parts: list[cpu_attention.PagedSequences]) -> cpu_attention.PagedSequences:
-    """Sequences of consecutive calls as one call's: tables padded to the widest (the pad never read)."""
-    if len(parts) == 1:
-        return parts[0]
-    width = max(p.block_tables.shape[1] for p in parts)
-    tables = np.zeros((sum(p.block_tables.shape[0] for p in parts), width), dtype=np.int64)
-    row, query_starts, offset = 0, [np.zeros(1, dtype=np.int64)], 0
-    for p in parts:
-        tables[row : row + p.block_tables.shape[0], : p.block_tables.shape[1]] = p.block_tables
-        row += p.block_tables.shape[0]
-        query_starts.append(p.query_starts[1:] + offset)
-        offset += int(p.query_starts[-1])
-    return cpu_attention.PagedSequences(tables, np.concatenate([p.starts for p in parts]), np.concatenate(query_starts))
+def plan_args(model) -> tuple[tuple, tuple[int, int, int, int, int, float]]:
+    """``_cpu_decoder.plan``'s arguments for ``model``: per layer (input norm, post norm, and the
+    QKV, O, gate/up and down projections as (format, packed bytes, out, in)), then (heads, KV
+    heads, head dim, hidden, intermediate, eps)."""
+    layers = tuple(
+        (
+            layer.input_layernorm.weight.detach().numpy(),
+            layer.post_attention_layernorm.weight.detach().numpy(),
+            *(_linear(proj) for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)),
+        )
+        for layer in model.layers
+    )
+    config = model.config
+    intermediate = model.layers[0].mlp.gate_up_proj.quantized.shape[0] // 2  # the fused gate/up's rows
+    return layers, (model.layers[0].self_attn.num_heads, model.num_kv_heads, config.head_dim, config.hidden_size, intermediate, config.rms_norm_eps)
 
 
 def _linear(proj) -> tuple[int, np.ndarray, int, int]:

@@ -101,8 +101,9 @@ class DecoderModel(torch.nn.Module):
     def bind_fused_layers(self) -> str | None:
         """Bind the loaded weights for small steps' layers in one C call (``engine/kernels/cpu_decoder.py``);
         returns why not where the model does not qualify. Call again after changing weights."""
-        self.fused_layers = FusedLayers.of(self)
-        return unsupported(self) if self.fused_layers is None else None
+        reason = unsupported(self)
+        self.fused_layers = FusedLayers.of(self) if reason is None else None
+        return reason
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits for the rows of ``hidden`` that will be sampled; None on a rank other than the leader."""

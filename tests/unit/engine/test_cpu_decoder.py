@@ -112,20 +112,10 @@ def test_models_the_c_layers_do_not_cover_say_why_and_keep_the_python_layers(nat
         assert len(out.output_token_ids) == GREEDY.max_tokens
 
 
-def _plan_inputs(model: DecoderModel):
-    layers = tuple(
-        (layer.input_layernorm.weight.detach().numpy(), layer.post_attention_layernorm.weight.detach().numpy(),
-         *(cpu_decoder._linear(p) for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)))
-        for layer in model.layers
-    )
-    c = model.config
-    return layers, (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, cpu_decoder.layer_intermediate(model.layers[0]), c.rms_norm_eps)
-
-
 def test_bad_plans_and_steps_are_refused_naming_the_argument_and_leave_hidden_untouched(native, tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, weights="int4")
     model, pool = engine.runner.model, engine.kv_cache.native
-    layers, dims = _plan_inputs(model)
+    layers, dims = cpu_decoder.plan_args(model)
     wrong = (layers[0][:2] + ((layers[0][2][0], layers[0][2][1][:-1], *layers[0][2][2:]),) + layers[0][3:],) + layers[1:]
     with pytest.raises(ValueError, match="layer 0 qkv: .* bytes, expected"):
         native.plan(wrong, *dims)
