@@ -430,8 +430,11 @@ class ClusterController:
         """Stop every replica (routers are stopped by whoever started them); nothing is replaced."""
         if self._health_task is not None:
             self._health_task.cancel()
-        for task in list(self._replacements):
+        tasks = list(self._replacements)
+        for task in tasks:
             task.cancel()
+        if tasks:  # let each cancelled start stop its actor and release its group before this returns
+            await asyncio.wait(tasks, timeout=self.config.health_check_timeout_s)
         for pool in self._state.pools.values():
             pool.target = 0
         for replica_id in list(self._state.replicas):

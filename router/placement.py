@@ -70,6 +70,9 @@ async def reserve(what: str, wanted: list[dict[str, float]], timeout_s: float, n
             f"{what}: its ranks could not be placed within {timeout_s:.0f} s; free now: "
             + ", ".join(f"{_fmt(free.get(k, 0.0))} {k}" for k in names)
         ) from None
+    except BaseException:  # cancelled (the controller is stopping): the caller never gets the group to release
+        remove_placement_group(group)
+        raise
     return group
 
 

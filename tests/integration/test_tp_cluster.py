@@ -6,6 +6,7 @@ a follower rank killed mid-prefill takes the replica down as a whole and the con
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import signal
@@ -23,6 +24,7 @@ from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
+from router import placement
 from router.client import SplitServeClient
 from router.config import RouterConfig
 from router.controller import ControllerConfig, pool_resource
@@ -80,8 +82,12 @@ def start_error(config: ClusterConfig, deadline_s: float) -> BaseException:
     return error
 
 
+def groups_in(*states: str) -> dict[str, dict]:
+    return {pg_id: g for pg_id, g in ray.util.placement_group_table().items() if g["state"] in states}
+
+
 def live_placement_groups() -> dict[str, dict]:
-    return {pg_id: g for pg_id, g in ray.util.placement_group_table().items() if g["state"] == "CREATED"}
+    return groups_in("CREATED")
 
 
 def test_tp_2_of_smollm2_is_refused_with_the_models_sentence(ray_session, engine_config):
@@ -89,8 +95,9 @@ def test_tp_2_of_smollm2_is_refused_with_the_models_sentence(ray_session, engine
     error = start_error(tp_cluster_config(engine_config, decode_tp_size=2), REFUSAL_DEADLINE_S)
     assert "model 'smollm2-135m' (9 attention heads, 3 KV heads) cannot run with tensor parallel size 2" in str(error)
     assert "Sizes that work: 1, 3" in str(error)
-    # The refused replica's group is released: by the controller on the refusal, or by Ray's GCS
-    # when the stopped controller (its owner) is gone; both reach the table asynchronously.
+    # The refused replica's group is released by the controller, and so is the group of a
+    # replacement start that the stop cancelled (a group belongs to the job, so nothing else
+    # would release it); removals reach the table asynchronously.
     wait_until(lambda: live_placement_groups().keys() == groups_before.keys())
 
 
@@ -105,6 +112,30 @@ def test_a_tp_replica_no_node_can_hold_is_refused_with_what_it_needs_and_what_ex
         f"but the largest node has {resources['CPU']:g} CPU, {resources[slots]:g} {slots} (1 nodes alive)"
     ) in str(error)
     assert live_placement_groups().keys() == groups_before.keys()  # refused before any group was asked for
+
+
+def test_a_start_cancelled_while_its_group_waits_for_room_releases_the_group(ray_session):
+    """The controller cancels the starts it has in flight when it stops; a start cancelled while
+    Ray holds its group pending (others hold the room) must not leave the group behind, since a
+    group outlives the controller that asked for it (it belongs to the job)."""
+    slots = pool_resource("decode")
+    blocker = ray.util.placement_group([{slots: ray.available_resources()[slots]}], strategy="STRICT_PACK")
+    ray.get(blocker.ready())
+    try:
+        groups_before = groups_in("PENDING", "CREATED")
+
+        async def reserve_then_cancel():
+            task = asyncio.create_task(placement.reserve("a TP 2 decode replica", [{slots: 1}], 600.0))
+            while not groups_in("PENDING").keys() - groups_before.keys() and not task.done():
+                await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(reserve_then_cancel())
+        wait_until(lambda: groups_in("PENDING", "CREATED").keys() == groups_before.keys())
+    finally:
+        ray.util.remove_placement_group(blocker)
 
 
 @pytest.fixture(scope="module")
