@@ -17,11 +17,13 @@ the perf model (planner/perf_model.py; default the Splitwise llama2-70b H100 TP 
   one removed drains (takes nothing new, finishes what it has) and costs until it is empty.
 
 Every ``interval_s`` the policy sees the interval's Observation and the pools and sets targets.
-A request meets the SLO when its TTFT and its mean ITL both do. KV transfer time is not modelled.
+A request meets the SLO when its TTFT and its mean ITL both do; KV transfer time is not modelled.
+``oracle`` is the planner told the coming load: its gap to ``splitserve`` is forecast error.
 """
 
 from __future__ import annotations
 
+import bisect
 import csv
 import dataclasses
 import datetime
@@ -39,6 +41,7 @@ from planner.config import PlannerConfig
 from planner.connector import POOLS, PoolReplicas
 from planner.perf_model import PerfModel, load_profile, load_splitwise_csv
 from planner.policy import Observation, SLAPlanner
+from planner.predictor import LoadForecast
 
 CSV_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 DEFAULT_PERF = Path(__file__).resolve().parents[1] / "planner" / "data" / "splitwise_perf_model.csv"
@@ -303,10 +306,8 @@ class Simulation:
         assert not any(math.isnan(x) for x in ttft + itl), "every request is served by the end"
         met = sum(t <= config.ttft_slo_s and i <= config.itl_slo_s for t, i in zip(ttft, itl))
         hours = {p: sum(min(r.end_s if r.end_s is not None else self.end_s, self.end_s) - min(r.alloc_s, self.end_s) for r in rs) / 3600 for p, rs in self.replicas.items()}
-        changes = 0
-        for column in (2, 3):
-            steps = [b[column] - a[column] for a, b in zip(self.timeline, self.timeline[1:]) if b[column] != a[column]]
-            changes += sum((x > 0) != (y > 0) for x, y in zip(steps, steps[1:]))
+        steps = [[b[c] - a[c] for a, b in zip(self.timeline, self.timeline[1:]) if b[c] != a[c]] for c in (2, 3)]  # per pool
+        changes = sum((x > 0) != (y > 0) for pool in steps for x, y in zip(pool, pool[1:]))
         return {
             "slo_attainment": met / len(trace),
             "replica_hours": hours["prefill"] + hours["decode"],
@@ -342,11 +343,25 @@ class HPA:
         return targets
 
 
+class _ArrivingLoad:
+    """The oracle's predictor: the load of the interval that starts when a replica asked for now is ready."""
+
+    def __init__(self, trace: list[Arrival], config: PlannerConfig) -> None:
+        self.trace, self.times, self.config, self.now_s = trace, [a.time_s for a in trace], config, 0.0
+
+    def observe(self, *rates: float) -> None:
+        """It needs no history."""
+
+    def forecast(self) -> LoadForecast:
+        start_s, length_s = self.now_s + self.config.startup_s, self.config.interval_s
+        arriving = self.trace[bisect.bisect_left(self.times, start_s) : bisect.bisect_left(self.times, start_s + length_s)]
+        return LoadForecast(len(arriving) / length_s, sum(a.prompt_tokens for a in arriving) / length_s, sum(a.output_tokens for a in arriving) / length_s)
+
+
 def warm_start(trace, perf, config) -> tuple[int, int]:
-    """(prefill, decode) replicas the planner sizes for the trace's first interval: the split both
-    dynamic policies start at, ready, as if they had been running before the trace began (a
-    trace starts with traffic already flowing; starting at one replica each would charge them
-    for a cold start that the static split, sized for the whole trace, never pays)."""
+    """(prefill, decode) replicas the planner sizes for the trace's first interval, where the dynamic
+    policies start, ready: traffic is already flowing when a trace starts, and the static split,
+    sized for the whole trace, pays no cold start either."""
     first = [a for a in trace if a.time_s < config.interval_s]
     observation = Observation(config.interval_s, config.interval_s, len(first), sum(a.prompt_tokens for a in first), sum(a.output_tokens for a in first))
     pools = {pool: PoolReplicas(pool, 1, 1) for pool in POOLS}
@@ -359,10 +374,13 @@ def replay(trace, perf, config, policy, cost_scale=1.0) -> tuple[dict, list]:
     ``static`` searches the cheapest split reaching ``config.attainment_target``."""
     sim = lambda controller, initial: Simulation(trace, perf, config, controller, initial, cost_scale)  # noqa: E731
     start = warm_start(trace, perf, config)
-    if policy == "splitserve":
-        planner, infeasible = SLAPlanner(config, perf), []
+    if policy in ("splitserve", "oracle"):
+        planner, infeasible, oracle = SLAPlanner(config, perf), [], _ArrivingLoad(trace, config)
+        if policy == "oracle":
+            planner.predictor = oracle
 
         def controller(now, observation, pools, use):
+            oracle.now_s = now
             decision = planner.decide(observation, pools)
             infeasible.extend(decision.infeasible)
             return dict(decision.targets)
@@ -411,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--perf-model", type=Path, default=DEFAULT_PERF, help="Splitwise CSV or profile JSON (default: planner/data/splitwise_perf_model.csv)")
     parser.add_argument("--perf-rows", nargs=3, default=["llama2-70b", "h100-80gb", "4"], metavar=("MODEL", "HARDWARE", "TP"), help="Splitwise row set (default: llama2-70b h100-80gb 4)")
     parser.add_argument("--cost-scale", type=float, default=1.0, help="simulated costs over the perf model's (the planner's correction must find it; default: 1)")
-    parser.add_argument("--policies", nargs="+", choices=("splitserve", "static", "hpa"), default=["splitserve", "static", "hpa"])
+    parser.add_argument("--policies", nargs="+", choices=("splitserve", "static", "hpa", "oracle"), default=["splitserve", "static", "hpa"], help="oracle: the planner told the coming load (default: the other three)")
     for field in dataclasses.fields(PlannerConfig):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default, help=f"planner: {field.metadata.get('doc', '')}(default: {field.default})")
     args = parser.parse_args(argv)

@@ -77,3 +77,20 @@ def test_a_missing_trace_and_a_missing_header_are_one_sentence(tmp_path, capsys)
     headless.write_text("1,2,3\n")
     assert run("planner", bench_planner.main, ["--trace", str(headless)]) == 2
     assert "line 1 is not the header" in _one_sentence(capsys)
+
+
+def test_the_oracle_has_its_replicas_ready_when_a_step_of_load_arrives_and_the_planner_follows_it():
+    """A step from 1 to 12 long prompts a second at 900 s: the oracle, told the load of the interval
+    its replicas serve first, asks for them one start-up ahead; the planner sees the step only after."""
+    trace = [bench_planner.Arrival(t / 1.0, 2000, 50) for t in range(900)]
+    trace += [bench_planner.Arrival(900 + t / 12, 2000, 50) for t in range(12 * 600)]
+    config = bench_planner.PlannerConfig(max_prefill=8, max_decode=8)
+    perf = bench_planner.load_splitwise_csv(bench_planner.DEFAULT_PERF, "llama2-70b", "h100-80gb", 4)
+    prefill = {}
+    for policy in ("oracle", "splitserve"):
+        result, timeline = bench_planner.replay(trace, perf, config, policy)
+        prefill[policy] = {round(row[0]): row[2] for row in timeline}
+        assert result["replica_hours"] == pytest.approx(result["prefill_replica_hours"] + result["decode_replica_hours"])
+    step_s, ask_s = 900, 900 - round(config.startup_s)
+    assert prefill["oracle"][ask_s] > prefill["oracle"][ask_s - 30] == prefill["splitserve"][ask_s]
+    assert prefill["splitserve"][step_s] == prefill["splitserve"][ask_s] < prefill["splitserve"][step_s + 60]
