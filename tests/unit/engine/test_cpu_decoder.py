@@ -19,11 +19,13 @@ from engine.kernels import cpu_decoder
 from engine.layers import mlp
 from engine.models.decoder import DecoderModel
 from tests.native import built_or_skip
-from tests.unit.engine.helpers import GREEDY, make_engine, random_prompts, run_staggered
+from tests.unit.engine.helpers import GREEDY, make_engine, native_qmatmul, random_prompts, run_staggered  # noqa: F401 (a fixture)
 
 
-@pytest.fixture(scope="module")
-def native():
+@pytest.fixture
+def native(native_qmatmul):
+    """The fused-layers extension, with quantized weights built for the C matmul it calls (also on
+    a CPU where the engine itself would not choose that kernel: only its scalar path runs there)."""
     return built_or_skip(cpu_decoder._native, "engine.kernels._cpu_decoder", "gcc, and the _qmatmul and _cpu_attention extensions",
                          "every step runs the Python layers")
 
