@@ -1,6 +1,6 @@
 /* engine.quant._qmatmul: y[M, N] = x[M, K] W^T in float32 for decode-sized M, on group-32
  * quantized weights, with int8 dot products (VNNI's vpdpbusd: unsigned weight codes times
- * signed activation codes, as llama.cpp does).
+ * signed activation codes, as llama.cpp does; AVX2's maddubs where there is no VNNI).
  *
  *   Q4 (scale and min)  w = d * q + m,  q in 0..15      (GGUF Q4_0, Q4_1; --weights int4)
  *   Q8 (scale)          w = d * q,      q in -128..127  (GGUF Q8_0; the int4 format's LM head)
@@ -26,12 +26,13 @@
  *
  * so one 64-byte vector holds 4 consecutive k of each of 16 rows: a VNNI dot (vpdpbusd) with
  * 4 bytes of xq broadcast adds into one int32 lane per output row, and 8 of them finish a block
- * with no horizontal sums. Per output row the float work is the same sequence on every path:
+ * with no horizontal sums (AVX2 takes each vector as two halves of 8 rows). Per output row the
+ * float work is the same sequence on every path:
  *
  *   acc = fma((float)idot1, d * sx1, acc); acc = fma((float)idot2, d * sx2, acc);
  *   then, Q4 only, acc = fma(m, xsum, acc)
  *
- * block after block, so the AVX-512 and the scalar paths give the same bits, and each output
+ * block after block, so the AVX-512, AVX2 and scalar paths give the same bits, and each output
  * is written by one thread (OpenMP over tiles): the result does not depend on the thread count.
  * OpenMP is torch's libgomp (engine/quant/native.py imports torch first), so
  * torch.set_num_threads governs both. */
