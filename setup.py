@@ -1,7 +1,7 @@
 """The compiled parts of the package, each an optional C extension; everything else is in pyproject.toml.
 
 - kv_store._chain: the block-key chain (needs xxhash.h from libxxhash-dev).
-- engine.quant._qmatmul: quantized matmuls for decode steps (AVX-512 VNNI).
+- engine.quant._qmatmul: quantized matmuls for decode steps (AVX-512 VNNI or AVX2).
 - engine.kernels._cpu_attention: paged attention and FP8 KV writes on CPU.
 - engine.kernels._cpu_norm: RMSNorm of float32 rows.
 - engine.kernels._cpu_decoder: a small step's decoder layers in one call, through the C APIs

@@ -270,7 +270,7 @@ def cpu_report(args) -> dict:
     missing = [name for name, built in _Kernels().built.items() if not built]
     if missing:
         raise BenchError(f"the C kernels are not built or cannot run on this CPU ({', '.join(missing)} false): "
-                         "`pip install -e .` builds them with gcc; the quantized matmul needs AVX-512 VNNI")
+                         "`pip install -e .` builds them with gcc; the quantized matmul needs AVX2 or AVX-512 VNNI")
     report = {"device": "cpu", "machine": machine(), "isa": native._qmatmul.isa(), "model": args.model, "kv_dtype": args.kv_dtype}
     report["matmul"] = matmul_rows(args.threads, args.rows, args.repeats)
     torch.set_num_threads(max(args.threads))

@@ -1,6 +1,6 @@
 /* engine.quant._qmatmul: y[M, N] = x[M, K] W^T in float32 for decode-sized M, on group-32
  * quantized weights, with int8 dot products (VNNI's vpdpbusd: unsigned weight codes times
- * signed activation codes, as llama.cpp does).
+ * signed activation codes, as llama.cpp does; AVX2's maddubs where there is no VNNI).
  *
  *   Q4 (scale and min)  w = d * q + m,  q in 0..15      (GGUF Q4_0, Q4_1; --weights int4)
  *   Q8 (scale)          w = d * q,      q in -128..127  (GGUF Q8_0; the int4 format's LM head)
@@ -26,12 +26,13 @@
  *
  * so one 64-byte vector holds 4 consecutive k of each of 16 rows: a VNNI dot (vpdpbusd) with
  * 4 bytes of xq broadcast adds into one int32 lane per output row, and 8 of them finish a block
- * with no horizontal sums. Per output row the float work is the same sequence on every path:
+ * with no horizontal sums (AVX2 takes each vector as two halves of 8 rows). Per output row the
+ * float work is the same sequence on every path:
  *
  *   acc = fma((float)idot1, d * sx1, acc); acc = fma((float)idot2, d * sx2, acc);
  *   then, Q4 only, acc = fma(m, xsum, acc)
  *
- * block after block, so the AVX-512 and the scalar paths give the same bits, and each output
+ * block after block, so the AVX-512, AVX2 and scalar paths give the same bits, and each output
  * is written by one thread (OpenMP over tiles): the result does not depend on the thread count.
  * OpenMP is torch's libgomp (engine/quant/native.py imports torch first), so
  * torch.set_num_threads governs both. */
@@ -70,8 +71,9 @@
 #endif
 #define PARALLEL_MIN_WEIGHTS (1 << 17) /* below this a parallel region costs more than it saves */
 
-enum isa { ISA_SCALAR = 0, ISA_AVX512VNNI = 1 };
-static const char *ISA_NAMES[] = {"scalar", "avx512vnni"};
+/* In order of preference: a CPU that runs one runs every one before it. */
+enum isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2, NUM_ISAS = 3 };
+static const char *ISA_NAMES[] = {"scalar", "avx2", "avx512vnni"};
 static enum isa best_isa = ISA_SCALAR;
 static enum isa used_isa = ISA_SCALAR;
 
@@ -350,6 +352,165 @@ AVX512_TARGET static void quantize_acts_avx512(const float *x, int64_t m, int64_
     }
 }
 
+/* ---- AVX2 path: two 32-byte halves of each 64-byte vector, rows 0..7 and 8..15 ----
+ *
+ * No dpbusd: maddubs (u8 x s8, pairs summed into int16 with saturation) then madd with ones.
+ * Q4: a pair is at most 2 * 15 * 127 = 3810, so the 8 maddubs of a block add up in int16
+ * (30480) before one madd. Q8: the unsigned code q + 128 times 127 would saturate, so the dot
+ * takes |q| as the unsigned side and x with q's sign as the signed one: |q| <= 128 and
+ * |x| <= 127 (quantize_block clamps), a pair at most 32512, exact for every code -128..127;
+ * the sign lands on x, never negating a -128. That is sum(q x) itself, no offset correction. */
+
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX2_TARGET static inline __attribute__((always_inline)) __m256i broadcast4(const int8_t *xq) {
+    return _mm256_set1_epi32(load_i32(xq));
+}
+
+AVX2_TARGET static inline __attribute__((always_inline)) void store_rows_avx2(float *y, __m256 lo, __m256 hi, int rows) {
+    if (rows == TILE_ROWS) {
+        _mm256_storeu_ps(y, lo);
+        _mm256_storeu_ps(y + 8, hi);
+    } else {
+        float row[TILE_ROWS];
+        _mm256_storeu_ps(row, lo);
+        _mm256_storeu_ps(row + 8, hi);
+        memcpy(y, row, sizeof(float) * (size_t)rows);
+    }
+}
+
+AVX2_TARGET static inline __attribute__((always_inline)) void q4_tile_avx2_body(
+    const uint8_t *tile, const acts_t *a, int64_t r0, const int mt, float *y, int64_t ldy, int rows) {
+    __m256 acc[ROW_CHUNK][2];
+    for (int r = 0; r < mt; r++) {
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    }
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < a->num_blocks; b++) {
+        const uint8_t *block = tile + b * Q4_TILE_BYTES;
+        for (int line = 0; mt > 1 && line < Q4_TILE_BYTES; line += 64) {
+            _mm_prefetch((const char *)(block + PREFETCH_BYTES + line), _MM_HINT_T0);
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256i w[8];
+            for (int p = 0; p < 4; p++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 64 * p + 32 * h));
+                w[p] = _mm256_and_si256(raw, nibble);
+                w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+            }
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 256 + 16 * h)));
+            __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 288 + 16 * h)));
+            for (int r = 0; r < mt; r++) {
+                int64_t at = (r0 + r) * a->num_blocks + b;
+                for (int p = 0; p < PLANES; p++) {
+                    const int8_t *xq = a->q[p] + (r0 + r) * a->k + b * GROUP;
+                    __m256i even = _mm256_maddubs_epi16(w[0], broadcast4(xq));
+                    __m256i odd = _mm256_maddubs_epi16(w[1], broadcast4(xq + 4));
+                    for (int g = 2; g < 8; g += 2) {
+                        even = _mm256_add_epi16(even, _mm256_maddubs_epi16(w[g], broadcast4(xq + 4 * g)));
+                        odd = _mm256_add_epi16(odd, _mm256_maddubs_epi16(w[g + 1], broadcast4(xq + 4 * g + 4)));
+                    }
+                    __m256i idot = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
+                    __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a->scale[p][at]));
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), ds, acc[r][h]);
+                }
+                acc[r][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a->sum[at]), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < mt; r++) {
+        store_rows_avx2(y + r * ldy, acc[r][0], acc[r][1], rows);
+    }
+}
+
+AVX2_TARGET static inline __attribute__((always_inline)) void q8_tile_avx2_body(
+    const uint8_t *tile, const acts_t *a, int64_t r0, const int mt, float *y, int64_t ldy, int rows) {
+    __m256 acc[ROW_CHUNK][2];
+    for (int r = 0; r < mt; r++) {
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    }
+    const __m256i bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < a->num_blocks; b++) {
+        const uint8_t *block = tile + b * Q8_TILE_BYTES;
+        for (int line = 0; mt > 1 && line < Q8_TILE_BYTES; line += 64) {
+            _mm_prefetch((const char *)(block + PREFETCH_BYTES + line), _MM_HINT_T0);
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256i magnitude[8], sign[8];
+            for (int g = 0; g < 8; g++) {
+                sign[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(block + 64 * g + 32 * h)), bias);
+                magnitude[g] = _mm256_abs_epi8(sign[g]); /* -128 -> 0x80, read as unsigned 128 */
+            }
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 512 + 16 * h)));
+            for (int r = 0; r < mt; r++) {
+                int64_t at = (r0 + r) * a->num_blocks + b;
+                for (int p = 0; p < PLANES; p++) {
+                    const int8_t *xq = a->q[p] + (r0 + r) * a->k + b * GROUP;
+                    __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+                    for (int g = 0; g < 8; g += 2) {
+                        __m256i pe = _mm256_maddubs_epi16(magnitude[g], _mm256_sign_epi8(broadcast4(xq + 4 * g), sign[g]));
+                        __m256i po = _mm256_maddubs_epi16(magnitude[g + 1], _mm256_sign_epi8(broadcast4(xq + 4 * g + 4), sign[g + 1]));
+                        even = _mm256_add_epi32(even, _mm256_madd_epi16(pe, ones));
+                        odd = _mm256_add_epi32(odd, _mm256_madd_epi16(po, ones));
+                    }
+                    __m256i idot = _mm256_add_epi32(even, odd);
+                    __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a->scale[p][at]));
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), ds, acc[r][h]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < mt; r++) {
+        store_rows_avx2(y + r * ldy, acc[r][0], acc[r][1], rows);
+    }
+}
+
+/* quantize_acts_scalar with vectors: a block is four 8-float quarters. */
+AVX2_TARGET static void quantize_acts_avx2(const float *x, int64_t m, int64_t k, int8_t **q, float **scale, float *sum, int32_t **offset) {
+    int64_t num_blocks = k / GROUP;
+    const __m256 limit = _mm256_set1_ps(127.0f), negative_limit = _mm256_set1_ps(-127.0f);
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    const __m256i byte_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* packs interleave the 128-bit lanes */
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t b = 0; b < num_blocks; b++) {
+            int64_t at = r * num_blocks + b;
+            const float *v = x + r * k + b * GROUP;
+            __m256 part[4];
+            for (int i = 0; i < 4; i++) {
+                part[i] = _mm256_loadu_ps(v + 8 * i);
+            }
+            __m256 t8 = _mm256_add_ps(_mm256_add_ps(part[0], part[2]), _mm256_add_ps(part[1], part[3]));
+            __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+            __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+            __m128 t1 = _mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1));
+            sum[at] = _mm_cvtss_f32(t1);
+            for (int p = 0; p < PLANES; p++) {
+                __m256 most = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign_bit, part[0]), _mm256_andnot_ps(sign_bit, part[1])),
+                                            _mm256_max_ps(_mm256_andnot_ps(sign_bit, part[2]), _mm256_andnot_ps(sign_bit, part[3])));
+                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+                __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                float amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+                float d = amax / 127.0f;
+                __m256 inverse = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f), dv = _mm256_set1_ps(d);
+                __m256i codes[4];
+                for (int i = 0; i < 4; i++) {
+                    __m256 code = _mm256_round_ps(_mm256_mul_ps(part[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    code = _mm256_max_ps(_mm256_min_ps(code, limit), negative_limit);
+                    codes[i] = _mm256_cvtps_epi32(code);
+                    part[i] = _mm256_fnmadd_ps(dv, code, part[i]);
+                }
+                __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]), _mm256_packs_epi32(codes[2], codes[3]));
+                _mm256_storeu_si256((__m256i *)(q[p] + r * k + b * GROUP), _mm256_permutevar8x32_epi32(bytes, byte_order));
+                __m256i total8 = _mm256_add_epi32(_mm256_add_epi32(codes[0], codes[1]), _mm256_add_epi32(codes[2], codes[3]));
+                __m128i total4 = _mm_add_epi32(_mm256_castsi256_si128(total8), _mm256_extracti128_si256(total8, 1));
+                __m128i total2 = _mm_add_epi32(total4, _mm_unpackhi_epi64(total4, total4));
+                scale[p][at] = d;
+                offset[p][at] = 128 * (_mm_cvtsi128_si32(total2) + _mm_extract_epi32(total2, 1));
+            }
+        }
+    }
+}
+
 /* One copy of each body per chunk height, so the accumulators are a fixed set of registers. */
 #define CHUNK_CASES(body) \
     switch (mt) {                                                    \
@@ -370,6 +531,14 @@ AVX512_TARGET static void q4_tile_avx512(const uint8_t *tile, const acts_t *a, i
 AVX512_TARGET static void q8_tile_avx512(const uint8_t *tile, const acts_t *a, int64_t r0, int mt, float *y, int64_t ldy, int rows) {
     CHUNK_CASES(q8_tile_avx512_body)
 }
+
+AVX2_TARGET static void q4_tile_avx2(const uint8_t *tile, const acts_t *a, int64_t r0, int mt, float *y, int64_t ldy, int rows) {
+    CHUNK_CASES(q4_tile_avx2_body)
+}
+
+AVX2_TARGET static void q8_tile_avx2(const uint8_t *tile, const acts_t *a, int64_t r0, int mt, float *y, int64_t ldy, int rows) {
+    CHUNK_CASES(q8_tile_avx2_body)
+}
 #endif
 
 /* ---- the call: validate, quantize x, run the tiles ---- */
@@ -379,24 +548,16 @@ typedef void (*tile_fn)(const uint8_t *, const acts_t *, int64_t, int, float *, 
 typedef struct {
     const char *name;
     int64_t tile_bytes;
-    tile_fn scalar;
-    tile_fn avx512;
+    tile_fn by_isa[NUM_ISAS];
 } format_t;
 
-static const format_t Q4 = {"q4", Q4_TILE_BYTES, q4_tile_scalar,
 #if HAVE_X86
-                            q4_tile_avx512
+static const format_t Q4 = {"q4", Q4_TILE_BYTES, {q4_tile_scalar, q4_tile_avx2, q4_tile_avx512}};
+static const format_t Q8 = {"q8", Q8_TILE_BYTES, {q8_tile_scalar, q8_tile_avx2, q8_tile_avx512}};
 #else
-                            NULL
+static const format_t Q4 = {"q4", Q4_TILE_BYTES, {q4_tile_scalar}};
+static const format_t Q8 = {"q8", Q8_TILE_BYTES, {q8_tile_scalar}};
 #endif
-};
-static const format_t Q8 = {"q8", Q8_TILE_BYTES, q8_tile_scalar,
-#if HAVE_X86
-                            q8_tile_avx512
-#else
-                            NULL
-#endif
-};
 
 static int check_float_matrix(const Py_buffer *view, const char *name) {
     if (view->ndim != 2) {
@@ -454,10 +615,12 @@ static int compute(const format_t *fmt, const float *x, int64_t m, int64_t k, co
         a.offset[p] = offset[p] = (int32_t *)scratch + num_values * (1 + PLANES + p);
         a.q[p] = q[p] = (int8_t *)scratch + num_values * 4 * (1 + 2 * PLANES) + p * m * k;
     }
-    tile_fn fn = used_isa == ISA_AVX512VNNI ? fmt->avx512 : fmt->scalar;
+    tile_fn fn = fmt->by_isa[used_isa];
 #if HAVE_X86
     if (used_isa == ISA_AVX512VNNI) {
         quantize_acts_avx512(x, m, k, q, scale, (float *)a.sum, offset);
+    } else if (used_isa == ISA_AVX2) {
+        quantize_acts_avx2(x, m, k, q, scale, (float *)a.sum, offset);
     } else
 #endif
     {
@@ -552,7 +715,21 @@ static PyObject *isa(PyObject *module, PyObject *unused) {
     return PyUnicode_FromString(ISA_NAMES[used_isa]);
 }
 
-/* Tests run the scalar path on a machine with AVX-512 through this; the engine never calls it. */
+static PyObject *isas(PyObject *module, PyObject *unused) {
+    PyObject *names = PyList_New(0);
+    for (int i = 0; names != NULL && i <= (int)best_isa; i++) {
+        PyObject *name = PyUnicode_FromString(ISA_NAMES[i]);
+        if (name == NULL || PyList_Append(names, name) < 0) {
+            Py_XDECREF(name);
+            Py_CLEAR(names);
+            break;
+        }
+        Py_DECREF(name);
+    }
+    return names;
+}
+
+/* Tests run the slower paths on a machine with a faster one through this; the engine never calls it. */
 static PyObject *use_isa(PyObject *module, PyObject *args) {
     const char *name;
     if (!PyArg_ParseTuple(args, "s:use_isa", &name)) {
@@ -577,7 +754,8 @@ static PyMethodDef methods[] = {
     {"q8_matmul", q8_matmul, METH_VARARGS,
      "q8_matmul(x, packed, out) -> None\n\n"
      "out[M, N] = x[M, K] W^T for a Q8 weight (w = d * q) in the 544-byte block-tile layout."},
-    {"isa", isa, METH_NOARGS, "isa() -> str: the instruction set the kernels run ('avx512vnni' or 'scalar')."},
+    {"isa", isa, METH_NOARGS, "isa() -> str: the instruction set the kernels run ('avx512vnni', 'avx2' or 'scalar')."},
+    {"isas", isas, METH_NOARGS, "isas() -> list[str]: the instruction sets this CPU can run, slowest first."},
     {"use_isa", use_isa, METH_VARARGS, "use_isa(name) -> str: run on ``name`` (for tests); returns the previous one."},
     {NULL, NULL, 0, NULL},
 };
@@ -590,9 +768,12 @@ static struct PyModuleDef qmatmul_module = {
 PyMODINIT_FUNC PyInit__qmatmul(void) {
 #if HAVE_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) {
-        best_isa = ISA_AVX512VNNI;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+        best_isa = ISA_AVX2;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+            __builtin_cpu_supports("avx512vnni")) {
+            best_isa = ISA_AVX512VNNI;
+        }
     }
 #endif
     used_isa = best_isa;

@@ -56,6 +56,23 @@ def run(kind: str, x: torch.Tensor, packed, out_features: int) -> torch.Tensor:
     return (native.q4_matmul if kind == "q4" else native.q8_matmul)(x, packed, out_features)
 
 
+def run_on_every_isa(qmatmul, kind: str, x: torch.Tensor, packed, out_features: int) -> dict[str, torch.Tensor]:
+    """The result of each instruction set this CPU runs (the scalar path always among them)."""
+    results = {}
+    for isa in qmatmul.isas():
+        previous = qmatmul.use_isa(isa)
+        try:
+            results[isa] = run(kind, x, packed, out_features)
+        finally:
+            qmatmul.use_isa(previous)
+    return results
+
+
+def assert_the_same_bits(results: dict[str, torch.Tensor]) -> None:
+    assert "scalar" in results
+    assert len({r.numpy().tobytes() for r in results.values()}) == 1, f"the SIMD and scalar paths disagree in some bit ({list(results)})"
+
+
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("num_rows", [1, 3, 16])
@@ -64,17 +81,40 @@ def test_the_kernel_computes_the_quantized_math_on_every_isa(native_qmatmul, kin
     x = torch.randn(num_rows, shape[1], generator=torch.Generator().manual_seed(7))
     x[0, :32] = 0  # an all-zero block: scale 0, codes 0
     expected = reference(x, codes, scales, mins)
-    results = {}
-    for isa in ("scalar", native_qmatmul.isa()):
-        previous = native_qmatmul.use_isa(isa)
-        try:
-            results[isa] = run(kind, x, packed, shape[0])
-        finally:
-            native_qmatmul.use_isa(previous)
-        assert results[isa].shape == (num_rows, shape[0]) and results[isa].dtype == torch.float32
+    results = run_on_every_isa(native_qmatmul, kind, x, packed, shape[0])
+    for result in results.values():
+        assert result.shape == (num_rows, shape[0]) and result.dtype == torch.float32
         # float32 sums of up to 48 blocks: a few ulps of the largest partial sums
-        torch.testing.assert_close(results[isa].double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    assert len({r.numpy().tobytes() for r in results.values()}) == 1, "the SIMD and scalar paths disagree in some bit"
+        torch.testing.assert_close(result.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert_the_same_bits(results)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_codes_at_the_ends_of_their_range_give_exact_dots(native_qmatmul, kind):
+    """Weight codes only at the ends of their range (Q4 0 and 15, Q8 -128 and 127) against
+    activations of one magnitude (every code +-127): the AVX2 path's int16 pair sums (maddubs)
+    come near their limit, and would saturate on Q8's stored q + 128 (2 * 255 * 127) or go
+    wrong if a code of -128 were negated."""
+    low, high = (0, 15) if kind == "q4" else (-128, 127)
+    g = torch.Generator().manual_seed(8)
+    x = torch.where(torch.rand(4, 64, generator=g) < 0.5, -1.0, 1.0)
+    x[1], x[2] = 1.0, -1.0
+    codes = torch.where(torch.rand(20, 64, generator=g) < 0.5, low, high)
+    codes[0], codes[1] = high, low
+    codes[2] = torch.where(x[0] < 0, low, high)  # every product of row 0 of x at its largest
+    codes[3] = torch.where(x[0] < 0, high, low)
+    scales = torch.full((20, 2), 0.25)
+    if kind == "q4":
+        mins = torch.full((20, 2), -0.5)
+        packed = native.pack_q4(codes.to(torch.uint8), scales, mins).numpy()
+    else:
+        mins = None
+        packed = native.pack_q8(codes.to(torch.int8), scales).numpy()
+    expected = reference(x, codes, scales, mins)
+    results = run_on_every_isa(native_qmatmul, kind, x, packed, 20)
+    for result in results.values():
+        torch.testing.assert_close(result.double(), expected, rtol=1e-6, atol=1e-6)
+    assert_the_same_bits(results)
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
@@ -143,4 +183,6 @@ def test_bad_input_is_refused_naming_the_problem(native_qmatmul):
 
 
 def test_the_native_kernel_is_built_where_required(native_qmatmul):
-    assert native._qmatmul is not None and native_qmatmul.isa() in ("avx512vnni", "scalar")
+    assert native._qmatmul is not None and native_qmatmul.isa() in ("avx512vnni", "avx2", "scalar")
+    runnable = native_qmatmul.isas()
+    assert runnable[0] == "scalar" and runnable[-1] == native_qmatmul.isa()  # the best one runs
