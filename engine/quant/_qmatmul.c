@@ -729,6 +729,18 @@ static PyObject *isas(PyObject *module, PyObject *unused) {
     return names;
 }
 
+/* Whether the CPU multiplies bf16 itself (AVX512-BF16 or AMX): where it does not, torch's bf16
+ * GEMM widens every operand first and a dense bf16 copy of a weight is slower at any row count
+ * than this kernel (kernels.py keeps no such copy then). */
+static PyObject *cpu_has_bf16(PyObject *module, PyObject *unused) {
+#if HAVE_X86
+    __builtin_cpu_init();
+    return PyBool_FromLong(__builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16"));
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 /* Tests run the slower paths on a machine with a faster one through this; the engine never calls it. */
 static PyObject *use_isa(PyObject *module, PyObject *args) {
     const char *name;
@@ -756,6 +768,7 @@ static PyMethodDef methods[] = {
      "out[M, N] = x[M, K] W^T for a Q8 weight (w = d * q) in the 544-byte block-tile layout."},
     {"isa", isa, METH_NOARGS, "isa() -> str: the instruction set the kernels run ('avx512vnni', 'avx2' or 'scalar')."},
     {"isas", isas, METH_NOARGS, "isas() -> list[str]: the instruction sets this CPU can run, slowest first."},
+    {"cpu_has_bf16", cpu_has_bf16, METH_NOARGS, "cpu_has_bf16() -> bool: whether the CPU has AVX512-BF16 or AMX-BF16."},
     {"use_isa", use_isa, METH_VARARGS, "use_isa(name) -> str: run on ``name`` (for tests); returns the previous one."},
     {NULL, NULL, 0, NULL},
 };

@@ -30,9 +30,11 @@ from engine.quant import native
 from engine.quant.blocks import GROUP_SIZE, BlockQuant
 
 INT4_KERNEL_MAX_ROWS = 32
-"""Most rows a matmul sends to the 4-bit kernel; more go to the dense bf16 copy."""
+"""Most rows a matmul sends to the 4-bit kernel; more go to the dense bf16 copy, which native
+weights keep only on a CPU that multiplies bf16 itself (``native.CPU_BF16``): elsewhere the C
+kernel takes every row count."""
 GROUP_INT8_KERNEL_MAX_ROWS = 32
-"""Most rows a matmul sends to the group-32 int8 kernel; more go to the dense bf16 copy."""
+"""Most rows a matmul sends to the group-32 int8 kernel; more go to the dense bf16 copy (as above)."""
 TORCH_INT4_KERNEL_MAX_ROWS = 16
 """The same limit for both group-32 formats where they run torch's int4 kernel (the fallback)."""
 INT8_KERNEL_MAX_ROWS = 4
@@ -75,13 +77,14 @@ class Int4Weight:
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dense_copy: bool = True) -> None:
         """``codes`` 0..15 ``[out, in]``; ``scales``, ``mins`` float32 ``[out, in / 32]``;
-        ``dense_copy`` False skips the bf16 copy (a caller that keeps its own)."""
+        ``dense_copy`` False skips the bf16 copy (a caller that keeps its own); native weights
+        keep none either where the CPU lacks bf16 (``native.CPU_BF16``)."""
         self.shape = tuple(codes.shape)
         self.native = native.NATIVE_QMATMUL  # read per weight: a test may switch it off
         if self.native:
             self.packed = native.pack_q4(codes, scales, mins)
             self._packed_array = self.packed.numpy()
-            self.dense = self.dequantize().to(torch.bfloat16) if dense_copy else None
+            self.dense = self.dequantize().to(torch.bfloat16) if dense_copy and native.CPU_BF16 else None
         else:
             scales, zeros = scales.to(torch.bfloat16), (mins + _INT4_MID * scales).to(torch.bfloat16)
             self.dense = _dequantize_int4(codes, scales, zeros).to(torch.bfloat16) if dense_copy else None
@@ -112,7 +115,7 @@ class Int4Weight:
         return cls(codes.reshape(out_features, in_features), scales, low)
 
     def matmul(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
-        if x.shape[0] > (INT4_KERNEL_MAX_ROWS if self.native else TORCH_INT4_KERNEL_MAX_ROWS):
+        if self.dense is not None and x.shape[0] > (INT4_KERNEL_MAX_ROWS if self.native else TORCH_INT4_KERNEL_MAX_ROWS):
             y = F.linear(x.to(torch.bfloat16), self.dense)
         elif self.native:
             return self.kernel(x)  # float32 in, x's dtype out: no cast either way
@@ -202,8 +205,10 @@ class GroupInt8Weight:
             unsigned = codes.to(torch.int32) + 128
             self.high = Int4Weight(unsigned >> 4, 16 * scales, -128 * scales, dense_copy=False)
             self.low = Int4Weight(unsigned & 15, scales, torch.zeros_like(scales), dense_copy=False)
-        groups = codes.view(self.shape[0], -1, GROUP_SIZE).float() * (scales.half() if self.native else scales).float()[..., None]
-        self.dense = groups.view(self.shape).to(torch.bfloat16)
+        self.dense = None
+        if not self.native or native.CPU_BF16:
+            groups = codes.view(self.shape[0], -1, GROUP_SIZE).float() * (scales.half() if self.native else scales).float()[..., None]
+            self.dense = groups.view(self.shape).to(torch.bfloat16)
 
     @classmethod
     def from_blocks(cls, blocks: BlockQuant) -> GroupInt8Weight:
@@ -221,7 +226,7 @@ class GroupInt8Weight:
 
     def matmul(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
         """``cast_back`` is accepted for the common interface; the result is in ``x``'s dtype."""
-        if x.shape[0] > (GROUP_INT8_KERNEL_MAX_ROWS if self.native else TORCH_INT4_KERNEL_MAX_ROWS):
+        if self.dense is not None and x.shape[0] > (GROUP_INT8_KERNEL_MAX_ROWS if self.native else TORCH_INT4_KERNEL_MAX_ROWS):
             return F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
         if self.native:
             return native.q8_matmul(x, self._packed_array, self.shape[0])

@@ -37,6 +37,12 @@ On the 2-core AVX2 box (no AVX-512) the AVX2 path took 0.2-0.5x the time of the 
 scalar path computes the same bits but is slower than torch's int4 kernel, so it is kept for
 tests."""
 
+CPU_BF16 = _qmatmul is not None and _qmatmul.cpu_has_bf16()
+"""Whether the CPU multiplies bf16 itself (AVX512-BF16 or AMX). Only then does a bf16 GEMM on a
+dense copy beat the C kernel at many rows (prompt chunks). Without, torch widens bf16 first: on
+the AVX2 EPYC (2 threads) a 512-row 576x1536 bf16 matmul took 54 ms, the AVX2 kernel 8.2 and
+float32 6.5, so native weights there keep no dense copy and run every row count through the kernel."""
+
 TILE_ROWS = 16
 Q4_TILE_BYTES = 320
 Q8_TILE_BYTES = 544

@@ -48,8 +48,9 @@ def kernel_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-def test_the_native_layout_holds_gguf_blocks_bit_for_bit(native_qmatmul, kind):
+def test_the_native_layout_holds_gguf_blocks_bit_for_bit(native_qmatmul, monkeypatch, kind):
     """fp16 scales and mins, as GGUF stores them: ``d * q + m`` is gguf's own dequantization."""
+    monkeypatch.setattr(native, "CPU_BF16", True)  # so that the dense copy for many rows is kept too
     weight = np.random.default_rng(1).standard_normal((40, 64)).astype(np.float32)  # 40 rows: padded to 48 for the tiles
     raw, expected = gguf_blocks(kind, weight)
     blocks = unpack_blocks(kind, raw, 40, 64)
@@ -207,3 +208,20 @@ def test_engines_computing_at_different_precisions_never_share_kv_blocks(tiny_ll
     bf16_model = make_engine(tiny_llama_dir, dtype="bfloat16", weights="bf16").namespace
     assert len({fp32.weights_fingerprint, int4.weights_fingerprint, bf16_model.weights_fingerprint}) == 3
     assert fp32.root_key() != int4.root_key()
+
+
+@pytest.mark.parametrize("cpu_bf16", [True, False], ids=["cpu-bf16", "no-bf16"])
+@pytest.mark.parametrize("make", [Int4Weight.from_dense, GroupInt8Weight.from_dense], ids=["int4", "group-int8"])
+def test_native_weights_keep_a_dense_bf16_copy_for_many_rows_only_where_the_cpu_multiplies_bf16(native_qmatmul, monkeypatch, make, cpu_bf16):
+    """Without AVX512-BF16/AMX a bf16 GEMM is slower than the C kernel at any row count: the weight
+    keeps no copy (its memory is the packed codes alone) and a prompt-sized matmul runs the kernel."""
+    monkeypatch.setattr(native, "CPU_BF16", cpu_bf16)
+    g = torch.Generator().manual_seed(5)
+    weight = make(torch.randn(48, 64, generator=g))
+    x = torch.randn(40, 64, generator=g)  # past both kernels' row limits
+    assert (weight.dense is not None) == cpu_bf16
+    one_at_a_time = torch.cat([weight.matmul(row[None]) for row in x])  # the kernel's own rows
+    if cpu_bf16:
+        assert torch.equal(weight.matmul(x), torch.nn.functional.linear(x.bfloat16(), weight.dense).float())
+    else:
+        assert torch.equal(weight.matmul(x), one_at_a_time)
