@@ -375,12 +375,12 @@ def replay(trace, perf, config, policy, cost_scale=1.0) -> tuple[dict, list]:
     sim = lambda controller, initial: Simulation(trace, perf, config, controller, initial, cost_scale)  # noqa: E731
     start = warm_start(trace, perf, config)
     if policy in ("splitserve", "oracle"):
-        planner, infeasible, oracle = SLAPlanner(config, perf), [], _ArrivingLoad(trace, config)
-        if policy == "oracle":
-            planner.predictor = oracle
+        planner, infeasible, oracle = SLAPlanner(config, perf), [], _ArrivingLoad(trace, config) if policy == "oracle" else None
+        planner.predictor = oracle or planner.predictor
 
         def controller(now, observation, pools, use):
-            oracle.now_s = now
+            if oracle is not None:
+                oracle.now_s = now
             decision = planner.decide(observation, pools)
             infeasible.extend(decision.infeasible)
             return dict(decision.targets)
