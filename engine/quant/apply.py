@@ -30,6 +30,7 @@ from engine.loader.weights import checkpoint_target, load_weights
 from engine.models.decoder import DecoderModel
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from engine.quant.blocks import GROUP_SIZE, BlockQuant
+from engine.quant import native as native_kernels
 from engine.quant.kernels import DenseWeight, GroupInt8Weight, Int4Weight, Int8Weight, QuantizedWeight
 
 SUPPORTED_WEIGHTS = {
@@ -122,10 +123,24 @@ def _at_load(module: Linear, weights: str, is_lm_head: bool) -> QuantizedWeight 
     if weights == "int4":
         return GroupInt8Weight.from_dense(dense) if is_lm_head else Int4Weight.from_dense(dense)
     if weights == "int8":  # an int4 LM head cost SmolLM2 ~10% mean error per logit weight: int8 it is
-        return Int8Weight.from_dense(dense)
+        return _int8(dense)
     if weights == "bf16" and dense.dtype != torch.bfloat16:
         return DenseWeight(dense.to(torch.bfloat16))
     return None
+
+
+def _int8(dense: torch.Tensor) -> QuantizedWeight:
+    """Per-row int8 (``amax / 127``, the scale rounded to bf16). Where the C kernel runs, the same
+    codes and scales go to its Q8 tiles, every 32-weight group carrying its row's scale: torch's
+    int8 kernel multiplies in bf16, which a CPU without AVX512-BF16/AMX widens on every call. A
+    row that does not split into whole groups (a narrow tensor-parallel shard) or a scale fp16
+    cannot hold stays on torch's kernel."""
+    if native_kernels.NATIVE_QMATMUL and dense.shape[1] % GROUP_SIZE == 0:
+        try:
+            return GroupInt8Weight.from_dense(dense)
+        except ValueError:
+            pass
+    return Int8Weight.from_dense(dense)
 
 
 def _sources_by_module(model: DecoderModel, native: dict[str, NativeTensor]) -> dict[str, list[tuple[str | None, NativeTensor]]]:

@@ -14,7 +14,7 @@ from engine.loader.weights import load_weights
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
-from engine.quant.apply import apply_native, apply_weights, linear_layers
+from engine.quant.apply import _int8, apply_native, apply_weights, linear_layers
 from engine.quant.blocks import unpack_blocks
 from engine.quant import native
 from engine.quant import kernels
@@ -208,6 +208,26 @@ def test_engines_computing_at_different_precisions_never_share_kv_blocks(tiny_ll
     bf16_model = make_engine(tiny_llama_dir, dtype="bfloat16", weights="bf16").namespace
     assert len({fp32.weights_fingerprint, int4.weights_fingerprint, bf16_model.weights_fingerprint}) == 3
     assert fp32.root_key() != int4.root_key()
+
+
+def test_int8_weights_run_the_c_kernel_holding_the_very_codes_and_scales_of_torchs_per_row_int8(native_qmatmul, tiny_llama_dir):
+    """--weights int8 where the C kernel runs: each layer is Q8 tiles whose 32-groups carry their
+    row's scale, dequantizing to exactly what torch's per-row int8 weight holds."""
+    model = rank_model(ModelConfig.from_dir(tiny_llama_dir), tiny_llama_dir, 0, 1)
+    dense = {name: module.weight.data.clone() for name, module in linear_layers(model)}
+    apply_weights(model, "int8")
+    for name, module in linear_layers(model):
+        assert isinstance(module.quantized, GroupInt8Weight) and module.quantized.native, name
+        assert torch.equal(module.quantized.dequantize(), Int8Weight.from_dense(dense[name]).dequantize()), name
+
+
+def test_int8_weights_stay_on_torchs_kernel_where_the_c_kernel_cannot_take_them(native_qmatmul, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    assert isinstance(_int8(torch.randn(16, 64, generator=g)), GroupInt8Weight)
+    assert isinstance(_int8(torch.randn(16, 48, generator=g)), Int8Weight)  # 48 input features cut a 32-group
+    assert isinstance(_int8(torch.randn(16, 64, generator=g) * 1e9), Int8Weight)  # scales ~1e7: beyond fp16
+    monkeypatch.setattr(native, "NATIVE_QMATMUL", False)
+    assert isinstance(_int8(torch.randn(16, 64, generator=g)), Int8Weight)
 
 
 @pytest.mark.parametrize("cpu_bf16", [True, False], ids=["cpu-bf16", "no-bf16"])
