@@ -31,7 +31,7 @@ from engine.models.decoder import DecoderModel
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from engine.quant.blocks import GROUP_SIZE, BlockQuant
 from engine.quant import native as native_kernels
-from engine.quant.kernels import DenseWeight, GroupInt8Weight, Int4Weight, Int8Weight, QuantizedWeight
+from engine.quant.kernels import DenseWeight, GroupInt8Weight, Int4Weight, Int8Weight, QuantizedWeight, quantize_per_row
 
 SUPPORTED_WEIGHTS = {
     "float32": ("native", "fp32", "bf16", "int8", "int4"),
@@ -130,17 +130,18 @@ def _at_load(module: Linear, weights: str, is_lm_head: bool) -> QuantizedWeight 
 
 
 def _int8(dense: torch.Tensor) -> QuantizedWeight:
-    """Per-row int8 (``amax / 127``, the scale rounded to bf16). Where the C kernel runs, the same
-    codes and scales go to its Q8 tiles, every 32-weight group carrying its row's scale: torch's
-    int8 kernel multiplies in bf16, which a CPU without AVX512-BF16/AMX widens on every call. A
-    row that does not split into whole groups (a narrow tensor-parallel shard) or a scale fp16
-    cannot hold stays on torch's kernel."""
+    """Per-row int8 (``quantize_per_row``). Where the C kernel runs, the same codes and scales go
+    to its Q8 tiles, every 32-weight group carrying its row's scale: torch's int8 kernel
+    multiplies in bf16, which a CPU without AVX512-BF16/AMX widens on every call. A row that does
+    not split into whole groups (a narrow tensor-parallel shard) or a scale fp16 cannot hold
+    stays on torch's kernel."""
+    codes, scales = quantize_per_row(dense)
     if native_kernels.NATIVE_QMATMUL and dense.shape[1] % GROUP_SIZE == 0:
         try:
-            return GroupInt8Weight.from_dense(dense)
-        except ValueError:
+            return GroupInt8Weight.from_per_row(codes, scales)
+        except ValueError:  # a scale beyond fp16's range
             pass
-    return Int8Weight.from_dense(dense)
+    return Int8Weight(codes, scales)
 
 
 def _sources_by_module(model: DecoderModel, native: dict[str, NativeTensor]) -> dict[str, list[tuple[str | None, NativeTensor]]]:

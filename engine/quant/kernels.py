@@ -157,12 +157,8 @@ class Int8Weight:
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> Int8Weight:
-        """Quantize ``[out, in]`` with one scale per row, ``amax / 127``."""
-        weight = weight.float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        scales = scales.to(torch.bfloat16).float()  # the kernel multiplies by the bf16 scale
-        codes = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
-        return cls(codes, scales)
+        """Quantize ``[out, in]`` with one scale per row (``quantize_per_row``)."""
+        return cls(*quantize_per_row(weight))
 
     def matmul(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
         if x.shape[0] > INT8_KERNEL_MAX_ROWS:
@@ -219,10 +215,14 @@ class GroupInt8Weight:
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> GroupInt8Weight:
-        """Symmetric int8 with one scale per row (each of its groups carries the row's scale)."""
-        per_row = Int8Weight.from_dense(weight)
-        groups = weight.shape[1] // GROUP_SIZE
-        return cls(per_row.codes, per_row.scales.float()[:, None].expand(-1, groups).contiguous())
+        """Symmetric int8 with one scale per row (``quantize_per_row``)."""
+        return cls.from_per_row(*quantize_per_row(weight))
+
+    @classmethod
+    def from_per_row(cls, codes: torch.Tensor, scales: torch.Tensor) -> GroupInt8Weight:
+        """Per-row int8 ``codes`` and ``scales`` (``[out]``), each group carrying its row's scale."""
+        groups = codes.shape[1] // GROUP_SIZE
+        return cls(codes, scales.float()[:, None].expand(-1, groups).contiguous())
 
     def matmul(self, x: torch.Tensor, cast_back: bool = True) -> torch.Tensor:
         """``cast_back`` is accepted for the common interface; the result is in ``x``'s dtype."""
@@ -242,6 +242,16 @@ class GroupInt8Weight:
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes if self.native else self.high.nbytes + self.low.nbytes
+
+
+def quantize_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes and float32 scales of ``[out, in]``, one scale per row (``amax / 127``), the
+    scale rounded to bf16 (torch's int8 kernel multiplies by the bf16 scale)."""
+    weight = weight.float()
+    scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    scales = scales.to(torch.bfloat16).float()
+    codes = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return codes, scales
 
 
 def _dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
