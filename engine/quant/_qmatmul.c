@@ -733,8 +733,7 @@ static PyObject *isas(PyObject *module, PyObject *unused) {
  * GEMM widens every operand first and a dense bf16 copy of a weight is slower at any row count
  * than this kernel (kernels.py keeps no such copy then). */
 static PyObject *cpu_has_bf16(PyObject *module, PyObject *unused) {
-#if HAVE_X86
-    __builtin_cpu_init();
+#if HAVE_X86  /* the module's init ran __builtin_cpu_init */
     return PyBool_FromLong(__builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16"));
 #else
     Py_RETURN_FALSE;
