@@ -27,6 +27,10 @@ class PlannerConfig:
     """Most decode replicas."""
     scale_down_cooldown_s: float = 300.0
     """A pool shrinks only this long after its last change (growing is never held back)."""
+    scale_down_window_s: float = 0.0
+    """Stabilisation window (Kubernetes HPA's ``behavior.scaleDown.stabilizationWindowSeconds``): a
+    pool shrinks only to the most it would have shrunk to in any interval of this many seconds. 0
+    uses each interval alone. Longer windows flap less and cost more replica-hours (planner/README)."""
     scale_down_margin: float = 0.8
     """Hysteresis: a pool shrinks only to a count that would carry the load at this share of its capacity."""
     prefill_zero_load: float = 0.1
@@ -60,8 +64,9 @@ class PlannerConfig:
             raise ValueError(f"min_prefill and max_prefill must satisfy 0 <= min <= max and max >= 1, got {self.min_prefill} and {self.max_prefill}.")
         if not 1 <= self.min_decode <= self.max_decode:
             raise ValueError(f"min_decode and max_decode must satisfy 1 <= min <= max, got {self.min_decode} and {self.max_decode}.")
-        if self.scale_down_cooldown_s < 0:
-            raise ValueError(f"scale_down_cooldown_s must be 0 or more, got {self.scale_down_cooldown_s}.")
+        for name in ("scale_down_cooldown_s", "scale_down_window_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}.")
         for name in ("scale_down_margin", "correction_smoothing", "predictor_alpha"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}.")

@@ -24,6 +24,7 @@ that load is added to the decode pool's.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -110,6 +111,7 @@ class SLAPlanner:
         self.predictor = LoadPredictor(config.predictor_alpha, config.predictor_beta, 1 + config.startup_s / config.interval_s)
         self.corrections = {pool: 1.0 for pool in POOLS}
         self._last_change_s = {pool: -math.inf for pool in POOLS}
+        self._recent_down: dict[str, deque[tuple[float, int]]] = {pool: deque() for pool in POOLS}
         self._last_ready: dict[str, int] = {}
         self._prompt_tokens = float(perf_model.prefill[0][0])
         self._z = NormalDist().inv_cdf(config.attainment_target)
@@ -199,12 +201,22 @@ class SLAPlanner:
         tokens_per_s = batch / (correction * perf.itl_s(batch))
         return forecast.output_tokens_per_s / tokens_per_s, f"{forecast.output_tokens_per_s:.0f} output tokens/s at {tokens_per_s:.0f} per replica (batch {batch:.0f})"
 
+    def _stabilised(self, pool: str, need_down: int, now_s: float) -> int:
+        """The most ``need_down`` asked for over the last ``scale_down_window_s`` (this one included)."""
+        recent = self._recent_down[pool]
+        recent.append((now_s, need_down))
+        while len(recent) > 1 and recent[0][0] <= now_s - self.config.scale_down_window_s:
+            recent.popleft()
+        return max(n for _, n in recent)
+
     def _settle(self, pool: str, need: int, need_down: int, replicas: PoolReplicas, now_s: float, why: str, missing_slo: bool) -> tuple[int, str, bool]:
         """(target, reason, infeasible) for one pool, from what it needs to grow and to shrink."""
         config = self.config
         low, high = (config.min_prefill, config.max_prefill) if pool == "prefill" else (config.min_decode, config.max_decode)
         current = replicas.target
         target, flagged = current, False
+        stabilised = self._stabilised(pool, need_down, now_s)
+        windowed, held_by_window, need_down = stabilised > need_down, need_down < current <= stabilised, stabilised
         if need > high:
             target, flagged = high, True
             reason = f"no count up to {high} meets the SLO for {why}: holding at max {high}"
@@ -217,7 +229,10 @@ class SLAPlanner:
         elif need_down < current and now_s - self._last_change_s[pool] < config.scale_down_cooldown_s:
             reason = f"holding at {current}: cooling down since the change at {self._last_change_s[pool]:.0f} s"
         elif need_down < current:
-            target, reason = need_down, f"down to {max(low, need_down)} for {why}"
+            within = f", the most the last {config.scale_down_window_s:g} s needed," if windowed else ""
+            target, reason = need_down, f"down to {max(low, need_down)}{within} for {why}"
+        elif held_by_window:
+            reason = f"holding at {current}: needed within the last {config.scale_down_window_s:g} s"
         else:
             reason = f"holding at {current} for {why}"
         target = max(low, min(high, target))

@@ -100,6 +100,25 @@ def test_load_hovering_at_a_boundary_does_not_flap():
     assert targets == [1, 2, 2, 2, 2, 2, 2]
 
 
+def test_a_stabilisation_window_shrinks_only_to_the_most_any_interval_within_it_needed():
+    def run(window_s: float) -> list[tuple[int, str]]:
+        p = planner(scale_down_cooldown_s=0, predictor_beta=0.0, predictor_alpha=1.0, scale_down_window_s=window_s)
+        now, out = (1, 1), []
+        for i, rate in enumerate([30, 17, 30, 17, 5, 5, 5, 5]):  # 4 replicas, 3 kept at 17 req/s, 1 at 5
+            decision = p.decide(observe(30 * (i + 1), rate), pools(*now))
+            now = (decision.targets["prefill"], decision.targets["decode"])
+            out.append((now[0], decision.reasons["prefill"]))
+        return out
+
+    assert [t for t, _ in run(0)] == [4, 3, 4, 3, 1, 1, 1, 1]  # each dip taken at once: three direction changes
+    held = run(90)
+    assert [t for t, _ in held] == [4, 4, 4, 4, 4, 3, 1, 1]
+    assert held[1][1] == held[4][1] == "holding at 4: needed within the last 90 s"
+    assert held[5][1].startswith("down to 3, the most the last 90 s needed, for 5000 prompt tokens/s")
+    with pytest.raises(ValueError, match="scale_down_window_s must be 0 or more"):
+        PlannerConfig(scale_down_window_s=-1)
+
+
 def test_starting_replicas_are_not_capacity_and_are_not_asked_for_twice():
     p = planner(scale_down_cooldown_s=0, predictor_beta=0.0, predictor_alpha=1.0)
     p.decide(observe(30, 30), pools(1, 1))
