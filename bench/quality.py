@@ -29,9 +29,11 @@ import torch
 
 from bench.report import BenchError, arg_parser, emit_report, machine, positive, progress, run
 from engine.config import WEIGHT_FORMATS, EngineConfig
+from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
 from engine.runner import PlannedChunk, StepPlan
+from engine.sparsity import prune_model_2_4
 
 TEXT_PATH = Path(__file__).resolve().parent.parent / "tests" / "data" / "alice_chapters_1_2.txt"
 PROMPTS = (
@@ -54,23 +56,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=positive, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--decode-kernels", action="store_true", help="score the text through the decode kernels, not the dense copies")
     args = parser.parse_args(argv)
+    if "fp32" not in args.weights:
+        raise BenchError("--weights: fp32 must be among them, the generations are compared with it")
     if args.decode_kernels:
         _route_every_row_to_the_decode_kernels()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if "fp32" not in args.weights:
-        raise BenchError("--weights: fp32 must be among them, the generations are compared with it")
     rows, generations = [], {}
     for weights in ["fp32"] + [w for w in args.weights if w != "fp32"]:
         progress("quality", f"weights {weights}: loading")
         engine = _engine(args.model, weights, args.window)
         row, generations[weights] = _measure(engine, weights, args)
         rows.append(row)
-        del engine
+        engine.close()
     _compare(rows, generations)
-    pruned = _pruned_row(args)
-    if pruned is not None:
-        rows.append(pruned)
+    rows.append(_pruned_row(args))
     settings = {name: getattr(args, name) for name in ("window", "max_text_tokens", "gen_tokens", "decode_tokens", "threads", "decode_kernels")}
     report = {"bench": "quality", "model": args.model, "machine": machine(), "text": TEXT_PATH.name, **settings, "rows": rows}
     emit_report(report, args.json)
@@ -86,7 +86,14 @@ def _route_every_row_to_the_decode_kernels() -> None:
 
 def _engine(model: str, weights: str, window: int) -> LLMEngine:
     blocks = -(-window // 16) + 8
-    return LLMEngine(EngineConfig(model=model, weights=weights, kv_dtype="fp32", num_kv_blocks=blocks, max_num_batched_tokens=window))
+    try:
+        engine = LLMEngine(EngineConfig(model=model, weights=weights, kv_dtype="fp32", num_kv_blocks=blocks, max_num_batched_tokens=window))
+    except (EngineError, ValueError) as e:  # a model that is not there or not servable
+        raise BenchError(str(e)) from None
+    if window > engine.max_model_len:
+        engine.close()
+        raise BenchError(f"--window {window} is longer than {model}'s {engine.max_model_len} tokens")
+    return engine
 
 
 def _measure(engine: LLMEngine, label: str, args) -> tuple[dict, list[tuple[int, ...]]]:
@@ -168,12 +175,7 @@ def _compare(rows: list[dict], generations: dict[str, list[tuple[int, ...]]]) ->
         row["greedy_vs_fp32"] = {"agree_before_divergence": prefix, "agree_total": total, "tokens": length}
 
 
-def _pruned_row(args) -> dict | None:
-    try:
-        from engine.sparsity import prune_model_2_4
-    except ImportError:
-        progress("quality", "engine.sparsity.prune_model_2_4 is not importable yet: no 2:4 row")
-        return None
+def _pruned_row(args) -> dict:
     progress("quality", f"{PRUNED}: loading and pruning")
     engine = _engine(args.model, "fp32", args.window)
     stats = prune_model_2_4(engine.runner.model)
