@@ -71,6 +71,13 @@ def test_planner_command_parses_and_matches_the_groups(example, example_objects)
     assert config.interval_s == {**defaults, **example_values(example).get("planner", {})}["intervalS"]
 
 
+def test_extra_args_reach_the_planners_settings():
+    """planner.extraArgs is how a release sets what has no value of its own, e.g. the scale-down window."""
+    planner = {**example_values("values-cpu-dev").get("planner", {}), "extraArgs": ["--scale-down-window-s", "300", "--scale-down-margin", "0.9"]}
+    config = dataclass_from_args(PlannerConfig, _plan_args(render_example("values-cpu-dev", planner=planner)))
+    assert (config.scale_down_window_s, config.scale_down_margin) == (300.0, 0.9)
+
+
 def _mounted_secret_item(pod: dict, path: Path) -> tuple[str, str]:
     """(Secret name, key) of the Secret item the planner container sees at ``path``."""
     mounts = {m["mountPath"]: m for m in container(pod)["volumeMounts"]}
