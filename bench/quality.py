@@ -28,9 +28,12 @@ from pathlib import Path
 import torch
 
 from bench.report import BenchError, arg_parser, emit_report, machine, positive, progress, run
+from engine.build import model_len
+from engine.bundled import resolve_model
 from engine.config import WEIGHT_FORMATS, EngineConfig
 from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
+from engine.model_config import ModelConfig
 from engine.params import SamplingParams
 from engine.runner import PlannedChunk, StepPlan
 from engine.sparsity import prune_model_2_4
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if "fp32" not in args.weights:
         raise BenchError("--weights: fp32 must be among them, the generations are compared with it")
+    _check_window(args.model, args.window)
     if args.decode_kernels:
         _route_every_row_to_the_decode_kernels()
     if args.threads:
@@ -84,16 +88,22 @@ def _route_every_row_to_the_decode_kernels() -> None:
         setattr(kernels, name, 1 << 30)
 
 
+def _check_window(model: str, window: int) -> None:
+    """Refuses a model that is not there, or a window longer than it serves, before any loads."""
+    try:
+        max_len = model_len(EngineConfig(model=model), ModelConfig.from_dir(resolve_model(model, None)))
+    except (EngineError, ValueError) as e:
+        raise BenchError(str(e)) from None
+    if window > max_len:
+        raise BenchError(f"--window {window} is longer than {model}'s {max_len} tokens")
+
+
 def _engine(model: str, weights: str, window: int) -> LLMEngine:
     blocks = -(-window // 16) + 8
     try:
-        engine = LLMEngine(EngineConfig(model=model, weights=weights, kv_dtype="fp32", num_kv_blocks=blocks, max_num_batched_tokens=window))
-    except (EngineError, ValueError) as e:  # a model that is not there or not servable
+        return LLMEngine(EngineConfig(model=model, weights=weights, kv_dtype="fp32", num_kv_blocks=blocks, max_num_batched_tokens=window))
+    except (EngineError, ValueError) as e:  # weights this model cannot be served in
         raise BenchError(str(e)) from None
-    if window > engine.max_model_len:
-        engine.close()
-        raise BenchError(f"--window {window} is longer than {model}'s {engine.max_model_len} tokens")
-    return engine
 
 
 def _measure(engine: LLMEngine, label: str, args) -> tuple[dict, list[tuple[int, ...]]]:
