@@ -215,8 +215,7 @@ class SLAPlanner:
         low, high = (config.min_prefill, config.max_prefill) if pool == "prefill" else (config.min_decode, config.max_decode)
         current = replicas.target
         target, flagged = current, False
-        stabilised = self._stabilised(pool, need_down, now_s)
-        windowed, held_by_window, need_down = stabilised > need_down, need_down < current <= stabilised, stabilised
+        this_interval, need_down = need_down, self._stabilised(pool, need_down, now_s)
         if need > high:
             target, flagged = high, True
             reason = f"no count up to {high} meets the SLO for {why}: holding at max {high}"
@@ -229,9 +228,9 @@ class SLAPlanner:
         elif need_down < current and now_s - self._last_change_s[pool] < config.scale_down_cooldown_s:
             reason = f"holding at {current}: cooling down since the change at {self._last_change_s[pool]:.0f} s"
         elif need_down < current:
-            within = f", the most the last {config.scale_down_window_s:g} s needed," if windowed else ""
+            within = f", the most the last {config.scale_down_window_s:g} s needed," if need_down > this_interval else ""
             target, reason = need_down, f"down to {max(low, need_down)}{within} for {why}"
-        elif held_by_window:
+        elif this_interval < current:  # the window holds what this interval alone would shrink
             reason = f"holding at {current}: needed within the last {config.scale_down_window_s:g} s"
         else:
             reason = f"holding at {current} for {why}"
