@@ -50,6 +50,8 @@ def build_shard(
     head for requests of their own.
     """
     check_weights_dtype(config.weights, config.dtype)
+    if config.device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"device: {config.device!r}, but torch {torch.__version__} sees no CUDA GPU on this machine")
     model = DecoderModel.empty(mc, max_model_len, TORCH_DTYPES[config.dtype], tp, ep)
     gguf_path = source_gguf(checkpoint_dir) if config.weights == "native" else None
     if gguf_path is not None:
@@ -57,12 +59,15 @@ def build_shard(
     else:
         load_weights(model, checkpoint_dir)
         apply_weights(model, config.weights)
-    model.bind_fused_layers()
+    if config.device == "cpu":
+        model.bind_fused_layers()
+    else:
+        model.to(config.device)
     layout = KVBlockLayout(mc.num_layers, model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
     if num_blocks < 1:
         raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} holds no block of {layout.block_bytes} bytes")
-    return model, PagedKVCache(layout, num_blocks, TORCH_DTYPES[config.dtype])
+    return model, PagedKVCache(layout, num_blocks, TORCH_DTYPES[config.dtype], config.device)
 
 
 def build_speculator(config: EngineConfig, model_name: str, model_config: ModelConfig, max_model_len: int, num_kv_blocks: int) -> Speculator:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,9 @@ from kv_store.keys import KV_DTYPES
 MODEL_DTYPES = ("float32", "bfloat16")
 WEIGHT_FORMATS = ("native", "bf16", "fp32", "int8", "int4")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
+DEVICE_WEIGHTS = {"float32": ("fp32",), "bfloat16": ("bf16",)}
+"""Weights each model dtype runs with on a GPU (``device`` cuda): dense only; the quantized
+kernels (int8, int4, native GGUF blocks) are CPU code."""
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,9 @@ class EngineConfig:
     """Linear-layer weights: native (kept at the checkpoint's own precision: a GGUF's quantized
     blocks run as weight-only quantized matmuls, a safetensors checkpoint as stored), bf16, fp32,
     or int8/int4 (weight-only, quantized at load)."""
+    device: str = "cpu"
+    """Where the model and the KV pool live: ``cpu``, or ``cuda`` / ``cuda:N`` (dense weights, one
+    rank, no CPU/Redis tiers; decode attention runs the Triton paged kernel on the pool)."""
     kv_dtype: str = "fp8_e4m3"
     """KV pool storage: fp32, bf16 or fp8_e4m3 (dequantized inside attention)."""
     block_size: int = 16
@@ -126,10 +133,22 @@ class EngineConfig:
             raise ValueError(f"ep_size: a replica is tensor-parallel or expert-parallel, not both (tp_size {self.tp_size}, ep_size {self.ep_size})")
         if self.num_ranks > 1 and (self.cpu_kv_cache_bytes or self.redis_url is not None):
             raise ValueError("tp_size, ep_size: the CPU and Redis KV tiers serve replicas of one rank only; set both to 1 or disable the tiers")
+        if self.device != "cpu":
+            self._check_device()
         if not self.tp_collective_timeout_s > 0:
             raise ValueError(f"tp_collective_timeout_s: must be > 0, got {self.tp_collective_timeout_s}")
         if self.redis_ttl_s < 1:
             raise ValueError(f"redis_ttl_s: must be >= 1, got {self.redis_ttl_s}")
+
+    def _check_device(self) -> None:
+        if re.fullmatch(r"cuda(:\d+)?", self.device) is None:
+            raise ValueError(f"device: {self.device!r} is not cpu, cuda or cuda:N")
+        if self.weights not in DEVICE_WEIGHTS[self.dtype]:
+            supported = "; ".join(f"dtype {d}: weights {', '.join(w)}" for d, w in DEVICE_WEIGHTS.items())
+            raise ValueError(f"weights: {self.weights!r} with dtype {self.dtype!r} does not run on {self.device} (supported there: {supported})")
+        if self.num_ranks > 1 or self.cpu_kv_cache_bytes or self.redis_url is not None or self.speculative == "draft":
+            raise ValueError(f"device: {self.device} serves one rank without CPU/Redis KV tiers or a draft model so far; "
+                             "set tp_size and ep_size to 1, cpu_kv_cache_bytes to 0, redis_url to None and speculative to off or ngram")
 
 
 @dataclass(frozen=True)

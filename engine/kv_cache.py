@@ -20,17 +20,27 @@ STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": FP8
 class PagedKVCache:
     """All KV blocks of one model shard in one contiguous ``uint8`` buffer ``[num_blocks, block_bytes]``."""
 
-    def __init__(self, layout: KVBlockLayout, num_blocks: int, compute_dtype: torch.dtype) -> None:
+    def __init__(self, layout: KVBlockLayout, num_blocks: int, compute_dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         self.compute_dtype = compute_dtype
-        # numpy's zeros come from calloc: pages are zeroed lazily by the kernel as they are first
-        # touched, so a large pool costs nothing until it is used. Zero, not garbage: attention
-        # reads (masked) slots that were never written, and NaN * 0 would still be NaN.
-        array = np.zeros((num_blocks, layout.block_bytes), dtype=np.uint8)
-        self.buffer = torch.from_numpy(array)
-        self.native = cpu_attention.NativePool.of(array, layout)
-        """The same bytes as the C kernels read them (engine/kernels/cpu_attention.py)."""
+        self.device = torch.device(device)
+        self.native: cpu_attention.NativePool | None = None
+        """The same bytes as the C kernels read them (engine/kernels/cpu_attention.py); None off the CPU."""
+        if self.device.type == "cpu":
+            # numpy's zeros come from calloc: pages are zeroed lazily by the kernel as they are first
+            # touched, so a large pool costs nothing until it is used. Zero, not garbage: attention
+            # reads (masked) slots that were never written, and NaN * 0 would still be NaN.
+            array = np.zeros((num_blocks, layout.block_bytes), dtype=np.uint8)
+            self.buffer = torch.from_numpy(array)
+            self.native = cpu_attention.NativePool.of(array, layout)
+        else:
+            self.buffer = torch.zeros((num_blocks, layout.block_bytes), dtype=torch.uint8, device=self.device)
+        self.triton_decode = self.device.type == "cuda"
+        """The GPU path: each layer writes its step's K/V into the pool before attending
+        (``write(..., layers=...)``) and decode attention reads the pool through the Triton kernel
+        (``engine/kernels/paged_attention.py``). On a CPU pool only under ``TRITON_INTERPRET=1``,
+        which the tests set to run this path here."""
         storage = STORAGE_DTYPES[layout.kv_dtype]
         payload = self.buffer[:, : layout.payload_bytes].view(storage)
         self.payload = payload.view(num_blocks, *layout.payload_shape)
@@ -40,31 +50,39 @@ class PagedKVCache:
             self.scales = trailer.view(torch.float32).view(num_blocks, *layout.scale_shape)
             self.scales.fill_(1.0)
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
+    def write(
+        self, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor,
+        layers: slice = slice(None), unique: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """Store ``k``, ``v`` (``[num_tokens, num_layers, kv_heads, head_dim]``) at slots ``(block_ids[i], offsets[i])``.
 
-        Every layer at once. Slots of one block must continue the block from its current fill
-        level (how sequences grow), so that the block's valid prefix is known. FP8 pools are
-        written by the C kernel where it is built, bit for bit what the torch code below does.
+        Every layer at once, or the run ``layers`` of them (k and v then hold those layers only).
+        Slots of one block must continue the block from its current fill level (how sequences
+        grow), so that the block's valid prefix is known. FP8 pools are written by the C kernel
+        where it is built, bit for bit what the torch code below does. ``unique``: FP8 blocks'
+        ``torch.unique(block_ids, return_inverse=True)``, given when one step writes layer by
+        layer (on a GPU each call of it waits for the device).
         """
-        if self.scales is not None and cpu_attention.NATIVE_ATTENTION and k.dtype in cpu_attention.NATIVE_DTYPES:
+        whole = layers == slice(None)
+        native = cpu_attention.NATIVE_ATTENTION and self.native is not None
+        if self.scales is not None and native and whole and k.dtype in cpu_attention.NATIVE_DTYPES:
             cpu_attention.write_fp8(k, v, block_ids, offsets, self.native)
             return
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [tokens, kv_heads, layers, head_dim]
         if self.scales is None:
-            self.payload[block_ids, :, :, 0, offsets] = k.to(self.payload.dtype)
-            self.payload[block_ids, :, :, 1, offsets] = v.to(self.payload.dtype)
+            self.payload[block_ids, :, layers, 0, offsets] = k.to(self.payload.dtype)
+            self.payload[block_ids, :, layers, 1, offsets] = v.to(self.payload.dtype)
             return
-        unique_ids, inverse = torch.unique(block_ids, return_inverse=True)
-        blocks = dequantize_fp8(self.payload[unique_ids], self.scales[unique_ids])
+        unique_ids, inverse = unique if unique is not None else torch.unique(block_ids, return_inverse=True)
+        blocks = dequantize_fp8(self.payload[unique_ids, :, layers], self.scales[unique_ids, :, layers])
         blocks[inverse, :, :, 0, offsets] = k.float()
         blocks[inverse, :, :, 1, offsets] = v.float()
-        fill = torch.zeros(len(unique_ids), dtype=torch.long).scatter_reduce_(0, inverse, offsets + 1, "amax")
-        valid = torch.arange(self.layout.block_size) < fill[:, None]
+        fill = torch.zeros(len(unique_ids), dtype=torch.long, device=self.device).scatter_reduce_(0, inverse, offsets + 1, "amax")
+        valid = torch.arange(self.layout.block_size, device=self.device) < fill[:, None]
         blocks *= valid[:, None, None, None, :, None]
         scales = fp8_scales(blocks, num_group_dims=4)
-        self.payload[unique_ids] = quantize_fp8(blocks, scales)
-        self.scales[unique_ids] = scales
+        self.payload[unique_ids, :, layers] = quantize_fp8(blocks, scales)
+        self.scales[unique_ids, :, layers] = scales
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``block_tables`` (``[batch, num_blocks]``) as ``[batch, kv_heads, num_blocks * block_size, head_dim]``.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import PagedKVCache
-from engine.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk
+from engine.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk, StepSlots
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
 from engine.request import Request
@@ -94,6 +94,7 @@ class ModelRunner:
         self.ranks = self.tp if self.tp.size > 1 else self.dp
         """The group that steps together, whose leader sends the plans."""
         self.block_size = kv_cache.layout.block_size
+        self.device = kv_cache.device
         self.dtype = model.embed_tokens.weight.dtype
         self.num_runs = 0
         """Steps this rank has run to the end, K/V written: every rank of a group counts the same steps."""
@@ -158,26 +159,33 @@ class ModelRunner:
             input_ids += chunk.token_ids
             positions += range(chunk.start, chunk.start + chunk.num_tokens)
             slot_block_ids += (chunk.block_ids[p // self.block_size] for p in range(chunk.start, chunk.start + chunk.num_tokens))
-        position_t = torch.tensor(positions, dtype=torch.long)
+        device = self.device
+        position_t = torch.tensor(positions, dtype=torch.long, device=device)
+        block_ids = torch.tensor(slot_block_ids, dtype=torch.long, device=device)
         cos, sin = self.model.rotary.tables(position_t, self.dtype)
         new_kv_shape = (len(positions), self.model.config.num_layers, self.model.num_kv_heads, self.model.config.head_dim)
+        each_layer = self.kv_cache.triton_decode  # layers write their own K/V before attending
         batch = AttentionBatch(
             kv_cache=self.kv_cache,
             rope_cos=cos,
             rope_sin=sin,
             decode_groups=self._decode_groups(plan.decodes),
             prefill_chunks=self._prefill_chunks(plan.prefills, first_token=len(plan.decodes)),
-            new_k=torch.empty(new_kv_shape, dtype=self.dtype),
-            new_v=torch.empty(new_kv_shape, dtype=self.dtype),
+            new_k=None if each_layer else torch.empty(new_kv_shape, dtype=self.dtype, device=device),
+            new_v=None if each_layer else torch.empty(new_kv_shape, dtype=self.dtype, device=device),
+            slots=self._slots(block_ids, position_t) if each_layer else None,
         )
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long), batch)
-        if positions:  # an idle data-parallel rank runs the step for its collectives, with nothing to store
-            block_ids = torch.tensor(slot_block_ids, dtype=torch.long)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=device), batch)
+        if positions and not each_layer:  # an idle data-parallel rank runs the step for its collectives, with nothing to store
             self.kv_cache.write(batch.new_k, batch.new_v, block_ids, position_t % self.block_size)
         # A data-parallel rank always computes (maybe zero rows of) logits: the leader gathers every rank's.
         logits = self.model.compute_logits(hidden[list(plan.sample_rows)]) if plan.sample_rows or self.dp.size > 1 else None
         self.num_runs += 1
         return logits
+
+    def _slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> StepSlots:
+        unique = torch.unique(block_ids, return_inverse=True) if self.kv_cache.scales is not None else None
+        return StepSlots(block_ids, positions % self.block_size, unique)
 
     def _decode_groups(self, decodes: tuple[PlannedChunk, ...]) -> tuple[DecodeGroup, ...]:
         groups: list[list[tuple[int, PlannedChunk]]] = []
@@ -191,21 +199,23 @@ class ModelRunner:
     def _decode_group(self, members: list[tuple[int, PlannedChunk]]) -> DecodeGroup:
         width = members[-1][1].start // self.block_size + 1
         # One tensor from nested lists: a tensor per row and a copy each cost ~10 us apiece per step.
-        tables = torch.tensor([c.block_ids + (c.block_ids[0],) * (width - len(c.block_ids)) for _, c in members], dtype=torch.long)
-        positions = torch.tensor([chunk.start for _, chunk in members], dtype=torch.long)
-        key_positions = torch.arange(width * self.block_size)
+        device = self.device
+        tables = torch.tensor([c.block_ids + (c.block_ids[0],) * (width - len(c.block_ids)) for _, c in members], dtype=torch.long, device=device)
+        positions = torch.tensor([chunk.start for _, chunk in members], dtype=torch.long, device=device)
+        key_positions = torch.arange(width * self.block_size, device=device)
         mask = (key_positions[None, :] <= positions[:, None])[:, None, None, :]
         tokens = slice(members[0][0], members[-1][0] + 1)
-        return DecodeGroup(tokens=tokens, rows=torch.arange(len(members)), positions=positions, block_tables=tables, mask=mask)
+        rows = torch.arange(len(members), device=device)
+        return DecodeGroup(tokens=tokens, rows=rows, positions=positions, block_tables=tables, mask=mask)
 
     def _prefill_chunks(self, prefills: tuple[PlannedChunk, ...], first_token: int) -> tuple[PrefillChunk, ...]:
         out = []
         token_start = first_token
         for chunk in prefills:
             end = chunk.start + chunk.num_tokens
-            table = torch.tensor([chunk.block_ids], dtype=torch.long)
-            query_positions = torch.arange(chunk.start, end)
-            key_positions = torch.arange(len(chunk.block_ids) * self.block_size)
+            table = torch.tensor([chunk.block_ids], dtype=torch.long, device=self.device)
+            query_positions = torch.arange(chunk.start, end, device=self.device)
+            key_positions = torch.arange(len(chunk.block_ids) * self.block_size, device=self.device)
             mask = key_positions[None, :] <= query_positions[:, None]
             out.append(PrefillChunk(token_start, chunk.num_tokens, chunk.start, table, mask))
             token_start += chunk.num_tokens

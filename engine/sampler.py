@@ -38,7 +38,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     plain = [i for i, p in enumerate(params) if not p.is_greedy and p.top_k == 0 and p.top_p >= 1]
     filtered = [i for i, p in enumerate(params) if not p.is_greedy and (p.top_k > 0 or p.top_p < 1)]
     if plain:
-        probs = torch.softmax(logits[plain] / _temperatures(params, plain)[:, None], dim=-1)
+        probs = torch.softmax(logits[plain] / _temperatures(params, plain, logits.device)[:, None], dim=-1)
         for i, pick in zip(plain, _draw(probs, plain, seeds, positions)):
             tokens[i] = pick
     if filtered:
@@ -49,27 +49,30 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     return tokens
 
 
-def _temperatures(params: list[SamplingParams], rows: list[int]) -> torch.Tensor:
-    return torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
+def _temperatures(params: list[SamplingParams], rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities of ``rows`` over their best tokens in rank order (top-k and top-p applied), and those tokens' ids."""
     vocab = logits.shape[-1]
     # A top_k beyond the vocabulary keeps every token (as 0 does): topk cannot rank more than there are.
-    top_k = torch.tensor([min(params[i].top_k or vocab, vocab) for i in rows])
-    width = int(top_k.max())
-    ranked_logits, ranked_ids = torch.topk(logits[rows] / _temperatures(params, rows)[:, None], width, dim=-1)
-    ranked_logits.masked_fill_(torch.arange(width)[None, :] >= top_k[:, None], float("-inf"))
+    device = logits.device
+    top_k = [min(params[i].top_k or vocab, vocab) for i in rows]
+    width = max(top_k)
+    ranked_logits, ranked_ids = torch.topk(logits[rows] / _temperatures(params, rows, device)[:, None], width, dim=-1)
+    ranked_logits.masked_fill_(torch.arange(width, device=device)[None, :] >= torch.tensor(top_k, device=device)[:, None], float("-inf"))
     probs = torch.softmax(ranked_logits, dim=-1)
-    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32)
+    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device)
     mass_before = torch.cumsum(probs, dim=-1) - probs
     probs.masked_fill_(mass_before >= top_p[:, None], 0.0)
     return probs, ranked_ids
 
 
 def _draw(probs: torch.Tensor, rows: list[int], seeds: list[int], positions: list[int]) -> list[int]:
-    """One column of each row of ``probs``, row ``j`` with the counter-based seed of ``rows[j]``."""
+    """One column of each row of ``probs``, row ``j`` with the counter-based seed of ``rows[j]``
+    (drawn on the CPU whatever the device: the same seed gives the same token everywhere)."""
+    probs = probs.cpu()
     generator = torch.Generator()
     picks = []
     for j, i in enumerate(rows):

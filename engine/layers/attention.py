@@ -10,6 +10,10 @@ into the gathered context at their positions and stashed in ``AttentionBatch.new
 model runner writes them to the cache once, for every layer together, after the forward pass.
 For FP8 that turns thirty requantizations of the touched blocks into one.
 
+On a GPU (``PagedKVCache.triton_decode``) each layer instead writes its step's K/V into the pool
+first, at the step's ``slots``, and decode groups attend over the pool in place through the
+Triton kernel (``engine/kernels/paged_attention.py``), which reads FP8 blocks with their scales.
+
 Where the C extension is built (``engine/kernels/cpu_attention.py``), decode groups and short
 prefill chunks read the pool in place instead, with the step's K/V passed beside it: the same
 contract, without the gathered copy. The torch code stays as the fallback and the reference.
@@ -59,6 +63,11 @@ class DecodeGroup:
         """The group as the C kernel takes it; built by the first layer, reused by the others."""
         return cpu_attention.PagedSequences.decode(self.block_tables, self.positions)
 
+    @cached_property
+    def context_lens(self) -> torch.Tensor:
+        """``int32 [batch]`` tokens each sequence attends over, its own included (the Triton kernel's)."""
+        return (self.positions + 1).to(torch.int32)
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -81,6 +90,16 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class StepSlots:
+    """Where each token of the step stores its K/V, for layers that write before attending."""
+
+    block_ids: torch.Tensor
+    offsets: torch.Tensor
+    unique: tuple[torch.Tensor, torch.Tensor] | None
+    """FP8 pools: ``torch.unique(block_ids, return_inverse=True)``, once per step."""
+
+
+@dataclass(frozen=True)
 class AttentionBatch:
     """Everything attention needs for one step, built once per step by the model runner."""
 
@@ -90,9 +109,11 @@ class AttentionBatch:
     rope_sin: torch.Tensor
     decode_groups: tuple[DecodeGroup, ...]
     prefill_chunks: tuple[PrefillChunk, ...]
-    new_k: torch.Tensor
-    """[num_tokens, num_layers, kv_heads, head_dim] filled by each layer, written to the cache after the step."""
-    new_v: torch.Tensor
+    new_k: torch.Tensor | None
+    """[num_tokens, num_layers, kv_heads, head_dim] filled by each layer, written to the cache
+    after the step; None where each layer writes its own (``slots``)."""
+    new_v: torch.Tensor | None
+    slots: StepSlots | None = None
 
 
 class PagedAttention(torch.nn.Module):
@@ -128,12 +149,17 @@ class PagedAttention(torch.nn.Module):
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         qk = apply_rotary(qk, batch.rope_cos, batch.rope_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        batch.new_k[:, self.layer_index] = k
-        batch.new_v[:, self.layer_index] = v
+        if batch.slots is None:
+            batch.new_k[:, self.layer_index] = k
+            batch.new_v[:, self.layer_index] = v
+        else:
+            layer = slice(self.layer_index, self.layer_index + 1)
+            slots = batch.slots
+            batch.kv_cache.write(k[:, None], v[:, None], slots.block_ids, slots.offsets, layer, slots.unique)
         if len(batch.decode_groups) == 1 and not batch.prefill_chunks:  # every token in one group: no scatter
             out = self._decode(q, k, v, batch.decode_groups[0], batch.kv_cache)
             return self.o_proj(out.reshape(num_tokens, self.q_size))
-        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype)
+        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         for group in batch.decode_groups:
             out[group.tokens] = self._decode(q[group.tokens], k[group.tokens], v[group.tokens], group, batch.kv_cache)
         for chunk in batch.prefill_chunks:
@@ -142,7 +168,11 @@ class PagedAttention(torch.nn.Module):
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _decode(self, q, k, v, group: DecodeGroup, kv_cache: PagedKVCache) -> torch.Tensor:
-        if cpu_attention.NATIVE_ATTENTION and q.dtype in cpu_attention.NATIVE_DTYPES:
+        if kv_cache.triton_decode:  # this step's K/V are in the pool already
+            from engine.kernels.paged_attention import paged_decode_attention  # Triton: only where this path runs
+
+            return paged_decode_attention(q, kv_cache.buffer, kv_cache.layout, self.layer_index, group.block_tables, group.context_lens)
+        if _native(kv_cache, q):
             return cpu_attention.paged_attention(q, k, v, kv_cache.native, self.layer_index, group.sequences)
         keys, values = kv_cache.gather(self.layer_index, group.block_tables)
         keys[group.rows, :, group.positions] = k
@@ -154,7 +184,7 @@ class PagedAttention(torch.nn.Module):
         return out.reshape(q.shape)
 
     def _prefill(self, q, k, v, chunk: PrefillChunk, kv_cache: PagedKVCache) -> torch.Tensor:
-        if chunk.num_tokens <= NATIVE_MAX_CHUNK_TOKENS and cpu_attention.NATIVE_ATTENTION and q.dtype in cpu_attention.NATIVE_DTYPES:
+        if chunk.num_tokens <= NATIVE_MAX_CHUNK_TOKENS and _native(kv_cache, q):
             return cpu_attention.paged_attention(q, k, v, kv_cache.native, self.layer_index, chunk.sequences)
         if chunk.start == 0:  # the chunk is its own whole context: causal over its fresh K/V, no gather
             out = F.scaled_dot_product_attention(
@@ -169,3 +199,8 @@ class PagedAttention(torch.nn.Module):
             q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=chunk.mask, enable_gqa=True
         )
         return out.squeeze(0).transpose(0, 1)
+
+
+def _native(kv_cache: PagedKVCache, q: torch.Tensor) -> bool:
+    """Whether the C kernel attends: built, switched on, a CPU pool, a dtype it takes."""
+    return cpu_attention.NATIVE_ATTENTION and kv_cache.native is not None and q.dtype in cpu_attention.NATIVE_DTYPES
