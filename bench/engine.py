@@ -8,11 +8,17 @@ left-padded prompts, each lasting as long as its longest output, and counts only
 own tokens. TTFT runs from handing a request over to its first token. Besides the sweep, each
 system prefills one 512-token prompt (prompt tok/s) and decodes 128 tokens alone (decode tok/s,
 the first token's step left out).
+
+``--device cuda`` runs splitserve (dense bf16 or fp32 weights, decode attention in the Triton
+kernel) and transformers on the GPU, and adds ``roofline``: per concurrency, the median decode
+step against the HBM bandwidth it would need, (bytes of weights + bytes of KV read per step) /
+step time, as a fraction of the GPU's spec-sheet peak and of a device copy measured in the run.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -100,6 +106,41 @@ class _FirstTokenTimer:
         pass
 
 
+def roofline_rows(engine: LLMEngine, concurrency: list[int], context: int, num_steps: int, peak: float | None, copy_bw: float) -> list[dict]:
+    """Per concurrency N: N sequences of ``context`` prompt tokens decode ``num_steps`` steps
+    together; the median step's tok/s and the HBM bytes/s it implies (every weight read once,
+    every sequence's KV read once per step) against ``peak`` and ``copy_bw``."""
+    model, layout = engine.runner.model, engine.kv_cache.layout
+    weights = {id(p): p for p in model.parameters()}  # a tied LM head counts once
+    weight_bytes = sum(p.numel() * p.element_size() for p in weights.values())
+    if not model.config.tie_word_embeddings:  # a lookup reads a row per token, not the table
+        weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    token_bytes, scale_bytes = layout.payload_bytes / layout.block_size, layout.scale_bytes
+    vocab, rows = engine.model_config.vocab_size, []
+    for n in concurrency:
+        progress("engine", f"roofline: {n} sequences of {context} tokens, {num_steps} decode steps")
+        engine.reset_prefix_cache()
+        for i in range(n):
+            engine.add_request(f"roofline-{n}-{i}", [(1000 + i * 7919 + j * 31) % vocab for j in range(context)], greedy(num_steps + 1))
+        while sum(bool(o.new_token_ids) for o in engine.step()) < n:  # prefills, up to every first token
+            pass
+        step_s = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()  # ends in sampling, which reads the tokens back: the GPU has finished the step
+            step_s.append(time.perf_counter() - start)
+        median = statistics.median(step_s)
+        mid = context + 1 + len(step_s) // 2  # tokens each sequence attends over in the middle step (they move in lockstep)
+        moved = weight_bytes + n * (mid * token_bytes + -(-mid // layout.block_size) * scale_bytes)
+        row = {"concurrency": n, "context": context, "ms_per_step": round(median * 1e3, 3), "tok_per_s": round(n / median, 1),
+               "weight_bytes": weight_bytes, "kv_bytes_per_step": round(moved - weight_bytes), "gb_per_s": round(moved / median / 1e9, 1),
+               "fraction_of_copy": round(moved / median / copy_bw, 3)}
+        if peak:
+            row["fraction_of_hbm_peak"] = round(moved / median / peak, 3)
+        rows.append(row)
+    return rows
+
+
 def run_transformers(model, workload: list[BenchRequest], concurrency: int, pad_token_id: int) -> dict:
     ttfts: list[float] = []
     num_output = 0
@@ -108,8 +149,8 @@ def run_transformers(model, workload: list[BenchRequest], concurrency: int, pad_
         batch = workload[first : first + concurrency]
         prompts = [list(r.prompt_token_ids) for r in batch]
         width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts])
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], device=model.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
         max_new = max(r.num_output_tokens for r in batch)
         timer = _FirstTokenTimer()
         batch_start = time.perf_counter()
@@ -124,13 +165,15 @@ def run_transformers(model, workload: list[BenchRequest], concurrency: int, pad_
 
 def transformers_prefill(model, prompt: list[int]) -> None:
     with torch.inference_mode():
-        model(torch.tensor([prompt]), logits_to_keep=1)  # as generate's prefill: the last position's logits only
+        model(torch.tensor([prompt], device=model.device), logits_to_keep=1)  # as generate's prefill: the last position's logits only
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def transformers_decode_s(model, prompt: list[int], num_output_tokens: int, pad_token_id: int) -> float:
     timer = _FirstTokenTimer()
     with torch.inference_mode():
-        model.generate(torch.tensor([prompt]), max_new_tokens=num_output_tokens, min_new_tokens=num_output_tokens,
+        model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=num_output_tokens, min_new_tokens=num_output_tokens,
                        do_sample=False, eos_token_id=None, pad_token_id=pad_token_id, streamer=timer)
     return timer.put_s[-1] - timer.put_s[1]  # put 0 is the prompt, put 1 the first token
 
@@ -159,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     progress("engine", f"loading {args.model} (weights {args.weights}, {args.threads} threads)")
     try:
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype, kv_cache_bytes=args.kv_cache_bytes))
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
+                                        kv_cache_bytes=args.kv_cache_bytes, device=args.device))
     except (EngineError, ValueError) as e:  # a model that is not there or not servable, a pool too small
         raise BenchError(str(e)) from None
     longest = max(args.prompt_len[1] + args.output_len[1], args.probe_len[0] + 1, DECODE_PROBE_PROMPT_LEN + args.probe_len[1])
@@ -176,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
             peer.close()
     if peer is not None:
         report["llama_cpp"] = peer.describe()
+    if args.device == "cuda":
+        from bench.kernels import copy_bytes_per_s, peak_hbm_bytes_per_s
+
+        peak, copy_bw = peak_hbm_bytes_per_s(torch.cuda.get_device_name()), copy_bytes_per_s()
+        report.update(device=torch.cuda.get_device_name(), hbm_peak_gb_per_s=peak and peak / 1e9, copy_gb_per_s=round(copy_bw / 1e9, 1))
+        report["roofline"] = roofline_rows(engine, args.concurrency, args.roofline_context, args.probe_len[1], peak, copy_bw)
     if args.spec != "off":
         args.spec_method = args.spec
         report.update(spec_report(args, lambda **overrides: LLMEngine(EngineConfig(
@@ -207,8 +257,16 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument("--probe-len", type=positive, nargs=2, default=[512, 128], metavar=("PROMPT", "OUTPUT"),
                         help="tokens of the prompt tok/s probe's prompt and of the decode tok/s probe's output (default: 512 128)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, help="default: all three on cpu; splitserve and transformers on cuda")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where splitserve and transformers run (default: cpu)")
+    parser.add_argument("--roofline-context", type=positive, default=1024, help="--device cuda: prompt tokens of each roofline sequence (default: 1024)")
     args = parser.parse_args(argv)
+    if args.systems is None:
+        args.systems = list(SYSTEMS) if args.device == "cpu" else ["splitserve", "transformers"]
+    if args.device == "cuda" and "llama.cpp" in args.systems:
+        parser.error("--systems: the llama.cpp peer runs on the CPU here; with --device cuda compare splitserve and transformers")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU on this machine; nothing was measured")
     check_ranges(parser, args, "prompt_len", "output_len")
     if args.num_requests < max(args.concurrency):
         parser.error(f"--num-requests: {args.num_requests} requests never reach --concurrency {max(args.concurrency)}; pass at least that many")
@@ -245,7 +303,7 @@ def _systems(args, engine: LLMEngine, peer: LlamaCppPeer | None, workload: list[
         elif name == "transformers":
             import transformers
 
-            hf_model = transformers.AutoModelForCausalLM.from_pretrained(engine.checkpoint_dir, dtype=getattr(torch, args.dtype)).eval()
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(engine.checkpoint_dir, dtype=getattr(torch, args.dtype)).to(args.device).eval()
             pad = engine.model_config.eos_token_ids[0] if engine.model_config.eos_token_ids else 0
             systems[name] = System(lambda w, n: run_transformers(hf_model, w, n, pad), partial(transformers_prefill, hf_model),
                                    lambda p, n: transformers_decode_s(hf_model, p, n, pad))

@@ -7,6 +7,7 @@ import random
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -16,8 +17,10 @@ from bench.report import BenchError
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
-from router.client import SplitServeClient
-from router.launch import Cluster, ClusterConfig
+
+if TYPE_CHECKING:  # a cluster needs Ray; the engine benches (and a GPU host without Ray) do not
+    from router.client import SplitServeClient
+    from router.launch import Cluster, ClusterConfig
 
 NUM_SPECIAL_TOKENS = 32
 """Prompt token ids start above this, clear of SmolLM2's control tokens (ids 0-16)."""
@@ -91,6 +94,9 @@ def variant(workload: list[BenchRequest], tag: int) -> list[BenchRequest]:
 @contextlib.contextmanager
 def local_cluster(config: ClusterConfig) -> Iterator[tuple[Cluster, SplitServeClient]]:
     """A local cluster started from ``config`` and a client of its router; both stopped after."""
+    from router.client import SplitServeClient
+    from router.launch import Cluster
+
     cluster = Cluster(config)
     try:
         cluster.start()

@@ -109,3 +109,41 @@ def test_fewer_requests_than_the_concurrency_are_refused_naming_both(capsys):
         bench_engine.main(["--num-requests", "16", "--concurrency", "1", "32"])
     assert exited.value.code == 2
     assert "--num-requests: 16 requests never reach --concurrency 32" in capsys.readouterr().err
+
+
+def test_roofline_rows_count_every_weight_once_and_each_sequences_kv(tiny_llama_dir):
+    """The roofline's bytes, on the CPU engine (the rows are the same code on CUDA): every weight
+    once per step but the embedding table (the tiny model's LM head is its own, so a lookup
+    reads a row per token), KV of every sequence at the middle step's context, and tok/s from
+    the median step."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), weights="fp32", kv_dtype="fp8_e4m3", num_kv_blocks=64))
+    model, layout = engine.runner.model, engine.kv_cache.layout
+    assert not model.config.tie_word_embeddings
+    weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if not name.startswith("embed_tokens"))
+    rows = bench_engine.roofline_rows(engine, [1, 3], context=20, num_steps=6, peak=None, copy_bw=1e9)
+    assert [r["concurrency"] for r in rows] == [1, 3]
+    for row in rows:
+        mid = 20 + 1 + 6 // 2  # the prompt, the first token, then the middle of 6 decode steps
+        kv = row["concurrency"] * (mid * layout.payload_bytes / layout.block_size + -(-mid // layout.block_size) * layout.scale_bytes)
+        assert row["weight_bytes"] == weight_bytes
+        assert row["kv_bytes_per_step"] == round(kv)
+        seconds = row["ms_per_step"] / 1e3
+        assert row["tok_per_s"] == pytest.approx(row["concurrency"] / seconds, rel=0.01)
+        assert row["gb_per_s"] == pytest.approx((weight_bytes + kv) / seconds / 1e9, rel=0.01, abs=0.1)
+        assert row["fraction_of_copy"] == pytest.approx((weight_bytes + kv) / seconds / 1e9, rel=0.01, abs=0.002)  # copy_bw is 1 GB/s
+        assert "fraction_of_hbm_peak" not in row  # no peak known
+    assert not engine.has_unfinished_requests() and engine.pool.num_free_blocks == 64
+
+
+def test_cuda_bench_options_refused_without_a_gpu_or_with_llama_cpp(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_engine.main(["--device", "cuda", "--systems", "splitserve", "llama.cpp"])
+    assert e.value.code == 2
+    assert "--systems: the llama.cpp peer runs on the CPU here" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            bench_engine.main(["--device", "cuda"])
+        assert "--device cuda: torch sees no CUDA GPU on this machine" in capsys.readouterr().err
