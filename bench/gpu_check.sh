@@ -8,8 +8,9 @@
 #     bench/gpu_check.sh OUT_DIR SMOLLM2_FILES_DIR
 #
 # SMOLLM2_FILES_DIR holds the bundled model's config.json and tokenizer files (a converted
-# checkpoint's directory under ~/.cache/splitserve/models). Each step has its own time limit and
-# writes its log or JSON to OUT_DIR; a step that fails does not stop the next.
+# checkpoint's directory under ~/.cache/splitserve/models). Each step has its own time limit;
+# OUT_DIR gets the benches' JSON and one log.txt of every step's output and exit status. A step
+# that fails does not stop the next.
 set -u
 out=${1:?usage: bench/gpu_check.sh OUT_DIR SMOLLM2_FILES_DIR}
 files=${2:?usage: bench/gpu_check.sh OUT_DIR SMOLLM2_FILES_DIR}
@@ -17,14 +18,15 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
 mkdir -p "$out"
 ckpt=$(mktemp -d)
 
-step() {  # step NAME SECONDS COMMAND...: run it with a limit, its output in OUT_DIR/NAME.log
+step() {  # step NAME SECONDS COMMAND...: run it with a limit, its output appended to OUT_DIR/log.txt
     local name=$1 limit=$2; shift 2
     local start=$SECONDS
-    timeout "$limit" "$@" >"$out/$name.log" 2>&1
-    echo "$name: exit $? after $((SECONDS - start)) s (limit $limit s)" | tee -a "$out/steps.txt"
+    echo "=== $name" >>"$out/log.txt"
+    timeout "$limit" "$@" >>"$out/log.txt" 2>&1
+    echo "=== $name: exit $? after $((SECONDS - start)) s (limit $limit s)" | tee -a "$out/log.txt"
 }
 
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } >"$out/env.txt" 2>&1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } >"$out/log.txt" 2>&1
 
 step pytest_gpu 150 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/engine/test_triton_attention.py tests/unit/engine/test_device_path.py
 step kernels 80 python3 -m bench.kernels --device cuda --json "$out/kernels.json"
