@@ -57,7 +57,8 @@ class TieredKVStore:
             raise ValueError(f"buffer: expected uint8 [{pool.num_blocks}, block_bytes], got {buffer.dtype} {list(buffer.shape)}")
         self.pool = pool
         self.buffer = buffer
-        self._rows = buffer.numpy()  # single-threaded copies (see CPUTier.put)
+        self._rows = buffer.numpy() if buffer.device.type == "cpu" else None
+        """The pool's rows for single-threaded copies (see CPUTier.put); a GPU pool has no lower tiers to load from."""
         self.events = events
         self.cpu = cpu
         self.redis = redis
