@@ -17,7 +17,9 @@ Split-K (flash-decoding) is there for the shape decode has on a GPU: a small bat
 contexts gives ``batch * kv_heads`` programs, fewer than the SMs. Each split then writes its
 partial ``(acc, max, sum)`` and ``_combine_splits`` merges them; with one split the kernel
 normalizes and writes the output itself. ``num_splits=None`` picks enough splits to give
-about four programs per SM.
+about four programs per SM. The count is a runtime argument, not a ``constexpr``: it follows
+the context length, and as a constant each new count compiled the kernel again, every 16
+decode steps.
 
 ``reference_paged_decode_attention`` is the torch reference: it decodes the same bytes with
 torch's own casts and calls SDPA per sequence, sharing no code with the kernel or with
@@ -56,9 +58,9 @@ if triton is not None:
         q_ptr, pool_ptr, block_tables_ptr, context_lens_ptr,
         out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         sm_scale, block_bytes, head_bytes, layer_k_bytes, v_offset_bytes, scales_offset, scale_head_stride,
-        layer_k_scale, stride_table, num_heads, blocks_per_split,
+        layer_k_scale, stride_table, num_heads, blocks_per_split, num_splits,
         KV_KIND: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr,
         NATIVE_FP8: tl.constexpr,
     ):
         seq = tl.program_id(0)
@@ -115,11 +117,11 @@ if triton is not None:
             running_max = new_max
 
         out_mask = row_ok[:, None] & dim_ok[None, :]
-        if NUM_SPLITS == 1:
+        if not SPLIT:
             out = acc / running_sum[:, None]
             tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
-            part_rows = (seq * num_heads + heads) * NUM_SPLITS + split
+            part_rows = (seq * num_heads + heads) * num_splits + split
             tl.store(part_acc_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
             tl.store(part_max_ptr + part_rows, running_max, mask=row_ok)
             tl.store(part_sum_ptr + part_rows, running_sum, mask=row_ok)
@@ -191,10 +193,10 @@ def paged_decode_attention(
         sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
         layout.block_bytes, layout.head_bytes, layer * 2 * tile_bytes, tile_bytes,
         layout.scales_offset, layout.num_layers * 2, layer * 2,
-        block_tables.stride(0), num_heads, blocks_per_split,
+        block_tables.stride(0), num_heads, blocks_per_split, num_splits,
         KV_KIND=_KV_KINDS[layout.kv_dtype], GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_SIZE=layout.block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        NUM_SPLITS=num_splits, NATIVE_FP8=_native_fp8(q) if native_fp8 is None else native_fp8,
+        SPLIT=num_splits > 1, NATIVE_FP8=_native_fp8(q) if native_fp8 is None else native_fp8,
     )
     if num_splits == 1:
         return out
