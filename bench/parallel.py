@@ -20,7 +20,6 @@ import statistics
 import sys
 import time
 
-
 from bench.report import BenchError, arg_parser, emit_report, machine, plot, positive, progress, run
 from bench.workload import greedy, random_tokens, ranked_engine, start_decoding
 from engine.bundled import resolve_model, served_model_name
