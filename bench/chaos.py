@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 import ray
 
-from bench.report import BenchError, arg_parser, emit_report, machine, percentile, positive, progress, run
+from bench.report import arg_parser, emit_report, machine, percentile, positive, progress, run, user_error
 from bench.workload import greedy, local_cluster, random_tokens, redis_server
 from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
@@ -127,10 +127,8 @@ def main(argv: list[str] | None = None) -> int:
 def _references(engine: EngineConfig, args) -> tuple[list[list[int]], list[list[int]]]:
     """``--prompts`` prompts sharing a 96-token prefix, and each one's greedy answer from an in-process engine."""
     progress("chaos", f"greedy references for {args.prompts} prompts from an in-process engine of {args.model}")
-    try:
+    with user_error(EngineError, ValueError, prefix=f"--model {args.model}: "):
         reference = LLMEngine(engine)
-    except (EngineError, ValueError) as e:
-        raise BenchError(f"--model {args.model}: {e}") from None
     rng = random.Random(args.seed)
     vocab = reference.model_config.vocab_size
     shared = random_tokens(rng, 96, vocab)

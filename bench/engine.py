@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.llama_cpp_peer import LlamaCppPeer, import_llama_cpp
-from bench.report import BenchError, arg_parser, check_ranges, emit_report, machine, median_s, percentile, plot, positive, progress, run, series
+from bench.report import BenchError, arg_parser, check_ranges, emit_report, machine, median_s, percentile, plot, positive, progress, run, series, user_error
 from bench.spec import add_spec_arguments, spec_report
 from bench.workload import BenchRequest, closed_loop, greedy, random_tokens, random_workload
 from engine.bundled import bundled_model, bundled_model_names
@@ -201,11 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         import_llama_cpp()  # before minutes of loading: say now that it is missing
     torch.set_num_threads(args.threads)
     progress("engine", f"loading {args.model} (weights {args.weights}, {args.threads} threads)")
-    try:
+    with user_error(EngineError, ValueError):  # a model that is not there or not servable, a pool too small
         engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
                                         kv_cache_bytes=args.kv_cache_bytes, device=args.device))
-    except (EngineError, ValueError) as e:  # a model that is not there or not servable, a pool too small
-        raise BenchError(str(e)) from None
     longest = max(args.prompt_len[1] + args.output_len[1], args.probe_len[0] + 1, DECODE_PROBE_PROMPT_LEN + args.probe_len[1])
     if longest > engine.max_model_len:
         raise BenchError(f"--prompt-len MAX + --output-len MAX ({longest} with the probes) exceeds {args.model}'s {engine.max_model_len} tokens")

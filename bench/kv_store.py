@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import redis
 
-from bench.report import BenchError, arg_parser, emit_report, machine, progress, run
+from bench.report import BenchError, arg_parser, emit_report, machine, progress, run, user_error
 from bench.workload import greedy, random_tokens, redis_server
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -128,10 +128,8 @@ def _run(args, url: str) -> dict:
     results, redis_gbps, prefix = {}, {}, None
     for tier in TIERS:
         progress("kv_store", f"{tier}: loading {args.model}")
-        try:
+        with user_error(EngineError):
             engine = LLMEngine(configs[tier])
-        except EngineError as e:
-            raise BenchError(str(e)) from None
         if engine.max_model_len < args.prefix_tokens + 16:
             raise BenchError(f"--prefix-tokens {args.prefix_tokens} + a 16-token suffix exceeds {args.model}'s {engine.max_model_len} tokens")
         prefix = prefix or random_tokens(rng, args.prefix_tokens, engine.model_config.vocab_size)

@@ -26,7 +26,7 @@ from pathlib import Path
 import ray
 import torch
 
-from bench.report import BenchError, arg_parser, emit_report, machine, plot, progress, run
+from bench.report import arg_parser, emit_report, machine, plot, progress, run, user_error
 from bench.parallel import size_list
 from bench.workload import greedy, random_tokens, ranked_engine, start_decoding
 from engine.config import EngineConfig
@@ -153,11 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     threads = {ep: max(1, cores // ep) for ep in args.ep}
     with tempfile.TemporaryDirectory(prefix="bench-moe-") as tmp:
         model_dir = make_model(Path(tmp) / "tiny-mixtral")
-        try:
+        with user_error(EngineError):
             for ep in args.ep:
                 check_ep_size(model_dir.name, ModelConfig.from_dir(model_dir), ep)
-        except EngineError as e:
-            raise BenchError(str(e)) from None
         seq_blocks = math.ceil((sizes["prompt_tokens"] + sizes["decode_tokens"] + 1) / EngineConfig.block_size)
         rng = random.Random(1)
         identity_prompts = [random_tokens(rng, rng.randint(4, 48), MODEL["vocab_size"]) for _ in range(NUM_IDENTITY_PROMPTS)]

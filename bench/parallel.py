@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-from bench.report import BenchError, arg_parser, emit_report, machine, plot, positive, progress, run
+from bench.report import BenchError, arg_parser, emit_report, machine, plot, positive, progress, run, user_error
 from bench.workload import greedy, random_tokens, ranked_engine, start_decoding
 from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
@@ -95,12 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     lengths = args.prompt_lengths or sizes["prompt_lengths"]
     sizes["decode_tokens"] = args.decode_tokens or sizes["decode_tokens"]
 
-    try:
+    with user_error(EngineError, ValueError):  # a model that is not there, or heads that do not split
         model_config = ModelConfig.from_dir(resolve_model(args.model, None))
         for tp in args.tp:
             check_tp_size(served_model_name(args.model), model_config, tp)
-    except (EngineError, ValueError) as e:  # a model that is not there, or heads that do not split
-        raise BenchError(str(e)) from None
     max_len = model_len(EngineConfig(model=args.model), model_config)
     if max(lengths) >= max_len:
         raise BenchError(f"--prompt-lengths: {max(lengths)} tokens and the first output token do not fit {args.model}'s context of {max_len}")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import BenchError, arg_parser, emit_report, machine, positive, progress, run
+from bench.report import BenchError, arg_parser, emit_report, machine, positive, progress, run, user_error
 from engine.build import model_len
 from engine.bundled import resolve_model
 from engine.config import WEIGHT_FORMATS, EngineConfig
@@ -90,20 +90,16 @@ def _route_every_row_to_the_decode_kernels() -> None:
 
 def _check_window(model: str, window: int) -> None:
     """Refuses a model that is not there, or a window longer than it serves, before any loads."""
-    try:
+    with user_error(EngineError, ValueError):
         max_len = model_len(EngineConfig(model=model), ModelConfig.from_dir(resolve_model(model, None)))
-    except (EngineError, ValueError) as e:
-        raise BenchError(str(e)) from None
     if window > max_len:
         raise BenchError(f"--window {window} is longer than {model}'s {max_len} tokens")
 
 
 def _engine(model: str, weights: str, window: int) -> LLMEngine:
     blocks = -(-window // 16) + 8
-    try:
+    with user_error(EngineError, ValueError):  # weights this model cannot be served in
         return LLMEngine(EngineConfig(model=model, weights=weights, kv_dtype="fp32", num_kv_blocks=blocks, max_num_batched_tokens=window))
-    except (EngineError, ValueError) as e:  # weights this model cannot be served in
-        raise BenchError(str(e)) from None
 
 
 def _measure(engine: LLMEngine, label: str, args) -> tuple[dict, list[tuple[int, ...]]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -16,6 +17,16 @@ from pathlib import Path
 
 class BenchError(Exception):
     """A problem the user can fix (bad input, a cluster that is not up): one sentence, exit 2."""
+
+
+@contextlib.contextmanager
+def user_error(*errors: type[Exception], prefix: str = ""):
+    """Inside, any of ``errors`` (what the user can fix: a model that is not there, a size it
+    cannot serve) becomes a BenchError saying the same sentence, after ``prefix``."""
+    try:
+        yield
+    except errors as e:
+        raise BenchError(f"{prefix}{e}") from None
 
 
 def run(name: str, main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import torch
 
-from bench.report import BenchError, arg_parser, emit_report, machine, median_s, positive, progress, run
+from bench.report import arg_parser, emit_report, machine, median_s, positive, progress, run, user_error
 from engine.bundled import resolve_model
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -138,10 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines go to stdout, into the JSON
 
     progress("transfer", f"reading the KV shapes of {args.model}")
-    try:
+    with user_error(EngineError):
         model = ModelConfig.from_dir(resolve_model(args.model))
-    except EngineError as e:
-        raise BenchError(str(e)) from None
     layouts = {d: KVBlockLayout(model.num_layers, model.num_kv_heads, model.head_dim, args.block_size, d) for d in KV_DTYPES}
     fp8, bf16 = layouts["fp8_e4m3"], layouts["bf16"]
     num_blocks = -(-args.num_tokens // args.block_size)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import BenchError
+from bench.report import user_error
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
@@ -113,10 +113,8 @@ def redis_server(name: str):
     from tests.redis_server import RedisServer  # dev tooling, imported only by a bench that needs it
 
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as workdir:
-        try:
+        with user_error(RuntimeError):
             server = RedisServer(Path(workdir)).start()
-        except RuntimeError as e:
-            raise BenchError(str(e)) from None
         try:
             yield server
         finally:
