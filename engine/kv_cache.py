@@ -7,6 +7,8 @@ the tokens it holds so far, so the last, partly filled block may be re-rounded a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -15,6 +17,25 @@ from kv_store.fp8 import FP8_DTYPE, dequantize_fp8, fp8_scales, quantize_fp8
 from kv_store.layout import KVBlockLayout
 
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": FP8_DTYPE}
+
+
+@dataclass(frozen=True)
+class BlockFill:
+    """The blocks a write touches, each once, and how full each is after it: what requantizing
+    FP8 blocks needs, computed once per step where every layer writes on its own."""
+
+    unique_ids: torch.Tensor
+    """``[n]`` the distinct block ids written."""
+    inverse: torch.Tensor
+    """``[tokens]`` each slot's index into ``unique_ids``."""
+    valid: torch.Tensor
+    """``bool [n, block_size]`` the slots holding a token once the write is done."""
+
+    @classmethod
+    def of(cls, block_ids: torch.Tensor, offsets: torch.Tensor, block_size: int) -> BlockFill:
+        unique_ids, inverse = torch.unique(block_ids, return_inverse=True)
+        fill = torch.zeros(len(unique_ids), dtype=torch.long, device=block_ids.device).scatter_reduce_(0, inverse, offsets + 1, "amax")
+        return cls(unique_ids, inverse, torch.arange(block_size, device=block_ids.device) < fill[:, None])
 
 
 class PagedKVCache:
@@ -52,16 +73,16 @@ class PagedKVCache:
 
     def write(
         self, k: torch.Tensor, v: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor,
-        layers: slice = slice(None), unique: tuple[torch.Tensor, torch.Tensor] | None = None,
+        layers: slice = slice(None), fill: BlockFill | None = None,
     ) -> None:
         """Store ``k``, ``v`` (``[num_tokens, num_layers, kv_heads, head_dim]``) at slots ``(block_ids[i], offsets[i])``.
 
         Every layer at once, or the run ``layers`` of them (k and v then hold those layers only).
         Slots of one block must continue the block from its current fill level (how sequences
         grow), so that the block's valid prefix is known. FP8 pools are written by the C kernel
-        where it is built, bit for bit what the torch code below does. ``unique``: FP8 blocks'
-        ``torch.unique(block_ids, return_inverse=True)``, given when one step writes layer by
-        layer (on a GPU each call of it waits for the device).
+        where it is built, bit for bit what the torch code below does. ``fill``: FP8 blocks'
+        ``BlockFill`` of these slots, given when one step writes layer by layer (on a GPU its
+        ``torch.unique`` waits for the device, and its other ops are launches per layer).
         """
         whole = layers == slice(None)
         native = cpu_attention.NATIVE_ATTENTION and self.native is not None
@@ -73,13 +94,13 @@ class PagedKVCache:
             self.payload[block_ids, :, layers, 0, offsets] = k.to(self.payload.dtype)
             self.payload[block_ids, :, layers, 1, offsets] = v.to(self.payload.dtype)
             return
-        unique_ids, inverse = unique if unique is not None else torch.unique(block_ids, return_inverse=True)
+        if fill is None:
+            fill = BlockFill.of(block_ids, offsets, self.layout.block_size)
+        unique_ids, inverse = fill.unique_ids, fill.inverse
         blocks = dequantize_fp8(self.payload[unique_ids, :, layers], self.scales[unique_ids, :, layers])
         blocks[inverse, :, :, 0, offsets] = k.float()
         blocks[inverse, :, :, 1, offsets] = v.float()
-        fill = torch.zeros(len(unique_ids), dtype=torch.long, device=self.device).scatter_reduce_(0, inverse, offsets + 1, "amax")
-        valid = torch.arange(self.layout.block_size, device=self.device) < fill[:, None]
-        blocks *= valid[:, None, None, None, :, None]
+        blocks *= fill.valid[:, None, None, None, :, None]
         scales = fp8_scales(blocks, num_group_dims=4)
         self.payload[unique_ids, :, layers] = quantize_fp8(blocks, scales)
         self.scales[unique_ids, :, layers] = scales

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import PagedKVCache
+from engine.kv_cache import BlockFill, PagedKVCache
 from engine.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk, StepSlots
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
@@ -184,8 +184,9 @@ class ModelRunner:
         return logits
 
     def _slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> StepSlots:
-        unique = torch.unique(block_ids, return_inverse=True) if self.kv_cache.scales is not None else None
-        return StepSlots(block_ids, positions % self.block_size, unique)
+        offsets = positions % self.block_size
+        fill = BlockFill.of(block_ids, offsets, self.block_size) if self.kv_cache.scales is not None else None
+        return StepSlots(block_ids, offsets, fill)
 
     def _decode_groups(self, decodes: tuple[PlannedChunk, ...]) -> tuple[DecodeGroup, ...]:
         groups: list[list[tuple[int, PlannedChunk]]] = []

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_attention
-from engine.kv_cache import PagedKVCache
+from engine.kv_cache import BlockFill, PagedKVCache
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary
 from engine.model_config import ModelConfig
@@ -95,8 +95,8 @@ class StepSlots:
 
     block_ids: torch.Tensor
     offsets: torch.Tensor
-    unique: tuple[torch.Tensor, torch.Tensor] | None
-    """FP8 pools: ``torch.unique(block_ids, return_inverse=True)``, once per step."""
+    fill: BlockFill | None
+    """FP8 pools: the blocks written and their fill, once per step."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ class PagedAttention(torch.nn.Module):
         else:
             layer = slice(self.layer_index, self.layer_index + 1)
             slots = batch.slots
-            batch.kv_cache.write(k[:, None], v[:, None], slots.block_ids, slots.offsets, layer, slots.unique)
+            batch.kv_cache.write(k[:, None], v[:, None], slots.block_ids, slots.offsets, layer, slots.fill)
         if len(batch.decode_groups) == 1 and not batch.prefill_chunks:  # every token in one group: no scatter
             out = self._decode(q, k, v, batch.decode_groups[0], batch.kv_cache)
             return self.o_proj(out.reshape(num_tokens, self.q_size))
