@@ -31,7 +31,7 @@ import torch
 from bench.llama_cpp_peer import LlamaCppPeer, import_llama_cpp
 from bench.report import BenchError, arg_parser, check_ranges, emit_report, machine, median_s, percentile, plot, positive, progress, run, series, user_error
 from bench.spec import add_spec_arguments, spec_report
-from bench.workload import BenchRequest, closed_loop, greedy, random_tokens, random_workload
+from bench.workload import BenchRequest, closed_loop, greedy, random_tokens, random_workload, start_decoding
 from engine.bundled import bundled_model, bundled_model_names
 from engine.config import WEIGHT_FORMATS, EngineConfig
 from engine.errors import EngineError
@@ -111,8 +111,7 @@ def roofline_rows(engine: LLMEngine, concurrency: list[int], context: int, num_s
     together; the median step's tok/s and the HBM bytes/s it implies (every weight read once,
     every sequence's KV read once per step) against ``peak`` and ``copy_bw``."""
     model, layout = engine.runner.model, engine.kv_cache.layout
-    weights = {id(p): p for p in model.parameters()}  # a tied LM head counts once
-    weight_bytes = sum(p.numel() * p.element_size() for p in weights.values())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied LM head is yielded once
     if not model.config.tie_word_embeddings:  # a lookup reads a row per token, not the table
         weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     token_bytes, scale_bytes = layout.payload_bytes / layout.block_size, layout.scale_bytes
@@ -120,10 +119,7 @@ def roofline_rows(engine: LLMEngine, concurrency: list[int], context: int, num_s
     for n in concurrency:
         progress("engine", f"roofline: {n} sequences of {context} tokens, {num_steps} decode steps")
         engine.reset_prefix_cache()
-        for i in range(n):
-            engine.add_request(f"roofline-{n}-{i}", [(1000 + i * 7919 + j * 31) % vocab for j in range(context)], greedy(num_steps + 1))
-        while sum(bool(o.new_token_ids) for o in engine.step()) < n:  # prefills, up to every first token
-            pass
+        start_decoding(engine, [[(1000 + i * 7919 + j * 31) % vocab for j in range(context)] for i in range(n)], num_steps)
         step_s = []
         while engine.has_unfinished_requests():
             start = time.perf_counter()

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.report import BenchError, arg_parser, emit_report, machine, positive, progress, run
-from bench.workload import greedy
+from bench.workload import start_decoding
 from kv_store.layout import KVBlockLayout
 
 HBM_PEAK_BYTES_PER_S = [  # (words in torch's device name, spec HBM bytes/s); the first match wins
@@ -245,10 +245,7 @@ def decode_step_rows(model: str, kv_dtype: str, concurrency: list[int], prompt_l
             vocab = engines["native"].model_config.vocab_size
             for mode, engine in engines.items():
                 kernels.set(mode)
-                for i in range(n):
-                    engine.add_request(f"{mode}-{n}-{i}", [(1000 + i * 7919 + j * 31) % vocab for j in range(prompt_len)], greedy(tokens + 1))
-                while sum(bool(o.new_token_ids) for o in engine.step()) < n:  # prefills, up to every first token
-                    pass
+                start_decoding(engine, [[(1000 + i * 7919 + j * 31) % vocab for j in range(prompt_len)] for i in range(n)], tokens)
             step_s = {mode: [] for mode in engines}
             while engines["native"].has_unfinished_requests():
                 for mode, engine in engines.items():
