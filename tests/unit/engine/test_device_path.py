@@ -41,8 +41,8 @@ def test_layer_by_layer_fp8_writes_store_the_bytes_of_one_write_per_step(tiny_ll
     scales included, byte for byte as the runner's single write of every layer does. Chunks
     start at block boundaries here: a chunk that starts mid-block requantizes that block before
     attending on this path (after, on the default one), so earlier tokens may round differently."""
-    engines = [make_engine(tiny_llama_dir, kv_dtype="fp8_e4m3", max_num_batched_tokens=16) for _ in range(2)]
-    engines[1].kv_cache.triton_decode = True
+    settings = dict(kv_dtype="fp8_e4m3", max_num_batched_tokens=16)
+    engines = [make_engine(tiny_llama_dir, **settings), _triton_engine(tiny_llama_dir, **settings)]
     for engine in engines:
         for i, prompt in enumerate(random_prompts(lengths=(16, 40, 64))):  # one at a time: chunks of 16 from position 0, none of 1 (a decode)
             engine.add_request(f"r{i}", prompt, FIRST)
