@@ -198,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     progress("engine", f"loading {args.model} (weights {args.weights}, {args.threads} threads)")
     with user_error(EngineError, ValueError):  # a model that is not there or not servable, a pool too small
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
-                                        kv_cache_bytes=args.kv_cache_bytes, device=args.device))
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights, act_planes=args.act_planes,
+                                        kv_dtype=args.kv_dtype, kv_cache_bytes=args.kv_cache_bytes, device=args.device))
     longest = max(args.prompt_len[1] + args.output_len[1], args.probe_len[0] + 1, DECODE_PROBE_PROMPT_LEN + args.probe_len[1])
     if longest > engine.max_model_len:
         raise BenchError(f"--prompt-len MAX + --output-len MAX ({longest} with the probes) exceeds {args.model}'s {engine.max_model_len} tokens")
@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.spec != "off":
         args.spec_method = args.spec
         report.update(spec_report(args, lambda **overrides: LLMEngine(EngineConfig(
-            model=args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype, kv_cache_bytes=args.kv_cache_bytes, **overrides))))
+            model=args.model, dtype=args.dtype, weights=args.weights, act_planes=args.act_planes, kv_dtype=args.kv_dtype,
+            kv_cache_bytes=args.kv_cache_bytes, **overrides))))
     emit_report(report, args.json)
     if args.plot is not None:
         results = report["results"]
@@ -242,6 +243,8 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument("--output-len", type=positive, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--weights", default=EngineConfig.weights, choices=WEIGHT_FORMATS, help="splitserve's linear-layer weights (EngineConfig.weights)")
+    parser.add_argument("--act-planes", type=int, default=EngineConfig.act_planes, choices=(1, 2),
+                        help="int8 planes of activations in the quantized kernel: 2, or 1 as llama.cpp (EngineConfig.act_planes)")
     parser.add_argument("--spec", default="off", choices=("off", "ngram"), help="also measure speculative decoding against off on a copy-heavy and a chat workload (bench.spec)")
     add_spec_arguments(parser, with_method=False)
     parser.add_argument("--kv-dtype", default=EngineConfig.kv_dtype, choices=["fp32", "bf16", "fp8_e4m3"])
@@ -329,6 +332,7 @@ def _measure(args, systems: dict[str, System], workload: list[BenchRequest], voc
         "model": args.model,
         "dtype": args.dtype,
         "weights": args.weights,
+        "act_planes": args.act_planes,
         "kv_dtype": args.kv_dtype,
         "threads": args.threads,
         "num_requests": args.num_requests,

@@ -14,7 +14,9 @@ perplexity cost of 2:4 sparsity; on a CPU it claims no speed. The KV pool is fp3
 so that only the weights differ. Windows run as prefill steps of many rows, which take the
 quantized formats' dense bf16 copies (the same dequantized values the decode kernels use);
 ``--decode-kernels`` sends them through the decode kernels instead, so the perplexity also
-carries what those kernels round (the native kernel's int8 activations).
+carries what those kernels round (the native kernel's int8 activations). ``--one-plane FORMAT``
+adds rows for kernel formats run with one int8 activation plane (``EngineConfig.act_planes=1``);
+where the CPU multiplies bf16 itself, pair it with ``--decode-kernels`` so the windows take the kernel.
 
     python -m bench.quality --json bench/results/quality.json
 """
@@ -47,6 +49,8 @@ PROMPTS = (
     "Once upon a time, in a small village,",
 )
 PRUNED = "fp32 + 2:4 pruned"
+ONE_PLANE_FORMATS = ("native", "int8", "int4")
+"""Formats the C kernel runs, which may take one activation plane (``--one-plane``)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=positive, default=64, help="tokens per c1 decode run (default: 64)")
     parser.add_argument("--threads", type=positive, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--decode-kernels", action="store_true", help="score the text through the decode kernels, not the dense copies")
+    parser.add_argument("--one-plane", nargs="*", choices=ONE_PLANE_FORMATS, default=[], metavar="FORMAT",
+                        help=f"also measure these of {ONE_PLANE_FORMATS} with one int8 activation plane (EngineConfig.act_planes=1, "
+                             "llama.cpp's 8-bit activations), in rows labelled FORMAT/a8")
     args = parser.parse_args(argv)
     if "fp32" not in args.weights:
         raise BenchError("--weights: fp32 must be among them, the generations are compared with it")
@@ -67,15 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows, generations = [], {}
-    for weights in ["fp32"] + [w for w in args.weights if w != "fp32"]:
-        progress("quality", f"weights {weights}: loading")
-        engine = _engine(args.model, weights, args.window)
-        row, generations[weights] = _measure(engine, weights, args)
+    runs = [(w, 2) for w in ["fp32"] + [w for w in args.weights if w != "fp32"]] + [(w, 1) for w in args.one_plane]
+    for weights, act_planes in runs:
+        label = weights if act_planes == 2 else f"{weights}/a8"
+        progress("quality", f"weights {label}: loading")
+        engine = _engine(args.model, weights, args.window, act_planes)
+        row, generations[label] = _measure(engine, label, args)
         rows.append(row)
         engine.close()
     _compare(rows, generations)
     rows.append(_pruned_row(args))
-    settings = {name: getattr(args, name) for name in ("window", "max_text_tokens", "gen_tokens", "decode_tokens", "threads", "decode_kernels")}
+    settings = {name: getattr(args, name) for name in ("window", "max_text_tokens", "gen_tokens", "decode_tokens", "threads", "decode_kernels", "one_plane")}
     report = {"bench": "quality", "model": args.model, "machine": machine(), "text": TEXT_PATH.name, **settings, "rows": rows}
     emit_report(report, args.json)
     return 0
@@ -96,10 +105,11 @@ def _check_window(model: str, window: int) -> None:
         raise BenchError(f"--window {window} is longer than {model}'s {max_len} tokens")
 
 
-def _engine(model: str, weights: str, window: int) -> LLMEngine:
+def _engine(model: str, weights: str, window: int, act_planes: int = 2) -> LLMEngine:
     blocks = -(-window // 16) + 8
     with user_error(EngineError, ValueError):  # weights this model cannot be served in
-        return LLMEngine(EngineConfig(model=model, weights=weights, kv_dtype="fp32", num_kv_blocks=blocks, max_num_batched_tokens=window))
+        return LLMEngine(EngineConfig(model=model, weights=weights, act_planes=act_planes, kv_dtype="fp32", num_kv_blocks=blocks,
+                                      max_num_batched_tokens=window))
 
 
 def _measure(engine: LLMEngine, label: str, args) -> tuple[dict, list[tuple[int, ...]]]:

@@ -19,7 +19,7 @@ from engine.loader.weights import load_weights
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
-from engine.quant.apply import apply_weights, check_weights_dtype, load_native
+from engine.quant.apply import apply_weights, check_weights_dtype, load_native, set_act_planes
 from engine.spec.draft import DraftModelProposer
 from engine.spec.policy import SpecPolicy
 from engine.spec.speculator import NgramProposer, Speculator
@@ -59,6 +59,7 @@ def build_shard(
     else:
         load_weights(model, checkpoint_dir)
         apply_weights(model, config.weights)
+    set_act_planes(model, config.act_planes)
     if config.device == "cpu":
         model.bind_fused_layers()
     else:

@@ -29,6 +29,11 @@ class EngineConfig:
     """Linear-layer weights: native (kept at the checkpoint's own precision: a GGUF's quantized
     blocks run as weight-only quantized matmuls, a safetensors checkpoint as stored), bf16, fp32,
     or int8/int4 (weight-only, quantized at load)."""
+    act_planes: int = 2
+    """int8 planes the quantized CPU kernel cuts each 32-block of activations into: 2 (about 15
+    bits; perplexity as fp32's) or 1 (llama.cpp's 8-bit activations: half the integer work, about
+    1% more perplexity on SmolLM2). Only weights the C kernel runs take it (native GGUF blocks,
+    int8, int4)."""
     device: str = "cpu"
     """Where the model and the KV pool live: ``cpu``, or ``cuda`` / ``cuda:N`` (dense weights, one
     rank, no CPU/Redis tiers; decode attention runs the Triton paged kernel on the pool)."""
@@ -112,6 +117,8 @@ class EngineConfig:
             raise ValueError(f"spec_chunk_cost: must be >= 0, got {self.spec_chunk_cost}")
         if self.speculative != "off" and max(self.tp_size, self.ep_size) > 1:
             raise ValueError(f"speculative: {self.speculative!r} runs on replicas of one rank only; set tp_size and ep_size to 1 or speculative to 'off'")
+        if self.act_planes not in (1, 2):
+            raise ValueError(f"act_planes: {self.act_planes} activation planes; the quantized kernel runs 1 or 2")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {KV_DTYPES}")
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -146,6 +153,8 @@ class EngineConfig:
         if self.weights not in DEVICE_WEIGHTS[self.dtype]:
             supported = "; ".join(f"dtype {d}: weights {', '.join(w)}" for d, w in DEVICE_WEIGHTS.items())
             raise ValueError(f"weights: {self.weights!r} with dtype {self.dtype!r} does not run on {self.device} (supported there: {supported})")
+        if self.act_planes != 2:
+            raise ValueError(f"act_planes: {self.act_planes} sets the quantized CPU kernel, which does not run on {self.device}; leave it at 2")
         if self.num_ranks > 1 or self.cpu_kv_cache_bytes or self.redis_url is not None or self.speculative == "draft":
             raise ValueError(f"device: {self.device} serves one rank without CPU/Redis KV tiers or a draft model so far; "
                              "set tp_size and ep_size to 1, cpu_kv_cache_bytes to 0, redis_url to None and speculative to off or ngram")

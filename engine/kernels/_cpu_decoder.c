@@ -43,6 +43,7 @@ typedef struct {
     int format;
     const uint8_t *packed;
     int64_t n, k;
+    int planes; /* activation planes, 1 or 2 */
 } Linear;
 
 typedef struct {
@@ -92,13 +93,16 @@ static int parse_linear(Plan *plan, PyObject *spec, int layer, int which, int64_
     Linear *linear = &plan->layers[layer].linears[which];
     PyObject *packed;
     long long out_features, in_features;
-    if (!PyArg_ParseTuple(spec, "iOLL", &linear->format, &packed, &out_features, &in_features)) {
-        PyErr_Format(PyExc_ValueError, "layer %d %s: expected (format, packed, out_features, in_features)", layer, LINEAR_NAMES[which]);
+    if (!PyArg_ParseTuple(spec, "iOLLi", &linear->format, &packed, &out_features, &in_features, &linear->planes)) {
+        PyErr_Format(PyExc_ValueError, "layer %d %s: expected (format, packed, out_features, in_features, activation planes)", layer,
+                     LINEAR_NAMES[which]);
         return -1;
     }
-    if ((linear->format != QMATMUL_Q4 && linear->format != QMATMUL_Q8) || out_features != n || in_features != k || k % 32) {
-        PyErr_Format(PyExc_ValueError, "layer %d %s: format %d, %lld x %lld; expected 0 (q4) or 1 (q8), %lld x %lld (a multiple of 32)",
-                     layer, LINEAR_NAMES[which], linear->format, out_features, in_features, (long long)n, (long long)k);
+    if ((linear->format != QMATMUL_Q4 && linear->format != QMATMUL_Q8) || out_features != n || in_features != k || k % 32 ||
+        (linear->planes != 1 && linear->planes != 2)) {
+        PyErr_Format(PyExc_ValueError,
+                     "layer %d %s: format %d, %lld x %lld, %d activation planes; expected 0 (q4) or 1 (q8), %lld x %lld (a multiple of 32), 1 or 2 planes",
+                     layer, LINEAR_NAMES[which], linear->format, out_features, in_features, linear->planes, (long long)n, (long long)k);
         return -1;
     }
     linear->n = n;
@@ -209,7 +213,7 @@ static int run_layers(const Plan *p, const AttentionPlan *att, int64_t m, float 
         const Layer *l = &p->layers[layer];
         const Linear *w = l->linears;
         rms_norm_rows(h, l->input_norm, m, H, p->eps, xn);
-        if (qmatmul->matmul(w[QKV].format, xn, m, H, w[QKV].packed, w[QKV].n, qkv) < 0) {
+        if (qmatmul->matmul(w[QKV].format, xn, m, H, w[QKV].packed, w[QKV].n, qkv, w[QKV].planes) < 0) {
             return -1;
         }
         for (int64_t t = 0; t < m; t++) {
@@ -220,12 +224,12 @@ static int run_layers(const Plan *p, const AttentionPlan *att, int64_t m, float 
             memcpy(new_v + t * kv_row + layer * kvh * hd, qkv + t * qkv_width + qk_width, sizeof(float) * kvh * hd);
         }
         if (attention->run(att, layer, qk, qk_width, qk + nh * hd, qk_width, qkv + qk_width, qkv_width, att_out, num_threads) < 0 ||
-            qmatmul->matmul(w[O].format, att_out, m, nh * hd, w[O].packed, w[O].n, proj) < 0) {
+            qmatmul->matmul(w[O].format, att_out, m, nh * hd, w[O].packed, w[O].n, proj, w[O].planes) < 0) {
             return -1;
         }
         add_into(h, proj, m * H);
         rms_norm_rows(h, l->post_norm, m, H, p->eps, xn);
-        if (qmatmul->matmul(w[GATE_UP].format, xn, m, H, w[GATE_UP].packed, w[GATE_UP].n, gate_up) < 0) {
+        if (qmatmul->matmul(w[GATE_UP].format, xn, m, H, w[GATE_UP].packed, w[GATE_UP].n, gate_up, w[GATE_UP].planes) < 0) {
             return -1;
         }
         for (int64_t t = 0; t < m; t++) {
@@ -234,7 +238,7 @@ static int run_layers(const Plan *p, const AttentionPlan *att, int64_t m, float 
                 act[t * I + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
             }
         }
-        if (qmatmul->matmul(w[DOWN].format, act, m, I, w[DOWN].packed, w[DOWN].n, proj) < 0) {
+        if (qmatmul->matmul(w[DOWN].format, act, m, I, w[DOWN].packed, w[DOWN].n, proj, w[DOWN].planes) < 0) {
             return -1;
         }
         add_into(h, proj, m * H);
@@ -316,7 +320,7 @@ static PyMethodDef methods[] = {
     {"plan", make_plan, METH_VARARGS,
      "plan(layers, num_heads, num_kv_heads, head_dim, hidden, intermediate, eps) -> capsule\n\n"
      "Bind a decoder's weights: layers is a tuple, per layer (input_norm, post_norm, qkv, o, gate_up, down),\n"
-     "the norms float32 [hidden], each linear (format 0 q4 / 1 q8, packed bytes, out_features, in_features)\n"
+     "the norms float32 [hidden], each linear (format 0 q4 / 1 q8, packed bytes, out_features, in_features, activation planes 1 or 2)\n"
      "in engine/quant/native.py's layout. The buffers are held until the capsule goes."},
     {"run", run, METH_VARARGS,
      "run(plan, hidden, cos, sin, new_k, new_v, pool, layout, block_tables, starts, query_starts, num_threads) -> None\n\n"

@@ -98,7 +98,7 @@ def unsupported(model) -> str | None:
 
 def plan_args(model) -> tuple[tuple, tuple[int, int, int, int, int, float]]:
     """``_cpu_decoder.plan``'s arguments for ``model``: per layer (input norm, post norm, and the
-    QKV, O, gate/up and down projections as (format, packed bytes, out, in)), then (heads, KV
+    QKV, O, gate/up and down projections as (format, packed bytes, out, in, activation planes)), then (heads, KV
     heads, head dim, hidden, intermediate, eps)."""
     layers = tuple(
         (
@@ -113,6 +113,6 @@ def plan_args(model) -> tuple[tuple, tuple[int, int, int, int, int, float]]:
     return layers, (model.layers[0].self_attn.num_heads, model.num_kv_heads, config.head_dim, config.hidden_size, intermediate, config.rms_norm_eps)
 
 
-def _linear(proj) -> tuple[int, np.ndarray, int, int]:
+def _linear(proj) -> tuple[int, np.ndarray, int, int, int]:
     weight = proj.quantized
-    return _FORMATS[type(weight)], weight.packed.numpy(), weight.shape[0], weight.shape[1]
+    return _FORMATS[type(weight)], weight.packed.numpy(), weight.shape[0], weight.shape[1], weight.act_planes

@@ -16,7 +16,7 @@
 
 #define QMATMUL_API_NAME "engine.quant._qmatmul._C_API"
 #define ATTENTION_API_NAME "engine.kernels._cpu_attention._C_API"
-#define NATIVE_API_VERSION 1
+#define NATIVE_API_VERSION 2
 
 enum { QMATMUL_Q4 = 0, QMATMUL_Q8 = 1 };
 
@@ -24,8 +24,9 @@ typedef struct {
     int version;
     /* y[m, n] = x[m, k] W^T for a weight packed by engine/quant/native.py (format QMATMUL_Q4 or
      * _Q8), x and y float32 C-contiguous, k a multiple of 32, the packed bytes already checked
-     * against (n, k) by the caller. 0, or -1 when scratch memory could not be had. No GIL. */
-    int (*matmul)(int format, const float *x, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y);
+     * against (n, k) by the caller, x quantized to `planes` int8 planes (1 or 2, checked by the
+     * caller). 0, or -1 when scratch memory could not be had. No GIL. */
+    int (*matmul)(int format, const float *x, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y, int planes);
     /* The packed size of an n x k weight, for the caller's checks. */
     int64_t (*packed_bytes)(int format, int64_t n, int64_t k);
 } QMatmulApi;

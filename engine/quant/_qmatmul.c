@@ -5,11 +5,12 @@
  *   Q4 (scale and min)  w = d * q + m,  q in 0..15      (GGUF Q4_0, Q4_1; --weights int4)
  *   Q8 (scale)          w = d * q,      q in -128..127  (GGUF Q8_0; the int4 format's LM head)
  *
- * Activations, per row and 32-block, in two int8 planes: sx1 = amax / 127 and
+ * Activations, per row and 32-block, in two int8 planes by default: sx1 = amax / 127 and
  * xq1 = round_half_even(x / sx1); then the same for what xq1 left over, r = x - sx1 * xq1
- * (sx2, xq2). One plane (llama.cpp's Q8_0 activations) cost SmolLM2 ~1% perplexity and most
- * of its greedy agreement with fp32; two carry ~15 bits of x and match fp32's perplexity, for
- * twice the integer dots. The min term uses the block's exact float sum of x (xsum):
+ * (sx2, xq2). Two carry ~15 bits of x and match fp32's perplexity, for twice the integer dots.
+ * A caller may ask for one plane (llama.cpp's Q8_0 activations: EngineConfig.act_planes = 1),
+ * which cost SmolLM2 ~1% perplexity and most of its greedy agreement with fp32 but halves the
+ * dots, the bulk of a prompt's time. The min term uses the block's exact float sum of x (xsum):
  *
  *   Q4: sum_i w_i x_i ~ d * (sx1 * idot(q, xq1) + sx2 * idot(q, xq2)) + m * xsum
  *   Q8: the same without m, each idot(q + 128, xq) - 128 * sum(xq)
@@ -69,7 +70,7 @@
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
-#define PARALLEL_MIN_WEIGHTS (1 << 17) /* below this a parallel region costs more than it saves */
+#define PARALLEL_MIN_MACS (1 << 17) /* rows x weights below which a parallel region costs more than it saves */
 
 /* In order of preference: a CPU that runs one runs every one before it. */
 enum isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2, NUM_ISAS = 3 };
@@ -77,14 +78,14 @@ static const char *ISA_NAMES[] = {"scalar", "avx2", "avx512vnni"};
 static enum isa best_isa = ISA_SCALAR;
 static enum isa used_isa = ISA_SCALAR;
 
-/* Activations of all M rows, quantized once per call. */
-#define PLANES 2 /* x ~ sx1 * xq1 + sx2 * xq2: the second plane quantizes what the first rounded off */
+#define MAX_PLANES 2 /* x ~ sx1 * xq1 + sx2 * xq2: the second plane quantizes what the first rounded off */
 
 /* Activations of all M rows, quantized once per call. */
 typedef struct {
-    const int8_t *q[PLANES];       /* [M, K] each */
-    const float *scale[PLANES];    /* [M, K / 32] each: sx */
-    const int32_t *offset[PLANES]; /* [M, K / 32] each: 128 * sum(xq), the Q8 unsigned-code correction */
+    const int8_t *q[MAX_PLANES];       /* [M, K] each */
+    const float *scale[MAX_PLANES];    /* [M, K / 32] each: sx */
+    const int32_t *offset[MAX_PLANES]; /* [M, K / 32] each: 128 * sum(xq), the Q8 unsigned-code correction */
+    int planes;                        /* 1 or 2 */
     const float *sum;              /* [M, K / 32]: xsum */
     int64_t k;
     int64_t num_blocks;
@@ -151,7 +152,7 @@ static float block_sum(const float *v) {
     return partial[0];
 }
 
-static void quantize_acts_scalar(const float *x, int64_t m, int64_t k, int8_t **q, float **scale, float *sum, int32_t **offset) {
+static void quantize_acts_scalar(const float *x, int64_t m, int64_t k, int planes, int8_t **q, float **scale, float *sum, int32_t **offset) {
     int64_t num_blocks = k / GROUP;
     for (int64_t r = 0; r < m; r++) {
         for (int64_t b = 0; b < num_blocks; b++) {
@@ -159,7 +160,7 @@ static void quantize_acts_scalar(const float *x, int64_t m, int64_t k, int8_t **
             int64_t at = r * num_blocks + b;
             memcpy(rest, x + r * k + b * GROUP, sizeof rest);
             sum[at] = block_sum(rest);
-            for (int p = 0; p < PLANES; p++) {
+            for (int p = 0; p < planes; p++) {
                 quantize_block(rest, q[p] + r * k + b * GROUP, scale[p] + at, offset[p] + at);
             }
         }
@@ -183,7 +184,7 @@ static void q4_tile_scalar(const uint8_t *tile, const acts_t *a, int64_t r0, int
                 float d = half_to_float(load_u16(block + 256 + 2 * j));
                 float mn = half_to_float(load_u16(block + 288 + 2 * j));
                 int64_t at = (r0 + r) * a->num_blocks + b;
-                for (int p = 0; p < PLANES; p++) {
+                for (int p = 0; p < a->planes; p++) {
                     const int8_t *xq = a->q[p] + (r0 + r) * a->k + b * GROUP;
                     int32_t idot = 0;
                     for (int i = 0; i < GROUP; i++) {
@@ -206,7 +207,7 @@ static void q8_tile_scalar(const uint8_t *tile, const acts_t *a, int64_t r0, int
                 const uint8_t *block = tile + b * Q8_TILE_BYTES;
                 float d = half_to_float(load_u16(block + 512 + 2 * j));
                 int64_t at = (r0 + r) * a->num_blocks + b;
-                for (int p = 0; p < PLANES; p++) {
+                for (int p = 0; p < a->planes; p++) {
                     const int8_t *xq = a->q[p] + (r0 + r) * a->k + b * GROUP;
                     int32_t idot = -a->offset[p][at];
                     for (int i = 0; i < GROUP; i++) {
@@ -240,7 +241,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void store_rows(float
 }
 
 AVX512_TARGET static inline __attribute__((always_inline)) void q4_tile_avx512_body(
-    const uint8_t *tile, const acts_t *a, int64_t r0, const int mt, float *y, int64_t ldy, int rows) {
+    const uint8_t *tile, const acts_t *a, int64_t r0, const int mt, const int planes, float *y, int64_t ldy, int rows) {
     __m512 acc[ROW_CHUNK];
     for (int r = 0; r < mt; r++) {
         acc[r] = _mm512_setzero_ps();
@@ -261,7 +262,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q4_tile_avx512_b
         __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 288)));
         for (int r = 0; r < mt; r++) {
             int64_t at = (r0 + r) * a->num_blocks + b;
-            for (int p = 0; p < PLANES; p++) {
+            for (int p = 0; p < planes; p++) {
                 const int8_t *xq = a->q[p] + (r0 + r) * a->k + b * GROUP;
                 __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512(); /* two chains of 4 */
                 for (int g = 0; g < 8; g += 2) {
@@ -281,7 +282,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q4_tile_avx512_b
 }
 
 AVX512_TARGET static inline __attribute__((always_inline)) void q8_tile_avx512_body(
-    const uint8_t *tile, const acts_t *a, int64_t r0, const int mt, float *y, int64_t ldy, int rows) {
+    const uint8_t *tile, const acts_t *a, int64_t r0, const int mt, const int planes, float *y, int64_t ldy, int rows) {
     __m512 acc[ROW_CHUNK];
     for (int r = 0; r < mt; r++) {
         acc[r] = _mm512_setzero_ps();
@@ -298,7 +299,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q8_tile_avx512_b
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 512)));
         for (int r = 0; r < mt; r++) {
             int64_t at = (r0 + r) * a->num_blocks + b;
-            for (int p = 0; p < PLANES; p++) {
+            for (int p = 0; p < planes; p++) {
                 const int8_t *xq = a->q[p] + (r0 + r) * a->k + b * GROUP;
                 __m512i even = _mm512_set1_epi32(-a->offset[p][at]), odd = _mm512_setzero_si512();
                 for (int g = 0; g < 8; g += 2) {
@@ -317,7 +318,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q8_tile_avx512_b
 }
 
 /* quantize_acts_scalar with vectors: a block is two 16-float halves. */
-AVX512_TARGET static void quantize_acts_avx512(const float *x, int64_t m, int64_t k, int8_t **q, float **scale, float *sum, int32_t **offset) {
+AVX512_TARGET static void quantize_acts_avx512(const float *x, int64_t m, int64_t k, int planes, int8_t **q, float **scale, float *sum, int32_t **offset) {
     int64_t num_blocks = k / GROUP;
     const __m512 limit = _mm512_set1_ps(127.0f);
     for (int64_t r = 0; r < m; r++) {
@@ -331,7 +332,7 @@ AVX512_TARGET static void quantize_acts_avx512(const float *x, int64_t m, int64_
             __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
             __m128 t1 = _mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1));
             sum[at] = _mm_cvtss_f32(t1);
-            for (int p = 0; p < PLANES; p++) {
+            for (int p = 0; p < planes; p++) {
                 float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
                 float d = amax / 127.0f;
                 __m512 inverse = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f), dv = _mm512_set1_ps(d);
@@ -380,7 +381,7 @@ AVX2_TARGET static inline __attribute__((always_inline)) void store_rows_avx2(fl
 }
 
 AVX2_TARGET static inline __attribute__((always_inline)) void q4_tile_avx2_body(
-    const uint8_t *tile, const acts_t *a, int64_t r0, const int mt, float *y, int64_t ldy, int rows) {
+    const uint8_t *tile, const acts_t *a, int64_t r0, const int mt, const int planes, float *y, int64_t ldy, int rows) {
     __m256 acc[ROW_CHUNK][2];
     for (int r = 0; r < mt; r++) {
         acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -402,7 +403,7 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q4_tile_avx2_body(
             __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 288 + 16 * h)));
             for (int r = 0; r < mt; r++) {
                 int64_t at = (r0 + r) * a->num_blocks + b;
-                for (int p = 0; p < PLANES; p++) {
+                for (int p = 0; p < planes; p++) {
                     const int8_t *xq = a->q[p] + (r0 + r) * a->k + b * GROUP;
                     __m256i even = _mm256_maddubs_epi16(w[0], broadcast4(xq));
                     __m256i odd = _mm256_maddubs_epi16(w[1], broadcast4(xq + 4));
@@ -424,7 +425,7 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q4_tile_avx2_body(
 }
 
 AVX2_TARGET static inline __attribute__((always_inline)) void q8_tile_avx2_body(
-    const uint8_t *tile, const acts_t *a, int64_t r0, const int mt, float *y, int64_t ldy, int rows) {
+    const uint8_t *tile, const acts_t *a, int64_t r0, const int mt, const int planes, float *y, int64_t ldy, int rows) {
     __m256 acc[ROW_CHUNK][2];
     for (int r = 0; r < mt; r++) {
         acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -444,7 +445,7 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q8_tile_avx2_body(
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 512 + 16 * h)));
             for (int r = 0; r < mt; r++) {
                 int64_t at = (r0 + r) * a->num_blocks + b;
-                for (int p = 0; p < PLANES; p++) {
+                for (int p = 0; p < planes; p++) {
                     const int8_t *xq = a->q[p] + (r0 + r) * a->k + b * GROUP;
                     __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
                     for (int g = 0; g < 8; g += 2) {
@@ -466,7 +467,7 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q8_tile_avx2_body(
 }
 
 /* quantize_acts_scalar with vectors: a block is four 8-float quarters. */
-AVX2_TARGET static void quantize_acts_avx2(const float *x, int64_t m, int64_t k, int8_t **q, float **scale, float *sum, int32_t **offset) {
+AVX2_TARGET static void quantize_acts_avx2(const float *x, int64_t m, int64_t k, int planes, int8_t **q, float **scale, float *sum, int32_t **offset) {
     int64_t num_blocks = k / GROUP;
     const __m256 limit = _mm256_set1_ps(127.0f), negative_limit = _mm256_set1_ps(-127.0f);
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
@@ -484,7 +485,7 @@ AVX2_TARGET static void quantize_acts_avx2(const float *x, int64_t m, int64_t k,
             __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
             __m128 t1 = _mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1));
             sum[at] = _mm_cvtss_f32(t1);
-            for (int p = 0; p < PLANES; p++) {
+            for (int p = 0; p < planes; p++) {
                 __m256 most = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign_bit, part[0]), _mm256_andnot_ps(sign_bit, part[1])),
                                             _mm256_max_ps(_mm256_andnot_ps(sign_bit, part[2]), _mm256_andnot_ps(sign_bit, part[3])));
                 __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
@@ -512,32 +513,39 @@ AVX2_TARGET static void quantize_acts_avx2(const float *x, int64_t m, int64_t k,
 }
 
 /* One copy of each body per chunk height, so the accumulators are a fixed set of registers. */
-#define CHUNK_CASES(body) \
+#define CHUNK_CASES(body, planes) \
     switch (mt) {                                                    \
-    case 1: body(tile, a, r0, 1, y, ldy, rows); break;               \
-    case 2: body(tile, a, r0, 2, y, ldy, rows); break;               \
-    case 3: body(tile, a, r0, 3, y, ldy, rows); break;               \
-    case 4: body(tile, a, r0, 4, y, ldy, rows); break;               \
-    case 5: body(tile, a, r0, 5, y, ldy, rows); break;               \
-    case 6: body(tile, a, r0, 6, y, ldy, rows); break;               \
-    case 7: body(tile, a, r0, 7, y, ldy, rows); break;               \
-    default: body(tile, a, r0, ROW_CHUNK, y, ldy, rows); break;      \
+    case 1: body(tile, a, r0, 1, planes, y, ldy, rows); break;       \
+    case 2: body(tile, a, r0, 2, planes, y, ldy, rows); break;       \
+    case 3: body(tile, a, r0, 3, planes, y, ldy, rows); break;       \
+    case 4: body(tile, a, r0, 4, planes, y, ldy, rows); break;       \
+    case 5: body(tile, a, r0, 5, planes, y, ldy, rows); break;       \
+    case 6: body(tile, a, r0, 6, planes, y, ldy, rows); break;       \
+    case 7: body(tile, a, r0, 7, planes, y, ldy, rows); break;       \
+    default: body(tile, a, r0, ROW_CHUNK, planes, y, ldy, rows); break; \
+    }
+/* ... and per plane count, so the plane loop unrolls. */
+#define PLANE_CASES(body)                                            \
+    if (a->planes == 1) {                                            \
+        CHUNK_CASES(body, 1)                                         \
+    } else {                                                         \
+        CHUNK_CASES(body, 2)                                         \
     }
 
 AVX512_TARGET static void q4_tile_avx512(const uint8_t *tile, const acts_t *a, int64_t r0, int mt, float *y, int64_t ldy, int rows) {
-    CHUNK_CASES(q4_tile_avx512_body)
+    PLANE_CASES(q4_tile_avx512_body)
 }
 
 AVX512_TARGET static void q8_tile_avx512(const uint8_t *tile, const acts_t *a, int64_t r0, int mt, float *y, int64_t ldy, int rows) {
-    CHUNK_CASES(q8_tile_avx512_body)
+    PLANE_CASES(q8_tile_avx512_body)
 }
 
 AVX2_TARGET static void q4_tile_avx2(const uint8_t *tile, const acts_t *a, int64_t r0, int mt, float *y, int64_t ldy, int rows) {
-    CHUNK_CASES(q4_tile_avx2_body)
+    PLANE_CASES(q4_tile_avx2_body)
 }
 
 AVX2_TARGET static void q8_tile_avx2(const uint8_t *tile, const acts_t *a, int64_t r0, int mt, float *y, int64_t ldy, int rows) {
-    CHUNK_CASES(q8_tile_avx2_body)
+    PLANE_CASES(q8_tile_avx2_body)
 }
 #endif
 
@@ -579,7 +587,7 @@ static int check_float_matrix(const Py_buffer *view, const char *name) {
 static void run_tiles(const format_t *fmt, tile_fn fn, const uint8_t *weights, const acts_t *a, int64_t m, int64_t n, float *y) {
     int64_t num_tiles = (n + TILE_ROWS - 1) / TILE_ROWS;
     int64_t tile_stride = a->num_blocks * fmt->tile_bytes;
-    int parallel = n * a->k >= PARALLEL_MIN_WEIGHTS;
+    int parallel = m * n * a->k >= PARALLEL_MIN_MACS;
     (void)parallel;
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t t = 0; t < num_tiles; t++) {
@@ -596,35 +604,35 @@ static int64_t fmt_packed_bytes(const format_t *fmt, int64_t n, int64_t k) {
 }
 
 /* y = x W^T once the arguments are checked; no GIL. -1: no memory for the activation planes. */
-static int compute(const format_t *fmt, const float *x, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y) {
+static int compute(const format_t *fmt, const float *x, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y, int planes) {
     if (m == 0) {
         return 0;
     }
     int64_t num_blocks = k / GROUP;
     int64_t num_values = m * num_blocks;
-    void *scratch = malloc((size_t)(num_values * 4 * (1 + 2 * PLANES) + PLANES * m * k));
+    void *scratch = malloc((size_t)(num_values * 4 * (1 + 2 * planes) + planes * m * k));
     if (scratch == NULL) {
         return -1;
     }
-    acts_t a = {.sum = (float *)scratch, .k = k, .num_blocks = num_blocks};
-    float *scale[PLANES];
-    int32_t *offset[PLANES];
-    int8_t *q[PLANES];
-    for (int p = 0; p < PLANES; p++) {
+    acts_t a = {.sum = (float *)scratch, .k = k, .num_blocks = num_blocks, .planes = planes};
+    float *scale[MAX_PLANES];
+    int32_t *offset[MAX_PLANES];
+    int8_t *q[MAX_PLANES];
+    for (int p = 0; p < planes; p++) {
         a.scale[p] = scale[p] = (float *)scratch + num_values * (1 + p);
-        a.offset[p] = offset[p] = (int32_t *)scratch + num_values * (1 + PLANES + p);
-        a.q[p] = q[p] = (int8_t *)scratch + num_values * 4 * (1 + 2 * PLANES) + p * m * k;
+        a.offset[p] = offset[p] = (int32_t *)scratch + num_values * (1 + planes + p);
+        a.q[p] = q[p] = (int8_t *)scratch + num_values * 4 * (1 + 2 * planes) + p * m * k;
     }
     tile_fn fn = fmt->by_isa[used_isa];
 #if HAVE_X86
     if (used_isa == ISA_AVX512VNNI) {
-        quantize_acts_avx512(x, m, k, q, scale, (float *)a.sum, offset);
+        quantize_acts_avx512(x, m, k, planes, q, scale, (float *)a.sum, offset);
     } else if (used_isa == ISA_AVX2) {
-        quantize_acts_avx2(x, m, k, q, scale, (float *)a.sum, offset);
+        quantize_acts_avx2(x, m, k, planes, q, scale, (float *)a.sum, offset);
     } else
 #endif
     {
-        quantize_acts_scalar(x, m, k, q, scale, (float *)a.sum, offset);
+        quantize_acts_scalar(x, m, k, planes, q, scale, (float *)a.sum, offset);
     }
     run_tiles(fmt, fn, packed, &a, m, n, y);
     free(scratch);
@@ -633,7 +641,12 @@ static int compute(const format_t *fmt, const float *x, int64_t m, int64_t k, co
 
 static PyObject *matmul_impl(PyObject *args, const format_t *fmt) {
     PyObject *x_obj, *packed_obj, *out_obj;
-    if (!PyArg_ParseTuple(args, "OOO", &x_obj, &packed_obj, &out_obj)) {
+    int planes = MAX_PLANES;
+    if (!PyArg_ParseTuple(args, "OOO|i", &x_obj, &packed_obj, &out_obj, &planes)) {
+        return NULL;
+    }
+    if (planes < 1 || planes > MAX_PLANES) {
+        PyErr_Format(PyExc_ValueError, "planes: %d activation planes; the kernel runs 1 or %d", planes, MAX_PLANES);
         return NULL;
     }
     Py_buffer x = {0}, packed = {0}, out = {0};
@@ -677,7 +690,7 @@ static PyObject *matmul_impl(PyObject *args, const format_t *fmt) {
     }
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = compute(fmt, (const float *)x.buf, m, k, (const uint8_t *)packed.buf, n, (float *)out.buf);
+    status = compute(fmt, (const float *)x.buf, m, k, (const uint8_t *)packed.buf, n, (float *)out.buf, planes);
     Py_END_ALLOW_THREADS
     if (status < 0) {
         PyErr_NoMemory();
@@ -701,8 +714,8 @@ static PyObject *q8_matmul(PyObject *module, PyObject *args) {
 
 /* The C API (native_api.h) */
 
-static int api_matmul(int format, const float *x, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y) {
-    return compute(format == QMATMUL_Q8 ? &Q8 : &Q4, x, m, k, packed, n, y);
+static int api_matmul(int format, const float *x, int64_t m, int64_t k, const uint8_t *packed, int64_t n, float *y, int planes) {
+    return compute(format == QMATMUL_Q8 ? &Q8 : &Q4, x, m, k, packed, n, y, planes);
 }
 
 static int64_t api_packed_bytes(int format, int64_t n, int64_t k) {

@@ -111,6 +111,18 @@ def _convert(name: str, module: Linear, weights: str, make) -> None:
         module.use_weight(converted)
 
 
+def set_act_planes(model: DecoderModel, planes: int) -> None:
+    """Run every layer on the C kernel with ``planes`` int8 planes of activations (EngineConfig.act_planes).
+    Raises ValueError for 1 plane when no layer runs the kernel: the setting would change nothing."""
+    kernel_weights = [m.quantized for _, m in linear_layers(model) if getattr(m.quantized, "native", False)]
+    if planes != 2 and not kernel_weights:
+        why = "the C kernel is not built or this CPU lacks AVX2" if not native_kernels.NATIVE_QMATMUL else "its weights are dense"
+        raise ValueError(f"act_planes: {planes} sets the quantized C kernel, but no layer of this model runs it ({why}); "
+                         "use weights native (a GGUF model), int8 or int4, or act_planes 2")
+    for weight in kernel_weights:
+        weight.act_planes = planes
+
+
 def linear_layers(model: DecoderModel) -> Iterator[tuple[str, Linear]]:
     """``(name, module)`` of every column- or row-parallel linear layer, the LM head included."""
     for name, module in model.named_modules():

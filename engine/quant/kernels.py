@@ -8,7 +8,8 @@ at load, memory being plentiful on a CPU host) runs instead.
 
 The group-32 formats (``Int4Weight``, ``GroupInt8Weight``) run the C kernel of
 ``engine/quant/native.py`` where it is built (``NATIVE_QMATMUL``): int8 dot products on float32
-activations quantized per 32-block to two int8 planes (about 15 bits), no bf16 round trip. Elsewhere they run torch's
+activations quantized per 32-block to two int8 planes (about 15 bits; ``act_planes = 1`` keeps
+one, as llama.cpp does), no bf16 round trip. Elsewhere they run torch's
 ``_weight_int4pack_mm_for_cpu``, which wants bf16 activations (float32 ones run about 10x
 slower), so ``x`` is cast to bf16 and back; ``cast_back=False`` skips the cast back for a caller
 whose next op promotes the bf16 result exactly (adding it to a float32 residual).
@@ -81,6 +82,7 @@ class Int4Weight:
         keep none either where the CPU lacks bf16 (``native.CPU_BF16``)."""
         self.shape = tuple(codes.shape)
         self.native = native.NATIVE_QMATMUL  # read per weight: a test may switch it off
+        self.act_planes = 2  # the C kernel's int8 planes of x: 1 or 2 (EngineConfig.act_planes)
         if self.native:
             self.packed = native.pack_q4(codes, scales, mins)
             self._packed_array = self.packed.numpy()
@@ -126,7 +128,7 @@ class Int4Weight:
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T`` through the 4-bit kernel alone, whatever the rows (bf16 ``x`` on torch's)."""
         if self.native:
-            return native.q4_matmul(x, self._packed_array, self.shape[0])
+            return native.q4_matmul(x, self._packed_array, self.shape[0], self.act_planes)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
         return y if y.shape[1] == self.shape[0] else y[:, : self.shape[0]]
 
@@ -193,6 +195,7 @@ class GroupInt8Weight:
         """``codes`` int8 ``[out, in]``; ``scales`` float32 ``[out, in / 32]``."""
         self.shape = tuple(codes.shape)
         self.native = native.NATIVE_QMATMUL  # read per weight: a test may switch it off
+        self.act_planes = 2  # the C kernel's int8 planes of x: 1 or 2 (EngineConfig.act_planes)
         if self.native:
             self.packed = native.pack_q8(codes, scales)
             self._packed_array = self.packed.numpy()
@@ -229,7 +232,7 @@ class GroupInt8Weight:
         if self.dense is not None and x.shape[0] > (GROUP_INT8_KERNEL_MAX_ROWS if self.native else TORCH_INT4_KERNEL_MAX_ROWS):
             return F.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
         if self.native:
-            return native.q8_matmul(x, self._packed_array, self.shape[0])
+            return native.q8_matmul(x, self._packed_array, self.shape[0], self.act_planes)
         x16 = x.to(torch.bfloat16)
         return (self.high.kernel(x16).float() + self.low.kernel(x16).float()).to(x.dtype)
 

@@ -39,9 +39,9 @@ def test_both_systems_at_each_concurrency_emit_every_workload_token(tiny_llama_d
     captured = capsys.readouterr()
     report = json.loads(out.read_text())
     assert json.loads(captured.out) == report
-    assert set(report) == {"model", "dtype", "weights", "kv_dtype", "threads", "num_requests", "prompt_len", "output_len", "machine",
+    assert set(report) == {"model", "dtype", "weights", "act_planes", "kv_dtype", "threads", "num_requests", "prompt_len", "output_len", "machine",
                            "results", "prompt_tok_per_s", "decode_tok_per_s", "speedup"}
-    assert (report["weights"], report["threads"], report["machine"]["torch_threads"]) == ("fp32", 1, 1)
+    assert (report["weights"], report["act_planes"], report["threads"], report["machine"]["torch_threads"]) == ("fp32", 2, 1, 1)
     assert set(report["machine"]) == MACHINE_KEYS
     for probe in ("prompt_tok_per_s", "decode_tok_per_s"):
         assert set(report[probe]) == {"splitserve", "transformers"} and all(v > 0 for v in report[probe].values())

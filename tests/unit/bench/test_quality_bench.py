@@ -16,13 +16,14 @@ from engine.tokenizer import Tokenizer
 
 WINDOW, TEXT_TOKENS, GEN_TOKENS = 64, 200, 6
 WEIGHTS = ["fp32", "int8", "int4"]
+ONE_PLANE = ["int4/a8"]
 
 
 @pytest.fixture(scope="module")
 def report(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("quality") / "quality.json"
     argv = ["--model", str(tiny_llama_dir), "--weights", *WEIGHTS, "--window", str(WINDOW), "--max-text-tokens", str(TEXT_TOKENS),
-            "--gen-tokens", str(GEN_TOKENS), "--decode-tokens", "4", "--threads", "1", "--json", str(out)]
+            "--gen-tokens", str(GEN_TOKENS), "--decode-tokens", "4", "--threads", "1", "--one-plane", "int4", "--json", str(out)]
     threads = torch.get_num_threads()
     try:
         assert quality.main(argv) == 0
@@ -32,20 +33,26 @@ def report(tiny_llama_dir, tmp_path_factory):
 
 
 def test_one_row_per_weights_format_then_the_pruned_row_each_scoring_every_token_after_a_windows_first(report):
-    assert [row["weights"] for row in report["rows"]] == WEIGHTS + [quality.PRUNED]
-    assert {"bench", "model", "machine", "text", "window", "max_text_tokens", "gen_tokens", "decode_tokens", "threads", "rows"} <= set(report)
+    assert [row["weights"] for row in report["rows"]] == WEIGHTS + ONE_PLANE + [quality.PRUNED]
+    assert {"bench", "model", "machine", "text", "window", "max_text_tokens", "gen_tokens", "decode_tokens", "threads", "one_plane", "rows"} <= set(report)
     # 200 tokens in windows of 64, 64, 64, 8: each window's first token has nothing to be predicted from
     assert all(row["scored_tokens"] == TEXT_TOKENS - math.ceil(TEXT_TOKENS / WINDOW) for row in report["rows"])
-    for row in report["rows"][: len(WEIGHTS)]:
+    for row in report["rows"][: len(WEIGHTS) + len(ONE_PLANE)]:
         assert set(row) == {"weights", "perplexity", "scored_tokens", "decode_tok_per_s_c1", "linear_weight_bytes", "greedy_vs_fp32"}
         assert math.isfinite(row["perplexity"]) and row["perplexity"] > 1 and row["decode_tok_per_s_c1"] > 0
-    fp32, int8, int4 = (row["linear_weight_bytes"] for row in report["rows"][: len(WEIGHTS)])
-    assert int4 < int8 < fp32
+    fp32, int8, int4, int4_a8 = (row["linear_weight_bytes"] for row in report["rows"][: len(WEIGHTS) + len(ONE_PLANE)])
+    assert int4 == int4_a8 < int8 < fp32
+
+
+def test_the_one_plane_row_runs_the_same_weights_with_other_activations(report):
+    """The same int4 weights; one activation plane moves the perplexity (the setting reached the kernel)."""
+    rows = {row["weights"]: row for row in report["rows"]}
+    assert rows["int4/a8"]["perplexity"] != rows["int4"]["perplexity"]
 
 
 def test_greedy_counts_are_bounded_by_the_tokens_generated_and_fp32_agrees_with_itself(report):
     tokens = len(quality.PROMPTS) * GEN_TOKENS
-    for row in report["rows"][: len(WEIGHTS)]:
+    for row in report["rows"][: len(WEIGHTS) + len(ONE_PLANE)]:
         counts = row["greedy_vs_fp32"]
         assert counts["tokens"] == tokens
         assert 0 <= counts["agree_before_divergence"] <= counts["agree_total"] <= tokens

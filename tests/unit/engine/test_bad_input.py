@@ -87,6 +87,11 @@ def test_unsupported_architecture_is_named(tiny_llama_dir, tmp_path):
         make_engine(d)
 
 
+def test_one_activation_plane_on_dense_weights_is_refused_as_changing_nothing(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"^act_planes: 1 sets the quantized C kernel, but no layer of this model runs it \(its weights are dense\)"):
+        make_engine(tiny_llama_dir, weights="fp32", act_planes=1)
+
+
 def test_unsupported_rope_type_is_named(tiny_llama_dir, tmp_path):
     d = _copy(tiny_llama_dir, tmp_path / "rope")
     config = json.loads((d / "config.json").read_text())
@@ -126,7 +131,8 @@ def test_missing_weights_and_config(tiny_llama_dir, tmp_path):
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"kv_dtype": "int8"}, "kv_dtype"), ({"dtype": "float16"}, "dtype"), ({"block_size": 0}, "block_size"), ({"max_num_seqs": 0}, "max_num_seqs")],
+    [({"kv_dtype": "int8"}, "kv_dtype"), ({"dtype": "float16"}, "dtype"), ({"block_size": 0}, "block_size"), ({"max_num_seqs": 0}, "max_num_seqs"),
+     ({"act_planes": 3}, "act_planes"), ({"act_planes": 1, "device": "cuda", "weights": "fp32"}, "act_planes")],
 )
 def test_bad_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}"):

@@ -67,10 +67,12 @@ def _fused_checked_against_python(monkeypatch, model: DecoderModel) -> list[dict
     return seen
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "bf16"])
-def test_fused_steps_equal_the_python_layers_bit_for_bit(native, libm_silu, monkeypatch, tiny_llama_dir, kv_dtype):
-    engine = make_engine(tiny_llama_dir, weights="int4", kv_dtype=kv_dtype)
+@pytest.mark.parametrize("kv_dtype, act_planes", [("fp8_e4m3", 2), ("bf16", 2), ("fp8_e4m3", 1)])
+def test_fused_steps_equal_the_python_layers_bit_for_bit(native, libm_silu, monkeypatch, tiny_llama_dir, kv_dtype, act_planes):
+    """With one activation plane too: were the fused layers to quantize with two, no step would match."""
+    engine = make_engine(tiny_llama_dir, weights="int4", kv_dtype=kv_dtype, act_planes=act_planes)
     assert engine.runner.model.fused_layers is not None, cpu_decoder.unsupported(engine.runner.model)
+    assert {spec[4] for layer in cpu_decoder.plan_args(engine.runner.model)[0] for spec in layer[2:]} == {act_planes}
     seen = _fused_checked_against_python(monkeypatch, engine.runner.model)
     outputs = run_staggered(engine, random_prompts(), GREEDY)
     assert all(len(o) == GREEDY.max_tokens for o in outputs)
@@ -123,6 +125,8 @@ def test_bad_plans_and_steps_are_refused_naming_the_argument_and_leave_hidden_un
         native.plan(wrong, *dims)
     with pytest.raises(ValueError, match="layer 1 o: format 7"):
         native.plan((layers[0], layers[1][:3] + ((7, *layers[1][3][1:]),) + layers[1][4:]) + layers[2:], *dims)
+    with pytest.raises(ValueError, match="layer 0 down: .*, 3 activation planes; expected .* 1 or 2 planes"):
+        native.plan((layers[0][:5] + (layers[0][5][:4] + (3,),),) + layers[1:], *dims)
     plan = native.plan(layers, *dims)
     c = model.config
     tokens = 2

@@ -1,7 +1,8 @@
 """The native quantized matmul (engine/quant/_qmatmul.c) against a float64 reference of the very
 same quantized math: activations quantized per 32-block to two int8 planes (``amax / 127``,
-round half to even; the second plane quantizes what the first left over), integer dots, and per
-block ``d * (sx1 * idot1 + sx2 * idot2) + m * xsum`` (Q4) or without the min term (Q8).
+round half to even; the second plane quantizes what the first left over), or to the first plane
+alone when asked for one, integer dots, and per block ``d * (sx1 * idot1 + sx2 * idot2) + m * xsum``
+(Q4) or without the min term (Q8).
 
 The integer dots are exact, so only float32 rounding separates the kernel from the reference."""
 
@@ -18,11 +19,11 @@ SHAPES = [(40, 32), (40, 576), (24, 1536)]
 """(out, in): 40 and 24 output rows are not whole 16-row tiles."""
 
 
-def quantized_planes(x: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+def quantized_planes(x: torch.Tensor, num_planes: int = 2) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """``([(xq, sx)] per plane, xsum)`` per 32-block, in float64: codes, scales, exact sums."""
     blocks = x.view(x.shape[0], -1, 32)
     rest, planes = blocks, []
-    for _ in range(2):
+    for _ in range(num_planes):
         scales = rest.abs().amax(-1) / 127
         inverse = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
         codes = (rest * inverse[..., None]).round().clamp(-127, 127)
@@ -31,8 +32,8 @@ def quantized_planes(x: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Te
     return planes, blocks.double().sum(-1)
 
 
-def reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
-    planes, xsum = quantized_planes(x)
+def reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, num_planes: int = 2) -> torch.Tensor:
+    planes, xsum = quantized_planes(x, num_planes)
     weight_codes = codes.double().view(codes.shape[0], -1, 32)
     d = scales.half().double()
     y = sum(torch.einsum("mbi,nbi->mnb", xq, weight_codes) * sx[:, None, :] * d[None] for xq, sx in planes)
@@ -52,17 +53,17 @@ def random_weight(kind: str, out_features: int, in_features: int, seed: int):
     return codes, scales, None, native.pack_q8(codes, scales).numpy()
 
 
-def run(kind: str, x: torch.Tensor, packed, out_features: int) -> torch.Tensor:
-    return (native.q4_matmul if kind == "q4" else native.q8_matmul)(x, packed, out_features)
+def run(kind: str, x: torch.Tensor, packed, out_features: int, planes: int = 2) -> torch.Tensor:
+    return (native.q4_matmul if kind == "q4" else native.q8_matmul)(x, packed, out_features, planes)
 
 
-def run_on_every_isa(qmatmul, kind: str, x: torch.Tensor, packed, out_features: int) -> dict[str, torch.Tensor]:
+def run_on_every_isa(qmatmul, kind: str, x: torch.Tensor, packed, out_features: int, planes: int = 2) -> dict[str, torch.Tensor]:
     """The result of each instruction set this CPU runs (the scalar path always among them)."""
     results = {}
     for isa in qmatmul.isas():
         previous = qmatmul.use_isa(isa)
         try:
-            results[isa] = run(kind, x, packed, out_features)
+            results[isa] = run(kind, x, packed, out_features, planes)
         finally:
             qmatmul.use_isa(previous)
     return results
@@ -76,12 +77,15 @@ def assert_the_same_bits(results: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("num_rows", [1, 3, 16])
-def test_the_kernel_computes_the_quantized_math_on_every_isa(native_qmatmul, kind, shape, num_rows):
+@pytest.mark.parametrize("planes", [2, 1])
+def test_the_kernel_computes_the_quantized_math_on_every_isa(native_qmatmul, kind, shape, num_rows, planes):
+    """With one plane the reference differs from two planes' by ~1e-3 of the result, far outside
+    the tolerance: a kernel that ignored ``planes`` fails one of the two."""
     codes, scales, mins, packed = random_weight(kind, *shape, seed=num_rows)
     x = torch.randn(num_rows, shape[1], generator=torch.Generator().manual_seed(7))
     x[0, :32] = 0  # an all-zero block: scale 0, codes 0
-    expected = reference(x, codes, scales, mins)
-    results = run_on_every_isa(native_qmatmul, kind, x, packed, shape[0])
+    expected = reference(x, codes, scales, mins, planes)
+    results = run_on_every_isa(native_qmatmul, kind, x, packed, shape[0], planes)
     for result in results.values():
         assert result.shape == (num_rows, shape[0]) and result.dtype == torch.float32
         # float32 sums of up to 48 blocks: a few ulps of the largest partial sums
@@ -118,19 +122,30 @@ def test_codes_at_the_ends_of_their_range_give_exact_dots(native_qmatmul, kind):
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_one_and_two_threads_give_the_same_bits(native_qmatmul, kind):
-    codes, scales, mins, packed = random_weight(kind, 520, 576, seed=1)  # past the size that runs in parallel
-    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("planes", [2, 1])
+@pytest.mark.parametrize("shape, num_rows", [((520, 576), 5), ((40, 576), 64)], ids=["wide", "many-rows"])
+def test_one_and_two_threads_give_the_same_bits(native_qmatmul, kind, planes, shape, num_rows):
+    """Past the work that runs in parallel: a wide weight, or a narrow one (40 x 576, alone below
+    the limit) times enough rows."""
+    codes, scales, mins, packed = random_weight(kind, *shape, seed=1)
+    x = torch.randn(num_rows, shape[1], generator=torch.Generator().manual_seed(2))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = run(kind, x, packed, 520)
+        one = run(kind, x, packed, shape[0], planes)
         torch.set_num_threads(2)
-        two = run(kind, x, packed, 520)
+        two = run(kind, x, packed, shape[0], planes)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
-    torch.testing.assert_close(one.double(), reference(x, codes, scales, mins), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(one.double(), reference(x, codes, scales, mins, planes), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("planes", [0, 3])
+def test_a_plane_count_the_kernel_cannot_run_is_refused_by_name(native_qmatmul, planes):
+    _, _, _, packed = random_weight("q4", 40, 64, seed=3)
+    with pytest.raises(ValueError, match=f"planes: {planes} activation planes; the kernel runs 1 or 2"):
+        native.q4_matmul(torch.randn(2, 64), packed, 40, planes)
 
 
 def test_bf16_activations_come_back_in_bf16(native_qmatmul):
