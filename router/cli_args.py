@@ -39,7 +39,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
             continue
         flag = "--" + (prefix + "-" if prefix else "") + f.name.replace("_", "-")
         kind, optional = _parse_type(str(f.type))
-        help_text = f"{docs.get(f.name, '')} (default: {f.default})"
+        help_text = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")  # argparse %-formats help
         dest = _dest(prefix, f.name)
         if kind == "bool":
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)

@@ -280,3 +280,13 @@ def test_every_docker_run_in_the_image_readme_names_a_subcommand_the_cli_has():
         words = shlex.split(args)
         if words:
             assert cli.build_parser().parse_args(words).command in ("head", "worker")
+
+
+def test_every_subcommand_prints_its_help_whatever_its_options_docs_say(capsys):
+    """argparse %-formats each option's help: a field doc such as "about 1% more" must be escaped
+    by cli_args, or ``--help`` dies with a traceback."""
+    parser = cli.build_parser()
+    [subparsers] = [a for a in parser._actions if a.dest == "command"]
+    for command, subparser in subparsers.choices.items():
+        assert subparser.format_help(), command
+    assert "about 1% more perplexity" in " ".join(subparsers.choices["up"].format_help().split())
