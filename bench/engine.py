@@ -33,7 +33,7 @@ from bench.report import BenchError, arg_parser, check_ranges, emit_report, mach
 from bench.spec import add_spec_arguments, spec_report
 from bench.workload import BenchRequest, closed_loop, greedy, random_tokens, random_workload, start_decoding
 from engine.bundled import bundled_model, bundled_model_names
-from engine.config import WEIGHT_FORMATS, EngineConfig
+from engine.config import ACT_PLANES, WEIGHT_FORMATS, EngineConfig
 from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 
@@ -243,7 +243,7 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument("--output-len", type=positive, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--weights", default=EngineConfig.weights, choices=WEIGHT_FORMATS, help="splitserve's linear-layer weights (EngineConfig.weights)")
-    parser.add_argument("--act-planes", type=int, default=EngineConfig.act_planes, choices=(1, 2),
+    parser.add_argument("--act-planes", type=int, default=EngineConfig.act_planes, choices=ACT_PLANES,
                         help="int8 planes of activations in the quantized kernel: 2, or 1 as llama.cpp (EngineConfig.act_planes)")
     parser.add_argument("--spec", default="off", choices=("off", "ngram"), help="also measure speculative decoding against off on a copy-heavy and a chat workload (bench.spec)")
     add_spec_arguments(parser, with_method=False)

@@ -12,6 +12,8 @@ from kv_store.keys import KV_DTYPES
 MODEL_DTYPES = ("float32", "bfloat16")
 WEIGHT_FORMATS = ("native", "bf16", "fp32", "int8", "int4")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
+ACT_PLANES = (1, 2)
+"""Activation planes the quantized CPU kernel runs (``act_planes``): 2, about 15 bits of each, or 1, 8 bits."""
 DEVICE_WEIGHTS = {"float32": ("fp32",), "bfloat16": ("bf16",)}
 """Weights each model dtype runs with on a GPU (``device`` cuda): dense only; the quantized
 kernels (int8, int4, native GGUF blocks) are CPU code."""
@@ -117,7 +119,7 @@ class EngineConfig:
             raise ValueError(f"spec_chunk_cost: must be >= 0, got {self.spec_chunk_cost}")
         if self.speculative != "off" and max(self.tp_size, self.ep_size) > 1:
             raise ValueError(f"speculative: {self.speculative!r} runs on replicas of one rank only; set tp_size and ep_size to 1 or speculative to 'off'")
-        if self.act_planes not in (1, 2):
+        if self.act_planes not in ACT_PLANES:
             raise ValueError(f"act_planes: {self.act_planes} activation planes; the quantized kernel runs 1 or 2")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {KV_DTYPES}")

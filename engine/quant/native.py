@@ -88,10 +88,6 @@ def dequantize_q8(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return _scaled(codes, _untile_scales(blocks[..., 512:], shape))
 
 
-ACT_PLANES = (1, 2)
-"""Activation planes the kernel runs: 2 (the default, ~15 bits of ``x``) or 1 (8 bits)."""
-
-
 def q4_matmul(x: torch.Tensor, packed: object, out_features: int, planes: int = 2) -> torch.Tensor:
     """``x W^T`` in ``x``'s dtype; ``packed`` is ``pack_q4(...).numpy()`` (kept by the caller)."""
     return _call(_qmatmul.q4_matmul, x, packed, out_features, planes)
