@@ -23,6 +23,7 @@ A request meets the SLO when its TTFT and its mean ITL both do; KV transfer time
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import csv
 import dataclasses
@@ -431,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cost-scale", type=float, default=1.0, help="simulated costs over the perf model's (the planner's correction must find it; default: 1)")
     parser.add_argument("--policies", nargs="+", choices=("splitserve", "static", "hpa", "oracle"), default=["splitserve", "static", "hpa"], help="oracle: the planner told the coming load (default: the other three)")
     for field in dataclasses.fields(PlannerConfig):
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default, help=f"planner: {field.metadata.get('doc', '')}(default: {field.default})")
+        kind = dict(action=argparse.BooleanOptionalAction) if isinstance(field.default, bool) else dict(type=type(field.default))
+        parser.add_argument(f"--{field.name.replace('_', '-')}", **kind, default=field.default, help=f"planner: {field.metadata.get('doc', '')}(default: {field.default})")
     args = parser.parse_args(argv)
     try:
         config = PlannerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PlannerConfig)})

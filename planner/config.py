@@ -35,6 +35,10 @@ class PlannerConfig:
     """Hysteresis: a pool shrinks only to a count that would carry the load at this share of its capacity."""
     prefill_zero_load: float = 0.1
     """Prompt load, in prefill replicas, below which the prefill pool may go to zero (with min_prefill 0)."""
+    aggregate_when_cheaper: bool = False
+    """Empty the prefill pool whenever the decode replicas alone, each prefilling its share of the
+    prompts, need fewer replicas than two pools do, not only below ``prefill_zero_load``. Cheaper
+    on steady traffic, slower to recover from prompt bursts (measured in planner/README)."""
     max_decode_batch: int = 256
     """Most sequences one decode replica runs at once (its KV capacity), whatever the ITL allows."""
     kv_usage_high: float = 0.9

@@ -18,7 +18,10 @@ the spread of prompt lengths, which lengthens queues without adding work.
 Decode: the largest batch whose corrected ITL meets the SLO, less z * sqrt(batch) for the
 fluctuation of a Poisson batch (z at the attainment target), sets one replica's token rate.
 When the prompt load is under ``prefill_zero_load`` replicas the prefill pool may go to zero and
-that load is added to the decode pool's.
+that load is added to the decode pool's. With ``aggregate_when_cheaper`` it also goes to zero
+whenever n decode replicas serving everything cost less than the two pools: each then spends
+s = prefill load / n of its time prefilling with its batch stalled, so it must keep ITL within
+(1 - s) of the SLO and makes (1 - s) of its tokens.
 """
 
 from __future__ import annotations
@@ -131,6 +134,24 @@ class SLAPlanner:
         decode_load, decode_why = self._decode_load(forecast)
         decode_need = self._decode_count(decode_load + (prefill_load if prefill_need == 0 else 0.0))
         decode_need_down = self._decode_count((decode_load + (prefill_load if prefill_need_down == 0 else 0.0)) / config.scale_down_margin)
+        aggregated = pools["prefill"].target == 0
+        if config.aggregate_when_cheaper and config.min_prefill == 0 and prefill_need > 0:
+            # Conditional disaggregation: the decode replicas alone, each prefilling its share of
+            # the prompts, may serve the load with fewer replicas than two pools. Entering needs
+            # the scale-down margin's headroom; an aggregated cluster stays so while its decode
+            # replicas suffice, and a load that would need more of them brings the prefill pool
+            # back instead (a growing prompt load is served best apart from the decode batches).
+            alone = self._aggregated_count(prefill_load, prefill_cap, forecast)
+            alone_down = self._aggregated_count(prefill_load / config.scale_down_margin, prefill_cap, forecast, config.scale_down_margin)
+            if alone_down < prefill_need + decode_need or (aggregated and alone <= min(prefill_need + decode_need, pools["decode"].target)):
+                decode_need, decode_need_down = alone, alone_down
+                if pools["decode"].ready >= max(alone, config.min_decode) and not pools["decode"].starting:
+                    prefill_need = prefill_need_down = 0
+                    prefill_why = f"{prefill_why}: the decode replicas prefill it themselves, {alone} of them instead of two pools"
+                    decode_why = f"{forecast.output_tokens_per_s:.0f} output tokens/s and every prompt, prefilled on the decode replicas"
+                else:  # the prefill pool serves until every decode replica that takes its load over is ready
+                    prefill_need = prefill_need_down = pools["prefill"].target
+                    prefill_why = f"{prefill_why}: kept until {alone} decode replicas are ready to prefill it themselves"
         decode = pools["decode"]
         if obs.kv_usage is not None and obs.kv_usage > config.kv_usage_high:
             decode_need = max(decode_need, decode.ready + 1)
@@ -160,7 +181,11 @@ class SLAPlanner:
         decode_ready = pools["decode"].ready
         if steady["decode"] and obs.itl_s_mean and decode_ready and obs.num_output_tokens:
             batch = obs.num_output_tokens / obs.duration_s * obs.itl_s_mean / decode_ready
-            ratios["decode"] = obs.itl_s_mean / perf.itl_s(batch)
+            stalled = 0.0
+            if not prefill_ready and obs.num_requests and obs.num_prompt_tokens:  # the decode replicas prefilled: their batches stalled meanwhile
+                prompt_tokens = obs.num_prompt_tokens / obs.num_requests
+                stalled = min(0.9, obs.num_requests / obs.duration_s * perf.prefill_s(prompt_tokens) / decode_ready)
+            ratios["decode"] = obs.itl_s_mean * (1 - stalled) / perf.itl_s(batch)
         for pool, ratio in ratios.items():
             ratio = min(config.correction_max, max(config.correction_min, ratio))
             self.corrections[pool] += config.correction_smoothing * (ratio - self.corrections[pool])
@@ -187,6 +212,24 @@ class SLAPlanner:
         if load < self.config.prefill_zero_load:
             return 0
         return max(1, math.ceil(load / per_replica - 1e-9))
+
+    def _aggregated_count(self, prefill_load: float, prefill_cap: float, forecast: LoadForecast, margin: float = 1.0) -> int:
+        """Fewest decode replicas that also prefill every prompt: each spends ``prefill_load / n`` of
+        its time prefilling (at most the TTFT's ``prefill_cap``), its batch stalls meanwhile, so the
+        ITL it must keep while decoding shrinks by that share and so does its token rate. More than
+        ``max_decode`` when no count serves both."""
+        config, perf, correction = self.config, self.perf_model, self.corrections["decode"]
+        for n in range(1, config.max_decode + 1):
+            stalled = prefill_load / n
+            if stalled > prefill_cap or stalled >= 1:
+                continue
+            batch_at_slo = perf.largest_batch(config.itl_slo_s * (1 - stalled) / correction, config.max_decode_batch)
+            if batch_at_slo == 0:
+                continue
+            batch = max(1.0, ((-self._z + math.sqrt(self._z**2 + 4 * batch_at_slo)) / 2) ** 2)
+            if forecast.output_tokens_per_s / margin <= n * (1 - stalled) * batch / (correction * perf.itl_s(batch)):
+                return n
+        return config.max_decode + 1
 
     def _decode_count(self, load: float) -> int:
         return self.config.max_decode + 1 if math.isinf(load) else max(1, math.ceil(load - 1e-9))

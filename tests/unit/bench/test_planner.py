@@ -94,3 +94,12 @@ def test_the_oracle_has_its_replicas_ready_when_a_step_of_load_arrives_and_the_p
     step_s, ask_s = 900, 900 - round(config.startup_s)
     assert prefill["oracle"][ask_s] > prefill["oracle"][ask_s - 30] == prefill["splitserve"][ask_s]
     assert prefill["splitserve"][step_s] == prefill["splitserve"][ask_s] < prefill["splitserve"][step_s + 60]
+
+
+def test_a_boolean_planner_setting_is_a_flag_that_reaches_the_planner(trace_path, tmp_path, capsys):
+    out = tmp_path / "planner.json"
+    argv = ["--trace", str(trace_path), *SMALL, "--policies", "splitserve", "--json", str(out)]
+    assert bench_planner.main([*argv, "--aggregate-when-cheaper"]) == 0
+    assert json.loads(out.read_text())["planner_config"]["aggregate_when_cheaper"] is True
+    assert bench_planner.main(argv) == 0
+    assert json.loads(out.read_text())["planner_config"]["aggregate_when_cheaper"] is False

@@ -154,6 +154,36 @@ def test_prefill_goes_to_zero_when_prompts_are_few_and_comes_back_when_they_retu
     assert decision.targets["prefill"] == 1 and decision.reasons["prefill"].startswith("up to 1")
 
 
+def test_aggregate_when_cheaper_lets_one_decode_replica_prefill_what_two_pools_would_split():
+    # 3 req/s of 1000 tokens: 0.3 prefill replicas of prompt load (over prefill_zero_load) and
+    # 150 output tokens/s. One decode replica prefilling them stalls 0.3 of its time (0.375 with
+    # the 0.8 margin): it keeps ITL under 0.0625 s, batch 43, 33.5 after the Poisson swing, and
+    # makes 0.625 * 33.5 / 0.0525 = 399 tokens/s, more than 150 / 0.8. Two pools would be 1 + 1.
+    assert dict(steady(planner(scale_down_cooldown_s=0), 3, (1, 1)).targets) == {"prefill": 1, "decode": 1}
+    p = planner(scale_down_cooldown_s=0, aggregate_when_cheaper=True)
+    decision = steady(p, 3, (1, 1))
+    assert dict(decision.targets) == {"prefill": 0, "decode": 1}
+    assert "the decode replicas prefill it themselves, 1 of them" in decision.reasons["prefill"]
+    # 5 req/s: 0.5 of the time prefilling leaves a batch of 23 at 0.05 s, 274 tokens/s for 250 asked,
+    # but not with the margin's headroom; the cluster is aggregated already, so it stays so.
+    assert dict(steady(planner(scale_down_cooldown_s=0, aggregate_when_cheaper=True), 5, (0, 1)).targets) == {"prefill": 0, "decode": 1}
+    # The same load met with two pools does not swap to one: entering needs the margin's headroom.
+    assert dict(steady(planner(scale_down_cooldown_s=0, aggregate_when_cheaper=True), 5, (1, 1)).targets) == {"prefill": 1, "decode": 1}
+    # Prompts return (30 req/s): the prefill pool comes back at once.
+    assert p.decide(observe(1300, 30, output_tokens=10), pools(0, 1)).targets["prefill"] >= 4
+
+
+def test_aggregate_when_cheaper_keeps_the_prefill_pool_until_the_decode_replicas_taking_its_load_are_ready():
+    p = planner(scale_down_cooldown_s=0, aggregate_when_cheaper=True, min_decode=2)
+    decision = steady(p, 3, (1, 2))
+    assert dict(decision.targets) == {"prefill": 0, "decode": 2}
+    p = planner(scale_down_cooldown_s=0, aggregate_when_cheaper=True, min_decode=2)
+    for t in settle(30):
+        decision = p.decide(observe(t, 3), pools(1, 1, decode_starting=1))
+    assert dict(decision.targets) == {"prefill": 1, "decode": 2}
+    assert "kept until" in decision.reasons["prefill"]
+
+
 def test_an_slo_no_count_meets_holds_at_max_every_interval_and_says_so():
     p = planner(ttft_slo_s=0.05, max_prefill=3)  # a 1000-token prompt alone takes 0.1 s
     now = (1, 1)
