@@ -145,7 +145,7 @@ class SLAPlanner:
             alone_down = self._aggregated_count(prefill_load / config.scale_down_margin, prefill_cap, forecast, config.scale_down_margin)
             if alone_down < prefill_need + decode_need or (aggregated and alone <= min(prefill_need + decode_need, pools["decode"].target)):
                 decode_need, decode_need_down = alone, alone_down
-                if pools["decode"].ready >= max(alone, config.min_decode) and not pools["decode"].starting:
+                if aggregated or (pools["decode"].ready >= max(alone, config.min_decode) and not pools["decode"].starting):
                     prefill_need = prefill_need_down = 0
                     prefill_why = f"{prefill_why}: the decode replicas prefill it themselves, {alone} of them instead of two pools"
                     decode_why = f"{forecast.output_tokens_per_s:.0f} output tokens/s and every prompt, prefilled on the decode replicas"
