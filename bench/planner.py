@@ -23,7 +23,6 @@ A request meets the SLO when its TTFT and its mean ITL both do; KV transfer time
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import csv
 import dataclasses
@@ -43,6 +42,7 @@ from planner.connector import POOLS, PoolReplicas
 from planner.perf_model import PerfModel, load_profile, load_splitwise_csv
 from planner.policy import Observation, SLAPlanner
 from planner.predictor import LoadForecast
+from router.cli_args import add_dataclass_args, dataclass_from_args
 
 CSV_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 DEFAULT_PERF = Path(__file__).resolve().parents[1] / "planner" / "data" / "splitwise_perf_model.csv"
@@ -431,12 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--perf-rows", nargs=3, default=["llama2-70b", "h100-80gb", "4"], metavar=("MODEL", "HARDWARE", "TP"), help="Splitwise row set (default: llama2-70b h100-80gb 4)")
     parser.add_argument("--cost-scale", type=float, default=1.0, help="simulated costs over the perf model's (the planner's correction must find it; default: 1)")
     parser.add_argument("--policies", nargs="+", choices=("splitserve", "static", "hpa", "oracle"), default=["splitserve", "static", "hpa"], help="oracle: the planner told the coming load (default: the other three)")
-    for field in dataclasses.fields(PlannerConfig):
-        kind = dict(action=argparse.BooleanOptionalAction) if isinstance(field.default, bool) else dict(type=type(field.default))
-        parser.add_argument(f"--{field.name.replace('_', '-')}", **kind, default=field.default, help=f"planner: {field.metadata.get('doc', '')}(default: {field.default})")
+    add_dataclass_args(parser, PlannerConfig)
     args = parser.parse_args(argv)
     try:
-        config = PlannerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PlannerConfig)})
+        config = dataclass_from_args(PlannerConfig, args)
     except ValueError as e:
         parser.error(str(e))
     if args.cost_scale <= 0:

@@ -172,9 +172,11 @@ class SLAPlanner:
         steady = {pool: pools[pool].ready == self._last_ready.get(pool) for pool in POOLS}
         self._last_ready = {pool: pools[pool].ready for pool in POOLS}
         prefill_ready = pools["prefill"].ready
-        if steady["prefill"] and obs.ttft_s_mean and prefill_ready and obs.num_requests and obs.num_prompt_tokens:
+        prompted = bool(obs.num_requests and obs.num_prompt_tokens)
+        if prompted:  # the interval's mean prompt and what one replica takes to prefill it
             prompt_tokens = obs.num_prompt_tokens / obs.num_requests
             service_s = perf.prefill_s(prompt_tokens)
+        if steady["prefill"] and obs.ttft_s_mean and prefill_ready and prompted:
             rho = obs.num_prompt_tokens / obs.duration_s * service_s / prompt_tokens / prefill_ready
             if rho < 0.7:  # beyond, the queueing term dominates and says little about the model
                 ratios["prefill"] = obs.ttft_s_mean / (service_s * (1 + _pooled_wait_share(rho, prefill_ready)))
@@ -182,9 +184,8 @@ class SLAPlanner:
         if steady["decode"] and obs.itl_s_mean and decode_ready and obs.num_output_tokens:
             batch = obs.num_output_tokens / obs.duration_s * obs.itl_s_mean / decode_ready
             stalled = 0.0
-            if not prefill_ready and obs.num_requests and obs.num_prompt_tokens:  # the decode replicas prefilled: their batches stalled meanwhile
-                prompt_tokens = obs.num_prompt_tokens / obs.num_requests
-                stalled = min(0.9, obs.num_requests / obs.duration_s * perf.prefill_s(prompt_tokens) / decode_ready)
+            if not prefill_ready and prompted:  # the decode replicas prefilled: their batches stalled meanwhile
+                stalled = min(0.9, obs.num_requests / obs.duration_s * service_s / decode_ready)
             ratios["decode"] = obs.itl_s_mean * (1 - stalled) / perf.itl_s(batch)
         for pool, ratio in ratios.items():
             ratio = min(config.correction_max, max(config.correction_min, ratio))
@@ -218,30 +219,36 @@ class SLAPlanner:
         its time prefilling (at most the TTFT's ``prefill_cap``), its batch stalls meanwhile, so the
         ITL it must keep while decoding shrinks by that share and so does its token rate. More than
         ``max_decode`` when no count serves both."""
-        config, perf, correction = self.config, self.perf_model, self.corrections["decode"]
+        config = self.config
         for n in range(1, config.max_decode + 1):
             stalled = prefill_load / n
             if stalled > prefill_cap or stalled >= 1:
                 continue
-            batch_at_slo = perf.largest_batch(config.itl_slo_s * (1 - stalled) / correction, config.max_decode_batch)
-            if batch_at_slo == 0:
-                continue
-            batch = max(1.0, ((-self._z + math.sqrt(self._z**2 + 4 * batch_at_slo)) / 2) ** 2)
-            if forecast.output_tokens_per_s / margin <= n * (1 - stalled) * batch / (correction * perf.itl_s(batch)):
+            rate = self._decode_rate(config.itl_slo_s * (1 - stalled))
+            if rate is not None and forecast.output_tokens_per_s / margin <= n * (1 - stalled) * rate[1]:
                 return n
         return config.max_decode + 1
+
+    def _decode_rate(self, itl_s: float) -> tuple[float, float] | None:
+        """(batch, tokens/s) of one decode replica whose corrected ITL stays under ``itl_s``: the
+        largest such batch less z * sqrt(batch) for a Poisson batch's swing. None when even one
+        sequence is slower."""
+        perf, correction = self.perf_model, self.corrections["decode"]
+        batch_at_slo = perf.largest_batch(itl_s / correction, self.config.max_decode_batch)
+        if batch_at_slo == 0:
+            return None
+        batch = max(1.0, ((-self._z + math.sqrt(self._z**2 + 4 * batch_at_slo)) / 2) ** 2)
+        return batch, batch / (correction * perf.itl_s(batch))
 
     def _decode_count(self, load: float) -> int:
         return self.config.max_decode + 1 if math.isinf(load) else max(1, math.ceil(load - 1e-9))
 
     def _decode_load(self, forecast: LoadForecast) -> tuple[float, str]:
         """(load in decode replicas, why); infinite when no batch meets the ITL SLO."""
-        config, perf, correction = self.config, self.perf_model, self.corrections["decode"]
-        batch_at_slo = perf.largest_batch(config.itl_slo_s / correction, config.max_decode_batch)
-        if batch_at_slo == 0:
-            return math.inf, f"one sequence alone takes {correction * perf.itl_s(1):.3f} s per token"
-        batch = max(1.0, ((-self._z + math.sqrt(self._z**2 + 4 * batch_at_slo)) / 2) ** 2)
-        tokens_per_s = batch / (correction * perf.itl_s(batch))
+        rate = self._decode_rate(self.config.itl_slo_s)
+        if rate is None:
+            return math.inf, f"one sequence alone takes {self.corrections['decode'] * self.perf_model.itl_s(1):.3f} s per token"
+        batch, tokens_per_s = rate
         return forecast.output_tokens_per_s / tokens_per_s, f"{forecast.output_tokens_per_s:.0f} output tokens/s at {tokens_per_s:.0f} per replica (batch {batch:.0f})"
 
     def _stabilised(self, pool: str, need_down: int, now_s: float) -> int:
