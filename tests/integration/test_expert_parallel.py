@@ -3,7 +3,7 @@ joined to this process (the leader, rank 0) by real gloo process groups, each lo
 experts of a tiny random MoE checkpoint (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE;
 4 experts, top-2, 2 layers).
 
-For each model at EP 2 and EP 4, float32: greedy output of a batch spread over every rank and of
+For each model at EP 2, and Mixtral at EP 4 too (one expert per rank), float32: greedy output of a batch spread over every rank and of
 a single request (the other ranks idle, running empty steps) equals EP 1 and transformers; seeded
 sampling equals EP 1; chunked prefill and preemption change nothing; each rank holds exactly 1/N
 of EP 1's expert weight bytes; and every computed token is routed to top_k experts in every layer,
@@ -29,7 +29,9 @@ from tests.unit.engine.helpers import GREEDY, random_prompts, transformers_greed
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MODELS = ("mixtral", "qwen2-moe", "qwen3-moe")
-EP_SIZES = (2, 4)
+CASES = [(m, 2) for m in MODELS] + [("mixtral", 4)]
+"""(model, EP size): what changes with the model (a shared expert, normalised top-k weights) is
+per rank, so one size of each shows it; one more size shows experts split one per rank."""
 NUM_EXPERTS, TOP_K, NUM_LAYERS = 4, 2, 2
 PROMPTS = random_prompts()  # 8 prompts of 1 to 100 tokens
 SINGLE = PROMPTS[6]  # 70 tokens
@@ -46,7 +48,7 @@ def engines(ray_session):
         yield e
 
 
-@pytest.fixture(scope="module", params=[(m, ep) for m in MODELS for ep in EP_SIZES], ids=lambda p: f"{p[0]}-ep{p[1]}")
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-ep{p[1]}")
 def case(request, tiny_checkpoint) -> tuple[str, int]:
     """``(checkpoint dir, EP size)``; tests are grouped by it, so each EP engine is built once per config."""
     name, ep = request.param

@@ -91,7 +91,7 @@ def smollm2_expected() -> list[tuple[int, ...]]:
         engine.close()
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(3, 1), (1, 3), (3, 3)])  # P1 -> D1: test_disaggregation
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(3, 1), (1, 3)])  # P1 -> D1: test_disaggregation; equal sizes map rank to rank
 def test_smollm2_hand_off_between_tp_sizes_is_token_identical(ray_session, smollm2_expected, prefill_tp, decode_tp):
     assert _serve_disaggregated(_engine("smollm2-135m"), prefill_tp, decode_tp, SMOLLM2_PROMPTS) == smollm2_expected
 
