@@ -3,19 +3,51 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import ray
 import torch
 
+from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.parallel.ranks import TPEngineBuilder
+from engine.model_config import ModelConfig
+from engine.parallel.follower import TPFollower
+from engine.parallel.group import TPGroup
+from engine.parallel.ranks import rendezvous_address
+from engine.parallel.sharding import check_ep_size, check_tp_size
+
+FOLLOWER_STOP_S = 60.0
+"""How long a host waits for the follower of the previous engine to leave its group."""
+
+
+class FollowerHost:
+    """A Ray actor that runs rank r of each engine a test builds, one engine after another: the
+    real ``TPFollower`` (its own thread, gloo group, shard), in a process that is started once.
+    A replica's followers are Ray actors of their own (engine/parallel/ranks.py); here a module
+    of tests builds a dozen engines, and a fresh process each would import torch a dozen times."""
+
+    def __init__(self) -> None:
+        self.follower: TPFollower | None = None
+
+    def start(self, config: EngineConfig, rank: int, address: str, num_threads: int) -> None:
+        """Join the group at ``address`` as ``rank`` and load the shard (returns once it is built)."""
+        deadline = time.monotonic() + FOLLOWER_STOP_S
+        while self.follower is not None and self.follower.alive():  # its leader has sent stop: it is leaving its group
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {self.follower.rank} of the previous engine is still in its group")
+            time.sleep(0.01)
+        self.follower = None
+        self.follower = TPFollower(config, rank, address, num_threads)
+
+    def info(self) -> dict:
+        return self.follower.info()
 
 
 class ParallelEngines:
     """The engines a test asks for, built once per config. One-rank engines are kept; of the
     engines with followers only one lives at a time (a process joins one group at once), so
-    asking for another closes the current one and kills its follower actors."""
+    asking for another closes the current one; its ranks' hosts then serve the next."""
 
     def __init__(self, follower_cpus: float, replica_id: str) -> None:
         self.follower_cpus = follower_cpus
@@ -23,6 +55,7 @@ class ParallelEngines:
         self._single: dict[EngineConfig, LLMEngine] = {}
         self._config: EngineConfig | None = None
         self._engine: LLMEngine | None = None
+        self._hosts: list = []
         self.followers: list = []
         """Ray handles of the live engine's ranks 1 .. N-1."""
 
@@ -33,20 +66,38 @@ class ParallelEngines:
             return self._single[config]
         if config != self._config:
             self.close_parallel()
-            builder = TPEngineBuilder(config, self.replica_id, num_cpus=self.follower_cpus, num_threads=1)
-            self.followers = builder.followers
-            self._engine, self._config = builder(), config
+            model_config = ModelConfig.from_dir(resolve_model(config.model, config.cache_dir))
+            check_tp_size(served_model_name(config.model), model_config, config.tp_size)
+            check_ep_size(served_model_name(config.model), model_config, config.ep_size)
+            host = ray.remote(FollowerHost).options(num_cpus=self.follower_cpus, max_concurrency=4)
+            self._hosts += [host.remote() for _ in range(len(self._hosts), config.num_ranks - 1)]
+            self.followers = self._hosts[: config.num_ranks - 1]
+            address = rendezvous_address()
+            started = [f.start.remote(config, rank, address, 1) for rank, f in enumerate(self.followers, 1)]
+            group = TPGroup.join(0, config.num_ranks, address, collective_timeout_s=config.tp_collective_timeout_s)
+            try:
+                self._engine, self._config = LLMEngine(config, worker_id=self.replica_id, group=group), config
+            except BaseException:  # the followers may wait in the start-up barrier: start the next engine afresh
+                group.close()
+                self.close()
+                raise
+            ray.get(started)
         return self._engine
 
     def follower_infos(self) -> list[dict]:
         return ray.get([f.info.remote() for f in self.followers])
 
     def close_parallel(self) -> None:
+        """Close the live engine with followers (its ranks leave their group; the hosts stay)."""
         if self._engine is not None:
             self._engine.close()
-        for follower in self.followers:
-            ray.kill(follower)
         self._engine, self._config, self.followers = None, None, []
+
+    def close(self) -> None:
+        self.close_parallel()
+        for host in self._hosts:
+            ray.kill(host)
+        self._hosts = []
 
 
 @contextlib.contextmanager
@@ -59,5 +110,5 @@ def parallel_engines(follower_cpus: float, replica_id: str):
     try:
         yield engines
     finally:
-        engines.close_parallel()
+        engines.close()
         torch.set_num_threads(num_threads)
