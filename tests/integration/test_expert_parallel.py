@@ -13,7 +13,6 @@ the same experts as at EP 1.
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 
 from engine.config import EngineConfig

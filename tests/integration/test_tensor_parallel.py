@@ -13,11 +13,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.layers.norm import RMSNorm
-from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
 from engine.parallel.follower import parameter_bytes
 from tests.integration.parallel_engines import parallel_engines
