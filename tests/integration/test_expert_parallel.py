@@ -3,11 +3,13 @@ joined to this process (the leader, rank 0) by real gloo process groups, each lo
 experts of a tiny random MoE checkpoint (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE;
 4 experts, top-2, 2 layers).
 
-For each model at EP 2, and Mixtral at EP 4 too (one expert per rank), float32: greedy output of a batch spread over every rank and of
-a single request (the other ranks idle, running empty steps) equals EP 1 and transformers; seeded
-sampling equals EP 1; chunked prefill and preemption change nothing; each rank holds exactly 1/N
-of EP 1's expert weight bytes; and every computed token is routed to top_k experts in every layer,
-the same experts as at EP 1.
+For each model at EP 2, and Mixtral at EP 4 too (one expert per rank), float32: greedy output
+of a batch spread over every rank and of a single request (the other ranks idle, running empty
+steps) equals EP 1 and transformers; seeded sampling equals EP 1; chunked prefill and preemption
+change nothing; each rank holds exactly 1/N of EP 1's expert weight bytes; and every computed token
+is routed to top_k experts in every layer, the same experts as at EP 1. Each follower rank is the
+real TPFollower, in a Ray actor that hosts rank r of every engine the module builds, one after
+another (tests/integration/parallel_engines.py).
 """
 
 from __future__ import annotations
