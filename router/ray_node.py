@@ -16,6 +16,7 @@ A worker's life::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -35,6 +36,11 @@ from router.node_slots import is_alive
 
 READY_LINE = "Ray runtime started"
 """What ``ray start`` prints once its node has joined (Ray 2.x)."""
+REGISTRATION_TIMEOUT = "timed out during startup"
+"""What ``ray start`` fails with when its raylet has not registered with the GCS within the 30 s
+Ray 2.x allows (a fixed wait, no setting): on a node whose cores are busy it passes now and then."""
+RAY_START_ATTEMPTS = 3
+"""Tries of ``ray start`` when it fails with ``REGISTRATION_TIMEOUT``; any other failure is final."""
 OWN_FLAGS = ("--head", "--address", "--port", "--resources", "--block", "--node-name", "--node-ip-address", "--num-cpus", "--num-gpus")
 """``ray start`` options the entrypoints set themselves; ``ray_start_args`` may not repeat them."""
 
@@ -196,16 +202,31 @@ class RayNode:
         return self._process.returncode if self._process is not None and self._ended.is_set() else None
 
     def start(self, timeout_s: float) -> None:
-        """Run ``ray start`` and wait until its node is up; RayNodeError if it exits or takes longer."""
+        """Run ``ray start`` and wait until its node is up; RayNodeError if it exits or takes longer.
+        A raylet that did not register in Ray's own 30 s is tried again, within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        for attempt in range(1, RAY_START_ATTEMPTS + 1):
+            try:
+                return self._start_once(deadline, timeout_s)
+            except RayNodeError as e:  # _stopping: it ran out of time, none is left to try again
+                if self._stopping or REGISTRATION_TIMEOUT not in str(e) or attempt == RAY_START_ATTEMPTS or time.monotonic() >= deadline:
+                    raise
+                print(f"ray start: its raylet did not register within Ray's 30 s; starting it again ({attempt + 1} of {RAY_START_ATTEMPTS})", flush=True)
+
+    def _start_once(self, deadline: float, timeout_s: float) -> None:
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}  # a head or worker is one node of many
+        self._ready.clear()
+        self._ended.clear()
+        self._last_lines.clear()
         self._process = subprocess.Popen(
             self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
-        threading.Thread(target=self._follow_output, name="ray-start-output", daemon=True).start()
-        deadline = time.monotonic() + timeout_s
+        threading.Thread(target=self._follow_output, args=(self._process,), name="ray-start-output", daemon=True).start()
         while not self._ready.wait(0.1):
             if self._ended.is_set():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._process.pid, signal.SIGKILL)  # whatever it started and left behind
                 raise RayNodeError(f"ray start failed (exit code {self._process.returncode}): {self._failure_line()}")
             if time.monotonic() > deadline:
                 self.stop()
@@ -224,17 +245,17 @@ class RayNode:
             self._process.wait()
         self._ended.wait(5.0)
 
-    def _follow_output(self) -> None:
-        for line in self._process.stdout:
+    def _follow_output(self, process: subprocess.Popen) -> None:
+        for line in process.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
             if line.strip():
                 self._last_lines.append(line.strip())
             if READY_LINE in line:
                 self._ready.set()
-        self._process.wait()
+        process.wait()
         self._ended.set()
-        if not self._stopping:
+        if not self._stopping and self._ready.is_set():  # a node that never came up is start's failure to report
             self._on_exit()
 
     def _failure_line(self) -> str:
