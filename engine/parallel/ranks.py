@@ -8,6 +8,8 @@ lives and dies as a whole.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -57,17 +59,30 @@ class TPEngineBuilder:
     """
 
     def __init__(
-        self, config: EngineConfig, replica_id: str, *, num_cpus: float, num_gpus: float = 0.0, num_threads: int = 1, follower_class: type = TPFollower
+        self,
+        config: EngineConfig,
+        replica_id: str,
+        *,
+        num_cpus: float,
+        num_gpus: float = 0.0,
+        num_threads: int = 1,
+        follower_class: type = TPFollower,
+        start: Callable[[str], list] | None = None,
     ) -> None:
+        """``start(address)`` starts ranks 1 .. num_ranks-1 joining the group at ``address`` and
+        returns their Ray handles; by default new ``follower_class`` actors (``start_followers``)."""
         self.config = config
         self.replica_id = replica_id
         model_config = ModelConfig.from_dir(resolve_model(config.model, config.cache_dir))
         check_tp_size(served_model_name(config.model), model_config, config.tp_size)  # refuse before any follower starts
         check_ep_size(served_model_name(config.model), model_config, config.ep_size)
         self.address = rendezvous_address()
-        self.followers = start_followers(
-            config, self.address, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=num_threads, follower_class=follower_class
-        )
+        if start is None:
+            self.followers = start_followers(
+                config, self.address, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=num_threads, follower_class=follower_class
+            )
+        else:
+            self.followers = start(self.address)
 
     def __call__(self) -> LLMEngine:
         group = TPGroup.join(0, self.config.num_ranks, self.address, collective_timeout_s=self.config.tp_collective_timeout_s)

@@ -8,14 +8,10 @@ import time
 import ray
 import torch
 
-from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_config import ModelConfig
 from engine.parallel.follower import TPFollower
-from engine.parallel.group import TPGroup
-from engine.parallel.ranks import rendezvous_address
-from engine.parallel.sharding import check_ep_size, check_tp_size
+from engine.parallel.ranks import TPEngineBuilder
 
 FOLLOWER_STOP_S = 60.0
 """How long a host waits for the follower of the previous engine to leave its group."""
@@ -37,7 +33,7 @@ class FollowerHost:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rank {self.follower.rank} of the previous engine is still in its group")
             time.sleep(0.01)
-        self.follower = None
+        self.follower = None  # free the previous engine's shard before this one loads
         self.follower = TPFollower(config, rank, address, num_threads)
 
     def info(self) -> dict:
@@ -66,22 +62,23 @@ class ParallelEngines:
             return self._single[config]
         if config != self._config:
             self.close_parallel()
-            model_config = ModelConfig.from_dir(resolve_model(config.model, config.cache_dir))
-            check_tp_size(served_model_name(config.model), model_config, config.tp_size)
-            check_ep_size(served_model_name(config.model), model_config, config.ep_size)
-            host = ray.remote(FollowerHost).options(num_cpus=self.follower_cpus, max_concurrency=4)
-            self._hosts += [host.remote() for _ in range(len(self._hosts), config.num_ranks - 1)]
-            self.followers = self._hosts[: config.num_ranks - 1]
-            address = rendezvous_address()
-            started = [f.start.remote(config, rank, address, 1) for rank, f in enumerate(self.followers, 1)]
-            group = TPGroup.join(0, config.num_ranks, address, collective_timeout_s=config.tp_collective_timeout_s)
+            started = []
+
+            def start(address: str) -> list:  # called once the builder has checked the sizes
+                host = ray.remote(FollowerHost).options(num_cpus=self.follower_cpus, max_concurrency=4)
+                self._hosts += [host.remote() for _ in range(len(self._hosts), config.num_ranks - 1)]
+                hosts = self._hosts[: config.num_ranks - 1]
+                started.extend(h.start.remote(config, rank, address, 1) for rank, h in enumerate(hosts, 1))
+                return hosts
+
+            builder = TPEngineBuilder(config, self.replica_id, num_cpus=self.follower_cpus, num_threads=1, start=start)
             try:
-                self._engine, self._config = LLMEngine(config, worker_id=self.replica_id, group=group), config
-            except BaseException:  # the followers may wait in the start-up barrier: start the next engine afresh
-                group.close()
-                self.close()
+                self._engine = builder()
+            except BaseException:  # the builder killed the hosts, which may have waited in the start-up barrier
+                self._hosts = []
                 raise
             ray.get(started)
+            self._config, self.followers = config, builder.followers
         return self._engine
 
     def follower_infos(self) -> list[dict]:
