@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU path's checks in one run, on a CUDA host whose python3 has torch, triton and transformers:
+# The GPU path's checks in one run, on a CUDA host whose python3 has torch, triton, transformers, gguf,
+# redis and prometheus_client (the pure-Python ones may come on PYTHONPATH, which the script keeps):
 # the gpu-marked tests, bench.kernels --device cuda, and bench.engine --device cuda on two random
 # checkpoints (no model hub needed): SmolLM2-135M's shapes with its tokenizer, and Llama-3-8B's
 # shapes (32 layers, 4096 hidden, 8 KV heads of 128) with the same 49k vocabulary. Weights are
@@ -64,9 +65,9 @@ for name, config in (("smollm2-shapes", smollm2), ("llama8b-shapes", llama8b)):
 EOF
 
 common=(--device cuda --dtype bfloat16 --weights bf16 --kv-dtype fp8_e4m3 --seed 0)
-step engine_smollm2 75 python3 -m bench.engine --model "$ckpt/smollm2-shapes" "${common[@]}" --num-requests 8 --concurrency 1 8 \
+step engine_smollm2 150 python3 -m bench.engine --model "$ckpt/smollm2-shapes" "${common[@]}" --num-requests 8 --concurrency 1 8 \
     --prompt-len 32 512 --output-len 16 64 --probe-len 512 128 --roofline-context 1024 --json "$out/engine_smollm2.json"
-step engine_llama8b 90 python3 -m bench.engine --model "$ckpt/llama8b-shapes" "${common[@]}" --systems splitserve --num-requests 32 \
+step engine_llama8b 180 python3 -m bench.engine --model "$ckpt/llama8b-shapes" "${common[@]}" --systems splitserve --num-requests 32 \
     --concurrency 1 8 32 --prompt-len 32 256 --output-len 8 32 --probe-len 512 64 --roofline-context 1024 --kv-cache-bytes $((16 << 30)) \
     --json "$out/engine_llama8b.json"
 rm -rf "$ckpt"
