@@ -34,9 +34,8 @@ from engine.errors import EngineError
 from engine.layers.mlp import SparseMoE
 from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
-from engine.parallel.follower import parameter_bytes
 from engine.parallel.group import TPGroup
-from engine.parallel.sharding import check_ep_size
+from engine.parallel.sharding import check_ep_size, parameter_bytes
 
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)

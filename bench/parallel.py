@@ -28,8 +28,7 @@ from engine.errors import EngineError
 from engine.build import model_len
 from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
-from engine.parallel.follower import parameter_bytes
-from engine.parallel.sharding import check_tp_size
+from engine.parallel.sharding import check_tp_size, parameter_bytes
 
 IDENTITY_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,")
 DECODE_PROMPT_TOKENS = 128

@@ -17,7 +17,8 @@ A hand-off that fails, times out or loses its prefill worker falls back to the f
 write targeted stay leased until the prefill side can no longer touch them.
 
 The controller creates it from its import path (`decode_worker.actor:DecodeWorker`) with the
-pool's custom resource, so the router never imports this module.
+pool's custom resource, so the router never imports this module. The controller does, and this
+module imports no torch (the engine loads in EngineReplica.__init__, in the replica's process).
 """
 
 from __future__ import annotations
@@ -28,19 +29,17 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, TaskCancelledError
 
 from decode_worker.config import WorkerConfig
 from decode_worker.kv_receiver import KVReceiver
-from decode_worker.rank import DecodeRank
 from decode_worker.request_plane import RequestPlaneServer, RequestPlaneStats
 from decode_worker.requests import to_engine_request, to_response
 from engine.config import EngineConfig
-from engine.engine_loop import AdmissionQueueFull, EngineLoopFailed
-from engine.errors import InvalidRequestError, RequestFailedError
-from engine.llm_engine import LLMEngine
+from engine.errors import AdmissionQueueFull, EngineLoopFailed, InvalidRequestError, RequestFailedError
 from engine.outputs import RemotePrefill
 from engine.metrics import CountersCollector, RequestTimingHistograms
 from engine.params import SamplingParams
@@ -51,6 +50,9 @@ from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult
 from kv_transfer.registry import open_endpoint
 from proto import splitserve_pb2 as pb
 from proto import worker_pb2 as wpb
+
+if TYPE_CHECKING:  # annotations only: importing torch here would cost the controller, which imports this class
+    from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ class DecodeWorker(EngineReplica):
     """One engine replica behind Ray calls: generate (streaming), tokenize, status, kv_endpoint."""
 
     pool = "decode"
-    follower_class = DecodeRank
+    follower_class = "decode_worker.rank:DecodeRank"
 
     def __init__(self, replica_id: str, engine_config: EngineConfig, worker_config: WorkerConfig) -> None:
         super().__init__(replica_id, engine_config, worker_config)

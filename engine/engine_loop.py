@@ -37,18 +37,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.cpus import pin_current_thread
-from engine.errors import InvalidRequestError, RequestFailedError
+from engine.errors import AdmissionQueueFull, EngineLoopFailed, InvalidRequestError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats
 from engine.request import EngineRequest, RequestOutput
-
-
-class AdmissionQueueFull(Exception):
-    """More requests are waiting than the worker admits; the caller should back off."""
-
-
-class EngineLoopFailed(RuntimeError):
-    """The engine thread died; every request it held fails with this."""
 
 
 @dataclass(frozen=True)

@@ -52,3 +52,11 @@ class RequestFailedError(EngineError, RuntimeError):
 
     def __reduce__(self):  # rebuilt from both arguments when it crosses a process (Ray) boundary
         return type(self), (self.request_id, self.cause)
+
+
+class AdmissionQueueFull(Exception):
+    """More requests are waiting than the worker admits; the caller should back off."""
+
+
+class EngineLoopFailed(RuntimeError):
+    """The engine thread died; every request it held fails with this."""

@@ -2,11 +2,17 @@
 endpoint, and the questions every replica answers (its model, its KV namespace, its KV events,
 its load). The roles subclass ``EngineReplica``; the protos are theirs to build (the engine
 knows no proto), from the plain fields returned here.
+
+Importing this module (and the roles' actor modules) does not import torch: the controller
+imports the actor classes by path to create the replicas, and torch would cost that process
+about 2.7 CPU-s at every cluster start. The engine's modules load in ``__init__``, in the
+replica's own process, and a role names its follower class by path for the same reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import sys
 
@@ -15,11 +21,8 @@ from prometheus_client.registry import Collector
 
 from engine.config import EngineConfig, WorkerProcessConfig
 from engine.cpus import move_serving_threads
-from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStatsCollector, KeyedCounterCollector, TierStatsCollector, TPRankCollector, serve_metrics
-from engine.parallel.follower import TPFollower, rank_fields
-from engine.parallel.ranks import TPEngineBuilder
+from engine.parallel.sharding import rank_fields
 from kv_store.events import KVEventBatch, KVSnapshot
 from kv_store.keys import KeyNamespace
 
@@ -29,10 +32,14 @@ class EngineReplica:
 
     pool = ""
     """"prefill" or "decode"."""
-    follower_class: type = TPFollower
-    """What the follower ranks of a tensor-parallel replica run: the role's subclass of TPFollower."""
+    follower_class = "engine.parallel.follower:TPFollower"
+    """``module:Class`` the follower ranks of a tensor-parallel replica run: the role's subclass of TPFollower."""
 
     def __init__(self, replica_id: str, engine_config: EngineConfig, config: WorkerProcessConfig) -> None:
+        from engine.engine_loop import EngineLoop  # torch: imported in the replica's process only (module docstring)
+        from engine.llm_engine import LLMEngine
+        from engine.parallel.ranks import TPEngineBuilder
+
         engine_cpus = config.engine_cpu_set
         if engine_cpus is not None:
             move_serving_threads(engine_cpus)  # before the engine thread exists: it starts there and pins itself
@@ -44,7 +51,7 @@ class EngineReplica:
         self.tp_node_ip = ""
         build = lambda: LLMEngine(engine_config, worker_id=replica_id)  # noqa: E731
         if engine_config.num_ranks > 1:
-            build = TPEngineBuilder(engine_config, replica_id, num_cpus=config.tp_rank_cpus, num_threads=num_threads, follower_class=self.follower_class)
+            build = TPEngineBuilder(engine_config, replica_id, num_cpus=config.tp_rank_cpus, num_threads=num_threads, follower_class=_import_class(self.follower_class))
             self.tp_followers = build.followers
             self.tp_node_ip = build.address.rpartition(":")[0]
         self.loop = EngineLoop(
@@ -177,3 +184,9 @@ class EngineReplica:
             self.engine.close()
         else:
             self.engine.kv_store.close()
+
+
+def _import_class(path: str) -> type:
+    """The class at ``module:Class``."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)

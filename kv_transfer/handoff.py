@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 from kv_store.layout import KVBlockLayout
 from kv_transfer.errors import HandOffError, KVTransferError
-from kv_transfer.nixl_transport import TransferState
-from kv_transfer.protocol import KVEndpoint, RankWrite, TransferRequest
+from kv_transfer.protocol import KVEndpoint, RankWrite, TransferRequest, TransferState
 
 _POLL_S = 0.0002
 

@@ -16,12 +16,12 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 import numpy as np
 import torch
 
 from kv_transfer.errors import KVTransferError, TransferTimeout
+from kv_transfer.protocol import TransferState
 from kv_transfer.segments import plan_segments
 
 logger = logging.getLogger(__name__)
@@ -64,13 +64,6 @@ class PeerPool:
         except UnicodeDecodeError as e:
             raise KVTransferError(f"peer metadata: agent name is not UTF-8: {e}") from e
         return cls(name, base, block_bytes, num_blocks, bytes(data[_HEADER.size + name_len :]))
-
-
-class TransferState(str, Enum):
-    """State of a posted write, as NIXL names it."""
-
-    DONE = "DONE"
-    PROC = "PROC"
 
 
 class NixlTransport:

@@ -212,6 +212,13 @@ def request_id_of(notif: bytes) -> str:
     return notif[len(_NOTIF_PREFIX) :].decode()
 
 
+class TransferState(str, Enum):
+    """State of a posted write, as NIXL names it (what a transport's handle polls to)."""
+
+    DONE = "DONE"
+    PROC = "PROC"
+
+
 class TransferStatus(str, Enum):
     """How a hand-off ended."""
 

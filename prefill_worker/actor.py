@@ -22,14 +22,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 
 from engine.config import EngineConfig
-from engine.engine_loop import AdmissionQueueFull, EngineLoopFailed
-from engine.errors import InvalidRequestError, RequestFailedError
-from engine.llm_engine import LLMEngine
+from engine.errors import AdmissionQueueFull, EngineLoopFailed, InvalidRequestError, RequestFailedError
 from engine.metrics import CountersCollector, KeyedCounterCollector
 from engine.params import SamplingParams
 from engine.replica import EngineReplica
@@ -39,8 +38,10 @@ from kv_transfer.handoff import plan_head_writes, write_rank
 from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult, TransferStatus, check_compatible
 from kv_transfer.registry import open_endpoint
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.rank import PrefillRank
 from proto import splitserve_pb2 as pb
+
+if TYPE_CHECKING:  # annotations only: importing torch here would cost the controller, which imports this class
+    from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class PrefillWorker(EngineReplica):
     """Computes prompts and writes their KV blocks into decode workers' pools."""
 
     pool = "prefill"
-    follower_class = PrefillRank
+    follower_class = "prefill_worker.rank:PrefillRank"
 
     def __init__(self, replica_id: str, engine_config: EngineConfig, config: PrefillWorkerConfig) -> None:
         super().__init__(replica_id, engine_config, config)

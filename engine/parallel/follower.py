@@ -9,7 +9,6 @@ below are what the leader (a Ray actor) asks of it; the Ray side is engine/paral
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
@@ -19,6 +18,7 @@ from engine.config import EngineConfig
 from engine.build import build_shard, model_len, split_group
 from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
+from engine.parallel.sharding import rank_fields
 from engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -78,21 +78,3 @@ class TPFollower:
 
     def alive(self) -> bool:
         return self._thread.is_alive()
-
-
-def rank_fields(rank: int, model, node_ip: str, alive: bool) -> dict:
-    """The fields of splitserve.v1.TPRank for this process, which holds ``model``."""
-    return dict(
-        rank=rank,
-        node_ip=node_ip,
-        pid=os.getpid(),
-        alive=alive,
-        param_bytes=parameter_bytes(model),
-        kv_head_start=model.shard.kv_heads.start,
-        kv_head_end=model.shard.kv_heads.stop,
-    )
-
-
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters ``model`` holds (a tied weight counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())

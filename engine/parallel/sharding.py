@@ -8,6 +8,7 @@ vocabulary padded up to a multiple of the size).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from engine.errors import UnsupportedModelError
@@ -111,3 +112,21 @@ class TPShard:
     def vocab(self) -> range:
         """Rows of the (padded) vocabulary this rank's embedding and LM head hold."""
         return split(self.padded_vocab_size, self.size, self.rank)
+
+
+def rank_fields(rank: int, model, node_ip: str, alive: bool) -> dict:
+    """The fields of splitserve.v1.TPRank for this process, which holds ``model``."""
+    return dict(
+        rank=rank,
+        node_ip=node_ip,
+        pid=os.getpid(),
+        alive=alive,
+        param_bytes=parameter_bytes(model),
+        kv_head_start=model.shard.kv_heads.start,
+        kv_head_end=model.shard.kv_heads.stop,
+    )
+
+
+def parameter_bytes(model) -> int:
+    """Bytes of the parameters ``model`` holds (a tied weight counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

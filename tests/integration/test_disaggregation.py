@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -174,6 +175,12 @@ def test_workers_publish_kv_events_that_replay_to_their_snapshots(client):
         snapshot = ray.get(actor.kv_snapshot.remote())
         assert follower.keys[Tier.POOL] == set(snapshot.keys[Tier.POOL])
         assert len(follower.keys[Tier.POOL] - before) >= 5  # the prompt's 5 full blocks arrived in both pools
+
+
+def test_the_controller_created_both_pools_without_importing_torch(cluster):
+    """It imports the worker classes by path to create their actors; the engine loads only in theirs."""
+    assert {pool for pool in ("decode", "prefill") if _actor(pool)} == {"decode", "prefill"}
+    assert ray.get(cluster.controller.__ray_call__.remote(lambda _: "torch" in sys.modules)) is False
 
 
 def test_random_cancellations_leave_both_pools_full_and_no_handles_open(client):

@@ -22,8 +22,8 @@ from engine.errors import UnsupportedModelError
 from engine.layers.mlp import SparseMoE
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
-from engine.parallel.follower import parameter_bytes
 from engine.parallel.ranks import TPEngineBuilder
+from engine.parallel.sharding import parameter_bytes
 from tests.integration.parallel_engines import ParallelEngines, parallel_engines
 from tests.unit.engine.helpers import GREEDY, random_prompts, transformers_greedy
 

@@ -17,7 +17,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.layers.norm import RMSNorm
 from engine.params import SamplingParams
-from engine.parallel.follower import parameter_bytes
+from engine.parallel.sharding import parameter_bytes
 from tests.integration.parallel_engines import parallel_engines
 from tests.unit.engine.helpers import GREEDY, random_prompts, run_staggered, transformers_greedy
 

@@ -1,6 +1,8 @@
 """The arrows of DESIGN.md: which package may import which, checked on the source."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,12 @@ def test_key_spec_and_configs_stay_light():
         every_import |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not any(name.split(".")[0] == "torch" for name in every_import), rel
         assert _imports(REPO / rel) <= {"kv_store.keys", "kv_store._chain", "engine.config", "engine.cpus", "proto.tls"}, rel
+
+
+def test_the_worker_actor_modules_import_no_torch():
+    """The controller imports the actor classes by path to create the replicas: torch there would
+    cost every cluster start about 2.7 CPU-s. The engine loads in the replica's own process."""
+    code = "import sys, decode_worker.actor, prefill_worker.actor, router.controller; print(sorted(m for m in ('torch', 'nixl') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from engine.config import WorkerProcessConfig
-from engine.engine_loop import AdmissionQueueFull, EngineLoop
+from engine.engine_loop import EngineLoop
+from engine.errors import AdmissionQueueFull, CheckpointError, InvalidRequestError
 from engine.request import EngineRequest
-from engine.errors import CheckpointError, InvalidRequestError
 from engine.params import SamplingParams
 from tests.unit.engine.helpers import make_engine, random_prompts
 

@@ -15,8 +15,8 @@ import pytest
 
 import engine.request
 import engine.runner
-from engine.engine_loop import EngineLoop, EngineLoopFailed
-from engine.errors import RequestFailedError
+from engine.engine_loop import EngineLoop
+from engine.errors import EngineLoopFailed, RequestFailedError
 from engine.params import SamplingParams
 from engine.request import EngineRequest
 from tests.unit.engine.helpers import make_engine, random_prompts
