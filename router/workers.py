@@ -39,10 +39,17 @@ class WorkerDirectory:
     replicas: dict[str, Replica] = field(default_factory=dict)
 
     def update(self, entries: list[tuple[pb.ReplicaStatus, pb.ModelInfo, object]]) -> None:
-        """Replace the view with the controller's list, keeping this router's in-flight counts."""
+        """Replace the view with the controller's list, keeping this router's in-flight counts.
+        A ``None`` handle means "the one you have" (the controller sends each handle once); an
+        entry without a handle for a replica this view lacks is left out (the next refresh, which
+        names only the replicas held, brings its handle)."""
         fresh = {}
         for status, model, handle in entries:
             old = self.replicas.get(status.replica_id)
+            if handle is None:
+                if old is None:
+                    continue
+                handle = old.handle
             replica = Replica(handle, model, status, old.num_inflight if old else 0, old.namespace if old else None)
             fresh[status.replica_id] = replica
         self.replicas = fresh

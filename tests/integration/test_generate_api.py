@@ -383,3 +383,8 @@ def test_build_request_leaves_unset_fields_to_server_defaults():
     request = build_generate_request("hi")
     assert not request.sampling.HasField("temperature") and not request.stop.HasField("max_tokens")
 
+
+def test_the_controller_sends_the_replicas_a_router_knows_without_their_handles(cluster):
+    [(status, _, handle)] = ray.get(cluster.controller.replicas.remote())
+    [(again, model, none)] = ray.get(cluster.controller.replicas.remote(known=[status.replica_id, "decode-99"]))
+    assert handle is not None and none is None and again.replica_id == status.replica_id and model.id

@@ -64,6 +64,19 @@ def test_a_draining_replica_gets_no_new_request_but_stays_known():
     assert d.served_models() == ["m"]
 
 
+def test_a_refresh_without_a_handle_keeps_the_one_held_and_skips_a_replica_never_seen():
+    d = WorkerDirectory()
+    d.update([_entry("a"), _entry("b")])
+    held = d.replicas["a"].handle
+    d.pick("decode", "m")  # one request in flight on the replica picked
+    inflight = {r: d.replicas[r].num_inflight for r in "ab"}
+    status, model, _ = _entry("a", running=4)
+    d.update([(status, model, None), _entry("b")[:2] + (None,), _entry("c")[:2] + (None,)])
+    assert d.replicas["a"].handle is held and d.replicas["a"].status.num_running == 4
+    assert {r: d.replicas[r].num_inflight for r in "ab"} == inflight
+    assert set(d.replicas) == {"a", "b"}  # "c" comes with its handle at the next refresh
+
+
 def test_pick_counts_this_routers_own_inflight_requests_between_refreshes():
     d = WorkerDirectory()
     d.update([_entry("a"), _entry("b")])
