@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation on real Ray, real gRPC and real NIXL over UCX on loopback.
 
 The cluster module runs 1 prefill + 1 decode replica behind a router (policy ``recompute``);
-the pair tests start a prefill and a decode actor directly, to aim a hand-off at a chosen
-prefill worker (a mismatched one, a ``fail`` policy) without a router in between.
+the hand-wired tests start prefill and decode actors directly, to aim a hand-off at a chosen
+prefill worker (a mismatched one, an unlinked one, a killed one) without a router in between;
+those with the ``fail`` policy share one decode actor.
 """
 
 from __future__ import annotations
@@ -226,24 +227,51 @@ def test_prefill_worker_killed_mid_request_is_recomputed(client, engine_config):
     wait_until(lambda: ray.get(_actor("decode").transfer_stats.remote()).num_open_leases == 0)
 
 
-# --- a prefill and a decode actor wired by hand -------------------------------------------------
+# --- prefill and decode actors wired by hand ------------------------------------------------------
 
 
-def _pair(decode_config: EngineConfig, prefill_config: EngineConfig, connect: bool = True, **worker):
+def _decode(config: EngineConfig, **worker):
     from decode_worker.actor import DecodeWorker
+
+    decode = ray.remote(DecodeWorker).options(num_cpus=0, max_concurrency=1000).remote("decode-t", config, WorkerConfig(**worker))
+    ray.get(decode.status.remote())
+    return decode
+
+
+def _prefill(config: EngineConfig, decode, replica_id: str = "prefill-t", connect: bool = True):
     from prefill_worker.actor import PrefillWorker
 
-    decode = ray.remote(DecodeWorker).options(num_cpus=0, max_concurrency=1000).remote("decode-t", decode_config, WorkerConfig(**worker))
-    prefill = ray.remote(PrefillWorker).options(num_cpus=0, max_concurrency=1000).remote("prefill-t", prefill_config, PrefillWorkerConfig())
-    ray.get([decode.status.remote(), prefill.status.remote()])
+    prefill = ray.remote(PrefillWorker).options(num_cpus=0, max_concurrency=1000).remote(replica_id, config, PrefillWorkerConfig())
+    ray.get(prefill.status.remote())
     if connect:  # what the controller does when replicas join
         ray.get(prefill.add_kv_peers.remote([ray.get(decode.kv_endpoint.remote())]))
-    return decode, prefill
+    return prefill
 
 
-def _stream(decode, prefill, prompt, **params):
+def _pair(decode_config: EngineConfig, prefill_config: EngineConfig, **worker):
+    decode = _decode(decode_config, **worker)
+    return decode, _prefill(prefill_config, decode)
+
+
+@pytest.fixture(scope="module")
+def fail_decode(ray_session, tiny_llama_dir):
+    """A decode worker with the ``fail`` policy, shared by the tests below: each brings its own
+    prefill worker (or uses ``fail_prefill``) and leaves the decode worker quiet, as they check."""
+    decode = _decode(_engine_config(tiny_llama_dir), remote_prefill_failure="fail", kv_transfer_timeout_s=TIMEOUT_S)
+    yield decode
+    _shutdown(decode)
+
+
+@pytest.fixture(scope="module")
+def fail_prefill(fail_decode, tiny_llama_dir):
+    prefill = _prefill(_engine_config(tiny_llama_dir), fail_decode)
+    yield prefill
+    _shutdown(prefill)
+
+
+def _stream(decode, prefill, prompt, prefill_id: str = "prefill-t", **params):
     request = build_generate_request(prompt, **{**GREEDY, **params}, request_id=f"r{random.random()}")
-    events = [ray.get(ref) for ref in decode.generate.options(num_returns="streaming").remote(request, prefill, "prefill-t")]
+    events = [ray.get(ref) for ref in decode.generate.options(num_returns="streaming").remote(request, prefill, prefill_id)]
     return events
 
 
@@ -281,35 +309,33 @@ def _assert_pair_quiet(decode, prefill):
     wait_until(quiet, 30)
 
 
-def test_mismatched_kv_dtype_is_refused_at_hand_off(ray_session, tiny_llama_dir):
-    decode, prefill = _pair(_engine_config(tiny_llama_dir, "fp32"), _engine_config(tiny_llama_dir, "fp8_e4m3"), remote_prefill_failure="fail")
+def test_mismatched_kv_dtype_is_refused_at_hand_off(fail_decode, tiny_llama_dir):
+    prefill = _prefill(_engine_config(tiny_llama_dir, "fp8_e4m3"), fail_decode, "prefill-fp8")
     try:
-        [event] = _stream(decode, prefill, random_prompts([30], seed=47)[0])
+        [event] = _stream(fail_decode, prefill, random_prompts([30], seed=47)[0], "prefill-fp8")
         assert event.error.code == wpb.RequestError.FAILED_PRECONDITION
         message = event.error.message
         assert "kv_dtype: local='fp8_e4m3' vs remote='fp32'" in message, message
         assert ray.get(prefill.transfer_stats.remote()).num_refused == 1
-        _assert_pair_quiet(decode, prefill)
+        _assert_pair_quiet(fail_decode, prefill)
     finally:
-        _shutdown(decode, prefill)
+        _shutdown(prefill)
 
 
-def test_a_decode_agent_never_published_is_refused(ray_session, tiny_llama_dir):
-    config = _engine_config(tiny_llama_dir)
-    decode, prefill = _pair(config, config, connect=False, remote_prefill_failure="fail")
+def test_a_decode_agent_never_published_is_refused(fail_decode, tiny_llama_dir):
+    prefill = _prefill(_engine_config(tiny_llama_dir), fail_decode, "prefill-unlinked", connect=False)
     try:
-        [event] = _stream(decode, prefill, random_prompts([30], seed=52)[0])
+        [event] = _stream(fail_decode, prefill, random_prompts([30], seed=52)[0], "prefill-unlinked")
         assert "is unknown here: its endpoint never reached this worker" in event.error.message
-        _assert_pair_quiet(decode, prefill)
+        _assert_pair_quiet(fail_decode, prefill)
     finally:
-        _shutdown(decode, prefill)
+        _shutdown(prefill)
 
 
-def test_fail_policy_ends_the_request_with_a_clear_error(ray_session, tiny_llama_dir):
-    config = _engine_config(tiny_llama_dir)
-    decode, prefill = _pair(config, config, remote_prefill_failure="fail", kv_transfer_timeout_s=TIMEOUT_S)
+def test_fail_policy_ends_the_request_with_a_clear_error(fail_decode, fail_prefill, engine_config):
+    decode, prefill = fail_decode, fail_prefill
+    [prompt] = random_prompts([40], seed=48)
     try:
-        [prompt] = random_prompts([40], seed=48)
         ray.get(prefill.inject_faults.remote(fail_next=1))
         [event] = _stream(decode, prefill, prompt)
         assert event.error.code == wpb.RequestError.UNAVAILABLE
@@ -318,40 +344,41 @@ def test_fail_policy_ends_the_request_with_a_clear_error(ray_session, tiny_llama
         ray.get(prefill.inject_faults.remote(delay_s=TIMEOUT_S + 1))
         [event] = _stream(decode, prefill, prompt)
         assert f"timed out after {TIMEOUT_S} s" in event.error.message
-
+    finally:
         ray.get(prefill.inject_faults.remote())
-        events = _stream(decode, prefill, prompt)  # the pair still works afterwards
-        assert tuple(t for e in events for t in e.response.token_ids) == _expected(config, [prompt], **GREEDY)[0]
-        _assert_pair_quiet(decode, prefill)
-    finally:
-        _shutdown(decode, prefill)
+    events = _stream(decode, prefill, prompt)  # the pair still works afterwards
+    assert tuple(t for e in events for t in e.response.token_ids) == _expected(engine_config, [prompt], **GREEDY)[0]
+    _assert_pair_quiet(decode, prefill)
 
 
-def test_fail_policy_with_the_prefill_worker_killed(ray_session, tiny_llama_dir):
-    config = _engine_config(tiny_llama_dir)
-    decode, prefill = _pair(config, config, remote_prefill_failure="fail")
-    try:
-        ray.get(prefill.inject_faults.remote(delay_s=30))
-        request = build_generate_request(random_prompts([40], seed=49)[0], **GREEDY, request_id="killed")
-        stream = decode.generate.options(num_returns="streaming").remote(request, prefill, "prefill-t")
-        wait_until(lambda: ray.get(prefill.transfer_stats.remote()).num_prefills == 1)
-        ray.kill(prefill)
-        [event] = [ray.get(ref) for ref in stream]
-        assert event.error.code == wpb.RequestError.UNAVAILABLE
-        assert "prefill worker prefill-t died" in event.error.message
-        wait_until(lambda: ray.get(decode.status.remote()).num_free_kv_blocks == NUM_BLOCKS)
-        assert ray.get(decode.transfer_stats.remote()).num_open_leases == 0
-    finally:
-        _shutdown(decode)
+def test_fail_policy_with_the_prefill_worker_killed(fail_decode, tiny_llama_dir):
+    decode = fail_decode
+    prefill = _prefill(_engine_config(tiny_llama_dir), decode, "prefill-killed")
+    ray.get(prefill.inject_faults.remote(delay_s=30))
+    request = build_generate_request(random_prompts([40], seed=49)[0], **GREEDY, request_id="killed")
+    stream = decode.generate.options(num_returns="streaming").remote(request, prefill, "prefill-killed")
+    wait_until(lambda: ray.get(prefill.transfer_stats.remote()).num_prefills == 1)
+    ray.kill(prefill)
+    [event] = [ray.get(ref) for ref in stream]
+    assert event.error.code == wpb.RequestError.UNAVAILABLE
+    assert "prefill worker prefill-killed died" in event.error.message
+    wait_until(lambda: ray.get(decode.status.remote()).num_free_kv_blocks == NUM_BLOCKS)
+    assert ray.get(decode.transfer_stats.remote()).num_open_leases == 0
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_a_prefill_worker_is_named_by_id_and_an_unknown_one_gets_the_failure_policy(ray_session, tiny_llama_dir, policy):
+def test_a_prefill_worker_is_named_by_id_and_an_unknown_one_gets_the_failure_policy(request, tiny_llama_dir, policy):
     config = _engine_config(tiny_llama_dir)
-    decode, prefill = _pair(config, config, remote_prefill_failure=policy)
+    if policy == "fail":  # the shared pair
+        decode, prefill, owned = request.getfixturevalue("fail_decode"), request.getfixturevalue("fail_prefill"), ()
+    else:
+        request.getfixturevalue("ray_session")
+        decode, prefill = owned = _pair(config, config, remote_prefill_failure=policy)
     try:
         prompts = random_prompts([40, 41, 42], seed=53)
         expected = _expected(config, prompts, **GREEDY)
+        stats_before = ray.get(decode.transfer_stats.remote())
+        prefills_before = ray.get(prefill.transfer_stats.remote())
 
         def run(i: int) -> list[wpb.WorkerEvent]:
             return _on_request_plane(decode, build_generate_request(prompts[i], **GREEDY, request_id=f"{policy}-{i}"), "prefill-t")
@@ -367,15 +394,17 @@ def test_a_prefill_worker_is_named_by_id_and_an_unknown_one_gets_the_failure_pol
         unknown_prefill_handled(run(0), 0)  # not announced yet
         ray.get(decode.add_prefill_peers.remote({"prefill-t": prefill}))  # what the controller does
         assert tuple(t for e in run(1) for t in e.response.token_ids) == expected[1]
-        assert ray.get(prefill.transfer_stats.remote()).num_done == 1
+        assert ray.get(prefill.transfer_stats.remote()).num_done == prefills_before.num_done + 1
         ray.get(decode.remove_prefill_peer.remote("prefill-t"))
         unknown_prefill_handled(run(2), 2)
         stats = ray.get(decode.transfer_stats.remote())
-        assert (stats.num_remote_prefills, stats.num_failed, stats.num_recomputed) == (1, 2, 2 if policy == "recompute" else 0)
-        assert ray.get(prefill.transfer_stats.remote()).num_prefills == 1
+        counts = (stats.num_remote_prefills, stats.num_failed, stats.num_recomputed)
+        before = (stats_before.num_remote_prefills, stats_before.num_failed, stats_before.num_recomputed)
+        assert tuple(a - b for a, b in zip(counts, before)) == (1, 2, 2 if policy == "recompute" else 0)
+        assert ray.get(prefill.transfer_stats.remote()).num_prefills == prefills_before.num_prefills + 1
         _assert_pair_quiet(decode, prefill)
     finally:
-        _shutdown(decode, prefill)
+        _shutdown(*owned)
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_mixtral_dir"])
