@@ -96,6 +96,27 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray per pytest process (``ray.init`` costs seconds): the integration tests' clusters
+    and the benches run in-process (bench.parallel, bench.moe, bench.chaos) join it."""
+    import ray
+
+    from router.launch import init_ray
+
+    init_ray(None)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def keeps_torch_threads():
+    """Restores torch's thread count after a test whose code sets it (a bench run in-process)."""
+    num_threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory):
     return make_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
 

@@ -1,22 +1,10 @@
-"""Real Ray (one local instance per test session) and real clusters on it."""
+"""Real clusters on the session's Ray (``ray_session``, tests/conftest.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 
-import pytest
-
-
-@pytest.fixture(scope="session")
-def ray_session():
-    import ray
-
-    from router.launch import init_ray
-
-    init_ray(None)
-    yield
-    ray.shutdown()
 
 
 @contextlib.contextmanager

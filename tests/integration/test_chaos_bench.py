@@ -7,21 +7,22 @@ the soak: the bench's pauses phase times what tests/integration/test_failover.py
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from bench import chaos
 from bench.chaos import FAULTS
+from bench.report import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_a_soak_with_each_fault_once_loses_nothing(tiny_llama_dir, tmp_path):
+def test_a_soak_with_each_fault_once_loses_nothing(ray_session, tiny_llama_dir, tmp_path, capsys):
+    """In this process, on the session's Ray: the cluster's replicas are Ray actors either way."""
     out = tmp_path / "chaos.json"
-    command = [sys.executable, "-m", "bench.chaos", "--duration-s", "15", "--model", str(tiny_llama_dir), "--kv-dtype", "fp32", "--phases", "soak", "--json", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=480)
-    assert result.returncode == 0, result.stderr[-3000:]
+    argv = ["--duration-s", "15", "--model", str(tiny_llama_dir), "--kv-dtype", "fp32", "--phases", "soak", "--json", str(out)]
+    code = run("chaos", chaos.main, argv)
+    assert code == 0, capsys.readouterr().err[-3000:]
     report = json.loads(out.read_text())
     assert report["completed"] > 0
     assert {k: report[k] for k in ("lost", "wrong", "duplicated_tokens", "failed_unasked", "leaked_blocks", "open_leases", "open_handles")} == dict.fromkeys(

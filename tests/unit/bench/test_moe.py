@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -18,14 +16,15 @@ FP32_BYTES = 4
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_quick_run_reports_every_figure_with_half_the_experts_per_rank_and_ep1_tokens(tmp_path):
+def test_quick_run_reports_every_figure_with_half_the_experts_per_rank_and_ep1_tokens(ray_session, keeps_torch_threads, tmp_path, capsys):
+    """In this process, on the session's Ray (its ranks are Ray actors either way)."""
     out, png = tmp_path / "moe.json", tmp_path / "moe.png"
-    argv = [sys.executable, "-m", "bench.moe", "--quick", "--json", str(out), "--plot", str(png)]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    code = run("moe", bench_moe.main, ["--quick", "--json", str(out), "--plot", str(png)])
+    result = capsys.readouterr()
+    assert code == 0, result.err
 
     report = json.loads(out.read_text())
-    assert json.loads(result.stdout) == report
+    assert json.loads(result.out) == report
     assert {"ep", "token_identical", "expert_bytes_per_rank", "peer", "machine", "threads"} <= set(report)
     assert (report["model"]["dtype"], report["kv_dtype"], report["backend"]) == ("float32", "fp32", "gloo")
     assert set(report["ep"]) == set(report["threads"]) == {"1", "2"}
@@ -56,7 +55,7 @@ def test_quick_run_reports_every_figure_with_half_the_experts_per_rank_and_ep1_t
 
     assert png.read_bytes().startswith(PNG_MAGIC)
     for phase in ["EP 2 decode batch 1", "EP 2 decode batch 32", "transformers decode batch 8"]:
-        assert re.search(rf"^\[bench\.moe \d\d:\d\d:\d\d\] {phase}: ", result.stderr, re.MULTILINE)
+        assert re.search(rf"^\[bench\.moe \d\d:\d\d:\d\d\] {phase}: ", result.err, re.MULTILINE)
 
 
 def test_an_ep_size_the_experts_do_not_allow_is_one_sentence_naming_the_sizes_that_work(capsys):

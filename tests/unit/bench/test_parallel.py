@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -20,14 +18,15 @@ FP32_BYTES = 4
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_quick_run_reports_every_figure_with_shards_of_a_third_and_tp1_tokens(tmp_path):
+def test_quick_run_reports_every_figure_with_shards_of_a_third_and_tp1_tokens(ray_session, keeps_torch_threads, tmp_path, capsys):
+    """In this process, on the session's Ray (its ranks are Ray actors either way)."""
     out, png = tmp_path / "parallel.json", tmp_path / "parallel.png"
-    argv = [sys.executable, "-m", "bench.parallel", "--quick", "--json", str(out), "--plot", str(png)]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    code = run("parallel", bench_parallel.main, ["--quick", "--json", str(out), "--plot", str(png)])
+    result = capsys.readouterr()
+    assert code == 0, result.err
 
     report = json.loads(out.read_text())
-    assert json.loads(result.stdout) == report
+    assert json.loads(result.out) == report
     assert (report["dtype"], report["kv_dtype"], report["backend"]) == ("float32", "fp32", "gloo")
     assert set(report["tp"]) == {"1", "3"} and set(report["threads"]) == {"1", "3"}
     lengths = [str(n) for n in bench_parallel.QUICK["prompt_lengths"]]
@@ -52,7 +51,7 @@ def test_quick_run_reports_every_figure_with_shards_of_a_third_and_tp1_tokens(tm
 
     assert png.read_bytes().startswith(PNG_MAGIC)
     for phase in ["prefill 32 tokens", "prefill 128 tokens", "decode batch 1", "decode batch 16"]:
-        assert re.search(rf"^\[bench\.parallel \d\d:\d\d:\d\d\] TP 3 {phase}: ", result.stderr, re.MULTILINE)
+        assert re.search(rf"^\[bench\.parallel \d\d:\d\d:\d\d\] TP 3 {phase}: ", result.err, re.MULTILINE)
 
 
 def test_a_tp_size_the_heads_do_not_allow_is_one_sentence_naming_the_sizes_that_work(capsys):
