@@ -21,7 +21,7 @@ def cluster(ray_session, tiny_llama_dir):
     config = ClusterConfig(
         engine=EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=NUM_BLOCKS, max_num_seqs=8, max_model_len=512),
         worker=WorkerConfig(max_waiting_requests=8),
-        router=RouterConfig(port=0, http_port=0, worker_refresh_interval_s=0.1),
+        router=RouterConfig(port=0, http_port=0, worker_refresh_interval_s=0.25),
     )
     with running_cluster(config) as c:
         yield c

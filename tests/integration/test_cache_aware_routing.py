@@ -23,7 +23,7 @@ def cluster(ray_session, tiny_llama_dir):
         engine=EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=96, max_model_len=512),
         worker=WorkerConfig(),
         # no memory of its own decisions: only the workers' KV events can tell where a prefix is
-        router=RouterConfig(port=0, worker_refresh_interval_s=0.1, kv_event_poll_interval_s=0.05, routing_memory_s=0),
+        router=RouterConfig(port=0, worker_refresh_interval_s=0.25, kv_event_poll_interval_s=0.05, routing_memory_s=0),
         num_prefill=2,
         num_routers=2,
     )

@@ -58,7 +58,7 @@ def cluster(ray_session, engine_config):
     config = ClusterConfig(
         engine=engine_config,
         worker=WorkerConfig(kv_transfer_timeout_s=TIMEOUT_S),
-        router=RouterConfig(port=0, worker_refresh_interval_s=0.1),
+        router=RouterConfig(port=0, worker_refresh_interval_s=0.25),
         num_prefill=1,
     )
     with running_cluster(config) as c:

@@ -39,7 +39,7 @@ def _cluster_config(engine: EngineConfig, decode_ep: int) -> ClusterConfig:
         engine=engine,
         worker=WorkerConfig(num_threads=1, tp_rank_cpus=0.25, max_local_prefill_tokens=0),
         prefill=PrefillWorkerConfig(num_threads=1),
-        router=RouterConfig(port=0, worker_refresh_interval_s=0.1),
+        router=RouterConfig(port=0, worker_refresh_interval_s=0.25),
         num_prefill=1,
         decode_ep_size=decode_ep,
     )

@@ -49,7 +49,7 @@ def engine_config(tiny_llama_dir):
 def cluster(ray_session, engine_config):
     config = ClusterConfig(
         engine=engine_config,
-        router=RouterConfig(port=0, worker_refresh_interval_s=0.1),
+        router=RouterConfig(port=0, worker_refresh_interval_s=0.25),
         controller=FAST_HEALTH,
         num_decode=2,
     )
@@ -132,7 +132,7 @@ def test_a_stream_cut_by_a_dead_replica_continues_unbroken_on_another(client, cl
 
 
 def test_with_no_migrations_allowed_a_dead_replica_ends_the_stream_with_unavailable(client, cluster):
-    router = Cluster.start_router("router-nomigrate", RouterConfig(port=0, worker_refresh_interval_s=0.1, max_migrations=0))
+    router = Cluster.start_router("router-nomigrate", RouterConfig(port=0, worker_refresh_interval_s=0.25, max_migrations=0))
     try:
         status = ray.get(router.start.remote())
         with SplitServeClient(status.grpc_address) as strict:

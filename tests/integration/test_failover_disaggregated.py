@@ -28,7 +28,7 @@ def disaggregated(ray_session, engine_config):
     config = ClusterConfig(
         engine=engine_config,
         worker=WorkerConfig(kv_transfer_timeout_s=20),
-        router=RouterConfig(port=0, worker_refresh_interval_s=0.1),
+        router=RouterConfig(port=0, worker_refresh_interval_s=0.25),
         controller=FAST_HEALTH,
         num_prefill=1,
     )

@@ -71,7 +71,7 @@ def cluster(ray_session, tiny_llama_dir):
     config = ClusterConfig(
         engine=engine,
         worker=WorkerConfig(max_waiting_requests=8),
-        router=RouterConfig(port=0, max_prompt_chars=MAX_PROMPT_CHARS, max_prompt_token_ids=MAX_PROMPT_TOKEN_IDS, worker_refresh_interval_s=0.1),
+        router=RouterConfig(port=0, max_prompt_chars=MAX_PROMPT_CHARS, max_prompt_token_ids=MAX_PROMPT_TOKEN_IDS, worker_refresh_interval_s=0.25),
     )
     with running_cluster(config) as c:
         yield c

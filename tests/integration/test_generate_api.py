@@ -44,7 +44,7 @@ def cluster(ray_session, engine_config):
     config = ClusterConfig(
         engine=engine_config,
         worker=WorkerConfig(max_waiting_requests=8),
-        router=RouterConfig(port=0, max_prompt_chars=MAX_PROMPT_CHARS, worker_refresh_interval_s=0.1),
+        router=RouterConfig(port=0, max_prompt_chars=MAX_PROMPT_CHARS, worker_refresh_interval_s=0.25),
     )
     with running_cluster(config) as c:
         yield c

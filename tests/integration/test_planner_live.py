@@ -81,7 +81,7 @@ def test_bursts_scale_each_pool_up_and_back_down(ray_session, tiny_llama_dir):
         engine=EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=256, max_model_len=512),
         worker=WorkerConfig(num_threads=1, max_local_prefill_tokens=0),
         prefill=PrefillWorkerConfig(num_threads=1),
-        router=RouterConfig(port=0, worker_refresh_interval_s=0.1),
+        router=RouterConfig(port=0, worker_refresh_interval_s=0.25),
         num_prefill=1,
     )
     with running_cluster(config) as cluster, SplitServeClient(cluster.router_status.grpc_address) as client:

@@ -36,7 +36,7 @@ def cluster(ray_session, tiny_llama_dir):
     config = ClusterConfig(
         engine=EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=128, max_model_len=512),
         worker=WorkerConfig(num_threads=1),
-        router=RouterConfig(port=0, worker_refresh_interval_s=0.1),
+        router=RouterConfig(port=0, worker_refresh_interval_s=0.25),
         num_prefill=1,
     )
     with running_cluster(config) as c:
@@ -52,7 +52,7 @@ def test_a_pool_grows_and_drains_without_failing_or_moving_a_request(cluster):
     assert {k: (v.target, v.ready) for k, v in _pools(connector).items()} == {"prefill": (1, 1), "decode": (1, 1)}
     asyncio.run(connector.set_replicas("decode", 2))
     assert _pools(connector)["decode"].ready == 2
-    time.sleep(0.5)  # several router refreshes: its view has both replicas
+    time.sleep(1.0)  # four router refreshes: its view has both replicas
 
     results, errors = [], []
     with SplitServeClient(cluster.router_status.grpc_address) as client:

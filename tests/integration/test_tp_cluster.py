@@ -56,7 +56,7 @@ def tp_cluster_config(engine_config: EngineConfig, decode_tp_size: int = 3, rank
     return ClusterConfig(
         engine=engine_config,
         worker=WorkerConfig(tp_rank_cpus=rank_cpus, num_threads=1),
-        router=RouterConfig(port=0, worker_refresh_interval_s=0.1),
+        router=RouterConfig(port=0, worker_refresh_interval_s=0.25),
         controller=HEALTH,
         num_prefill=0,
         decode_tp_size=decode_tp_size,
