@@ -99,9 +99,11 @@ def freeze(handle) -> int:
     return pid
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("how", ["killed", "frozen"])
+@pytest.mark.parametrize(("how", "params"), [("killed", GREEDY), ("frozen", SEEDED)], ids=["killed-greedy", "frozen-seeded"])
 def test_a_stream_cut_by_a_dead_replica_continues_unbroken_on_another(client, cluster, params, how):
+    """How the replica goes (killed: its calls fail at once; frozen: found by failed health probes)
+    and how the stream samples (greedy; seeded, resumed at its position) are independent: each
+    value runs once."""
     [prompt] = random_prompts([40], seed=8)
     expected_ids, expected_text, expected_last = collect(client.generate(prompt, **params))
     full_pool(client, "decode", 2)
