@@ -43,6 +43,7 @@ _COMMON = dict(
 TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", {}),
     "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama-kv3": ("LlamaConfig", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 192}),
     "llama-rope-llama3": ("LlamaConfig", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     "llama-rope-linear": ("LlamaConfig", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
     "llama-rope-yarn": ("LlamaConfig", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256}}),

@@ -1,9 +1,10 @@
 """Tensor-parallel engines give TP 1's tokens: real follower ranks as Ray actors, joined to this
 process (the leader, rank 0) by real gloo process groups, loading shards of real checkpoints.
 
-float32 greedy decoding is compared token for token: SmolLM2-135M at TP 3 (one KV head per rank)
-through chunked prefill, a prefix-cache hit, preemption and FP8 KV; the tiny random llama at TP 2
-and TP 4 (two ranks per KV head) against TP 1 and transformers. Seeded sampling gives the same
+float32 greedy decoding is compared token for token: a tiny random llama with 3 KV heads at TP 3
+(one KV head per rank, as SmolLM2-135M, which test_tp_cluster serves at TP 3) through chunked
+prefill, a prefix-cache hit, preemption and FP8 KV; the tiny random llama at TP 2 and TP 4 (two
+ranks per KV head) against TP 1 and transformers. Seeded sampling gives the same
 tokens at every size, and each rank holds its 1/N share of the parameters, no more than the
 replicated parts add.
 """
@@ -63,19 +64,20 @@ def expected_rank_bytes(tp1_model, size: int) -> int:
     return split_bytes // size + norm_bytes + replicated_kv_bytes
 
 
-# --- SmolLM2-135M at TP 3 ---------------------------------------------------------------------
+# --- a tiny random llama with 3 KV heads at TP 3 (one KV head per rank, as SmolLM2's) -----------
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_dir, smollm2_cache_dir):
-    """``smol(**overrides)``: a small-pool, small-batch SmolLM2 config (chunked prefill, preemption)."""
-    base = EngineConfig(model="smollm2-135m", weights="fp32", cache_dir=smollm2_cache_dir, kv_dtype="fp32", num_kv_blocks=24, max_num_batched_tokens=48)
+def kv3(tiny_checkpoint):
+    """``kv3(**overrides)``: a small-pool, small-batch config (chunked prefill, preemption) of the
+    tiny llama shaped like SmolLM2 at TP 3: 3 KV heads, one per rank, a vocabulary padded to 513."""
+    base = EngineConfig(model=str(tiny_checkpoint("llama-kv3")), kv_dtype="fp32", num_kv_blocks=24, max_num_batched_tokens=48)
     return lambda **overrides: replace(base, **overrides)
 
 
 @pytest.fixture(scope="module")
-def passage_ids(engines, smol) -> list[int]:
-    ids = engines.get(smol(tp_size=1)).tokenizer.encode(PASSAGE)
+def passage_ids(engines, kv3) -> list[int]:
+    ids = engines.get(kv3(tp_size=1)).tokenizer.encode(PASSAGE)
     assert len(ids) > 200
     return ids
 
@@ -92,8 +94,8 @@ def run_both(engines, config: EngineConfig, prompts, params=GREEDY_16, reset_cac
 
 
 @pytest.mark.slow
-def test_smollm2_tp3_chunked_prefill_matches_tp1(engines, smol, passage_ids):
-    config = smol(tp_size=3)
+def test_tp3_chunked_prefill_matches_tp1(engines, kv3, passage_ids):
+    config = kv3(tp_size=3)
     prompts = [passage_ids[:130], passage_ids[130:137], passage_ids[40:100]]
     assert max(map(len, prompts)) > 2 * config.max_num_batched_tokens  # prefilled in three chunks
     expected, got = run_both(engines, config, prompts)
@@ -102,12 +104,12 @@ def test_smollm2_tp3_chunked_prefill_matches_tp1(engines, smol, passage_ids):
 
 
 @pytest.mark.slow
-def test_smollm2_tp3_prefix_cache_hit_matches_tp1(engines, smol, passage_ids):
+def test_tp3_prefix_cache_hit_matches_tp1(engines, kv3, passage_ids):
     prefix = passage_ids[:64]  # four full blocks
     prompts = [prefix + passage_ids[150:170], prefix + passage_ids[180:195]]
     outputs = {}
     for size in (1, 3):
-        engine = engines.get(smol(tp_size=size))
+        engine = engines.get(kv3(tp_size=size))
         engine.reset_prefix_cache()
         first = engine.generate([prompts[0]], replace(GREEDY_16, max_tokens=4))[0]
         second = engine.generate([prompts[1]], GREEDY_16)[0]
@@ -117,8 +119,8 @@ def test_smollm2_tp3_prefix_cache_hit_matches_tp1(engines, smol, passage_ids):
 
 
 @pytest.mark.slow
-def test_smollm2_tp3_preemption_matches_tp1(engines, smol, passage_ids):
-    config = smol(tp_size=3)
+def test_tp3_preemption_matches_tp1(engines, kv3, passage_ids):
+    config = kv3(tp_size=3)
     prompts = [passage_ids[start : start + n] for start, n in [(0, 90), (20, 85), (60, 80), (100, 75)]]
     num_blocks_needed = sum(-(-(len(p) + GREEDY_16.max_tokens) // config.block_size) for p in prompts)
     assert num_blocks_needed > config.num_kv_blocks
@@ -127,18 +129,17 @@ def test_smollm2_tp3_preemption_matches_tp1(engines, smol, passage_ids):
     assert got == expected
     stats = engines.get(config).stats()
     assert stats.num_preemptions > before[3]
-    assert engines.get(smol(tp_size=1)).stats().num_preemptions > before[1]
+    assert engines.get(kv3(tp_size=1)).stats().num_preemptions > before[1]
     assert (stats.num_free_kv_blocks, stats.num_running, stats.num_waiting) == (config.num_kv_blocks, 0, 0)
 
 
-@pytest.mark.slow
-def test_smollm2_tp3_ranks_hold_a_third_of_the_parameters_and_one_kv_head_each(engines, smol):
-    tp1_model = engines.get(smol(tp_size=1)).runner.model
-    leader = engines.get(smol(tp_size=3))
+def test_tp3_ranks_hold_one_kv_head_each_and_equal_shares(engines, kv3):
+    """The exact bytes per rank at TP 3 are test_tp_cluster's, on SmolLM2 (its vocabulary needs no padding)."""
+    tp1_model = engines.get(kv3(tp_size=1)).runner.model
+    leader = engines.get(kv3(tp_size=3))
     infos = engines.follower_infos()
-    expected = expected_rank_bytes(tp1_model, 3)
-    assert parameter_bytes(leader.runner.model) == expected
-    assert [info["param_bytes"] for info in infos] == [expected, expected]
+    assert [info["param_bytes"] for info in infos] == [parameter_bytes(leader.runner.model)] * 2
+    assert parameter_bytes(tp1_model) / 3 < parameter_bytes(leader.runner.model) < parameter_bytes(tp1_model) / 2
     assert [info["rank"] for info in infos] == [1, 2]
     assert leader.runner.model.shard.kv_heads == range(0, 1)
     assert [(info["kv_head_start"], info["kv_head_end"]) for info in infos] == [(1, 2), (2, 3)]
@@ -146,8 +147,8 @@ def test_smollm2_tp3_ranks_hold_a_third_of_the_parameters_and_one_kv_head_each(e
 
 
 @pytest.mark.slow
-def test_smollm2_tp3_fp8_kv_matches_tp1_fp8(engines, smol, passage_ids):
-    config = smol(tp_size=3, kv_dtype="fp8_e4m3", num_kv_blocks=64)
+def test_tp3_fp8_kv_matches_tp1_fp8(engines, kv3, passage_ids):
+    config = kv3(tp_size=3, kv_dtype="fp8_e4m3", num_kv_blocks=64)
     prompts = [passage_ids[:90], passage_ids[120:160]]
     expected, got = run_both(engines, config, prompts)
     assert got == expected
