@@ -6,7 +6,6 @@ import contextlib
 import time
 
 
-
 @contextlib.contextmanager
 def running_cluster(config):
     """A started Cluster (controller, replicas, router-0) that is stopped afterwards."""
