@@ -51,17 +51,20 @@ def engines(ray_session):
 
 def expected_rank_bytes(tp1_model, size: int) -> int:
     """Bytes of parameters every rank of a TP ``size`` engine holds, from the TP 1 model: a 1/size
-    share of the split weights, the whole of the replicated RMSNorms and, when there are fewer KV
-    heads than ranks, one whole KV head's K and V projections in place of a share of them."""
+    share of the split weights, with the vocabulary's rows (embedding, and LM head unless tied)
+    padded up to a multiple of ``size``; the whole of the replicated RMSNorms; and, when there are
+    fewer KV heads than ranks, one whole KV head's K and V projections in place of a share of them."""
     config = tp1_model.config
-    assert config.vocab_size % size == 0 and not config.qkv_bias, "this formula has no vocab padding or QKV bias term"
+    assert not config.qkv_bias, "this formula has no QKV bias term"
     element_bytes = tp1_model.embed_tokens.weight.element_size()
     norm_bytes = sum(parameter_bytes(m) for m in tp1_model.modules() if isinstance(m, RMSNorm))
-    split_bytes = parameter_bytes(tp1_model) - norm_bytes
+    row_bytes = config.hidden_size * element_bytes * (1 if config.tie_word_embeddings else 2)
+    vocab_bytes = config.vocab_size * row_bytes
+    split_bytes = parameter_bytes(tp1_model) - norm_bytes - vocab_bytes
     assert split_bytes % size == 0
     kv_bytes = 2 * config.num_kv_heads * config.head_dim * config.hidden_size * config.num_layers * element_bytes
     replicated_kv_bytes = kv_bytes // config.num_kv_heads - kv_bytes // size if size > config.num_kv_heads else 0
-    return split_bytes // size + norm_bytes + replicated_kv_bytes
+    return split_bytes // size + -(-config.vocab_size // size) * row_bytes + norm_bytes + replicated_kv_bytes
 
 
 # --- a tiny random llama with 3 KV heads at TP 3 (one KV head per rank, as SmolLM2's) -----------
@@ -133,13 +136,13 @@ def test_tp3_preemption_matches_tp1(engines, kv3, passage_ids):
     assert (stats.num_free_kv_blocks, stats.num_running, stats.num_waiting) == (config.num_kv_blocks, 0, 0)
 
 
-def test_tp3_ranks_hold_one_kv_head_each_and_equal_shares(engines, kv3):
-    """The exact bytes per rank at TP 3 are test_tp_cluster's, on SmolLM2 (its vocabulary needs no padding)."""
+def test_tp3_ranks_hold_a_third_of_the_parameters_and_one_kv_head_each(engines, kv3):
     tp1_model = engines.get(kv3(tp_size=1)).runner.model
     leader = engines.get(kv3(tp_size=3))
     infos = engines.follower_infos()
-    assert [info["param_bytes"] for info in infos] == [parameter_bytes(leader.runner.model)] * 2
-    assert parameter_bytes(tp1_model) / 3 < parameter_bytes(leader.runner.model) < parameter_bytes(tp1_model) / 2
+    expected = expected_rank_bytes(tp1_model, 3)  # its 512-token vocabulary padded to 513 rows
+    assert parameter_bytes(leader.runner.model) == expected
+    assert [info["param_bytes"] for info in infos] == [expected, expected]
     assert [info["rank"] for info in infos] == [1, 2]
     assert leader.runner.model.shard.kv_heads == range(0, 1)
     assert [(info["kv_head_start"], info["kv_head_end"]) for info in infos] == [(1, 2), (2, 3)]
