@@ -354,11 +354,13 @@ def test_fail_policy_ends_the_request_with_a_clear_error(fail_decode, fail_prefi
 def test_fail_policy_with_the_prefill_worker_killed(fail_decode, tiny_llama_dir):
     decode = fail_decode
     prefill = _prefill(_engine_config(tiny_llama_dir), decode, "prefill-killed")
-    ray.get(prefill.inject_faults.remote(delay_s=30))
-    request = build_generate_request(random_prompts([40], seed=49)[0], **GREEDY, request_id="killed")
-    stream = decode.generate.options(num_returns="streaming").remote(request, prefill, "prefill-killed")
-    wait_until(lambda: ray.get(prefill.transfer_stats.remote()).num_prefills == 1)
-    ray.kill(prefill)
+    try:
+        ray.get(prefill.inject_faults.remote(delay_s=30))
+        request = build_generate_request(random_prompts([40], seed=49)[0], **GREEDY, request_id="killed")
+        stream = decode.generate.options(num_returns="streaming").remote(request, prefill, "prefill-killed")
+        wait_until(lambda: ray.get(prefill.transfer_stats.remote()).num_prefills == 1)
+    finally:
+        ray.kill(prefill)  # the fault under test; and no actor outlives a test that failed before it
     [event] = [ray.get(ref) for ref in stream]
     assert event.error.code == wpb.RequestError.UNAVAILABLE
     assert "prefill worker prefill-killed died" in event.error.message
