@@ -25,8 +25,14 @@ def cluster_tls(pki):
     return ClusterTLSConfig(pki.node_cert, pki.node_key, pki.ca_cert)
 
 
-async def serve(requests: Requests, tls: ClusterTLSConfig) -> tuple[RequestPlaneServer, wpb.RequestPlaneEndpoint]:
-    server = RequestPlaneServer("decode-t", TOKEN, requests, open_timeout_s=0.5, tls=tls)
+SILENT_TIMEOUT_S = 0.5
+"""The open timeout of the server that waits out a client that says nothing. Every other server
+here gives a handshake 10 s, so that on a busy machine a slow handshake still ends in the verdict
+the test expects (a certificate refused, a channel opened), never in a timeout."""
+
+
+async def serve(requests: Requests, tls: ClusterTLSConfig, open_timeout_s: float = 10.0) -> tuple[RequestPlaneServer, wpb.RequestPlaneEndpoint]:
+    server = RequestPlaneServer("decode-t", TOKEN, requests, open_timeout_s=open_timeout_s, tls=tls)
     return server, await server.start("127.0.0.1", 0)
 
 
@@ -70,18 +76,21 @@ def test_a_plain_tcp_client_is_refused_and_the_next_router_is_served(cluster_tls
         reader, writer = await connect(endpoint, None)  # the right token, in the clear
         submit(writer, "plain")
         assert await asyncio.wait_for(reader.read(), 5) == b""  # closed without a byte
-        reader, _ = await asyncio.open_connection(endpoint.host, endpoint.port)  # says nothing
-        assert await asyncio.wait_for(reader.read(), 5) == b""
-        assert server.stats.num_channels_refused == 2 and server.stats.num_channels_opened == 0
+        assert server.stats.num_channels_refused == 1 and server.stats.num_channels_opened == 0
         assert server.stats.num_submitted == 0 and requests.started == []
         await serves_one_request(requests, endpoint, cluster_tls, "good")
         assert requests.started == ["good"] and server.stats.num_channels_opened == 1
         server.close()
+        impatient, endpoint = await serve(requests, cluster_tls, SILENT_TIMEOUT_S)
+        reader, _ = await asyncio.open_connection(endpoint.host, endpoint.port)  # says nothing
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert impatient.stats.num_channels_refused == 1 and impatient.stats.num_channels_opened == 0
+        impatient.close()
 
     asyncio.run(main())
     plain, silent = refusals(caplog)
     assert plain.startswith("TLS handshake failed: [SSL: ") and "(_ssl.c" in plain  # bytes that are no TLS record
-    assert silent == "no TLS handshake: ConnectionAbortedError('SSL handshake is taking longer than 0.5 seconds: aborting the connection')"
+    assert silent == f"no TLS handshake: ConnectionAbortedError('SSL handshake is taking longer than {SILENT_TIMEOUT_S} seconds: aborting the connection')"
 
 
 def test_a_certificate_from_another_ca_or_none_is_refused(pki, cluster_tls, caplog):

@@ -53,8 +53,11 @@ def test_one_activation_plane_reaches_every_kernel_and_stays_near_fp32(smollm2_d
     """``act_planes=1`` (llama.cpp's 8-bit activations): every layer's kernel takes it, the logits
     move (so it is in effect) but stay within reach of fp32's, and the answer is still right.
 
-    Measured here: one plane moves SmolLM2's logits by up to 3.07 from fp32's (two planes: 0.01)
-    and agrees with fp32's argmax on 16 of 17 rows; the kernel gives the same bits on every ISA."""
+    Measured: one plane moves SmolLM2's logits by up to 3.07 from fp32's on a Zen 3 (AVX2) and
+    4.88 on a Zen 4 (AVX-512; fp32's own kernels differ there in the last bits, which 8-bit
+    activations amplify), so the check is on each row's direction: centred, one plane's logits
+    keep a cosine of at least 0.985 with fp32's (two planes: 0.99999), where two neighbouring
+    rows of fp32's own reach 0.90. Argmax agrees on 16 of 17 rows on both machines."""
     config = EngineConfig(model="smollm2-135m", act_planes=1, kv_cache_bytes=16 << 20, cache_dir=smollm2_cache_dir)
     one = LLMEngine(config)
     assert {module.quantized.act_planes for _, module in linear_layers(one.runner.model)} == {1}
@@ -64,8 +67,14 @@ def test_one_activation_plane_reaches_every_kernel_and_stays_near_fp32(smollm2_d
     sequence = tuple(fp32.tokenizer.encode(PROMPT)) + tuple(got.output_token_ids)
     reference, ours_one, ours_two = (_logits_of_every_row(e, sequence) for e in (fp32, one, two))
     assert not torch.equal(ours_one, ours_two)
-    assert (ours_one - reference).abs().max() < 4.0
+    assert _centred_cosine(ours_one, reference).min() > 0.97
     assert (ours_one.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.85
+
+
+def _centred_cosine(logits: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Per row, the cosine between the two rows of logits, each less its mean (a softmax ignores the mean)."""
+    centred = lambda rows: rows - rows.mean(-1, keepdim=True)  # noqa: E731
+    return torch.nn.functional.cosine_similarity(centred(logits), centred(reference), dim=-1)
 
 
 def _logits_of_every_row(engine: LLMEngine, sequence: tuple[int, ...]) -> torch.Tensor:
