@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
