@@ -70,14 +70,22 @@ def progress(name: str, message: str) -> None:
     print(f"[bench.{name} {datetime.datetime.now():%H:%M:%S}] {message}", file=sys.stderr, flush=True)
 
 
+SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+"""The CPU features that pick the engine's kernel paths (and llama.cpp's): the same model name
+("AMD EPYC") covers AVX2-only and AVX-512 parts, whose figures differ by a third."""
+
+
 def machine() -> dict:
-    """Where a report was measured: date, CPU model, cores usable, torch threads."""
+    """Where a report was measured: date, CPU model and its SIMD features, cores usable, torch threads."""
     import torch
 
-    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), platform.processor())
+    info = _cpuinfo()
+    model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), platform.processor())
+    flags = set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
     return {
         "date": datetime.date.today().isoformat(),
         "cpu": model,
+        "cpu_flags": [flag for flag in SIMD_FLAGS if flag in flags],
         "cpus": len(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

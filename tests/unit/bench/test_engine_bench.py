@@ -15,14 +15,28 @@ import torch
 
 from bench import engine as bench_engine
 from bench.llama_cpp_peer import INSTALL_HINT
-from bench.report import run
+from bench.report import SIMD_FLAGS, machine, run
 from bench.workload import random_workload
 from tests.tiny_models import TINY_VOCAB
 
 SYSTEMS = ["--systems", "splitserve", "transformers"]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-MACHINE_KEYS = {"date", "cpu", "cpus", "torch_threads", "gpu"}
+MACHINE_KEYS = {"date", "cpu", "cpu_flags", "cpus", "torch_threads", "gpu"}
+
+
+def test_the_machine_names_the_simd_features_the_kernels_were_chosen_by():
+    """A report's ``cpu_flags`` tell an AVX2 box from an AVX-512 one under the same model name;
+    they must agree with the instruction set the quantized kernels picked on this CPU."""
+    from engine.quant import native
+
+    flags = machine()["cpu_flags"]
+    assert list(flags) == [flag for flag in SIMD_FLAGS if flag in flags]
+    isa = native._qmatmul.isa() if native._qmatmul is not None else "scalar"
+    wanted = {"avx512vnni": {"avx2", "avx512f", "avx512_vnni"}, "avx2": {"avx2"}, "scalar": set()}[isa]
+    assert wanted <= set(flags), (isa, flags)
+    if isa == "avx2":
+        assert "avx512_vnni" not in flags or "avx512f" not in flags
 
 
 @pytest.mark.slow

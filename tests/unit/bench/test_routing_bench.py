@@ -33,7 +33,7 @@ def test_every_policy_is_replayed_and_its_tier_hits_add_up(trace_path, tmp_path,
     report = json.loads(out.read_text())
     assert json.loads(captured.out) == report
     assert set(report) == {"trace", "trace_stats", "warmup_s", "cluster", "splitserve_config", "oracle_hit_ratio", "policies", "goals", "machine"}
-    assert set(report["machine"]) == {"date", "cpu", "cpus", "torch_threads", "gpu"}
+    assert set(report["machine"]) == {"date", "cpu", "cpu_flags", "cpus", "torch_threads", "gpu"}
     assert report["trace_stats"]["num_requests"] == 150 and report["cluster"]["num_workers"] == 2
     assert list(report["policies"]) == list(POLICIES)
     for name, result in report["policies"].items():
