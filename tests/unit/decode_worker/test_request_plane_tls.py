@@ -12,7 +12,7 @@ from proto import worker_pb2 as wpb
 from proto.framing import frame
 from proto.tls import ClusterTLSConfig, client_context
 from tests.certs import make_pki
-from tests.unit.decode_worker.test_request_plane import TOKEN, Requests, next_batch, submit, until
+from tests.unit.decode_worker.test_request_plane import SILENT_TIMEOUT_S, TOKEN, Requests, next_batch, submit, until
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +25,9 @@ def cluster_tls(pki):
     return ClusterTLSConfig(pki.node_cert, pki.node_key, pki.ca_cert)
 
 
-SILENT_TIMEOUT_S = 0.5
-"""The open timeout of the server that waits out a client that says nothing. Every other server
-here gives a handshake 10 s, so that on a busy machine a slow handshake still ends in the verdict
-the test expects (a certificate refused, a channel opened), never in a timeout."""
-
-
 async def serve(requests: Requests, tls: ClusterTLSConfig, open_timeout_s: float = 10.0) -> tuple[RequestPlaneServer, wpb.RequestPlaneEndpoint]:
+    """A TLS server; 10 s for a handshake, so that on a busy machine a slow one still ends in the
+    verdict a test expects (a certificate refused, a channel opened), never in a timeout."""
     server = RequestPlaneServer("decode-t", TOKEN, requests, open_timeout_s=open_timeout_s, tls=tls)
     return server, await server.start("127.0.0.1", 0)
 
