@@ -18,11 +18,11 @@ from bench.llama_cpp_peer import INSTALL_HINT
 from bench.report import SIMD_FLAGS, machine, run
 from bench.workload import random_workload
 from tests.tiny_models import TINY_VOCAB
+from tests.unit.bench import MACHINE_KEYS
 
 SYSTEMS = ["--systems", "splitserve", "transformers"]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-MACHINE_KEYS = {"date", "cpu", "cpu_flags", "cpus", "torch_threads", "gpu"}
 
 
 def test_the_machine_names_the_simd_features_the_kernels_were_chosen_by():

@@ -12,6 +12,7 @@ from bench.report import run
 from engine.model_config import ModelConfig
 from kv_store.layout import KVBlockLayout
 from tests.redis_server import free_port
+from tests.unit.bench import MACHINE_KEYS
 
 TIERS = ["recompute", "gpu", "cpu", "redis"]
 
@@ -32,7 +33,7 @@ def test_every_tier_serves_the_whole_prefix_and_redis_moves_every_block(tiny_lla
     block_bytes = KVBlockLayout(model.num_layers, model.num_kv_heads, model.head_dim, 16, "fp8_e4m3").block_bytes
     assert (report["redis_blocks"], report["redis_bytes"]) == (4, 4 * block_bytes)
     assert {"redis_put_gbps", "redis_get_gbps", "raw_redis_py_set_gbps", "raw_redis_py_get_gbps"} <= set(report)
-    assert set(report["machine"]) == {"date", "cpu", "cpu_flags", "cpus", "torch_threads", "gpu"}
+    assert set(report["machine"]) == MACHINE_KEYS
     assert re.search(r"^\[bench\.kv_store \d\d:\d\d:\d\d\] started redis-server at redis://127\.0\.0\.1:", captured.err, re.MULTILINE)
     for tier in TIERS:
         assert re.search(rf"^\[bench\.kv_store \d\d:\d\d:\d\d\] {tier}: TTFT ", captured.err, re.MULTILINE)

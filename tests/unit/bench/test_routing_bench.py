@@ -11,6 +11,7 @@ from bench import routing as bench_routing
 from bench.report import run
 from bench.traces import TraceConfig, generate, write_trace
 from router.routing import POLICIES
+from tests.unit.bench import MACHINE_KEYS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL_CLUSTER = ["--workers", "2", "--pool-tokens", "4096", "--cpu-tokens", "8192", "--redis-tokens", "32768", "--num-decode-workers", "2"]
@@ -33,7 +34,7 @@ def test_every_policy_is_replayed_and_its_tier_hits_add_up(trace_path, tmp_path,
     report = json.loads(out.read_text())
     assert json.loads(captured.out) == report
     assert set(report) == {"trace", "trace_stats", "warmup_s", "cluster", "splitserve_config", "oracle_hit_ratio", "policies", "goals", "machine"}
-    assert set(report["machine"]) == {"date", "cpu", "cpu_flags", "cpus", "torch_threads", "gpu"}
+    assert set(report["machine"]) == MACHINE_KEYS
     assert report["trace_stats"]["num_requests"] == 150 and report["cluster"]["num_workers"] == 2
     assert list(report["policies"]) == list(POLICIES)
     for name, result in report["policies"].items():

@@ -11,6 +11,7 @@ from bench import transfer as bench_transfer
 from bench.report import run
 from engine.model_config import ModelConfig
 from kv_store.layout import KVBlockLayout
+from tests.unit.bench import MACHINE_KEYS
 
 
 @pytest.mark.integration
@@ -36,7 +37,7 @@ def test_fp8_and_bf16_writes_move_every_block_over_nixl(tiny_llama_dir, tmp_path
         for placement in ("scattered", "contiguous"):
             assert nixl[f"{kv_dtype}_{placement}"]["num_bytes"] == num_blocks * layout.block_bytes
         assert nixl["num_notifs_received"][kv_dtype] == 2 * (2 + 1)  # two placements x (2 warm-ups + 1 repetition)
-    assert set(report["machine"]) == {"date", "cpu", "cpu_flags", "cpus", "torch_threads", "gpu"}
+    assert set(report["machine"]) == MACHINE_KEYS
     for phase in ("codec: ", "nixl: fp8_e4m3 WRITE of 4 blocks", "nixl: bf16 WRITE of 4 blocks"):
         assert re.search(rf"^\[bench\.transfer \d\d:\d\d:\d\d\] {phase}", captured.err, re.MULTILINE)
 
