@@ -18,12 +18,12 @@ the perf model (planner/perf_model.py; default the Splitwise llama2-70b H100 TP 
 
 Every ``interval_s`` the policy sees the interval's Observation and the pools and sets targets.
 A request meets the SLO when its TTFT and its mean ITL both do; KV transfer time is not modelled.
-``oracle`` is the planner told the coming load: its gap to ``splitserve`` is forecast error.
+``oracle`` is the planner told the coming load: its gap to ``splitserve`` is forecast error. ``hindsight``
+(bench/hindsight.py) is the cheapest prefill schedule chosen knowing the whole trace: what the trace allows.
 """
 
 from __future__ import annotations
 
-import bisect
 import csv
 import dataclasses
 import datetime
@@ -35,13 +35,13 @@ from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
+from bench.hindsight import ArrivingLoad, replay_hindsight
 from bench.report import BenchError, arg_parser, emit_report, machine, percentile, progress, run
 from bench.traces import read_trace as read_mooncake
 from planner.config import PlannerConfig
 from planner.connector import POOLS, PoolReplicas
 from planner.perf_model import PerfModel, load_profile, load_splitwise_csv
 from planner.policy import Observation, SLAPlanner
-from planner.predictor import LoadForecast
 from router.cli_args import add_dataclass_args, dataclass_from_args
 
 CSV_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
@@ -344,21 +344,6 @@ class HPA:
         return targets
 
 
-class _ArrivingLoad:
-    """The oracle's predictor: the load of the interval that starts when a replica asked for now is ready."""
-
-    def __init__(self, trace: list[Arrival], config: PlannerConfig) -> None:
-        self.trace, self.times, self.config, self.now_s = trace, [a.time_s for a in trace], config, 0.0
-
-    def observe(self, *rates: float) -> None:
-        """It needs no history."""
-
-    def forecast(self) -> LoadForecast:
-        start_s, length_s = self.now_s + self.config.startup_s, self.config.interval_s
-        arriving = self.trace[bisect.bisect_left(self.times, start_s) : bisect.bisect_left(self.times, start_s + length_s)]
-        return LoadForecast(len(arriving) / length_s, sum(a.prompt_tokens for a in arriving) / length_s, sum(a.output_tokens for a in arriving) / length_s)
-
-
 def warm_start(trace, perf, config) -> tuple[int, int]:
     """(prefill, decode) replicas the planner sizes for the trace's first interval, where the dynamic
     policies start, ready: traffic is already flowing when a trace starts, and the static split,
@@ -370,13 +355,15 @@ def warm_start(trace, perf, config) -> tuple[int, int]:
     return (min(config.max_prefill, max(config.min_prefill, needed["prefill"])), min(config.max_decode, max(config.min_decode, needed["decode"])))
 
 
-def replay(trace, perf, config, policy, cost_scale=1.0) -> tuple[dict, list]:
-    """``policy``'s result and timeline on ``trace`` (replicas start in ``config.startup_s``);
-    ``static`` searches the cheapest split reaching ``config.attainment_target``."""
+def replay(trace, perf, config, policy, cost_scale=1.0, static=None) -> tuple[dict, list]:
+    """``policy``'s result and timeline on ``trace`` (replicas start in ``config.startup_s``); ``static`` searches the cheapest
+    split reaching ``config.attainment_target``; ``hindsight`` (bench/hindsight.py) starts from static's result, replayed unless given."""
     sim = lambda controller, initial: Simulation(trace, perf, config, controller, initial, cost_scale)  # noqa: E731
+    if policy == "hindsight":
+        return replay_hindsight(trace, perf, config, static or replay(trace, perf, config, "static", cost_scale)[0], sim, cost_scale)
     start = warm_start(trace, perf, config)
     if policy in ("splitserve", "oracle"):
-        planner, infeasible, oracle = SLAPlanner(config, perf), [], _ArrivingLoad(trace, config) if policy == "oracle" else None
+        planner, infeasible, oracle = SLAPlanner(config, perf), [], ArrivingLoad(trace, config) if policy == "oracle" else None
         planner.predictor = oracle or planner.predictor
 
         def controller(now, observation, pools, use):
@@ -430,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--perf-model", type=Path, default=DEFAULT_PERF, help="Splitwise CSV or profile JSON (default: planner/data/splitwise_perf_model.csv)")
     parser.add_argument("--perf-rows", nargs=3, default=["llama2-70b", "h100-80gb", "4"], metavar=("MODEL", "HARDWARE", "TP"), help="Splitwise row set (default: llama2-70b h100-80gb 4)")
     parser.add_argument("--cost-scale", type=float, default=1.0, help="simulated costs over the perf model's (the planner's correction must find it; default: 1)")
-    parser.add_argument("--policies", nargs="+", choices=("splitserve", "static", "hpa", "oracle"), default=["splitserve", "static", "hpa"], help="oracle: the planner told the coming load (default: the other three)")
+    parser.add_argument("--policies", nargs="+", choices=("splitserve", "static", "hpa", "oracle", "hindsight"), default=["splitserve", "static", "hpa"], help="oracle: the planner told the coming load; hindsight: the cheapest prefill schedule knowing the whole trace (default: the first three)")
     add_dataclass_args(parser, PlannerConfig)
     args = parser.parse_args(argv)
     try:
@@ -448,9 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         write_csv(generate_bursty(args.seed, args.duration_s), args.trace)
     trace = read_arrivals(args.trace)
     results, timelines = {}, {}
-    for name in args.policies:
+    for name in sorted(args.policies, key=lambda name: name == "hindsight"):  # it starts from static's split
         progress("planner", f"{name}: replaying {len(trace)} requests over {trace[-1].time_s:.0f} s")
-        results[name], timelines[name] = replay(trace, perf, config, name, args.cost_scale)
+        results[name], timelines[name] = replay(trace, perf, config, name, args.cost_scale, results.get("static"))
         r = results[name]
         progress("planner", f"{name}: attainment {r['slo_attainment']:.4f}, {r['replica_hours']:.2f} replica-hours, {r['direction_changes']} direction changes")
     span_s = trace[-1].time_s

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from bench import hindsight as bench_hindsight
 from bench import planner as bench_planner
 from bench.report import run
 
@@ -103,3 +104,37 @@ def test_a_boolean_planner_setting_is_a_flag_that_reaches_the_planner(trace_path
     assert json.loads(out.read_text())["planner_config"]["aggregate_when_cheaper"] is True
     assert bench_planner.main(argv) == 0
     assert json.loads(out.read_text())["planner_config"]["aggregate_when_cheaper"] is False
+
+
+def test_the_hindsight_schedule_pays_for_start_up_and_merges_runs_closer_than_it():
+    """After three quiet intervals, intervals 3 and 5 miss 100 requests with one replica and none
+    with two; a second replica costs 1 per interval plus 2 to start (the first interval's count
+    starts free, as static's split does). Priced high enough, both intervals get it, as one run
+    (1 + 1 + 1 + 2 = 5) rather than two (2 * (1 + 2) = 6); runs four apart stay two; priced at
+    nothing, no interval gets it."""
+    quiet = [[0, 0]] * 3
+    misses = quiet + [[100, 0], [0, 0], [100, 0], [0, 0]]
+    assert bench_hindsight.cheapest_schedule(misses, [1, 2], lead=2, lam=1.0) == [1, 1, 1, 2, 2, 2, 1]
+    assert bench_hindsight.cheapest_schedule(misses, [1, 2], lead=2, lam=0.0) == [1] * 7
+    apart = quiet + [[100, 0], [0, 0], [0, 0], [0, 0], [100, 0], [0, 0]]
+    assert bench_hindsight.cheapest_schedule(apart, [1, 2], lead=2, lam=1.0) == [1, 1, 1, 2, 1, 1, 1, 2, 1]
+
+
+def test_hindsight_has_its_prefill_replicas_ready_for_a_spell_of_load_and_costs_less_than_static():
+    """Two long prompts a second, with a spell of twelve a second from 900 s to 1,200 s: the schedule
+    adds replicas for the spell only, asked for one start-up ahead, and reaches static's attainment
+    less 0.01 with fewer replica-hours than static's split held all along."""
+    trace = [bench_planner.Arrival(t / 2, 2000, 50) for t in range(2 * 1800)]
+    trace += [bench_planner.Arrival(900 + t / 12, 2000, 50) for t in range(12 * 300)]
+    trace.sort()
+    config = bench_planner.PlannerConfig(max_prefill=8, max_decode=8)
+    perf = bench_planner.load_splitwise_csv(bench_planner.DEFAULT_PERF, "llama2-70b", "h100-80gb", 4)
+    static, _ = bench_planner.replay(trace, perf, config, "static")
+    result, timeline = bench_planner.replay(trace, perf, config, "hindsight", static=static)
+    assert result["reached_target"] and result["slo_attainment"] >= static["slo_attainment"] - 0.01
+    assert result["replica_hours"] < static["replica_hours"]
+    assert result["decode_replica_hours"] == pytest.approx(static["decode_replica_hours"])
+    prefill = {round(row[0]): row[2] for row in timeline}
+    ask_s = 900 - round(config.startup_s)
+    assert prefill[ask_s] > prefill[ask_s - 60] and prefill[1500] < prefill[1050]
+    assert result["direction_changes"] == 1
