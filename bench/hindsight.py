@@ -8,13 +8,14 @@ replicas it asks for now are ready: its gap to ``splitserve`` is forecast error.
 ``hindsight`` is the cheapest prefill schedule chosen knowing every arrival. The decode pool stays at
 the static split's count; the prefill pool follows one count per interval, static's among them. It
 empties only where static's does: a count of none (the decode replicas prefill, their batches
-stalled) is left out of a split that has prefill replicas, whose decode pool was not sized for it. For a price ``lam`` per
-missed request, a dynamic program over the intervals minimises replica-intervals (a replica added
-also pays for its start-up) plus ``lam`` times the TTFT misses each interval would have with that
-many replicas, each interval starting with empty queues. Bisection on ``lam`` finds the cheapest
-such schedule whose replay in bench.planner's Simulation (start-up, queues carried over, drains)
-reaches static's attainment less 0.01, the issue's bar. It is no causal policy: it shows what the
-trace allows, and its gap to ``splitserve`` is the price of deciding without knowing what comes next.
+stalled) is left out of a split that has prefill replicas, whose decode pool was not sized for it.
+For a price ``lam`` per missed request, a dynamic program over the intervals minimises
+replica-intervals (a replica added also pays for its start-up) plus ``lam`` times the TTFT misses
+each interval would have with that many replicas, each interval starting with empty queues.
+Bisection on ``lam`` finds the cheapest such schedule whose replay in bench.planner's Simulation
+(start-up, queues carried over, drains) reaches static's attainment less 0.01, the issue's bar. It
+is no causal policy: it shows what the trace allows, and its gap to ``splitserve`` is the price of
+deciding without knowing what comes next.
 """
 
 from __future__ import annotations
@@ -71,10 +72,10 @@ def cheapest_schedule(misses: list[list[int]], counts: list[int], lead: int, lam
     ``lam`` per miss (the first interval's count is free to choose, as static's split is)."""
     cost = [counts[j] + lam * misses[0][j] for j in range(len(counts))]
     back = []
-    for row in misses[1:]:
-        choice = [min(range(len(counts)), key=lambda i: cost[i] + lead * max(0, counts[j] - counts[i])) for j in range(len(counts))]
-        cost = [cost[i] + lead * max(0, counts[j] - counts[i]) + counts[j] + lam * row[j] for j, i in enumerate(choice)]
-        back.append(choice)
+    for row in misses[1:]:  # (cheapest way into count j, the count it came from), for every j
+        best = [min((cost[i] + lead * max(0, n - counts[i]), i) for i in range(len(counts))) for n in counts]
+        cost = [into + counts[j] + lam * row[j] for j, (into, _) in enumerate(best)]
+        back.append([i for _, i in best])
     j = min(range(len(counts)), key=cost.__getitem__)
     path = [j]
     for choice in reversed(back):
