@@ -53,15 +53,26 @@ def token_refusal(presented: bytes, expected: bytes) -> str | None:
     return "missing or invalid bearer token" if presented else "missing bearer token"
 
 
+_HANDLER_MAKERS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+"""The handler factory for each (request streaming, response streaming)."""
+
+
 def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    async def refuse_unary(request, context):
+    """A handler of the same shape as ``handler`` that aborts with UNAUTHENTICATED. The shape
+    matters: refused by a unary handler, a client stream stays open until its first message."""
+
+    async def refuse(request_or_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    async def refuse_stream(request, context):
+    async def refuse_stream(request_or_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator, as streaming handlers are
 
-    codec = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, **codec)
-    return grpc.unary_unary_rpc_method_handler(refuse_unary, **codec)
+    make = _HANDLER_MAKERS[(handler.request_streaming, handler.response_streaming)]
+    behaviour = refuse_stream if handler.response_streaming else refuse
+    return make(behaviour, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
