@@ -94,6 +94,11 @@ class EngineConfig:
     above: 7 decodes and a 1-token chunk took 1.06x 8 decodes (3.7 ms; 22.7 ms a decode step)."""
     tp_collective_timeout_s: float = 30.0
     """How long a rank waits in an all-reduce for the others before the replica fails (a hung rank)."""
+    enforce_eager: bool = False
+    """Run every step eagerly: no CUDA graphs for decode steps (as vLLM's ``--enforce-eager``)."""
+    graph_max_batch: int | None = None
+    """Largest decode batch replayed as a CUDA graph (buckets 1, 2, 4, 8, then every 8 up to it);
+    None takes ``max_num_seqs``. A larger decode batch runs eagerly."""
 
     @property
     def num_ranks(self) -> int:
@@ -126,6 +131,8 @@ class EngineConfig:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.graph_max_batch is not None and self.graph_max_batch < 1:
+            raise ValueError(f"graph_max_batch: must be >= 1, got {self.graph_max_batch}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks: must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
