@@ -2,8 +2,9 @@
 
 Blocks arrive when the KV pool evicts them and leave, least recently used first, when space is
 needed; an evicted block is handed to ``on_evict`` (the Redis spill) before its slot is reused.
-One buffer ``[num_slots, block_bytes]``, pinned when a GPU is present so that copies to and from
-the GPU pool can run asynchronously. Not thread-safe: the engine thread owns it.
+One buffer ``[num_slots, block_bytes]``, pinned for a GPU pool so that copies to and from it run
+asynchronously (``kv_store/block_copier.py``); ``before_reuse`` lets such a copy land before a
+slot's bytes are read or replaced. Not thread-safe: the engine thread owns it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ import torch
 class CPUTier:
     """``capacity_bytes // block_bytes`` block slots keyed by block key, in LRU order."""
 
-    def __init__(self, capacity_bytes: int, block_bytes: int, on_evict: Callable[[int, torch.Tensor], None] | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        block_bytes: int,
+        on_evict: Callable[[int, torch.Tensor], None] | None = None,
+        *,
+        pin_memory: bool | None = None,
+    ) -> None:
+        """``pin_memory``: page-lock the buffer (for a GPU pool); None pins it when CUDA is present."""
         if block_bytes < 1:
             raise ValueError(f"block_bytes: must be >= 1, got {block_bytes}")
         self.num_slots = capacity_bytes // block_bytes
@@ -26,7 +35,10 @@ class CPUTier:
             raise ValueError(f"capacity_bytes: {capacity_bytes} holds no block of {block_bytes} bytes")
         self.block_bytes = block_bytes
         self.on_evict = on_evict
-        if torch.cuda.is_available():
+        self.before_reuse: Callable[[int], None] | None = None
+        """Called with a slot before its bytes go to ``on_evict`` or it is given to another key:
+        a copy into it still in flight must land first (``BlockCopier.wait_slot``)."""
+        if torch.cuda.is_available() if pin_memory is None else pin_memory:
             self.buffer = torch.empty((self.num_slots, block_bytes), dtype=torch.uint8, pin_memory=True)
         else:  # calloc'd: pages cost nothing until a block lands in them
             self.buffer = torch.from_numpy(np.zeros((self.num_slots, block_bytes), dtype=np.uint8))
@@ -44,36 +56,45 @@ class CPUTier:
     def keys(self) -> list[int]:
         return list(self._slots)
 
+    def claim(self, key: int) -> int:
+        """A slot for ``key``, a key not held, now most recently used; the caller fills it. When
+        every slot is taken, the least recently used key's goes to ``on_evict`` first."""
+        if key in self._slots:
+            raise ValueError(f"key: {key} is already in the CPU tier; refresh it with slot_of")
+        evicted = None if self._free else self._slots.popitem(last=False)
+        slot = self._free.pop() if evicted is None else evicted[1]
+        if self.before_reuse is not None:
+            self.before_reuse(slot)
+        if evicted is not None:
+            if self.on_evict is not None:
+                self.on_evict(evicted[0], self.buffer[slot])
+            self.num_evictions += 1
+        self._slots[key] = slot
+        return slot
+
     def put(self, key: int, block: torch.Tensor) -> list[int]:
-        """Store a copy of ``block`` (``uint8 [block_bytes]``) under ``key`` as most recently used;
-        returns the keys evicted to make room. A key already held is only refreshed."""
+        """Store a copy of ``block`` (host ``uint8 [block_bytes]``) under ``key`` as most recently
+        used; returns the keys evicted to make room. A key already held is only refreshed."""
         if block.numel() != self.block_bytes:
             raise ValueError(f"block: {block.numel()} bytes, the tier holds blocks of {self.block_bytes}")
         if key in self._slots:
             self._slots.move_to_end(key)
             return []
-        evicted = []
-        if not self._free:
-            old_key, slot = self._slots.popitem(last=False)
-            if self.on_evict is not None:
-                self.on_evict(old_key, self.buffer[slot])
-            self._free.append(slot)
-            self.num_evictions += 1
-            evicted.append(old_key)
-        slot = self._free.pop()
-        # numpy's copy is one memcpy on this thread; torch's copy_ of a uint8 row goes through the
-        # OpenMP team and took milliseconds instead of ~20 us when other processes held the cores
-        np.copyto(self._rows[slot], block.reshape(-1).numpy())
-        self._slots[key] = slot
+        evicted = [] if self._free else [next(iter(self._slots))]
+        np.copyto(self._rows[self.claim(key)], block.reshape(-1).numpy())
         return evicted
+
+    def slot_of(self, key: int) -> int | None:
+        """The slot holding ``key``, now most recently used; None when the tier lacks it."""
+        slot = self._slots.get(key)
+        if slot is not None:
+            self._slots.move_to_end(key)
+        return slot
 
     def get(self, key: int) -> torch.Tensor | None:
         """The block under ``key`` (a view into the tier; copy it before the next ``put``), now most recently used."""
-        slot = self._slots.get(key)
-        if slot is None:
-            return None
-        self._slots.move_to_end(key)
-        return self.buffer[slot]
+        slot = self.slot_of(key)
+        return None if slot is None else self.buffer[slot]
 
     def clear(self) -> None:
         self._slots.clear()

@@ -10,7 +10,11 @@
     lookup, for the blocks of a prompt the pool lacks: CPU tier, then Redis, the longest run of
     consecutive keys; hits are copied into fresh pool blocks and cached there.
 
-Without a CPU tier, pool evictions go straight to Redis. Every change of a tier's key set is a
+Without a CPU tier, pool evictions go straight to Redis. The bytes move through a
+``BlockCopier`` chosen by the pool's device (``kv_store/block_copier.py``): memcpys on this
+thread for a CPU pool, copies on a side stream for a GPU pool. The bookkeeping here is the same
+for both: a slot is waited for before it is read or reused (``CPUTier.before_reuse``), and the
+step's stream is fenced after every copy into or out of a pool block the step will use. Every change of a tier's key set is a
 KV event in ``events``; a snapshot pairs the three key sets with the last event batch. The
 engine thread calls everything here except the Redis writer's callback (events are thread-safe).
 """
@@ -18,12 +22,12 @@ engine thread calls everything here except the Redis writer's callback (events a
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from kv_store.block_copier import BlockCopier, block_copier
 from kv_store.block_pool import BlockPool
 from kv_store.cpu_tier import CPUTier
 from kv_store.events import EventKind, KVEventLog, KVSnapshot, Tier
@@ -52,13 +56,23 @@ class TieredStats:
 class TieredKVStore:
     """Spills pool evictions down the tiers, loads prefix hits back up, and records KV events."""
 
-    def __init__(self, pool: BlockPool, buffer: torch.Tensor, events: KVEventLog, cpu: CPUTier | None = None, redis: RedisTier | None = None) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        buffer: torch.Tensor,
+        events: KVEventLog,
+        cpu: CPUTier | None = None,
+        redis: RedisTier | None = None,
+        copier: BlockCopier | None = None,
+    ) -> None:
+        """``buffer``: the pool's bytes, ``uint8 [num_blocks, block_bytes]`` on any device;
+        ``copier``: moves blocks between it and ``cpu``'s buffer (by default the one for
+        ``buffer``'s device, ``block_copier``)."""
         if buffer.dim() != 2 or buffer.shape[0] != pool.num_blocks or buffer.dtype != torch.uint8:
             raise ValueError(f"buffer: expected uint8 [{pool.num_blocks}, block_bytes], got {buffer.dtype} {list(buffer.shape)}")
         self.pool = pool
         self.buffer = buffer
-        self._rows = buffer.numpy() if buffer.device.type == "cpu" else None
-        """The pool's rows for single-threaded copies (see CPUTier.put); a GPU pool has no lower tiers to load from."""
+        self.copier = copier or block_copier(buffer, cpu.buffer if cpu is not None else None)
         self.events = events
         self.cpu = cpu
         self.redis = redis
@@ -67,6 +81,7 @@ class TieredKVStore:
         self._redis_lock = threading.Lock()
         if cpu is not None:
             cpu.on_evict = self._spill_from_cpu
+            cpu.before_reuse = self.copier.wait_slot
         if redis is not None:
             redis.on_stored = self._stored_in_redis
         pool.listener = self
@@ -79,15 +94,16 @@ class TieredKVStore:
     def on_evict(self, key: int, block_id: int) -> None:
         self.events.record(EventKind.REMOVED, Tier.POOL, (key,))
         self.stats.tiers[Tier.POOL].num_evictions += 1
-        block = self.buffer[block_id]
         if self.cpu is not None:
             if key not in self.cpu:
-                self.cpu.put(key, block)  # may spill the CPU tier's LRU block to Redis first
+                slot = self.cpu.claim(key)  # may spill the CPU tier's LRU block to Redis first
+                self.copier.save(block_id, slot)
+                self.copier.fence()  # the block is handed out next: the step that writes it waits for the copy
                 self.events.record(EventKind.STORED, Tier.CPU, (key,))
             else:
-                self.cpu.get(key)  # refresh
+                self.cpu.slot_of(key)  # refresh
         elif self.redis is not None:
-            self._spill_to_redis(key, block)
+            self._spill_to_redis(key, lambda: self.copier.block_bytes(block_id))
 
     def on_clear(self) -> None:
         self.events.record(EventKind.CLEARED, Tier.POOL)
@@ -130,18 +146,20 @@ class TieredKVStore:
         for i, block_id in enumerate(block_ids):
             if i < len(cpu_keys):
                 key, tier = cpu_keys[i], Tier.CPU
-                source = self.cpu.get(key)
-                if source is None:  # spilled while allocating (a CPU tier smaller than the run)
+                slot = self.cpu.slot_of(key)
+                if slot is None:  # spilled while allocating (a CPU tier smaller than the run)
                     break
-                np.copyto(self._rows[block_id], source.numpy())
+                self.copier.load(slot, block_id)
             else:
                 key, tier = keys[i], Tier.REDIS
-                self._rows[block_id] = np.frombuffer(redis_blocks[i - len(cpu_keys)], dtype=np.uint8)
+                self.copier.load_bytes(redis_blocks[i - len(cpu_keys)], block_id)
             self.pool.cache(block_id, key)
             stats = self.stats.tiers[tier]
             stats.num_hits += 1
             stats.num_bytes += self.buffer.shape[1]
             loaded.append(block_id)
+        if loaded:
+            self.copier.fence()  # the step that reads them waits for the copies
         unused = block_ids[len(loaded) :]
         if unused:
             self.pool.release(reversed(unused))
@@ -152,14 +170,15 @@ class TieredKVStore:
     def _spill_from_cpu(self, key: int, block: torch.Tensor) -> None:
         self.events.record(EventKind.REMOVED, Tier.CPU, (key,))
         self.stats.tiers[Tier.CPU].num_evictions += 1
-        if self.redis is not None:
-            self._spill_to_redis(key, block)
+        if self.redis is not None:  # the slot's copy has landed (CPUTier.before_reuse)
+            self._spill_to_redis(key, lambda: block.numpy().tobytes())  # a copy: the slot is reused next
 
-    def _spill_to_redis(self, key: int, block: torch.Tensor) -> None:
+    def _spill_to_redis(self, key: int, read: Callable[[], bytes]) -> None:
+        """Queue the block's bytes, ``read()``, for Redis unless this worker has stored ``key`` there."""
         with self._redis_lock:
             if key in self._redis_keys:
                 return
-        self.redis.put_async(key, block.numpy().tobytes())  # a copy: the slot is reused next
+        self.redis.put_async(key, read())
 
     def _stored_in_redis(self, keys: list[int]) -> None:
         with self._redis_lock:
@@ -198,6 +217,12 @@ class TieredKVStore:
         """Push every cached, unused pool block down to the lower tiers; returns how many."""
         return self.pool.evict_cached()
 
+    def synchronize(self) -> None:
+        """Wait until every copy into or out of the pool has landed: call it before a writer that
+        is not the engine's stream (a NIXL peer) may write blocks allocated since the last call."""
+        self.copier.synchronize()
+
     def close(self) -> None:
+        self.copier.synchronize()
         if self.redis is not None:
             self.redis.close()
