@@ -73,7 +73,9 @@ class LLMEngine:
             tp_size=tp.size,
         )
         self.kv_events = KVEventLog(worker_id)
-        cpu = CPUTier(config.cpu_kv_cache_bytes, layout.block_bytes) if config.cpu_kv_cache_bytes else None
+        cpu = None
+        if config.cpu_kv_cache_bytes:  # pinned for a GPU pool: its blocks move on a side stream (kv_store/block_copier.py)
+            cpu = CPUTier(config.cpu_kv_cache_bytes, layout.block_bytes, pin_memory=self.kv_cache.buffer.is_cuda)
         redis = None
         if config.redis_url is not None:
             redis = RedisTier(RedisTierConfig(config.redis_url, config.redis_ttl_s, tls_ca_file=config.redis_tls_ca_file), self.namespace, layout)
