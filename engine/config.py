@@ -164,9 +164,8 @@ class EngineConfig:
             raise ValueError(f"weights: {self.weights!r} with dtype {self.dtype!r} does not run on {self.device} (supported there: {supported})")
         if self.act_planes != 2:
             raise ValueError(f"act_planes: {self.act_planes} sets the quantized CPU kernel, which does not run on {self.device}; leave it at 2")
-        if self.num_ranks > 1 or self.cpu_kv_cache_bytes or self.redis_url is not None or self.speculative == "draft":
-            raise ValueError(f"device: {self.device} serves one rank without CPU/Redis KV tiers or a draft model so far; "
-                             "set tp_size and ep_size to 1, cpu_kv_cache_bytes to 0, redis_url to None and speculative to off or ngram")
+        if self.num_ranks > 1 or self.speculative == "draft":
+            raise ValueError(f"device: {self.device} serves one rank without a draft model so far; set tp_size and ep_size to 1 and speculative to off or ngram")
 
 
 @dataclass(frozen=True)
