@@ -47,11 +47,12 @@ def build_shard(
 
     Every rank sizes its pool alike. Tensor-parallel ranks hold their KV heads of the same
     blocks (one block id names the same tokens on every rank); expert-parallel ranks hold every
-    head for requests of their own.
+    head for requests of their own. Each rank computes on its group's device (``shard_device``).
     """
     check_weights_dtype(config.weights, config.dtype)
     if config.device != "cpu" and not torch.cuda.is_available():
         raise ValueError(f"device: {config.device!r}, but torch {torch.__version__} sees no CUDA GPU on this machine")
+    device = shard_device(config, tp, ep)
     model = DecoderModel.empty(mc, max_model_len, TORCH_DTYPES[config.dtype], tp, ep)
     gguf_path = source_gguf(checkpoint_dir) if config.weights == "native" else None
     if gguf_path is not None:
@@ -60,15 +61,26 @@ def build_shard(
         load_weights(model, checkpoint_dir)
         apply_weights(model, config.weights)
     set_act_planes(model, config.act_planes)
-    if config.device == "cpu":
+    if device == "cpu":
         model.bind_fused_layers()
     else:
-        model.to(config.device)
+        model.to(device)
     layout = KVBlockLayout(mc.num_layers, model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
     if num_blocks < 1:
         raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} holds no block of {layout.block_bytes} bytes")
-    return model, PagedKVCache(layout, num_blocks, TORCH_DTYPES[config.dtype], config.device)
+    return model, PagedKVCache(layout, num_blocks, TORCH_DTYPES[config.dtype], device)
+
+
+def shard_device(config: EngineConfig, tp: TPGroup, ep: TPGroup | None = None) -> str:
+    """Where this rank computes: the device its group placed it on (``TPGroup.join``), or the
+    configured one for a replica of one rank."""
+    joined = [g.device for g in (tp, ep) if g is not None and g.device is not None]
+    if not joined:
+        return config.device
+    if (joined[0] == "cpu") != (config.device == "cpu"):
+        raise ValueError(f"device: this rank joined its group on {joined[0]}, but the replica runs on {config.device}; every rank passes the configured device to TPGroup.join")
+    return joined[0]
 
 
 def build_speculator(config: EngineConfig, model_name: str, model_config: ModelConfig, max_model_len: int, num_kv_blocks: int) -> Speculator:

@@ -3,20 +3,28 @@
 Two groups join the same ranks:
 
 - the compute group (gloo on CPU, NCCL on GPU) carries the all-reduces of the row-parallel
-  layers and the gather of logits. Its timeout is ``collective_timeout_s``: a rank that dies
-  fails the step on every other rank at once (its sockets close), one that hangs fails it
-  after the timeout. Either way the leader's engine thread raises and the replica is dead.
+  layers, the all-to-alls of expert parallelism and the gather of logits. Its timeout is
+  ``collective_timeout_s``: on gloo a rank that dies fails the step on every other rank at once
+  (its sockets close); one that hangs, or dies under NCCL, fails it after the timeout. Either
+  way the leader's engine thread raises and the replica is dead.
 - the plan group (always gloo, on CPU) carries each step's plan from the leader. Followers
   wait on it between steps for as long as the leader is idle, so its timeout is long; a
   follower whose leader died is killed with it (Ray kills the actors an actor owns).
 
 A replica of TP size 1 uses ``TPGroup.single()``: every collective is the identity, and no
 process group exists.
+
+Which device a rank computes on, and so which backend its compute group uses, is decided in one
+place, ``rank_device``; the model code never asks.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -25,12 +33,59 @@ import torch.distributed as dist
 _PLAN_TIMEOUT = timedelta(days=365)
 
 
+@dataclass(frozen=True)
+class RankDevice:
+    """Where one rank of a replica computes, and how its compute group talks."""
+
+    device: str
+    """``cpu`` or ``cuda:N``: the rank's weights, KV pool and the tensors of its collectives."""
+    backend: str
+    """The compute group's torch.distributed backend: ``nccl`` on a GPU, ``gloo`` on the CPU."""
+
+
+def rank_device(
+    device: str, rank: int, *, num_gpus: int = 0, gpu_ids: Sequence[str] = (), visible_gpus: Sequence[str] | None = None
+) -> RankDevice:
+    """The device and backend of rank ``rank`` of a replica configured for ``device``.
+
+    ``cpu``: every rank on the CPU, over gloo. ``cuda`` or ``cuda:N``: NCCL, each rank on a GPU of
+    its own. That is the first of ``gpu_ids``, the GPUs Ray assigned to the rank's actor
+    (``ray.get_gpu_ids()``), at its place among ``visible_gpus`` (``CUDA_VISIBLE_DEVICES``, None
+    when unset): Ray narrows that to the assigned GPUs, so a rank's GPU is usually its
+    ``cuda:0``. Processes that no one assigned GPUs (``gpu_ids`` empty) take ``cuda:N+rank``
+    (N = 0 for ``cuda``). ``num_gpus`` is how many GPUs this process sees.
+    """
+    if rank < 0:
+        raise ValueError(f"rank: must be >= 0, got {rank}")
+    if device == "cpu":
+        return RankDevice("cpu", "gloo")
+    match = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if match is None:
+        raise ValueError(f"device: {device!r} is not cpu, cuda or cuda:N")
+    if gpu_ids:
+        assigned = str(gpu_ids[0])
+        if visible_gpus is None:
+            index = int(assigned)
+        elif assigned in visible_gpus:
+            index = list(visible_gpus).index(assigned)
+        else:
+            raise ValueError(f"gpu_ids: GPU {assigned} was assigned to rank {rank}, but CUDA_VISIBLE_DEVICES lists only {','.join(visible_gpus)}")
+    else:
+        index = int(match.group(1) or 0) + rank
+    if index >= num_gpus:
+        raise ValueError(f"device: rank {rank} of a {device} replica computes on cuda:{index}, but this process sees {num_gpus} GPUs")
+    return RankDevice(f"cuda:{index}", "nccl")
+
+
 class TPGroup:
     """Rank ``rank`` of ``size`` in one replica's tensor-parallel group."""
 
-    def __init__(self, rank: int, size: int, compute_group=None, plan_group=None) -> None:
+    def __init__(self, rank: int, size: int, compute_group=None, plan_group=None, device: str | None = None) -> None:
         self.rank = rank
         self.size = size
+        self.device = device
+        """This rank's device as ``join`` chose it (``rank_device``); None in ``single()``, whose
+        engine computes where it is configured to."""
         self._compute = compute_group
         self._plan = plan_group
 
@@ -40,15 +95,31 @@ class TPGroup:
         return cls(0, 1)
 
     @classmethod
-    def join(cls, rank: int, size: int, address: str, *, backend: str = "gloo", collective_timeout_s: float = 30.0) -> TPGroup:
-        """Join the group whose rank 0 listens at ``address`` (``host:port``); blocks until all ``size`` ranks have joined."""
+    def join(
+        cls,
+        rank: int,
+        size: int,
+        address: str,
+        *,
+        device: str = "cpu",
+        gpu_ids: Sequence[str] = (),
+        collective_timeout_s: float = 30.0,
+    ) -> TPGroup:
+        """Join the group whose rank 0 listens at ``address`` (``host:port``); blocks until all
+        ``size`` ranks have joined. Every rank passes the replica's configured ``device``, and
+        the GPUs Ray assigned to it as ``gpu_ids`` (``rank_device`` places it; ``self.device``)."""
         if size == 1:
             return cls.single()
+        num_gpus = torch.cuda.device_count() if device != "cpu" else 0
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        placed = rank_device(device, rank, num_gpus=num_gpus, gpu_ids=gpu_ids, visible_gpus=visible.split(",") if visible is not None else None)
+        if placed.backend == "nccl":
+            torch.cuda.set_device(placed.device)  # NCCL binds each rank's communicator to the current device
         timeout = timedelta(seconds=collective_timeout_s)
-        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size, timeout=timeout)
+        dist.init_process_group(placed.backend, init_method=f"tcp://{address}", rank=rank, world_size=size, timeout=timeout)
         compute = dist.group.WORLD
         plan = dist.new_group(backend="gloo", timeout=_PLAN_TIMEOUT)
-        return cls(rank, size, compute, plan)
+        return cls(rank, size, compute, plan, placed.device)
 
     @property
     def is_leader(self) -> bool:

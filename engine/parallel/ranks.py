@@ -3,7 +3,8 @@
 The controller places a TP (or EP) replica in a placement group of one bundle per rank (STRICT_PACK:
 one node), the leader in bundle 0. The leader starts rank r in bundle r. The followers are
 owned by the leader's actor, so Ray kills them when the leader dies or is killed: a replica
-lives and dies as a whole.
+lives and dies as a whole. On a CUDA replica each rank's actor asks Ray for a GPU of its own
+(``gpus_per_rank``), and ``TPGroup.join`` places the rank on the one Ray assigned it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ from engine.parallel.sharding import check_ep_size, check_tp_size
 def rendezvous_address() -> str:
     """``host:port`` for rank 0 to listen on, on this node."""
     return free_address(ray.util.get_node_ip_address())
+
+
+def assigned_gpu_ids() -> tuple[str, ...]:
+    """The GPUs Ray assigned to this actor (none outside Ray or without ``num_gpus``), for ``TPGroup.join``."""
+    return tuple(str(i) for i in ray.get_gpu_ids()) if ray.is_initialized() else ()
+
+
+def gpus_per_rank(config: EngineConfig) -> float:
+    """GPUs each rank's actor asks Ray for: one on a CUDA replica, none on a CPU one."""
+    return 0.0 if config.device == "cpu" else 1.0
 
 
 def start_followers(
@@ -64,13 +75,14 @@ class TPEngineBuilder:
         replica_id: str,
         *,
         num_cpus: float,
-        num_gpus: float = 0.0,
+        num_gpus: float | None = None,
         num_threads: int = 1,
         follower_class: type = TPFollower,
         start: Callable[[str], list] | None = None,
     ) -> None:
         """``start(address)`` starts ranks 1 .. num_ranks-1 joining the group at ``address`` and
-        returns their Ray handles; by default new ``follower_class`` actors (``start_followers``)."""
+        returns their Ray handles; by default new ``follower_class`` actors (``start_followers``)
+        asking for ``num_gpus`` each (None: ``gpus_per_rank``)."""
         self.config = config
         self.replica_id = replica_id
         model_config = ModelConfig.from_dir(resolve_model(config.model, config.cache_dir))
@@ -78,6 +90,7 @@ class TPEngineBuilder:
         check_ep_size(served_model_name(config.model), model_config, config.ep_size)
         self.address = rendezvous_address()
         if start is None:
+            num_gpus = gpus_per_rank(config) if num_gpus is None else num_gpus
             self.followers = start_followers(
                 config, self.address, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=num_threads, follower_class=follower_class
             )
@@ -85,7 +98,14 @@ class TPEngineBuilder:
             self.followers = start(self.address)
 
     def __call__(self) -> LLMEngine:
-        group = TPGroup.join(0, self.config.num_ranks, self.address, collective_timeout_s=self.config.tp_collective_timeout_s)
+        group = TPGroup.join(
+            0,
+            self.config.num_ranks,
+            self.address,
+            device=self.config.device,
+            gpu_ids=assigned_gpu_ids(),
+            collective_timeout_s=self.config.tp_collective_timeout_s,
+        )
         try:
             return LLMEngine(self.config, worker_id=self.replica_id, group=group)
         except BaseException:  # a failed load: leave no process group and no follower behind
