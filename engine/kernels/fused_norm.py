@@ -98,13 +98,13 @@ def add_rms_norm(
     _require_triton("add_rms_norm")
     _check_norm_inputs(x, residual, weight, eps)
     check_device("add_rms_norm", x)
-    x = x.contiguous()
-    out = torch.empty_like(x)
+    rows = x.contiguous()
+    out = torch.empty_like(rows)
     tokens, hidden = x.shape
     if tokens:
         launches.record("add_rms_norm")
         _add_rms_norm_kernel[(tokens,)](
-            x, residual if residual is not None else x, weight.contiguous(), out, hidden, float(eps),
+            rows, residual if residual is not None else rows, weight.contiguous(), out, hidden, float(eps),
             HAS_RESIDUAL=residual is not None, BF16=x.dtype == torch.bfloat16, BLOCK=triton.next_power_of_2(hidden),
         )
     return out, residual if residual is not None else x
