@@ -103,9 +103,11 @@ def add_rms_norm(
     tokens, hidden = x.shape
     if tokens:
         launches.record("add_rms_norm")
+        block = triton.next_power_of_2(hidden)
         _add_rms_norm_kernel[(tokens,)](
             rows, residual if residual is not None else rows, weight.contiguous(), out, hidden, float(eps),
-            HAS_RESIDUAL=residual is not None, BF16=x.dtype == torch.bfloat16, BLOCK=triton.next_power_of_2(hidden),
+            HAS_RESIDUAL=residual is not None, BF16=x.dtype == torch.bfloat16, BLOCK=block,
+            num_warps=min(max(block // 256, 1), 8),  # a whole row per program: spread wide rows over more threads
         )
     return out, residual if residual is not None else x
 
