@@ -1,7 +1,9 @@
 """NIXL transport: one agent (UCX backend) per worker over its whole KV pool, one WRITE per hand-off.
 
-The pool (``uint8 [num_blocks, block_bytes]`` in DRAM) is registered once, when the transport is
-built. A peer learns everything it needs from ``metadata()``; a writer turns block ids into one
+The pool (``uint8 [num_blocks, block_bytes]``) is registered once, when the transport is built:
+as DRAM on the CPU, as VRAM of its GPU on CUDA (``nixl_memory``; UCX then moves it with its CUDA
+transports). A peer learns everything it needs from ``metadata()``, its pool's memory type
+included, so the two ends of a write may differ; a writer turns block ids into one
 NIXL transfer whose descriptor list holds as few contiguous segments as possible
 (kv_transfer.segments), and the transfer's notification tells the receiver it has landed.
 
@@ -15,7 +17,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import numpy as np
 import torch
@@ -27,9 +29,30 @@ from kv_transfer.segments import plan_segments
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"SSNIXL"
-_FORMAT_VERSION = 1
-_HEADER = struct.Struct("<6sHHIQQQ")
-"""magic, format version, agent name length, NIXL metadata length, pool address, block_bytes, num_blocks."""
+_FORMAT_VERSION = 2
+_HEADER = struct.Struct("<6sHHIQQQBI")
+"""magic, format version, agent name length, NIXL metadata length, pool address, block_bytes,
+num_blocks, memory type (index in _MEM_TYPES), device id."""
+_MEM_TYPES = ("DRAM", "VRAM")
+
+
+@dataclass(frozen=True)
+class NixlMemory:
+    """Where a pool lives, as NIXL names it in registrations and transfer descriptors."""
+
+    mem_type: str
+    """``DRAM`` (host memory) or ``VRAM`` (a GPU's)."""
+    device_id: int
+    """The GPU's index for VRAM; 0 for DRAM."""
+
+
+def nixl_memory(device: torch.device) -> NixlMemory:
+    """The NIXL memory of a pool tensor on ``device``: DRAM on the CPU, VRAM of GPU N on ``cuda:N``."""
+    if device.type == "cpu":
+        return NixlMemory("DRAM", 0)
+    if device.type == "cuda" and device.index is not None:
+        return NixlMemory("VRAM", device.index)
+    raise ValueError(f"device: {device} is not cpu or cuda:N, where a pool NIXL can register lives")
 
 
 @dataclass(frozen=True)
@@ -41,12 +64,14 @@ class PeerPool:
     block_bytes: int
     num_blocks: int
     nixl_metadata: bytes
+    mem_type: str = "DRAM"
+    """NIXL's memory type of the pool: the type of the far side of a write's descriptors."""
+    device_id: int = 0
 
     def encode(self) -> bytes:
         name = self.agent_name.encode()
-        header = _HEADER.pack(
-            _MAGIC, _FORMAT_VERSION, len(name), len(self.nixl_metadata), self.base_address, self.block_bytes, self.num_blocks
-        )
+        sizes = (len(name), len(self.nixl_metadata), self.base_address, self.block_bytes, self.num_blocks)
+        header = _HEADER.pack(_MAGIC, _FORMAT_VERSION, *sizes, _MEM_TYPES.index(self.mem_type), self.device_id)
         return header + name + self.nixl_metadata
 
     @classmethod
@@ -54,23 +79,25 @@ class PeerPool:
         """Parse NixlTransport.metadata(); KVTransferError when ``data`` is not such metadata."""
         if len(data) < _HEADER.size or not data.startswith(_MAGIC):
             raise KVTransferError(f"peer metadata: not NixlTransport metadata ({len(data)} bytes, starts {data[:8]!r})")
-        magic, version, name_len, nixl_len, base, block_bytes, num_blocks = _HEADER.unpack_from(data)
+        magic, version, name_len, nixl_len, base, block_bytes, num_blocks, mem_code, device_id = _HEADER.unpack_from(data)
         if version != _FORMAT_VERSION:
             raise KVTransferError(f"peer metadata: format version {version}, this transport reads {_FORMAT_VERSION}")
         if len(data) != _HEADER.size + name_len + nixl_len or nixl_len == 0:
             raise KVTransferError(f"peer metadata: {len(data)} bytes, header announces {_HEADER.size + name_len + nixl_len}")
+        if mem_code >= len(_MEM_TYPES):
+            raise KVTransferError(f"peer metadata: memory type {mem_code} is none of {_MEM_TYPES}")
         try:
             name = data[_HEADER.size : _HEADER.size + name_len].decode()
         except UnicodeDecodeError as e:
             raise KVTransferError(f"peer metadata: agent name is not UTF-8: {e}") from e
-        return cls(name, base, block_bytes, num_blocks, bytes(data[_HEADER.size + name_len :]))
+        return cls(name, base, block_bytes, num_blocks, bytes(data[_HEADER.size + name_len :]), _MEM_TYPES[mem_code], device_id)
 
 
 class NixlTransport:
     """One NIXL agent over one worker's KV pool. Thread-safe: every NIXL call holds one lock.
 
     ``pool`` is the worker's whole pool, ``uint8 [num_blocks, block_bytes]``, contiguous, on the
-    CPU (PagedKVCache.buffer); it must outlive the transport.
+    CPU or a GPU (PagedKVCache.buffer); it must outlive the transport.
 
     Progress: without ``progress_thread`` (the default), NIXL moves only inside calls into it, so
     a write completes only while the writer polls its handle *and* the receiver calls progress(),
@@ -82,9 +109,9 @@ class NixlTransport:
     def __init__(self, agent_name: str, pool: torch.Tensor, *, progress_thread: bool = False) -> None:
         if not agent_name:
             raise KVTransferError("agent_name: must not be empty")
-        if pool.device.type != "cpu" or pool.dtype != torch.uint8 or pool.dim() != 2 or not pool.is_contiguous():
+        if pool.device.type not in ("cpu", "cuda") or pool.dtype != torch.uint8 or pool.dim() != 2 or not pool.is_contiguous():
             raise KVTransferError(
-                f"pool: expected a contiguous CPU uint8 [num_blocks, block_bytes] tensor, got {pool.dtype} "
+                f"pool: expected a contiguous CPU or CUDA uint8 [num_blocks, block_bytes] tensor, got {pool.dtype} "
                 f"{list(pool.shape)} on {pool.device}{'' if pool.is_contiguous() else ', not contiguous'}"
             )
         if pool.numel() == 0:
@@ -98,6 +125,7 @@ class NixlTransport:
         self.agent_name = agent_name
         self.num_blocks, self.block_bytes = pool.shape
         self._pool = pool
+        self.memory = nixl_memory(pool.device)
         self._lock = threading.RLock()
         self._peers: dict[str, PeerPool] = {}
         self._open_handles: dict[int, TransferHandle] = {}
@@ -107,10 +135,10 @@ class NixlTransport:
             self._agent = nixl_agent(agent_name, config)
             if "UCX" not in self._agent.backends:
                 raise KVTransferError("NIXL found no UCX plugin")
-            self._registration = self._agent.register_memory(pool, backends=["UCX"])
-            self._metadata = PeerPool(
-                agent_name, pool.data_ptr(), self.block_bytes, self.num_blocks, self._agent.get_agent_metadata()
-            ).encode()
+            region = [(pool.data_ptr(), pool.numel(), self.memory.device_id, "")]
+            self._registration = self._agent.register_memory(region, mem_type=self.memory.mem_type, backends=["UCX"])
+            nixl_metadata = self._agent.get_agent_metadata()
+            self._metadata = PeerPool(agent_name, pool.data_ptr(), self.block_bytes, self.num_blocks, nixl_metadata, *astuple(self.memory)).encode()
         except self._nixl_errors as e:
             raise KVTransferError(f"NIXL agent {agent_name!r}: set-up failed: {type(e).__name__}: {e}") from e
         self._closed = False
@@ -268,15 +296,16 @@ class NixlTransport:
         if len(segments) == 0:
             self._call(self._agent.send_notif, remote.agent_name, notif)
             return TransferHandle(self, None, remote.agent_name, notif, 0, 0)
-        zeros = np.zeros(len(segments), dtype=np.uint64)
         sizes = segments[:, 2].astype(np.uint64)
-        local = np.stack([np.uint64(self._pool.data_ptr()) + segments[:, 0].astype(np.uint64), sizes, zeros], axis=1)
-        far = np.stack([np.uint64(remote.base_address) + segments[:, 1].astype(np.uint64), sizes, zeros], axis=1)
+        devices = np.full(len(segments), self.memory.device_id, dtype=np.uint64)
+        local = np.stack([np.uint64(self._pool.data_ptr()) + segments[:, 0].astype(np.uint64), sizes, devices], axis=1)
+        devices = np.full(len(segments), remote.device_id, dtype=np.uint64)
+        far = np.stack([np.uint64(remote.base_address) + segments[:, 1].astype(np.uint64), sizes, devices], axis=1)
         xfer = self._call(
             self._agent.initialize_xfer,
             "WRITE",
-            self._agent.get_xfer_descs(local, "DRAM"),
-            self._agent.get_xfer_descs(far, "DRAM"),
+            self._agent.get_xfer_descs(local, self.memory.mem_type),
+            self._agent.get_xfer_descs(far, remote.mem_type),
             remote.agent_name,
             notif,
         )

@@ -17,7 +17,7 @@ import torch
 from kv_store.layout import KVBlockLayout
 from kv_transfer.codec import quantize_blocks
 from kv_transfer.errors import KVTransferError, TransferTimeout
-from kv_transfer.nixl_transport import NixlTransport, TransferState
+from kv_transfer.nixl_transport import NixlMemory, NixlTransport, PeerPool, TransferState
 from kv_transfer.segments import head_slice_ranges
 
 pytestmark = pytest.mark.integration
@@ -219,8 +219,10 @@ def test_bad_writes_raise_before_reaching_nixl(receiver, writer):
         writer.add_peer(writer.metadata())
     with pytest.raises(KVTransferError, match="remove_peer: unknown peer 'nobody'"):
         writer.remove_peer("nobody")
-    with pytest.raises(KVTransferError, match="pool: expected a contiguous CPU uint8"):
+    with pytest.raises(KVTransferError, match="pool: expected a contiguous CPU or CUDA uint8"):
         NixlTransport("bad", torch.zeros(4, 8, dtype=torch.float32))
+    with pytest.raises(KVTransferError, match=r"pool: expected a contiguous CPU or CUDA uint8 \[num_blocks, block_bytes\] tensor, got torch.uint8 \[4, 8\] on meta"):
+        NixlTransport("bad", torch.zeros(4, 8, dtype=torch.uint8, device="meta"))
 
 
 def test_waiting_for_a_notification_that_never_comes_times_out(writer):
@@ -263,3 +265,23 @@ def test_a_receiver_with_a_progress_thread_needs_no_polling(writer_pool):
         assert torch.equal(receiver("pool")[5:7], writer_pool[:2])
         assert receiver("pop_notifs") == {"writer-2": [b"unpolled"]}
     assert receiver.close() == 0
+
+
+def test_a_cpu_pool_registers_as_dram_and_its_peers_learn_it(receiver, writer):
+    assert writer.memory == NixlMemory("DRAM", 0)
+    peer = PeerPool.decode(receiver("metadata"))
+    assert (peer.mem_type, peer.device_id) == ("DRAM", 0)
+
+
+@pytest.mark.gpu
+def test_a_gpu_pool_registers_as_vram_and_writes_into_a_cpu_peer(receiver):
+    """VRAM descriptors on the writer's side, DRAM on the receiver's (its metadata says so): UCX's CUDA transports move them."""
+    pool = _seeded_pool(4, LAYOUT.block_bytes, seed=4).to("cuda:0")
+    with NixlTransport("gpu-writer", pool) as writer:
+        assert writer.memory == NixlMemory("VRAM", 0)
+        assert PeerPool.decode(writer.metadata()).mem_type == "VRAM"
+        writer.add_peer(receiver("metadata"))
+        with writer.write_blocks("receiver", [1, 2, 3], [10, 11, 15], b"from-vram") as handle:
+            handle.wait(TIMEOUT_S)
+        assert receiver("wait_notif", b"from-vram", TIMEOUT_S) == "gpu-writer"
+        assert torch.equal(receiver("pool")[[10, 11, 15]], pool[1:].cpu())
