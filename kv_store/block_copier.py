@@ -144,7 +144,7 @@ class CudaBlockCopier(BlockCopier):
         self._after_compute()
         source = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         with torch.cuda.stream(self._stream):
-            self._pool[block_id].copy_(source)  # pageable memory: returns once staged, so data may go
+            self._pool[block_id].copy_(source)  # from pageable memory, synchronously: the Redis path, slow anyway
 
     def block_bytes(self, block_id: int) -> bytes:
         self._after_compute()

@@ -10,13 +10,16 @@
     lookup, for the blocks of a prompt the pool lacks: CPU tier, then Redis, the longest run of
     consecutive keys; hits are copied into fresh pool blocks and cached there.
 
-Without a CPU tier, pool evictions go straight to Redis. The bytes move through a
-``BlockCopier`` chosen by the pool's device (``kv_store/block_copier.py``): memcpys on this
-thread for a CPU pool, copies on a side stream for a GPU pool. The bookkeeping here is the same
-for both: a slot is waited for before it is read or reused (``CPUTier.before_reuse``), and the
-step's stream is fenced after every copy into or out of a pool block the step will use. Every change of a tier's key set is a
+Without a CPU tier, pool evictions go straight to Redis. Every change of a tier's key set is a
 KV event in ``events``; a snapshot pairs the three key sets with the last event batch. The
 engine thread calls everything here except the Redis writer's callback (events are thread-safe).
+
+The bytes move through a ``BlockCopier`` chosen by the pool's device (``kv_store/block_copier.py``):
+memcpys on this thread for a CPU pool, copies on a side stream for a GPU pool. The bookkeeping is
+the same for both: a slot is waited for before it is read or reused (``CPUTier.before_reuse``),
+the step's stream is fenced after every copy into or out of a pool block (evictions and loads
+both happen while a step is scheduled, so the step that uses the block comes after the fence),
+and ``synchronize`` waits for them all before a writer that is not the step's stream (NIXL).
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class TieredKVStore:
             raise ValueError(f"buffer: expected uint8 [{pool.num_blocks}, block_bytes], got {buffer.dtype} {list(buffer.shape)}")
         self.pool = pool
         self.buffer = buffer
-        self.copier = copier or block_copier(buffer, cpu.buffer if cpu is not None else None)
+        self.copier = copier if copier is not None else block_copier(buffer, cpu.buffer if cpu is not None else None)
         self.events = events
         self.cpu = cpu
         self.redis = redis
