@@ -7,19 +7,27 @@ buffer is passed as it is, with no gather and no dequantized copy::
     block b:  payload [kv_heads, layers, 2 (K,V), block_size, head_dim]  | f32 scales [kv_heads, layers, 2]
               ^ b * block_bytes                                          ^ b * block_bytes + scales_offset
 
-Grid ``(sequence, KV head, split)``. A program takes the query heads that share its KV head
-(GQA) as one ``[GROUP, head_dim]`` tile, so each K/V element is read once for all of them, and
-walks its split's blocks with an online softmax. FP8 codes are widened in registers and the
-block's scale is folded into the scores (K) and into the weighted sum (V): one multiply per
-block and head, not per element.
+Grid ``(sequence, KV head, split)``. A program holds the query heads that share its KV head
+(GQA) in registers as one ``[ROWS, head_dim]`` tile (padded to 16 rows for the tensor cores)
+and walks its split's tokens in tiles of ``TILE`` tokens (8 KB of K: 64 FP8 tokens at head_dim
+128). Each iteration looks up the tile's block ids in the table and gathers ``[TILE, head_dim]``
+of K and of V from several blocks at once; pipelined, the next tile's loads are in flight while
+this one is used: ~32 KB per program, where one block at a time had 4-8 KB. Scores and the
+weighted sum are two ``tl.dot`` per tile with an online softmax (base 2) between them. FP8
+codes are widened exactly in registers; each token's block scale multiplies its score column
+(K) and its softmax weight (V), never the tile.
 
 Split-K (flash-decoding) is there for the shape decode has on a GPU: a small batch of long
-contexts gives ``batch * kv_heads`` programs, fewer than the SMs. Each split then writes its
-partial ``(acc, max, sum)`` and ``_combine_splits`` merges them; with one split the kernel
-normalizes and writes the output itself. ``num_splits=None`` picks enough splits to give
-about four programs per SM. The count is a runtime argument, not a ``constexpr``: it follows
-the context length, and as a constant each new count compiled the kernel again, every 16
-decode steps.
+contexts gives ``batch * kv_heads`` programs, fewer than the SMs. Each split writes its partial
+``(acc, max, sum)``; a second small kernel (``_combine_kernel``) merges them into the output.
+With one split the decode kernel normalizes and writes the output itself, one launch in all.
+``num_splits=None`` picks about four programs per SM from the batch and the table width only,
+so a CUDA-graph bucket (fixed batch and width) always gets the same count; the count is a
+runtime argument, so a new count does not compile the kernel again.
+
+Dots run in ``q``'s dtype with float32 accumulation (K/V widened to it: exact for FP8 and
+bf16 pools), float32 queries in IEEE float32. Under Triton's interpreter a bfloat16 dot runs
+in float32 instead: the interpreter (3.x) multiplies bfloat16 operands as their integer bits.
 
 ``reference_paged_decode_attention`` is the torch reference: it decodes the same bytes with
 torch's own casts and calls SDPA per sequence, sharing no code with the kernel or with
@@ -35,6 +43,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.launches import record
 from kv_store.layout import KVBlockLayout
 
 try:
@@ -43,108 +52,166 @@ try:
 except ImportError:  # the serving image runs without Triton; only the kernel needs it
     triton = None
 
-_KV_KINDS = {"fp32": 0, "bf16": 1, "fp8_e4m3": 2}
+KV_KINDS = {"fp32": 0, "bf16": 1, "fp8_e4m3": 2}
+"""The pool's storage as the kernels' ``KV_KIND`` constant."""
 _STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+_KV_POINTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.uint8}
 _PROGRAMS_PER_SM = 4
+_TILE_BYTES = 8192
+"""K bytes a decode program gathers per iteration (as many of V): 64 FP8 or 32 bf16 tokens at head_dim 128."""
+_DECODE_STAGES = 5
+"""Software-pipelining depth. The K/V loads wait on the block-id load before them, so Triton
+3.9 gives them double buffers (the next tile in flight while this one is used) only from 5
+stages; at 2-4 their single buffer is waited for right after it is issued (sm_90 TTGIR)."""
+_MIN_DOT = 16
+_COMBINE_SPLITS = 16
+LOG2E = 1.4426950408889634
+"""The kernels' softmax runs in base 2: scores are scaled by ``sm_scale * LOG2E``."""
 _FLOAT32_FROM_E4M3_MASK = tl.constexpr(0x87F00000 - (1 << 32)) if triton is not None else None
 _REBIAS = tl.constexpr(2.0**120) if triton is not None else None
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton runs kernels in its interpreter when this is set before Triton is first imported (tests/conftest.py does so without CUDA)."""
 
 if triton is not None:
 
     @triton.jit
-    def _paged_decode_kernel(
-        q_ptr, pool_ptr, block_tables_ptr, context_lens_ptr,
-        out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-        sm_scale, block_bytes, head_bytes, layer_k_bytes, v_offset_bytes, scales_offset, scale_head_stride,
-        layer_k_scale, stride_table, num_heads, blocks_per_split, num_splits,
-        KV_KIND: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLIT: tl.constexpr,
-        NATIVE_FP8: tl.constexpr,
-    ):
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        rows = tl.arange(0, GROUP_PAD)
-        dims = tl.arange(0, HEAD_DIM_PAD)
-        slots = tl.arange(0, BLOCK_SIZE)
-        row_ok = rows < GROUP
-        dim_ok = dims < HEAD_DIM
-        heads = kv_head * GROUP + rows
-        q_offsets = (seq * num_heads + heads)[:, None] * HEAD_DIM + dims[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
-
-        context_len = tl.load(context_lens_ptr + seq)
-        num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
-        first_block = split * blocks_per_split
-        last_block = tl.minimum(first_block + blocks_per_split, num_blocks)
-
-        # Element offsets inside one head's [block_size, head_dim] K (or V) tile, in bytes.
-        if KV_KIND == 0:
-            element_bytes = 4
-        elif KV_KIND == 1:
-            element_bytes = 2
-        else:
-            element_bytes = 1
-        tile_offsets = (slots[:, None] * HEAD_DIM + dims[None, :]) * element_bytes
-
-        running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        running_sum = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        for index in range(first_block, last_block):
-            block_id = tl.load(block_tables_ptr + seq * stride_table + index).to(tl.int64)
-            block_base = pool_ptr + block_id * block_bytes
-            k_base = block_base + kv_head * head_bytes + layer_k_bytes
-            tile_ok = ((index * BLOCK_SIZE + slots) < context_len)[:, None] & dim_ok[None, :]
-            k = _load_tile(k_base + tile_offsets, tile_ok, KV_KIND, NATIVE_FP8)
-            v = _load_tile(k_base + v_offset_bytes + tile_offsets, tile_ok, KV_KIND, NATIVE_FP8)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale
-            if KV_KIND == 2:
-                scale_ptr = (block_base + scales_offset).to(tl.pointer_type(tl.float32))
-                scale_ptr += kv_head * scale_head_stride + layer_k_scale
-                scores = scores * tl.load(scale_ptr)
-            slot_ok = (index * BLOCK_SIZE + slots) < context_len
-            scores = tl.where(slot_ok[None, :], scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            rescale = tl.exp(running_max - new_max)
-            probs = tl.exp(scores - new_max[:, None])
-            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-            weighted = tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
-            if KV_KIND == 2:
-                weighted = weighted * tl.load(scale_ptr + 1)
-            acc = acc * rescale[:, None] + weighted
-            running_max = new_max
-
-        out_mask = row_ok[:, None] & dim_ok[None, :]
-        if not SPLIT:
-            out = acc / running_sum[:, None]
-            tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            part_rows = (seq * num_heads + heads) * num_splits + split
-            tl.store(part_acc_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
-            tl.store(part_max_ptr + part_rows, running_max, mask=row_ok)
-            tl.store(part_sum_ptr + part_rows, running_sum, mask=row_ok)
-
-    @triton.jit
-    def _load_tile(byte_ptrs, mask, KV_KIND: tl.constexpr, NATIVE_FP8: tl.constexpr):
-        """One [block_size, head_dim] tile as float32; FP8 stays unscaled (the caller folds the scale in).
+    def _widen(raw, KV_KIND: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        """Stored K/V values as DOT_DTYPE; FP8 stays unscaled (the caller folds the scale in).
 
         Without a hardware e4m3 conversion (before sm_89) the code's bits are moved into a
         float32 as kv_store/fp8.py does on CPU: exact, a shift, a mask and a multiply.
         """
-        if KV_KIND == 0:
-            tile = tl.load(byte_ptrs.to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
-        elif KV_KIND == 1:
-            tile = tl.load(byte_ptrs.to(tl.pointer_type(tl.bfloat16)), mask=mask, other=0.0).to(tl.float32)
+        if KV_KIND != 2:
+            values = raw.to(DOT_DTYPE)
         elif NATIVE_FP8:
-            codes = tl.load(byte_ptrs, mask=mask, other=0)
-            tile = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            values = raw.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
         else:
-            codes = tl.load(byte_ptrs.to(tl.pointer_type(tl.int8)), mask=mask, other=0).to(tl.int32)
-            bits = (codes << 20) & _FLOAT32_FROM_E4M3_MASK
-            tile = bits.to(tl.float32, bitcast=True) * _REBIAS
-        return tile
+            bits = (raw.to(tl.int8, bitcast=True).to(tl.int32) << 20) & _FLOAT32_FROM_E4M3_MASK
+            values = (bits.to(tl.float32, bitcast=True) * _REBIAS).to(DOT_DTYPE)
+        return values
+
+    @triton.jit
+    def load_kv_tile(
+        kv_ptr, scale_ptr, table_row_ptr, tokens, token_ok,
+        kv_offset, v_offset, block_stride, scale_block_stride, scale_offset,
+        KV_KIND: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    ):
+        """K and V of ``tokens`` (positions ``[TILE]`` of one sequence) for one KV head and layer.
+
+        Returns ``(k, v, k_scale, v_scale)``: ``k``, ``v`` as ``[TILE, HEAD_DIM_PAD]`` in
+        DOT_DTYPE, FP8 codes unscaled; the scales ``[TILE]``, each token's block's (1 for
+        unscaled pools). Tokens outside ``token_ok`` read nothing and come out as zeros.
+        Offsets are in elements of ``kv_ptr``'s type (``scale_*`` in float32s) so that each
+        row of ``head_dim`` values is one contiguous, vectorizable load.
+        """
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        block_ids = tl.load(table_row_ptr + tokens // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
+        rows = block_ids * block_stride + kv_offset + (tokens % BLOCK_SIZE) * HEAD_DIM
+        ptrs = kv_ptr + rows[:, None] + dims[None, :]
+        mask = token_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        k = _widen(tl.load(ptrs, mask=mask, other=0), KV_KIND, NATIVE_FP8, DOT_DTYPE)
+        v = _widen(tl.load(ptrs + v_offset, mask=mask, other=0), KV_KIND, NATIVE_FP8, DOT_DTYPE)
+        if KV_KIND == 2:
+            scale_ptrs = scale_ptr + block_ids * scale_block_stride + scale_offset
+            k_scale = tl.load(scale_ptrs, mask=token_ok, other=0.0)
+            v_scale = tl.load(scale_ptrs + 1, mask=token_ok, other=0.0)
+        else:
+            k_scale = token_ok.to(tl.float32)
+            v_scale = k_scale
+        return k, v, k_scale, v_scale
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr, kv_ptr, scale_ptr, block_tables_ptr, context_lens_ptr,
+        out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+        qk_scale, block_stride, head_stride, layer_offset, v_offset,
+        scale_block_stride, scale_head_stride, scale_layer_offset,
+        stride_table, num_heads, tokens_per_split, num_splits,
+        KV_KIND: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        rows = tl.arange(0, ROWS)
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        row_ok = rows < GROUP
+        heads = kv_head * GROUP + rows
+        q_offsets = (seq * num_heads + heads)[:, None] * HEAD_DIM + dims[None, :]
+        row_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=row_mask, other=0.0).to(DOT_DTYPE)
+
+        context_len = tl.load(context_lens_ptr + seq)
+        first_token = split * tokens_per_split
+        end_token = tl.minimum(first_token + tokens_per_split, context_len)
+        table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+        kv_offset = kv_head * head_stride + layer_offset
+        scale_offset = kv_head * scale_head_stride + scale_layer_offset
+
+        running_max = tl.full([ROWS], float("-inf"), tl.float32)
+        running_sum = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
+        for tile_start in range(first_token, end_token, TILE):  # no iteration, and no KV read, for an empty row
+            tokens = tile_start + tl.arange(0, TILE)
+            token_ok = tokens < end_token
+            k, v, k_scale, v_scale = load_kv_tile(
+                kv_ptr, scale_ptr, table_row_ptr, tokens, token_ok,
+                kv_offset, v_offset, block_stride, scale_block_stride, scale_offset,
+                KV_KIND, NATIVE_FP8, DOT_DTYPE, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD,
+            )
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * qk_scale)[None, :]
+            scores = tl.where(token_ok[None, :], scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: a tile holds >= 1 token
+            rescale = tl.exp2(running_max - new_max)
+            probs = tl.exp2(scores - new_max[:, None])
+            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+            weights = (probs * v_scale[None, :]).to(DOT_DTYPE)
+            acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision=DOT_PRECISION)
+            running_max = new_max
+
+        if not SPLIT:
+            out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]  # an empty row: 0 / 1
+            tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+        else:
+            part_rows = (seq * num_heads + heads) * num_splits + split
+            tl.store(part_acc_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask)
+            tl.store(part_max_ptr + part_rows, running_max, mask=row_ok)
+            tl.store(part_sum_ptr + part_rows, running_sum, mask=row_ok)
+
+    @triton.jit
+    def _combine_kernel(
+        part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, num_splits,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS: tl.constexpr,
+    ):
+        """One (sequence, head): merge its splits' ``(acc, max, sum)``, SPLITS at a time.
+
+        A split that saw no token has max -inf and weight 0; a row that saw none at all
+        (``context_len == 0``) gets zeros.
+        """
+        row = tl.program_id(0)
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        dim_ok = dims < HEAD_DIM
+        running_max = tl.full([1], float("-inf"), tl.float32)
+        running_sum = tl.zeros([1], tl.float32)
+        acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+        for first in range(0, num_splits, SPLITS):
+            splits = first + tl.arange(0, SPLITS)
+            split_ok = splits < num_splits
+            part_rows = row * num_splits + splits
+            maxes = tl.load(part_max_ptr + part_rows, mask=split_ok, other=float("-inf"))
+            sums = tl.load(part_sum_ptr + part_rows, mask=split_ok, other=0.0)
+            accs = tl.load(part_acc_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+            new_max = tl.maximum(running_max, tl.max(maxes, axis=0))
+            pivot = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp2(running_max - pivot)
+            weights = tl.exp2(maxes - pivot)
+            running_sum = running_sum * rescale + tl.sum(sums * weights, axis=0)
+            acc = acc * rescale + tl.sum(accs * weights[:, None], axis=0)
+            running_max = new_max
+        out = acc / tl.where(running_sum > 0, running_sum, 1.0)
+        tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 def paged_decode_attention(
@@ -157,69 +224,116 @@ def paged_decode_attention(
     sm_scale: float | None = None,
     num_splits: int | None = None,
     native_fp8: bool | None = None,
+    tile_tokens: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` (``[batch, num_heads, head_dim]``, one token per sequence) over its context.
 
     ``pool`` is the engine's KV buffer (``uint8 [num_blocks, layout.block_bytes]``);
     ``block_tables[i]`` lists sequence i's blocks (padded with any valid id) and
-    ``context_lens[i]`` (>= 1) its tokens in them, the query's own K/V included (their values
-    are checked on CPU only: on CUDA a check would synchronize the device). Query head h
-    reads KV head ``h // (num_heads // kv_heads)``. Returns ``[batch, num_heads, head_dim]``
-    in ``q``'s dtype. Runs on CUDA tensors, or on CPU under ``TRITON_INTERPRET=1``.
-    ``num_splits`` (split-K) and ``native_fp8`` (hardware e4m3 conversion) default to what the
-    device suits; tests set them to cover every path.
+    ``context_lens[i]`` its tokens in them, the query's own K/V included (their values are
+    checked on CPU only: on CUDA a check would synchronize the device). A row with
+    ``context_lens[i] == 0`` (a padding row of a CUDA-graph batch) reads no KV and no table
+    entry and its output is zeros. Query head h reads KV head ``h // (num_heads // kv_heads)``.
+    Returns ``[batch, num_heads, head_dim]`` in ``q``'s dtype. Runs on CUDA tensors, or on CPU
+    under ``TRITON_INTERPRET=1``; on CUDA it launches one kernel (two when split), never waits
+    for the device, and is capturable in a CUDA graph. ``num_splits`` (split-K, in
+    ``[1, block_tables.shape[1]]``), ``native_fp8`` (hardware e4m3 conversion) and
+    ``tile_tokens`` (tokens per iteration, a power of two >= 16) default to what the device
+    and shapes suit; tests and bench set them to cover every path.
     """
     if triton is None:
         raise RuntimeError("paged_decode_attention needs Triton (pip install the test extras, or triton on a GPU host)")
     _check_inputs(q, pool, layout, layer, block_tables, context_lens)
-    _check_device(q)
+    check_device(q, "paged_decode_attention")
     batch, num_heads, head_dim = q.shape
     group = num_heads // layout.num_kv_heads
     max_blocks = block_tables.shape[1]
+    tile = _tile_tokens(q, layout, tile_tokens)
+    num_tiles = -(-max_blocks * layout.block_size // tile)
     if num_splits is None:
-        num_splits = _auto_num_splits(q, batch * layout.num_kv_heads, max_blocks)
+        num_splits = _auto_num_splits(q, batch * layout.num_kv_heads, min(max_blocks, num_tiles))
     if not 1 <= num_splits <= max_blocks:
         raise ValueError(f"num_splits: must be in [1, {max_blocks}] (blocks per table), got {num_splits}")
-    blocks_per_split = -(-max_blocks // num_splits)
+    tokens_per_split = -(-num_tiles // num_splits) * tile
     q = q.contiguous()
     out = torch.empty_like(q)
     part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)  # unused at 1 split
     part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    tile_bytes = layout.block_size * layout.head_dim * layout.element_bytes
+    kv, scales, strides = pool_views(pool, layout, layer)
+    dot_dtype, dot_precision = dot_types(q)
+    record("paged_decode_attention")
     _paged_decode_kernel[(batch, layout.num_kv_heads, num_splits)](
-        q, pool, block_tables, context_lens.to(torch.int32),
+        q, kv, scales, block_tables, context_lens.to(torch.int32),
         out, part_acc, part_max, part_sum,
-        sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
-        layout.block_bytes, layout.head_bytes, layer * 2 * tile_bytes, tile_bytes,
-        layout.scales_offset, layout.num_layers * 2, layer * 2,
-        block_tables.stride(0), num_heads, blocks_per_split, num_splits,
-        KV_KIND=_KV_KINDS[layout.kv_dtype], GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
-        BLOCK_SIZE=layout.block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        SPLIT=num_splits > 1, NATIVE_FP8=_native_fp8(q) if native_fp8 is None else native_fp8,
+        (sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E, *strides,
+        block_tables.stride(0), num_heads, tokens_per_split, num_splits,
+        KV_KIND=KV_KINDS[layout.kv_dtype], NATIVE_FP8=has_native_fp8(q) if native_fp8 is None else native_fp8,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, GROUP=group, ROWS=max(_MIN_DOT, triton.next_power_of_2(group)),
+        BLOCK_SIZE=layout.block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim), TILE=tile,
+        SPLIT=num_splits > 1, num_warps=4, num_stages=_DECODE_STAGES,
     )
-    if num_splits == 1:
-        return out
-    return _combine_splits(part_acc, part_max, part_sum).to(q.dtype)
+    if num_splits > 1:
+        record("paged_decode_combine")
+        _combine_kernel[(batch * num_heads,)](
+            part_acc, part_max, part_sum, out, num_splits,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim), SPLITS=_COMBINE_SPLITS, num_warps=2,
+        )
+    return out
 
 
-def _combine_splits(acc: torch.Tensor, maxes: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
-    """Merge per-split softmax partials ``[batch, heads, splits, (head_dim)]`` into the output.
+def pool_views(pool: torch.Tensor, layout: KVBlockLayout, layer: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """The pool as the kernels read it: ``(kv, scales, strides)``.
 
-    A split past a sequence's last block saw no token: its max is -inf, so its weight is 0.
+    ``kv`` views the bytes as the storage's element (uint8 codes for FP8), ``scales`` as
+    float32; ``strides`` are ``load_kv_tile``'s offsets in those units: per block, per KV head,
+    ``layer``'s K, K to V; then the scales' per block, per KV head, ``layer``'s K scale.
     """
-    overall = maxes.amax(dim=2, keepdim=True)
-    weights = torch.exp(maxes - overall)
-    total = (sums * weights).sum(dim=2)
-    return (acc * weights[..., None]).sum(dim=2) / total[..., None]
+    element = layout.element_bytes
+    tile_elements = layout.block_size * layout.head_dim
+    kv = pool.view(_KV_POINTER_DTYPES[layout.kv_dtype])
+    strides = (
+        layout.block_bytes // element, layout.head_bytes // element, layer * 2 * tile_elements, tile_elements,
+        layout.block_bytes // 4, layout.num_layers * 2, layout.scales_offset // 4 + layer * 2,
+    )
+    return kv, pool.view(torch.float32), strides
 
 
-def _auto_num_splits(q: torch.Tensor, num_programs: int, max_blocks: int) -> int:
+def dot_types(q: torch.Tensor) -> tuple:
+    """``(DOT_DTYPE, DOT_PRECISION)`` for queries ``q``: its own dtype, float32 in IEEE (module docstring)."""
+    if q.dtype == torch.float16:
+        return tl.float16, "tf32"
+    if q.dtype == torch.bfloat16 and not INTERPRETED:
+        return tl.bfloat16, "tf32"
+    return tl.float32, "ieee"
+
+
+def _tile_tokens(q: torch.Tensor, layout: KVBlockLayout, tile_tokens: int | None) -> int:
+    """``tile_tokens`` checked, or ``_TILE_BYTES`` of K, between 16 and 128 tokens.
+
+    Float32 queries (tests) count 4 bytes whatever the pool: their IEEE dots run on the FMA
+    units, and bigger tiles of them spill registers on sm_90 (on FP8 and bf16 pools they spill
+    ~500 bytes even at 16 tokens; fine for tests, and the engine's queries are 16-bit).
+    """
+    if tile_tokens is not None:
+        if tile_tokens < _MIN_DOT or tile_tokens & (tile_tokens - 1):
+            raise ValueError(f"tile_tokens: must be a power of two >= {_MIN_DOT}, got {tile_tokens}")
+        return tile_tokens
+    element_bytes = 4 if q.dtype == torch.float32 else layout.element_bytes
+    return max(_MIN_DOT, min(128, _TILE_BYTES // (head_dim_pad(layout.head_dim) * element_bytes)))
+
+
+def head_dim_pad(head_dim: int) -> int:
+    """The kernels' ``HEAD_DIM_PAD``: a power of two, at least a dot's 16."""
+    return max(_MIN_DOT, triton.next_power_of_2(head_dim))
+
+
+def _auto_num_splits(q: torch.Tensor, num_programs: int, max_splits: int) -> int:
     if q.device.type != "cuda":
         return 1
     sms = _multi_processor_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
     wanted = -(-_PROGRAMS_PER_SM * sms // num_programs)
-    return max(1, min(wanted, max_blocks))
+    return max(1, min(wanted, max_splits))
 
 
 @functools.cache
@@ -227,17 +341,26 @@ def _multi_processor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _native_fp8(q: torch.Tensor) -> bool:
+def has_native_fp8(q: torch.Tensor) -> bool:
     """Whether the device converts e4m3 in hardware (sm_89 and later; the interpreter emulates it)."""
     return q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) >= (8, 9)
 
 
-def _check_device(q: torch.Tensor) -> None:
-    if q.device.type != "cuda" and not _INTERPRETED:
+def check_device(q: torch.Tensor, caller: str) -> None:
+    """Refuse a CPU ``q`` unless Triton's interpreter is on."""
+    if q.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
-            f"paged_decode_attention runs on CUDA tensors, or on CPU when TRITON_INTERPRET=1 was set before "
+            f"{caller} runs on CUDA tensors, or on CPU when TRITON_INTERPRET=1 was set before "
             f"Triton was first imported; q is on {q.device}"
         )
+
+
+def check_pool(pool: torch.Tensor, layout: KVBlockLayout, layer: int) -> None:
+    """The checks every paged kernel makes of its pool, layout and layer."""
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != layout.block_bytes or not pool.is_contiguous():
+        raise ValueError(f"pool: expected contiguous uint8 [num_blocks, {layout.block_bytes}], got {pool.dtype} {list(pool.shape)}")
+    if not 0 <= layer < layout.num_layers:
+        raise ValueError(f"layer: {layer} outside [0, {layout.num_layers})")
 
 
 def _check_inputs(q, pool, layout: KVBlockLayout, layer: int, block_tables, context_lens) -> None:
@@ -246,14 +369,9 @@ def _check_inputs(q, pool, layout: KVBlockLayout, layer: int, block_tables, cont
     batch, num_heads, _ = q.shape
     if num_heads % layout.num_kv_heads:
         raise ValueError(f"q: {num_heads} query heads are not a multiple of the pool's {layout.num_kv_heads} KV heads")
-    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != layout.block_bytes or not pool.is_contiguous():
-        raise ValueError(f"pool: expected contiguous uint8 [num_blocks, {layout.block_bytes}], got {pool.dtype} {list(pool.shape)}")
-    if layout.block_size & (layout.block_size - 1):
-        raise ValueError(f"layout.block_size: the kernel needs a power of two, got {layout.block_size}")
-    if not 0 <= layer < layout.num_layers:
-        raise ValueError(f"layer: {layer} outside [0, {layout.num_layers})")
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_tables: expected int32/int64 [{batch}, max_blocks], got {block_tables.dtype} {list(block_tables.shape)}")
+    check_pool(pool, layout, layer)
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1 or block_tables.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_tables: expected int32/int64 [{batch}, max_blocks >= 1], got {block_tables.dtype} {list(block_tables.shape)}")
     if context_lens.shape != (batch,):
         raise ValueError(f"context_lens: expected [{batch}], got {list(context_lens.shape)}")
     devices = {name: t.device for name, t in (("q", q), ("pool", pool), ("block_tables", block_tables), ("context_lens", context_lens))}
@@ -262,8 +380,8 @@ def _check_inputs(q, pool, layout: KVBlockLayout, layer: int, block_tables, cont
     if block_tables.device.type == "cuda":
         return  # reading the values would synchronize the device at every call
     capacity = block_tables.shape[1] * layout.block_size
-    if int(context_lens.min()) < 1 or int(context_lens.max()) > capacity:
-        raise ValueError(f"context_lens: every length must be in [1, {capacity}] (the tables' blocks), got {context_lens.tolist()}")
+    if batch and (int(context_lens.min()) < 0 or int(context_lens.max()) > capacity):
+        raise ValueError(f"context_lens: every length must be in [0, {capacity}] (the tables' blocks), got {context_lens.tolist()}")
     if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < pool.shape[0]:
         raise ValueError(f"block_tables: block ids must be in [0, {pool.shape[0]}), got [{int(block_tables.min())}, {int(block_tables.max())}]")
 
@@ -281,15 +399,18 @@ def reference_paged_decode_attention(
 
     Each sequence's blocks are cut out of the byte buffer, viewed with the layout's shapes,
     widened with torch's own e4m3 cast and multiplied by the trailer's scales; SDPA then runs
-    with each KV head repeated for its query heads.
+    with each KV head repeated for its query heads. A row of no context gives zeros.
     """
     _check_inputs(q, pool, layout, layer, block_tables, context_lens)
     group = q.shape[1] // layout.num_kv_heads
     outs = []
     for row in range(q.shape[0]):
         length = int(context_lens[row])
+        if length == 0:
+            outs.append(torch.zeros(q.shape[1:], dtype=torch.float32, device=q.device))
+            continue
         blocks = pool[block_tables[row, : -(-length // layout.block_size)]]
-        k, v = _dequantized_layer(blocks, layout, layer)
+        k, v = dequantized_layer(blocks, layout, layer)
         k = k[:, :length].repeat_interleave(group, dim=0)
         v = v[:, :length].repeat_interleave(group, dim=0)
         query = q[row].float().unsqueeze(1)  # [num_heads, 1, head_dim]
@@ -297,8 +418,11 @@ def reference_paged_decode_attention(
     return torch.stack(outs).to(q.dtype)
 
 
-def _dequantized_layer(blocks: torch.Tensor, layout: KVBlockLayout, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of ``layer`` from whole blocks (``uint8 [n, block_bytes]``) as float32 ``[kv_heads, n * block_size, head_dim]``."""
+def dequantized_layer(blocks: torch.Tensor, layout: KVBlockLayout, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``layer`` from whole blocks (``uint8 [n, block_bytes]``) as float32 ``[kv_heads, n * block_size, head_dim]``.
+
+    Reference code (torch's casts), shared by the decode and prefill references, never by a kernel.
+    """
     n = blocks.shape[0]
     payload = blocks[:, : layout.payload_bytes].contiguous().view(_STORAGE_DTYPES[layout.kv_dtype])
     values = payload.view(n, *layout.payload_shape)[:, :, layer].float()  # [n, kv_heads, 2, block_size, head_dim]

@@ -5,9 +5,12 @@ requantization of growing blocks), and the reference is also checked against the
 attention path, so the three agree on the same bytes.
 """
 
+from collections import Counter
+
 import pytest
 import torch
 
+from engine.kernels.launches import LaunchCounter
 from engine.kernels.paged_attention import paged_decode_attention, reference_paged_decode_attention
 from engine.kv_cache import PagedKVCache
 from engine.layers.attention import DecodeGroup, PagedAttention
@@ -31,27 +34,31 @@ def kernel(q, cache: PagedKVCache, layer: int, tables, lens, **kwargs) -> torch.
 BLOCK_SIZE = 16
 HEAD_DIM = 64
 NUM_LAYERS = 2
-NUM_BLOCKS = 12
-CONTEXT_LENS = (1, 16, 37)  # one token; exactly one full block; two full blocks and a partial one
+NUM_BLOCKS = 20
+CONTEXT_LENS = (1, 16, 37, 150)
+"""One token; exactly one full block; two full blocks and a partial one; ten blocks, so a tile
+of 16 or 32 tokens takes many iterations and ends in a partial tail."""
 TOLERANCE = 1e-5 if DEVICE == "cpu" else 1e-4  # GPU exp is an approximation
 
 
 def filled_cache(kv_dtype: str, num_kv_heads: int, context_lens=CONTEXT_LENS, seed: int = 0) -> tuple[PagedKVCache, torch.Tensor]:
-    """A pool holding random K/V for each sequence, written in 7-token steps; returns (cache, block_tables)."""
+    """A pool holding random K/V for each sequence, written in 7-token steps; returns (cache, block_tables).
+
+    A row of length 0 gets a table of one block no sequence uses.
+    """
     g = torch.Generator().manual_seed(seed)
     layout = KVBlockLayout(NUM_LAYERS, num_kv_heads, HEAD_DIM, BLOCK_SIZE, kv_dtype)
     cache = PagedKVCache(layout, NUM_BLOCKS, torch.float32)
-    width = -(-max(context_lens) // BLOCK_SIZE)
+    width = max(1, -(-max(context_lens) // BLOCK_SIZE))
     free = torch.randperm(NUM_BLOCKS, generator=g).tolist()  # scattered, out-of-order block ids
     tables = torch.zeros(len(context_lens), width, dtype=torch.int32)
     for row, length in enumerate(context_lens):
-        own = [free.pop() for _ in range(-(-length // BLOCK_SIZE))]
+        own = [free.pop() for _ in range(max(1, -(-length // BLOCK_SIZE)))]
         tables[row] = torch.tensor(own + own[:1] * (width - len(own)))
-        positions = torch.arange(length)
-        for pos in positions.split(7):  # blocks grow across writes: FP8 blocks are requantized as in decode
+        for pos in torch.arange(length).split(7):  # blocks grow across writes: FP8 blocks are requantized as in decode
             k = torch.randn(len(pos), NUM_LAYERS, num_kv_heads, HEAD_DIM, generator=g) * 2
             v = torch.randn(len(pos), NUM_LAYERS, num_kv_heads, HEAD_DIM, generator=g)
-            cache.write(k, v, torch.tensor([own[p // BLOCK_SIZE] for p in pos.tolist()]), pos % BLOCK_SIZE)
+            cache.write(k, v, torch.tensor([own[p // BLOCK_SIZE] for p in pos.tolist()], dtype=torch.long), pos % BLOCK_SIZE)
     return cache, tables
 
 
@@ -60,23 +67,79 @@ def random_queries(batch: int, num_heads: int, seed: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("kv_dtype", "num_kv_heads", "group", "num_splits", "native_fp8"),
+    ("kv_dtype", "num_kv_heads", "group", "num_splits", "native_fp8", "tile_tokens"),
     [
-        ("fp8_e4m3", 2, 3, 1, True),
-        ("fp8_e4m3", 2, 1, 2, False),  # e4m3 widened by moving bits, as on GPUs before sm_89
-        ("bf16", 2, 3, 1, True),
-        ("fp32", 1, 3, 3, True),
+        ("fp8_e4m3", 2, 1, 1, True, None),
+        ("fp8_e4m3", 2, 2, 2, False, 16),  # e4m3 widened by moving bits, as on GPUs before sm_89
+        ("fp8_e4m3", 1, 3, 1, True, 16),  # a group that is not a power of two
+        ("fp8_e4m3", 2, 4, 3, True, 32),
+        ("fp8_e4m3", 1, 8, 1, False, None),
+        ("bf16", 2, 3, 2, True, 16),
+        ("bf16", 1, 4, 1, True, None),
+        ("fp32", 1, 3, 3, True, 16),
+        ("fp32", 2, 8, 1, True, 32),
     ],
 )
-def test_kernel_equals_reference(kv_dtype, num_kv_heads, group, num_splits, native_fp8):
+def test_kernel_equals_reference(kv_dtype, num_kv_heads, group, num_splits, native_fp8, tile_tokens):
     cache, tables = filled_cache(kv_dtype, num_kv_heads)
     q = random_queries(len(CONTEXT_LENS), num_kv_heads * group)
     lens = torch.tensor(CONTEXT_LENS, dtype=torch.int32)
     for layer in range(NUM_LAYERS):
-        got = kernel(q, cache, layer, tables, lens, num_splits=num_splits, native_fp8=native_fp8)
+        got = kernel(q, cache, layer, tables, lens, num_splits=num_splits, native_fp8=native_fp8, tile_tokens=tile_tokens)
         expected = reference_paged_decode_attention(q, cache.buffer, cache.layout, layer, tables, lens)
         # Both widen the same codes exactly; only the order of float32 sums differs.
         torch.testing.assert_close(got, expected, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize(("kv_dtype", "num_splits"), [("fp8_e4m3", 1), ("bf16", 3)])
+def test_bfloat16_queries_give_bfloat16_output_near_the_reference(kv_dtype, num_splits):
+    """The engine's GPU dtype: dots in bf16 on a GPU (in float32 under the interpreter), output in bf16."""
+    cache, tables = filled_cache(kv_dtype, 2)
+    q = random_queries(len(CONTEXT_LENS), 8).bfloat16()
+    lens = torch.tensor(CONTEXT_LENS, dtype=torch.int32)
+    got = kernel(q, cache, 1, tables, lens, num_splits=num_splits, tile_tokens=32)
+    expected = reference_paged_decode_attention(q, cache.buffer, cache.layout, 1, tables, lens)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 10])
+def test_zero_length_rows_give_zeros_and_leave_the_others_alone(num_splits):
+    """Padding rows of a graphed batch: context 0, their table on a block of NaNs that they must not read."""
+    lens = (0, 37, 0, 150)
+    cache, tables = filled_cache("fp32", 2, context_lens=lens)
+    for row in (0, 2):
+        cache.payload[tables[row, 0]] = float("nan")
+    q = random_queries(len(lens), 4)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    got = kernel(q, cache, 0, tables, lens, num_splits=num_splits, tile_tokens=16)
+    assert torch.equal(got[[0, 2]], torch.zeros(2, 4, HEAD_DIM))
+    expected = reference_paged_decode_attention(q, cache.buffer, cache.layout, 0, tables, lens)
+    torch.testing.assert_close(got, expected, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_a_batch_of_only_padding_rows_gives_zeros():
+    cache, tables = filled_cache("fp8_e4m3", 1, context_lens=(0, 0))
+    got = kernel(random_queries(2, 3), cache, 0, tables, torch.zeros(2, dtype=torch.int32), num_splits=1)
+    assert torch.equal(got, torch.zeros(2, 3, HEAD_DIM))
+
+
+def test_more_splits_than_tiles_leave_the_empty_splits_out():
+    """37 tokens are one 64-token tile; splits 2 and 3 see nothing and weigh nothing in the combine."""
+    cache, tables = filled_cache("fp8_e4m3", 2, context_lens=(37, 20, 5))
+    q = random_queries(3, 4)
+    lens = torch.tensor((37, 20, 5), dtype=torch.int32)
+    got = kernel(q, cache, 1, tables, lens, num_splits=3, tile_tokens=64)
+    expected = reference_paged_decode_attention(q, cache.buffer, cache.layout, 1, tables, lens)
+    torch.testing.assert_close(got, expected, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize(("num_splits", "launches"), [(1, {"paged_decode_attention": 1}), (2, {"paged_decode_attention": 1, "paged_decode_combine": 1})])
+def test_a_call_launches_one_kernel_and_one_combine_when_split(num_splits, launches):
+    cache, tables = filled_cache("fp8_e4m3", 1, context_lens=(20,))
+    with LaunchCounter() as counted:
+        kernel(random_queries(1, 2), cache, 0, tables, torch.tensor([20], dtype=torch.int32), num_splits=num_splits)
+    assert counted == Counter(launches)
 
 
 def test_one_token_context_returns_its_value():
@@ -93,10 +156,10 @@ def test_stale_bytes_past_the_context_are_ignored():
     cache, tables = filled_cache("fp8_e4m3", 2)
     q = random_queries(len(CONTEXT_LENS), 4)
     lens = torch.tensor(CONTEXT_LENS, dtype=torch.int32)
-    before = kernel(q, cache, 0, tables, lens)
+    before = kernel(q, cache, 0, tables, lens, tile_tokens=32)
     last_block = tables[2, 2]
     cache.payload[last_block, :, :, :, 5:] = cache.payload[last_block, :, :, :, :1].expand_as(cache.payload[last_block, :, :, :, 5:])
-    after = kernel(q, cache, 0, tables, lens)
+    after = kernel(q, cache, 0, tables, lens, tile_tokens=32)
     torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
@@ -124,9 +187,128 @@ def test_reference_equals_engine_attention(kv_dtype):
 def test_bad_inputs_are_refused_by_name():
     cache, tables = filled_cache("fp8_e4m3", 2, context_lens=(20,))
     q = random_queries(1, 4)
-    with pytest.raises(ValueError, match="context_lens"):
+    lens = torch.tensor([20], dtype=torch.int32)
+    with pytest.raises(ValueError, match="context_lens: every length must be in \\[0, 32\\]"):
         paged_decode_attention(q, cache.buffer, cache.layout, 0, tables, torch.tensor([33], dtype=torch.int32))
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_decode_attention(q, cache.buffer, cache.layout, 0, tables, torch.tensor([-1], dtype=torch.int32))
     with pytest.raises(ValueError, match="query heads"):
-        paged_decode_attention(random_queries(1, 3), cache.buffer, cache.layout, 0, tables, torch.tensor([20]))
+        paged_decode_attention(random_queries(1, 3), cache.buffer, cache.layout, 0, tables, lens)
     with pytest.raises(ValueError, match="layer"):
-        paged_decode_attention(q, cache.buffer, cache.layout, 2, tables, torch.tensor([20]))
+        paged_decode_attention(q, cache.buffer, cache.layout, 2, tables, lens)
+    with pytest.raises(ValueError, match="num_splits: must be in \\[1, 2\\]"):
+        paged_decode_attention(q, cache.buffer, cache.layout, 0, tables, lens, num_splits=3)
+    for tile in (8, 24):
+        with pytest.raises(ValueError, match=f"tile_tokens: must be a power of two >= 16, got {tile}"):
+            paged_decode_attention(q, cache.buffer, cache.layout, 0, tables, lens, tile_tokens=tile)
+    with pytest.raises(ValueError, match="block_tables: block ids"):
+        paged_decode_attention(q, cache.buffer, cache.layout, 0, tables + NUM_BLOCKS, lens)
+
+
+# --- Compiled for sm_90 without a GPU -------------------------------------------------------
+# The interpreter runs the kernels' arithmetic, not Triton's compiler: loop-carried types,
+# layouts, shared memory and registers are only checked by compiling. Triton's wheel carries
+# ptxas, so each launch the wrappers would make on a Hopper GPU is captured here (arguments
+# specialized as Triton's launcher does) and compiled for sm_90a in a subprocess without
+# TRITON_INTERPRET.
+
+_COMPILE_SCRIPT = r"""
+import importlib, json, re, subprocess, sys, tempfile
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend, get_ptxas
+from triton.compiler import ASTSource
+
+results = []
+for launch in json.load(sys.stdin):
+    fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    signature, constexprs, attrs = {}, {}, {}
+    for index, name in enumerate(fn.arg_names):
+        kind, value = launch["args"][index] if index < len(launch["args"]) else (None, None)
+        if name in launch["constexprs"]:
+            encoded = launch["constexprs"][name]
+            signature[name], constexprs[name] = "constexpr", tl.dtype(encoded["dtype"]) if isinstance(encoded, dict) else encoded
+        elif kind == "constexpr":
+            signature[name], constexprs[name] = "constexpr", value
+        else:
+            signature[name] = kind
+            if value:
+                attrs[(index,)] = CUDABackend.parse_attr(value)
+    options = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as ptx:
+        ptx.write(kernel.asm["ptx"])
+    log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", ptx.name, "-o", "/dev/null"], capture_output=True, text=True, check=True)
+    text = log.stdout + log.stderr
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", text)]
+    results.append({"kernel": launch["kernel"], "registers": int(re.search(r"Used (\d+) registers", text).group(1)),
+                    "spill_bytes": sum(spills), "shared_bytes": kernel.metadata.shared})
+print(json.dumps(results))
+"""
+
+
+class _CapturedKernel:
+    """Stands in for a ``@triton.jit`` kernel: a launch records its specialized arguments instead of running."""
+
+    def __init__(self, module: str, name: str, launches: list) -> None:
+        self.module, self.name, self.launches = module, name, launches
+
+    def __getitem__(self, grid):
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import native_specialize_impl
+
+        def launch(*args, num_warps: int, num_stages: int = 3, **constexprs):
+            specialized = [list(native_specialize_impl(BaseBackend, arg, False, True, True)) for arg in args]
+            encoded = {k: {"dtype": str(v)} if hasattr(v, "primitive_bitwidth") else v for k, v in constexprs.items()}
+            self.launches.append({"module": self.module, "kernel": self.name, "args": specialized, "constexprs": encoded,
+                                  "num_warps": num_warps, "num_stages": num_stages})
+
+        return launch
+
+
+def hopper_resources(monkeypatch, calls) -> list[dict]:
+    """Registers, spilled bytes and shared memory of every launch ``calls()`` makes, compiled for sm_90a."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from engine.kernels import paged_attention, paged_prefill
+
+    launches: list = []
+    for module, name in ((paged_attention, "_paged_decode_kernel"), (paged_attention, "_combine_kernel"), (paged_prefill, "_paged_prefill_kernel")):
+        monkeypatch.setattr(module, name, _CapturedKernel(module.__name__, name, launches))
+    monkeypatch.setattr(paged_attention, "INTERPRETED", False)  # the GPU's dot dtypes
+    for module in (paged_attention, paged_prefill):
+        monkeypatch.setattr(module, "check_device", lambda q, caller: None)
+    calls()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], input=json.dumps(launches), capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def empty_pool(kv_dtype: str, num_blocks: int = 4) -> tuple[torch.Tensor, KVBlockLayout]:
+    """A zeroed pool in Llama-3-8B's KV shapes (8 KV heads of 128), for launches that are captured, not run."""
+    layout = KVBlockLayout(2, 8, 128, BLOCK_SIZE, kv_dtype)
+    return torch.zeros(num_blocks, layout.block_bytes, dtype=torch.uint8), layout
+
+
+@pytest.mark.slow
+def test_the_decode_launches_compile_for_hopper_without_spilling(monkeypatch):
+    """The engine's launches (bf16 queries) and float32 on float32. Float32 queries on FP8 or bf16
+    pools (GPU tests only) do spill: the widened tile in the FMA dot's layout takes 255 registers."""
+    (fp8, fp8_layout), (bf16, bf16_layout), (fp32, fp32_layout) = (empty_pool(kv) for kv in ("fp8_e4m3", "bf16", "fp32"))
+    tables, lens = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([60, 20], dtype=torch.int32)
+    q = torch.randn(2, 32, 128)
+
+    def calls():
+        paged_decode_attention(q.bfloat16(), fp8, fp8_layout, 1, tables, lens, num_splits=2)  # decode and combine
+        paged_decode_attention(q.bfloat16(), fp8, fp8_layout, 1, tables, lens, num_splits=1, native_fp8=False)
+        paged_decode_attention(q.bfloat16(), bf16, bf16_layout, 1, tables, lens, num_splits=1)
+        paged_decode_attention(q, fp32, fp32_layout, 1, tables, lens, num_splits=1)  # float32: IEEE dots
+
+    resources = hopper_resources(monkeypatch, calls)
+    assert [r["kernel"] for r in resources] == ["_paged_decode_kernel", "_combine_kernel"] + ["_paged_decode_kernel"] * 3
+    assert all(r["spill_bytes"] == 0 for r in resources), resources
