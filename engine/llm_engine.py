@@ -87,6 +87,8 @@ class LLMEngine:
             self.pools, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, self.kv_store, self.speculator
         )
         self.runner = ModelRunner(model, self.kv_cache, tp, ep)
+        if self.kv_cache.device.type == "cuda" and not config.enforce_eager and self.runner.ranks.size == 1:
+            self.runner.use_graphs(config.graph_max_batch or config.max_num_seqs, self.max_model_len, capture=True)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self.intake = PromptIntake(self.tokenizer, self.model_name, mc.vocab_size, self.max_model_len, config.block_size, num_blocks)
         self._requests: dict[str, Request] = {}

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import BlockFill, PagedKVCache
-from engine.layers.attention import AttentionBatch, DecodeGroup, PrefillChunk, StepSlots
+from engine.device_sampler import SamplingTensors, sample_on_device
+from engine.kv_cache import PagedKVCache
+from engine.layers.attention import AttentionBatch, DecodeGroup, DeviceStep, PrefillChunk
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
 from engine.request import Request
@@ -98,6 +99,21 @@ class ModelRunner:
         self.dtype = model.embed_tokens.weight.dtype
         self.num_runs = 0
         """Steps this rank has run to the end, K/V written: every rank of a group counts the same steps."""
+        self.graphs = None
+        """``engine.graphs.DecodeGraphs`` where decode steps run from static buffers (``use_graphs``)."""
+        self.num_graph_steps = 0
+        """Steps run through ``graphs`` (replayed, or eagerly on their buffers where none was captured)."""
+
+    def use_graphs(self, max_batch: int, max_model_len: int, capture: bool) -> None:
+        """Run decode steps of up to ``max_batch`` sequences from static buffers, and on CUDA
+        (``capture``) replay them as CUDA graphs captured now. The device path of one rank only."""
+        if not self.kv_cache.triton_decode or self.ranks.size > 1:
+            raise ValueError("use_graphs: decode graphs run on the device path of a replica of one rank")
+        from engine.graphs import DecodeGraphs  # imports the Triton kernels: only where the device path runs
+
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, -(-max_model_len // self.block_size))
+        if capture:
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> dict[Request, list[int]]:
@@ -108,21 +124,35 @@ class ModelRunner:
             plan, sampled = StepPlan.of([c for c in chunks if (c.request.dp_rank or 0) == rank], self.block_size)
             plans.append(plan)
             requests += sampled
-        self.ranks.send_plan(plans)
-        logits = self._run_own(plans)
-        if not requests:
-            return {}
         params, seeds, positions = [], [], []
         for request, num_rows in requests:
             params += [request.params] * num_rows
             seeds += [request.seed] * num_rows
             positions += range(request.num_output_tokens, request.num_output_tokens + num_rows)
-        tokens = sample(logits, params, seeds, positions)
+        plan = plans[0]
+        if self.graphs is not None and self.graphs.covers(len(plan.decodes), len(plan.prefills), len(plan.sample_rows)):
+            decodes = [(c.token_ids[0], c.start, c.block_ids) for c in plan.decodes]
+            tokens = self.graphs.run(decodes, params, seeds, positions).tolist()
+            self.num_runs += 1
+            self.num_graph_steps += 1
+        else:
+            self.ranks.send_plan(plans)
+            logits = self._run_own(plans)
+            if not requests:
+                return {}
+            tokens = self._sample(logits, params, seeds, positions)
         out, row = {}, 0
         for request, num_rows in requests:
             out[request] = tokens[row : row + num_rows]
             row += num_rows
         return out
+
+    def _sample(self, logits: torch.Tensor, params: list, seeds: list[int], positions: list[int]) -> list[int]:
+        """The device path samples with the graphs' sampler in every step, so that a request's
+        tokens do not depend on which of its steps were replayed; the CPU path with ``sample``."""
+        if self.kv_cache.triton_decode:
+            return sample_on_device(logits, SamplingTensors.of(params, seeds, positions, logits.device)).tolist()
+        return sample(logits, params, seeds, positions)
 
     def follow(self) -> int:
         """Follower: run the leader's plans until it sends None; returns the number of steps run."""
@@ -151,42 +181,77 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """Run ``plan`` on this rank's shard and write its K/V; logits of the sample rows on the leader."""
-        ordered = plan.decodes + plan.prefills
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_block_ids: list[int] = []
-        for chunk in ordered:
-            input_ids += chunk.token_ids
-            positions += range(chunk.start, chunk.start + chunk.num_tokens)
-            slot_block_ids += (chunk.block_ids[p // self.block_size] for p in range(chunk.start, chunk.start + chunk.num_tokens))
+        slots = None
+        if self.kv_cache.triton_decode:
+            input_ids, batch = self._device_batch(plan)
+        else:
+            input_ids, batch, slots = self._batch(plan)
+        hidden = self.model(input_ids, batch)
+        if slots is not None and len(input_ids):  # an idle data-parallel rank runs the step for its collectives, with nothing to store
+            self.kv_cache.write(batch.new_k, batch.new_v, *slots)
+        # A data-parallel rank always computes (maybe zero rows of) logits: the leader gathers every rank's.
+        logits = self.model.compute_logits(hidden[list(plan.sample_rows)]) if plan.sample_rows or self.dp.size > 1 else None
+        self.num_runs += 1
+        return logits
+
+    def _batch(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionBatch, tuple[torch.Tensor, torch.Tensor]]:
+        """The CPU path's step, and its slots (block ids, offsets): the runner writes every layer's
+        K/V there after the forward pass."""
+        input_ids, positions, slot_block_ids = self._flat(plan)
         device = self.device
         position_t = torch.tensor(positions, dtype=torch.long, device=device)
-        block_ids = torch.tensor(slot_block_ids, dtype=torch.long, device=device)
         cos, sin = self.model.rotary.tables(position_t, self.dtype)
         new_kv_shape = (len(positions), self.model.config.num_layers, self.model.num_kv_heads, self.model.config.head_dim)
-        each_layer = self.kv_cache.triton_decode  # layers write their own K/V before attending
         batch = AttentionBatch(
             kv_cache=self.kv_cache,
             rope_cos=cos,
             rope_sin=sin,
             decode_groups=self._decode_groups(plan.decodes),
             prefill_chunks=self._prefill_chunks(plan.prefills, first_token=len(plan.decodes)),
-            new_k=None if each_layer else torch.empty(new_kv_shape, dtype=self.dtype, device=device),
-            new_v=None if each_layer else torch.empty(new_kv_shape, dtype=self.dtype, device=device),
-            slots=self._slots(block_ids, position_t) if each_layer else None,
+            new_k=torch.empty(new_kv_shape, dtype=self.dtype, device=device),
+            new_v=torch.empty(new_kv_shape, dtype=self.dtype, device=device),
         )
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=device), batch)
-        if positions and not each_layer:  # an idle data-parallel rank runs the step for its collectives, with nothing to store
-            self.kv_cache.write(batch.new_k, batch.new_v, block_ids, position_t % self.block_size)
-        # A data-parallel rank always computes (maybe zero rows of) logits: the leader gathers every rank's.
-        logits = self.model.compute_logits(hidden[list(plan.sample_rows)]) if plan.sample_rows or self.dp.size > 1 else None
-        self.num_runs += 1
-        return logits
+        slots = (torch.tensor(slot_block_ids, dtype=torch.long, device=device), position_t % self.block_size)
+        return torch.tensor(input_ids, dtype=torch.long, device=device), batch, slots
 
-    def _slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> StepSlots:
-        offsets = positions % self.block_size
-        fill = BlockFill.of(block_ids, offsets, self.block_size) if self.kv_cache.scales is not None else None
-        return StepSlots(block_ids, offsets, fill)
+    def _device_batch(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionBatch]:
+        """The device path's eager step: each layer writes its K/V into the pool before attending."""
+        from engine.kernels.rope_kv import KVSegments  # Triton: only where the device path runs
+
+        input_ids, positions, slot_block_ids = self._flat(plan)
+        device = self.device
+        decodes = plan.decodes
+        width = max((len(c.block_ids) for c in decodes), default=1)
+        step = DeviceStep(
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            segments=KVSegments.of_slots(slot_block_ids, [p % self.block_size for p in positions], device),
+            num_decodes=len(decodes),
+            block_tables=torch.tensor([c.block_ids + (c.block_ids[0],) * (width - len(c.block_ids)) for c in decodes], dtype=torch.int32, device=device).view(len(decodes), width),
+            context_lens=torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32, device=device),
+        )
+        rotary = self.model.rotary
+        batch = AttentionBatch(
+            kv_cache=self.kv_cache,
+            rope_cos=rotary.cos,
+            rope_sin=rotary.sin,
+            decode_groups=(),
+            prefill_chunks=self._prefill_chunks(plan.prefills, first_token=len(decodes)),
+            new_k=None,
+            new_v=None,
+            device=step,
+        )
+        return torch.tensor(input_ids, dtype=torch.long, device=device), batch
+
+    def _flat(self, plan: StepPlan) -> tuple[list[int], list[int], list[int]]:
+        """The step's token ids, their positions and the block each stores its K/V in, decodes first."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_block_ids: list[int] = []
+        for chunk in plan.decodes + plan.prefills:
+            input_ids += chunk.token_ids
+            positions += range(chunk.start, chunk.start + chunk.num_tokens)
+            slot_block_ids += (chunk.block_ids[p // self.block_size] for p in range(chunk.start, chunk.start + chunk.num_tokens))
+        return input_ids, positions, slot_block_ids
 
     def _decode_groups(self, decodes: tuple[PlannedChunk, ...]) -> tuple[DecodeGroup, ...]:
         groups: list[list[tuple[int, PlannedChunk]]] = []

@@ -10,9 +10,13 @@ into the gathered context at their positions and stashed in ``AttentionBatch.new
 model runner writes them to the cache once, for every layer together, after the forward pass.
 For FP8 that turns thirty requantizations of the touched blocks into one.
 
-On a GPU (``PagedKVCache.triton_decode``) each layer instead writes its step's K/V into the pool
-first, at the step's ``slots``, and decode groups attend over the pool in place through the
-Triton kernel (``engine/kernels/paged_attention.py``), which reads FP8 blocks with their scales.
+On the device path (``PagedKVCache.triton_decode``: a GPU, or the tests' interpreter) the step
+carries a ``DeviceStep`` instead: one Triton kernel rotates q and k in the QKV projection's output
+and writes the step's K/V straight into the pool (FP8 quantized there,
+``engine/kernels/rope_kv.py``), and the decode rows attend over the pool in place through the
+paged kernel (``engine/kernels/paged_attention.py``), which reads FP8 blocks with their scales.
+Its shapes are fixed by the step's buffers and nothing waits for the host, so a decode step of
+this path can be captured in a CUDA graph (``engine/graphs.py``).
 
 Where the C extension is built (``engine/kernels/cpu_attention.py``), decode groups and short
 prefill chunks read the pool in place instead, with the step's K/V passed beside it: the same
@@ -23,18 +27,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_attention
-from engine.kv_cache import BlockFill, PagedKVCache
+from engine.kv_cache import PagedKVCache
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary
 from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from engine.parallel.sharding import TPShard
+
+if TYPE_CHECKING:  # Triton is imported only where the device path runs
+    from engine.kernels.rope_kv import KVSegments
 
 
 NATIVE_MAX_CHUNK_TOKENS = 8
@@ -90,13 +98,25 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
-class StepSlots:
-    """Where each token of the step stores its K/V, for layers that write before attending."""
+class DeviceStep:
+    """A step on the device path: where its K/V go, and what its decode rows attend over.
 
-    block_ids: torch.Tensor
-    offsets: torch.Tensor
-    fill: BlockFill | None
-    """FP8 pools: the blocks written and their fill, once per step."""
+    The flat batch's first ``num_decodes`` rows are decode tokens (one per sequence); prefill
+    chunks, if any, follow (``AttentionBatch.prefill_chunks``). A replayed CUDA graph's step is
+    a view of static buffers: padding rows write nothing (their KV run's block id is -1).
+    """
+
+    positions: torch.Tensor
+    """``[tokens]`` each token's position in its sequence (RoPE)."""
+    segments: KVSegments
+    """The step's K/V slots as runs of tokens per block (``engine/kernels/rope_kv.py``)."""
+    num_decodes: int
+    block_tables: torch.Tensor
+    """``int32 [num_decodes, width]`` the decode rows' blocks, padded with any valid id."""
+    context_lens: torch.Tensor
+    """``int32 [num_decodes]`` tokens each decode row attends over, its own included."""
+    num_splits: int | None = None
+    """Split-K of the decode kernel; None lets it choose (a graph fixes it at capture)."""
 
 
 @dataclass(frozen=True)
@@ -105,15 +125,17 @@ class AttentionBatch:
 
     kv_cache: PagedKVCache
     rope_cos: torch.Tensor
-    """[num_tokens, 1, head_dim] rotary tables at each token's position."""
+    """[num_tokens, 1, head_dim] rotary tables at each token's position; on the device path the
+    whole float32 table ``[max_positions, head_dim]``, which the RoPE kernel indexes itself."""
     rope_sin: torch.Tensor
     decode_groups: tuple[DecodeGroup, ...]
     prefill_chunks: tuple[PrefillChunk, ...]
     new_k: torch.Tensor | None
     """[num_tokens, num_layers, kv_heads, head_dim] filled by each layer, written to the cache
-    after the step; None where each layer writes its own (``slots``)."""
+    after the step; None on the device path, where each layer writes its own."""
     new_v: torch.Tensor | None
-    slots: StepSlots | None = None
+    device: DeviceStep | None = None
+    """The device path's step (``rope_cos``/``rope_sin`` are then the whole float32 tables)."""
 
 
 class PagedAttention(torch.nn.Module):
@@ -140,6 +162,8 @@ class PagedAttention(torch.nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        if batch.device is not None:
+            return self._forward_device(hidden, batch, batch.device)
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         # q and k are adjacent in the projection: rotate them together as one run of heads.
@@ -149,13 +173,8 @@ class PagedAttention(torch.nn.Module):
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         qk = apply_rotary(qk, batch.rope_cos, batch.rope_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        if batch.slots is None:
-            batch.new_k[:, self.layer_index] = k
-            batch.new_v[:, self.layer_index] = v
-        else:
-            layer = slice(self.layer_index, self.layer_index + 1)
-            slots = batch.slots
-            batch.kv_cache.write(k[:, None], v[:, None], slots.block_ids, slots.offsets, layer, slots.fill)
+        batch.new_k[:, self.layer_index] = k
+        batch.new_v[:, self.layer_index] = v
         if len(batch.decode_groups) == 1 and not batch.prefill_chunks:  # every token in one group: no scatter
             out = self._decode(q, k, v, batch.decode_groups[0], batch.kv_cache)
             return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -167,11 +186,33 @@ class PagedAttention(torch.nn.Module):
             out[span] = self._prefill(q[span], k[span], v[span], chunk, batch.kv_cache)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
-    def _decode(self, q, k, v, group: DecodeGroup, kv_cache: PagedKVCache) -> torch.Tensor:
-        if kv_cache.triton_decode:  # this step's K/V are in the pool already
-            from engine.kernels.paged_attention import paged_decode_attention  # Triton: only where this path runs
+    def _forward_device(self, hidden: torch.Tensor, batch: AttentionBatch, step: DeviceStep) -> torch.Tensor:
+        """The device path: RoPE and the K/V write in one kernel, then attention over the pool in place."""
+        from engine.kernels.paged_attention import paged_decode_attention  # Triton: only where this path runs
+        from engine.kernels.rope_kv import rope_write_kv
 
-            return paged_decode_attention(q, kv_cache.buffer, kv_cache.layout, self.layer_index, group.block_tables, group.context_lens)
+        num_tokens, kv_cache = hidden.shape[0], batch.kv_cache
+        qkv = self.qkv_proj(hidden)
+        if self.q_norm is not None:
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk.copy_(torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1))
+        rope_write_kv(qkv, step.positions, batch.rope_cos, batch.rope_sin, kv_cache.buffer, kv_cache.layout, self.layer_index, step.segments, self.num_heads)
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        decodes = slice(0, step.num_decodes)
+        if not batch.prefill_chunks:
+            out = paged_decode_attention(q, kv_cache.buffer, kv_cache.layout, self.layer_index, step.block_tables, step.context_lens, num_splits=step.num_splits)
+            return self.o_proj(out.view(num_tokens, self.q_size))
+        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        if step.num_decodes:
+            out[decodes] = paged_decode_attention(q[decodes], kv_cache.buffer, kv_cache.layout, self.layer_index, step.block_tables, step.context_lens)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        for chunk in batch.prefill_chunks:
+            span = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[span] = self._prefill(q[span], k[span], v[span], chunk, kv_cache)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+    def _decode(self, q, k, v, group: DecodeGroup, kv_cache: PagedKVCache) -> torch.Tensor:
         if _native(kv_cache, q):
             return cpu_attention.paged_attention(q, k, v, kv_cache.native, self.layer_index, group.sequences)
         keys, values = kv_cache.gather(self.layer_index, group.block_tables)

@@ -23,7 +23,12 @@ class GatedMLP(torch.nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden_size, tp)
         self.down_proj.output_promoted = True  # added to the residual (or weighted, in a shared expert)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """``fused`` (the device path): SiLU-and-multiply in one Triton kernel."""
+        if fused:
+            from engine.kernels.fused_norm import silu_and_mul  # Triton: only where the device path runs
+
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -69,11 +74,11 @@ class SparseMoE(torch.nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), expert_ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         weights, expert_ids = self.route(x)
         out = self.experts(x, weights, expert_ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, fused)
         return out
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,20 @@ class RMSNorm(torch.nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; with no residual yet, ``(norm(x), x)``.
+
+        ``fused`` (the device path): one Triton kernel, the sum stored into ``residual`` in place.
+        """
+        if fused:
+            from engine.kernels.fused_norm import add_rms_norm  # Triton: only where the device path runs
+
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = residual + x
+        return self(x), x
+
+
 def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The C kernel on contiguous float32 ``x`` (any leading shape); the sum of squares is taken in
     double, so the result is within an ulp or two of torch's (not bit for bit: another order)."""

@@ -36,9 +36,13 @@ class DecoderLayer(torch.nn.Module):
         else:
             self.mlp = SparseMoE(config.hidden_size, config.moe, tp, ep)
 
-    def forward(self, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream before it)``: the next layer's norm adds the two, so that on
+        the device path each residual add is fused into the norm after it."""
+        fused = batch.device is not None
+        x, residual = self.input_layernorm.add_forward(hidden, residual, fused)
+        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, batch), residual, fused)
+        return self.mlp(x, fused), residual
 
 
 class DecoderModel(torch.nn.Module):
@@ -93,10 +97,11 @@ class DecoderModel(torch.nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.fused_layers is not None and self.fused_layers.covers(batch, hidden.shape[0]):
             hidden = self.fused_layers.run(hidden, batch)
-        else:
-            for layer in self.layers:
-                hidden = layer(hidden, batch)
-        return self.norm(hidden)
+            return self.norm(hidden)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, batch)
+        return self.norm.add_forward(hidden, residual, batch.device is not None)[0]
 
     def bind_fused_layers(self) -> str | None:
         """Bind the loaded weights for small steps' layers in one C call (``engine/kernels/cpu_decoder.py``);

@@ -36,7 +36,7 @@ def libm_silu(monkeypatch):
     libm = ctypes.CDLL(ctypes.util.find_library("m"))
     libm.expf.restype, libm.expf.argtypes = ctypes.c_float, [ctypes.c_float]
 
-    def forward(self, x):
+    def forward(self, x, fused=False):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         g, u = gate.contiguous().numpy(), up.contiguous().numpy()
         e = np.array([libm.expf(-float(v)) for v in g.ravel()], dtype=np.float32).reshape(g.shape)
@@ -52,9 +52,10 @@ def _fused_checked_against_python(monkeypatch, model: DecoderModel) -> list[dict
 
     def run(self, hidden, batch):
         python_batch = dataclasses.replace(batch, new_k=batch.new_k.clone(), new_v=batch.new_v.clone())
-        expected = hidden.clone()
+        expected, residual = hidden.clone(), None
         for layer in model.layers:
-            expected = layer(expected, python_batch)
+            expected, residual = layer(expected, residual, python_batch)
+        expected = residual + expected
         got = fused_run(self, hidden, batch)
         seen.append({
             "tokens": hidden.shape[0], "groups": len(batch.decode_groups), "chunks": [c.num_tokens for c in batch.prefill_chunks],
@@ -91,7 +92,7 @@ def test_the_engine_runs_small_steps_fused_and_large_ones_in_python(native, monk
     monkeypatch.setattr(cpu_decoder.FusedLayers, "run", lambda self, h, b: fused_tokens.append(h.shape[0]) or fused_run(self, h, b))
     layer_forward = type(model.layers[0]).forward
     monkeypatch.setattr(type(model.layers[0]), "forward",
-                        lambda self, h, b: (python_tokens.append(h.shape[0]) if self is model.layers[0] else None) or layer_forward(self, h, b))
+                        lambda self, h, r, b: (python_tokens.append(h.shape[0]) if self is model.layers[0] else None) or layer_forward(self, h, r, b))
     fused = run_staggered(engine, random_prompts((40, 3, 60)), GREEDY)
     assert fused_tokens and max(fused_tokens) <= cpu_decoder.MAX_ROWS
     assert python_tokens and min(python_tokens) > cpu_decoder.MAX_ROWS  # the 40- and 60-token prefills
