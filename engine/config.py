@@ -37,8 +37,8 @@ class EngineConfig:
     1% more perplexity on SmolLM2). Only weights the C kernel runs take it (native GGUF blocks,
     int8, int4)."""
     device: str = "cpu"
-    """Where the model and the KV pool live: ``cpu``, or ``cuda`` / ``cuda:N`` (dense weights, one
-    rank, no CPU/Redis tiers; decode attention runs the Triton paged kernel on the pool)."""
+    """Where the model and the KV pool live: ``cpu``, or ``cuda`` / ``cuda:N`` (dense weights; the
+    device path: fused Triton kernels, CUDA-graph decode steps, NCCL between ranks, one GPU per rank)."""
     kv_dtype: str = "fp8_e4m3"
     """KV pool storage: fp32, bf16 or fp8_e4m3 (dequantized inside attention)."""
     block_size: int = 16
@@ -164,8 +164,8 @@ class EngineConfig:
             raise ValueError(f"weights: {self.weights!r} with dtype {self.dtype!r} does not run on {self.device} (supported there: {supported})")
         if self.act_planes != 2:
             raise ValueError(f"act_planes: {self.act_planes} sets the quantized CPU kernel, which does not run on {self.device}; leave it at 2")
-        if self.num_ranks > 1 or self.speculative == "draft":
-            raise ValueError(f"device: {self.device} serves one rank without a draft model so far; set tp_size and ep_size to 1 and speculative to off or ngram")
+        if self.speculative == "draft":
+            raise ValueError(f"speculative: 'draft' does not run on {self.device} so far (its draft model is CPU-only); set speculative to off or ngram")
 
 
 @dataclass(frozen=True)

@@ -156,8 +156,8 @@ class DecodeGraphs:
         self.slot_block_ids[start:stop] = -1
         self.block_tables[start:stop] = 0
 
-    def _step(self, bucket: int) -> None:
-        """The captured body: the model over the first ``bucket`` rows, then sampling, into ``tokens``."""
+    def batch(self, bucket: int) -> AttentionBatch:
+        """The attention inputs of a step of ``bucket`` rows: views of the static buffers."""
         step = DeviceStep(
             positions=self.positions[:bucket],
             segments=KVSegments(self.slot_block_ids[:bucket], self._token_starts[:bucket], self.slot_offsets[:bucket], self._ones[:bucket], 1),
@@ -166,8 +166,10 @@ class DecodeGraphs:
             context_lens=self.context_lens[:bucket],
         )
         rotary = self.model.rotary
-        batch = AttentionBatch(self.kv_cache, rotary.cos, rotary.sin, decode_groups=(), prefill_chunks=(), new_k=None, new_v=None, device=step)
-        hidden = self.model(self.input_ids[:bucket], batch)
+        return AttentionBatch(self.kv_cache, rotary.cos, rotary.sin, decode_groups=(), prefill_chunks=(), new_k=None, new_v=None, device=step)
+
+    def _step(self, bucket: int) -> None:
+        """The captured body: the model over the first ``bucket`` rows, then sampling, into ``tokens``."""
+        hidden = self.model(self.input_ids[:bucket], self.batch(bucket))
         logits = self.model.compute_logits(hidden)
         self.tokens[:bucket].copy_(sample_on_device(logits, self.sampling.head(bucket)))
-

@@ -155,6 +155,7 @@ class LLMEngine:
         if fresh is None:
             self.scheduler.add(request)
             return None
+        self.kv_store.synchronize()  # a GPU pool: copies of evicted blocks to the CPU tier finish before a peer writes the blocks
         return RemotePrefill(
             request_id=request_id,
             prompt_token_ids=tuple(request.prompt_token_ids),

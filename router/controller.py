@@ -282,8 +282,11 @@ class ClusterController:
                 group = await placement.reserve(f"a {spec.rank_kind} {spec.tp_size} {spec.pool} replica", wanted, spec.placement_timeout_s, node_id)
                 strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0, placement_group_capture_child_tasks=False)
                 options.update(scheduling_strategy=strategy, num_gpus=spec.tp_rank_gpus)
-            elif node_id is not None:
-                options.update(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+            else:
+                if spec.tp_rank_gpus:  # a replica of one rank on a GPU: without a reservation Ray hides every GPU from it
+                    options.update(num_gpus=spec.tp_rank_gpus)
+                if node_id is not None:
+                    options.update(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
             handle = actor_class.options(
                 name=f"splitserve-{replica_id}", namespace=NAMESPACE, max_concurrency=10_000, max_restarts=0, **options
             ).remote(replica_id, *spec.init_args)

@@ -82,7 +82,10 @@ class ClusterConfig:
         worker = self.prefill if pool == "prefill" else self.worker
         actor_class = PREFILL_WORKER_CLASS if pool == "prefill" else self.decode_worker_class
         kind = "EP" if engine.ep_size > 1 else "TP"
-        return ReplicaSpec(pool, actor_class, (engine, worker), tp_size=engine.num_ranks, rank_kind=kind, tp_rank_cpus=worker.tp_rank_cpus)
+        rank_gpus = 0.0 if engine.device == "cpu" else 1.0  # one GPU per rank on CUDA
+        return ReplicaSpec(
+            pool, actor_class, (engine, worker), tp_size=engine.num_ranks, rank_kind=kind, tp_rank_cpus=worker.tp_rank_cpus, tp_rank_gpus=rank_gpus
+        )
 
     def __post_init__(self) -> None:
         for name in ("prefill_tp_size", "decode_tp_size", "decode_ep_size"):

@@ -45,7 +45,9 @@ class TPFollower:
     def _run(self, address: str, num_threads: int) -> None:
         try:
             torch.set_num_threads(num_threads)
-            group = TPGroup.join(self.rank, self.config.num_ranks, address, collective_timeout_s=self.config.tp_collective_timeout_s)
+            group = TPGroup.join(
+                self.rank, self.config.num_ranks, address, device=self.config.device, gpu_ids=_assigned_gpu_ids(), collective_timeout_s=self.config.tp_collective_timeout_s
+            )
             tp, ep = split_group(self.config, group)
             checkpoint_dir = resolve_model(self.config.model, self.config.cache_dir)
             model_config = ModelConfig.from_dir(checkpoint_dir)
@@ -78,3 +80,10 @@ class TPFollower:
 
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+def _assigned_gpu_ids() -> tuple[str, ...]:
+    """The GPUs Ray gave this actor (none outside Ray, or on CPU); imported here, at the actor's edge."""
+    import ray
+
+    return tuple(str(i) for i in ray.get_gpu_ids()) if ray.is_initialized() else ()

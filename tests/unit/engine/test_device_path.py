@@ -136,7 +136,8 @@ def test_the_device_paths_fp8_pool_holds_what_the_default_path_writes(tiny_llama
         (dict(device="tpu"), "device: 'tpu' is not cpu, cuda or cuda:N"),
         (dict(device="cuda", weights="native"), "weights: 'native' with dtype 'float32' does not run on cuda (supported there: dtype float32: weights fp32; dtype bfloat16: weights bf16)"),
         (dict(device="cuda:1", weights="int4"), "does not run on cuda:1"),
-        (dict(device="cuda", weights="fp32", cpu_kv_cache_bytes=1 << 20), "device: cuda serves one rank without CPU/Redis KV tiers"),
+        (dict(device="cuda", weights="fp32", speculative="draft", draft_model="smollm2-135m"), "speculative: 'draft' does not run on cuda so far"),
+        (dict(device="cuda", weights="fp32", graph_max_batch=0), "graph_max_batch: must be >= 1, got 0"),
     ],
 )
 def test_device_settings_that_cannot_run_are_refused_by_name(overrides, message):
