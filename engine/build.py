@@ -53,6 +53,8 @@ def build_shard(
     if config.device != "cpu" and not torch.cuda.is_available():
         raise ValueError(f"device: {config.device!r}, but torch {torch.__version__} sees no CUDA GPU on this machine")
     device = shard_device(config, tp, ep)
+    if device != "cpu":
+        check_cuda_device(device, torch.cuda.device_count())
     model = DecoderModel.empty(mc, max_model_len, TORCH_DTYPES[config.dtype], tp, ep)
     gguf_path = source_gguf(checkpoint_dir) if config.weights == "native" else None
     if gguf_path is not None:
@@ -69,7 +71,26 @@ def build_shard(
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
     if num_blocks < 1:
         raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} holds no block of {layout.block_bytes} bytes")
+    if device != "cpu":
+        check_pool_fits(device, num_blocks, layout.block_bytes, *torch.cuda.mem_get_info(device))
     return model, PagedKVCache(layout, num_blocks, TORCH_DTYPES[config.dtype], device)
+
+
+def check_cuda_device(device: str, num_gpus: int) -> None:
+    """Refuse ``cuda:N`` where this process sees fewer than N + 1 GPUs."""
+    index = int(device.partition(":")[2] or 0)
+    if index >= num_gpus:
+        raise ValueError(f"device: {device!r} was asked for, but this process sees {num_gpus} CUDA GPU{'s' if num_gpus != 1 else ''} (cuda:0 .. cuda:{num_gpus - 1})")
+
+
+def check_pool_fits(device: str, num_blocks: int, block_bytes: int, free_bytes: int, total_bytes: int) -> None:
+    """Refuse a KV pool larger than the device memory left after the weights."""
+    pool_bytes = num_blocks * block_bytes
+    if pool_bytes > free_bytes:
+        raise ValueError(
+            f"kv_cache_bytes: a KV pool of {num_blocks} blocks ({pool_bytes / 2**30:.2f} GiB) was asked for on {device}, which has "
+            f"{free_bytes / 2**30:.2f} GiB free of {total_bytes / 2**30:.2f} GiB after the weights; lower kv_cache_bytes or num_kv_blocks"
+        )
 
 
 def shard_device(config: EngineConfig, tp: TPGroup, ep: TPGroup | None = None) -> str:

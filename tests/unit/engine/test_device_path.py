@@ -151,3 +151,44 @@ def test_cuda_without_a_gpu_is_refused_at_start_up(tiny_llama_dir):
     with pytest.raises(ValueError, match="device: 'cuda', but torch .* sees no CUDA GPU on this machine"):
         make_engine(tiny_llama_dir, device="cuda", weights="fp32")
 
+
+
+def test_a_gpu_index_this_machine_lacks_is_refused_naming_what_exists():
+    from engine.build import check_cuda_device
+
+    check_cuda_device("cuda:1", 2)
+    with pytest.raises(ValueError, match=r"device: 'cuda:3' was asked for, but this process sees 2 CUDA GPUs \(cuda:0 .. cuda:1\)"):
+        check_cuda_device("cuda:3", 2)
+    with pytest.raises(ValueError, match="device: 'cuda' was asked for, but this process sees 0 CUDA GPUs"):
+        check_cuda_device("cuda", 0)
+
+
+def test_a_pool_larger_than_the_free_device_memory_is_refused_with_both_sizes():
+    from engine.build import check_pool_fits
+
+    check_pool_fits("cuda:0", 1024, 1 << 20, free_bytes=1 << 30, total_bytes=80 << 30)  # exactly fits
+    with pytest.raises(ValueError) as e:
+        check_pool_fits("cuda:0", 1025, 1 << 20, free_bytes=1 << 30, total_bytes=80 << 30)
+    assert str(e.value) == ("kv_cache_bytes: a KV pool of 1025 blocks (1.00 GiB) was asked for on cuda:0, which has 1.00 GiB free "
+                            "of 80.00 GiB after the weights; lower kv_cache_bytes or num_kv_blocks")
+
+
+def test_graph_buckets():
+    from engine.graphs import graph_buckets
+
+    assert graph_buckets(1) == (1,)
+    assert graph_buckets(3) == (1, 2, 3)
+    assert graph_buckets(8) == (1, 2, 4, 8)
+    assert graph_buckets(30) == (1, 2, 4, 8, 16, 24, 30)
+    assert graph_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    with pytest.raises(ValueError, match="max_batch: must be >= 1, got 0"):
+        graph_buckets(0)
+
+
+@on_cpu_only
+def test_capturing_graphs_needs_a_cuda_pool(tiny_llama_dir):
+    engine = _triton_engine(tiny_llama_dir)
+    with pytest.raises(ValueError, match="capture: CUDA graphs need a CUDA pool, this one is on cpu"):
+        engine.runner.use_graphs(4, engine.max_model_len, capture=True)
+    with pytest.raises(ValueError, match="use_graphs: decode graphs run on the device path"):
+        make_engine(tiny_llama_dir).runner.use_graphs(4, 64, capture=False)
