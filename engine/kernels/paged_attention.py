@@ -125,7 +125,7 @@ if triton is not None:
     def _paged_decode_kernel(
         q_ptr, kv_ptr, scale_ptr, block_tables_ptr, context_lens_ptr,
         out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-        qk_scale, block_stride, head_stride, layer_offset, v_offset,
+        stride_q_token, stride_q_head, qk_scale, block_stride, head_stride, layer_offset, v_offset,
         scale_block_stride, scale_head_stride, scale_layer_offset,
         stride_table, num_heads, tokens_per_split, num_splits,
         KV_KIND: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -139,7 +139,8 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM_PAD)
         row_ok = rows < GROUP
         heads = kv_head * GROUP + rows
-        q_offsets = (seq * num_heads + heads)[:, None] * HEAD_DIM + dims[None, :]
+        q_offsets = seq * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
+        out_offsets = (seq * num_heads + heads)[:, None] * HEAD_DIM + dims[None, :]
         row_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
         q = tl.load(q_ptr + q_offsets, mask=row_mask, other=0.0).to(DOT_DTYPE)
 
@@ -173,7 +174,7 @@ if triton is not None:
 
         if not SPLIT:
             out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]  # an empty row: 0 / 1
-            tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+            tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask)
         else:
             part_rows = (seq * num_heads + heads) * num_splits + split
             tl.store(part_acc_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask)
@@ -228,6 +229,9 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Attention of ``q`` (``[batch, num_heads, head_dim]``, one token per sequence) over its context.
 
+    ``q`` may be a strided view (the QKV projection's query heads): it is read in place where
+    its last dim is contiguous. The output is a new contiguous tensor.
+
     ``pool`` is the engine's KV buffer (``uint8 [num_blocks, layout.block_bytes]``);
     ``block_tables[i]`` lists sequence i's blocks (padded with any valid id) and
     ``context_lens[i]`` its tokens in them, the query's own K/V included (their values are
@@ -255,8 +259,8 @@ def paged_decode_attention(
     if not 1 <= num_splits <= max_blocks:
         raise ValueError(f"num_splits: must be in [1, {max_blocks}] (blocks per table), got {num_splits}")
     tokens_per_split = -(-num_tiles // num_splits) * tile
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    q = q if q.stride(2) == 1 else q.contiguous()  # a view of the QKV projection's output is read in place
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)  # unused at 1 split
     part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
@@ -265,7 +269,7 @@ def paged_decode_attention(
     record("paged_decode_attention")
     _paged_decode_kernel[(batch, layout.num_kv_heads, num_splits)](
         q, kv, scales, block_tables, context_lens.to(torch.int32),
-        out, part_acc, part_max, part_sum,
+        out, part_acc, part_max, part_sum, q.stride(0), q.stride(1),
         (sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E, *strides,
         block_tables.stride(0), num_heads, tokens_per_split, num_splits,
         KV_KIND=KV_KINDS[layout.kv_dtype], NATIVE_FP8=has_native_fp8(q) if native_fp8 is None else native_fp8,

@@ -46,7 +46,7 @@ if triton is not None:
     @triton.jit
     def _paged_prefill_kernel(
         q_ptr, kv_ptr, scale_ptr, block_tables_ptr, starts_ptr, query_starts_ptr, out_ptr,
-        qk_scale, block_stride, head_stride, layer_offset, v_offset,
+        stride_q_token, stride_q_head, qk_scale, block_stride, head_stride, layer_offset, v_offset,
         scale_block_stride, scale_head_stride, scale_layer_offset, stride_table, num_heads,
         KV_KIND: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -66,7 +66,9 @@ if triton is not None:
         row_ok = (tokens < query_len) & (member < GROUP)
         # Rows past the chunk's end take its last position, so every row sees key 0 and stays finite.
         positions = start + tl.minimum(tokens, query_len - 1)
-        q_offsets = ((query_begin + tokens) * num_heads + kv_head * GROUP + member)[:, None] * HEAD_DIM + dims[None, :]
+        heads = kv_head * GROUP + member
+        q_offsets = ((query_begin + tokens) * stride_q_token + heads * stride_q_head)[:, None] + dims[None, :]
+        out_offsets = ((query_begin + tokens) * num_heads + heads)[:, None] * HEAD_DIM + dims[None, :]
         row_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
         q = tl.load(q_ptr + q_offsets, mask=row_mask, other=0.0).to(DOT_DTYPE)
 
@@ -99,7 +101,7 @@ if triton is not None:
             running_max = new_max
 
         out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
-        tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 _TILES = {torch.float32: (32, 32)}
@@ -132,8 +134,9 @@ def paged_prefill_attention(
     any valid id, and must cover ``starts[i] + (its length)`` tokens, all of them already
     written to the pool. ``max_query_len`` (a host int, >= every chunk's length) sizes the grid.
     Values are checked on CPU only (on CUDA a check would wait for the device). Query head h
-    reads KV head ``h // (num_heads // kv_heads)``. Returns ``[total_tokens, num_heads,
-    head_dim]`` in ``q``'s dtype, with one kernel launch; CUDA tensors, or CPU under
+    reads KV head ``h // (num_heads // kv_heads)``; ``q`` may be a view whose last dim is
+    contiguous (read in place). Returns ``[total_tokens, num_heads, head_dim]`` (contiguous) in
+    ``q``'s dtype, with one kernel launch; CUDA tensors, or CPU under
     ``TRITON_INTERPRET=1``. ``native_fp8``: as in ``paged_decode_attention``.
     """
     if triton is None:
@@ -146,15 +149,15 @@ def paged_prefill_attention(
     group_pad = triton.next_power_of_2(group)
     block_rows, block_n = _TILES.get(q.dtype, _DEFAULT_TILES)
     block_q = max(1, block_rows // group_pad)
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    q = q if q.stride(2) == 1 else q.contiguous()  # a view of the QKV projection's output is read in place
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if total_tokens == 0 or num_chunks == 0:
         return out
     kv, scales, strides = pool_views(pool, layout, layer)
     dot_dtype, dot_precision = dot_types(q)
     record("paged_prefill_attention")
     _paged_prefill_kernel[(-(-max_query_len // block_q), num_chunks, layout.num_kv_heads)](
-        q, kv, scales, block_tables, starts.to(torch.int32), query_starts.to(torch.int32), out,
+        q, kv, scales, block_tables, starts.to(torch.int32), query_starts.to(torch.int32), out, q.stride(0), q.stride(1),
         (sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E, *strides,
         block_tables.stride(0), num_heads,
         KV_KIND=KV_KINDS[layout.kv_dtype], NATIVE_FP8=has_native_fp8(q) if native_fp8 is None else native_fp8,

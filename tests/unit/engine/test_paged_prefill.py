@@ -115,6 +115,14 @@ def test_an_empty_chunk_between_others_changes_nothing():
     torch.testing.assert_close(got, sdpa_over_gathered(q, cache, 1, tables, chunks=chunks), rtol=TOLERANCE, atol=TOLERANCE)
 
 
+def test_queries_are_read_in_place_from_a_strided_view():
+    cache, tables = filled_cache("bf16", 2)
+    qkv = torch.randn(sum(n for _, n in CHUNKS), 4 + 2 * 2, HEAD_DIM)
+    q = qkv[:, :4]
+    assert not q.is_contiguous()
+    torch.testing.assert_close(kernel(q, cache, 1, tables), kernel(q.contiguous(), cache, 1, tables), rtol=0, atol=0)
+
+
 def test_bfloat16_queries_give_bfloat16_output_near_the_reference():
     cache, tables = filled_cache("fp8_e4m3", 2)
     q = random_queries(sum(n for _, n in CHUNKS), 8).bfloat16()

@@ -142,6 +142,19 @@ def test_a_call_launches_one_kernel_and_one_combine_when_split(num_splits, launc
     assert counted == Counter(launches)
 
 
+def test_queries_are_read_in_place_from_a_strided_view():
+    """q as the engine has it: the query heads of the QKV projection's output, a view with the K/V
+    heads between its rows. The kernel reads it with its strides and writes a contiguous output."""
+    cache, tables = filled_cache("fp8_e4m3", 2)
+    lens = torch.tensor(CONTEXT_LENS, dtype=torch.int32)
+    qkv = torch.randn(len(CONTEXT_LENS), 4 + 2 * 2, HEAD_DIM)
+    q = qkv[:, :4]
+    assert not q.is_contiguous()
+    got = kernel(q, cache, 0, tables, lens, num_splits=2)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, kernel(q.contiguous(), cache, 0, tables, lens, num_splits=2), rtol=0, atol=0)
+
+
 def test_one_token_context_returns_its_value():
     """With a single key the softmax weight is 1: the output is that token's (dequantized) V, per head."""
     cache, tables = filled_cache("fp8_e4m3", 2, context_lens=(1,))
