@@ -31,10 +31,12 @@ step() {  # step NAME SECONDS COMMAND...: run it with a limit, its output append
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"; } >"$out/log.txt" 2>&1
 
-step pytest_gpu 60 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/engine/test_device_path.py
-step kernels 80 python3 -m bench.kernels --device cuda --json "$out/kernels.json"
+step pytest_gpu 120 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/engine/test_device_path.py tests/unit/engine/test_launch_budget.py \
+    tests/unit/engine/test_triton_attention.py tests/unit/engine/test_paged_prefill.py tests/unit/engine/test_fused_norm.py tests/unit/engine/test_rope_kv.py \
+    tests/unit/engine/test_gpu_tiers.py tests/unit/engine/test_parallel_device.py tests/unit/engine/test_device_sampler.py
+step kernels 60 python3 -m bench.kernels --device cuda --json "$out/kernels.json"
 
-step checkpoints 45 python3 - "$files" "$ckpt" <<'EOF'
+step checkpoints 40 python3 - "$files" "$ckpt" <<'EOF'
 import json, shutil, sys
 from pathlib import Path
 
@@ -65,7 +67,7 @@ for name, config in (("smollm2-shapes", smollm2), ("llama8b-shapes", llama8b)):
 EOF
 
 common=(--device cuda --dtype bfloat16 --weights bf16 --kv-dtype fp8_e4m3 --seed 0)
-step engine_smollm2 150 python3 -m bench.engine --model "$ckpt/smollm2-shapes" "${common[@]}" --num-requests 8 --concurrency 1 8 \
+step engine_smollm2 120 python3 -m bench.engine --model "$ckpt/smollm2-shapes" "${common[@]}" --num-requests 8 --concurrency 1 8 \
     --prompt-len 32 512 --output-len 16 64 --probe-len 512 128 --roofline-context 1024 --json "$out/engine_smollm2.json"
 step engine_llama8b 180 python3 -m bench.engine --model "$ckpt/llama8b-shapes" "${common[@]}" --systems splitserve --num-requests 32 \
     --concurrency 1 8 32 --prompt-len 32 256 --output-len 8 32 --probe-len 512 64 --roofline-context 1024 --kv-cache-bytes $((16 << 30)) \

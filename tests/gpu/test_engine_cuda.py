@@ -56,11 +56,29 @@ def test_the_engine_on_cuda_decodes_transformers_tokens(tiny_llama_dir, dtype, w
     assert deficits.mean() <= typical
 
 
-def test_sampled_tokens_on_cuda_are_the_cpu_engines(tiny_llama_dir):
-    """Seeded sampling draws on the CPU from the same probabilities: the GPU engine's sampled
-    tokens are the CPU engine's (fp32, where the two devices' logits agree to ~1e-5)."""
-    params = SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=7, ignore_eos=True)
-    prompts = PROMPTS[:3]
-    on_cpu = run_staggered(make_engine(tiny_llama_dir), prompts, params)
-    on_cuda = run_staggered(make_engine(tiny_llama_dir, device="cuda", weights="fp32"), prompts, params)
-    assert on_cuda == on_cpu
+def test_graphed_decode_steps_give_the_eager_steps_tokens_on_cuda(tiny_llama_dir):
+    """CUDA graphs captured per bucket (1, 2, 4, 8) against the same engine with enforce_eager:
+    greedy and seeded sampled requests give the same tokens (the device sampler runs in both)."""
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignore_eos=True)
+    graphed = make_engine(tiny_llama_dir, device="cuda", weights="fp32", graph_max_batch=8)
+    eager = make_engine(tiny_llama_dir, device="cuda", weights="fp32", enforce_eager=True)
+    assert sorted(graphed.runner.graphs.graphs) == [1, 2, 4, 8] and eager.runner.graphs is None
+    for params in (GREEDY, sampled):
+        assert run_staggered(graphed, PROMPTS, params) == run_staggered(eager, PROMPTS, params)
+    assert graphed.runner.num_graph_steps > 0
+    assert graphed.pool.num_free_blocks == graphed.kv_cache.num_blocks
+
+
+def test_the_device_samplers_hash_is_the_cpus(tiny_llama_dir):
+    from engine.device_sampler import row_keys, uniforms
+
+    seeds, positions = torch.tensor([0, 1, 2**40 + 3]), torch.tensor([0, 5, 7])
+    on_cpu = uniforms(row_keys(seeds, positions), 4096)
+    on_cuda = uniforms(row_keys(seeds.cuda(), positions.cuda()), 4096).cpu()
+    assert torch.equal(on_cuda, on_cpu)
+
+
+def test_a_pool_larger_than_the_gpu_is_refused_at_start_up(tiny_llama_dir):
+    free, total = torch.cuda.mem_get_info()
+    with pytest.raises(ValueError, match=r"kv_cache_bytes: a KV pool of \d+ blocks .* was asked for on cuda, which has .* GiB free of"):
+        make_engine(tiny_llama_dir, device="cuda", weights="fp32", num_kv_blocks=None, kv_cache_bytes=2 * total)
