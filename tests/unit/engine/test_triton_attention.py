@@ -134,6 +134,17 @@ def test_more_splits_than_tiles_leave_the_empty_splits_out():
     torch.testing.assert_close(got, expected, rtol=TOLERANCE, atol=TOLERANCE)
 
 
+def test_the_combine_merges_more_splits_than_it_loads_at_once():
+    """19 splits of 16 tokens: the combine kernel walks them 16 at a time, with a padding row beside."""
+    lens = (300, 0)
+    cache, tables = filled_cache("bf16", 1, context_lens=lens)
+    q = random_queries(2, 2)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    got = kernel(q, cache, 1, tables, lens, num_splits=19, tile_tokens=16)
+    expected = reference_paged_decode_attention(q, cache.buffer, cache.layout, 1, tables, lens)
+    torch.testing.assert_close(got, expected, rtol=TOLERANCE, atol=TOLERANCE)
+
+
 @pytest.mark.parametrize(("num_splits", "launches"), [(1, {"paged_decode_attention": 1}), (2, {"paged_decode_attention": 1, "paged_decode_combine": 1})])
 def test_a_call_launches_one_kernel_and_one_combine_when_split(num_splits, launches):
     cache, tables = filled_cache("fp8_e4m3", 1, context_lens=(20,))
