@@ -23,7 +23,9 @@ contexts gives ``batch * kv_heads`` programs, fewer than the SMs. Each split wri
 With one split the decode kernel normalizes and writes the output itself, one launch in all.
 ``num_splits=None`` picks about four programs per SM from the batch and the table width only,
 so a CUDA-graph bucket (fixed batch and width) always gets the same count; the count is a
-runtime argument, so a new count does not compile the kernel again.
+runtime argument, so a new count does not compile the kernel again. Each row's own context is
+cut into ``num_splits`` shares of whole tiles (in the kernel, from its length), so a short row
+in a graph's table as wide as the longest sequence allowed still spreads over every split.
 
 Dots run in ``q``'s dtype with float32 accumulation (K/V widened to it: exact for FP8 and
 bf16 pools), float32 queries in IEEE float32. Under Triton's interpreter a bfloat16 dot runs
@@ -127,7 +129,7 @@ if triton is not None:
         out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         stride_q_token, stride_q_head, qk_scale, block_stride, head_stride, layer_offset, v_offset,
         scale_block_stride, scale_head_stride, scale_layer_offset,
-        stride_table, num_heads, tokens_per_split, num_splits,
+        stride_table, num_heads, num_splits,
         KV_KIND: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
@@ -145,6 +147,9 @@ if triton is not None:
         q = tl.load(q_ptr + q_offsets, mask=row_mask, other=0.0).to(DOT_DTYPE)
 
         context_len = tl.load(context_lens_ptr + seq)
+        # The splits share this row's context, not the table's width: a CUDA graph's tables are as
+        # wide as the longest sequence allowed, and most of a short row's splits would idle.
+        tokens_per_split = tl.cdiv(tl.cdiv(context_len, TILE), num_splits) * TILE
         first_token = split * tokens_per_split
         end_token = tl.minimum(first_token + tokens_per_split, context_len)
         table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
@@ -258,7 +263,6 @@ def paged_decode_attention(
         num_splits = _auto_num_splits(q, batch * layout.num_kv_heads, min(max_blocks, num_tiles))
     if not 1 <= num_splits <= max_blocks:
         raise ValueError(f"num_splits: must be in [1, {max_blocks}] (blocks per table), got {num_splits}")
-    tokens_per_split = -(-num_tiles // num_splits) * tile
     q = q if q.stride(2) == 1 else q.contiguous()  # a view of the QKV projection's output is read in place
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)  # unused at 1 split
@@ -271,7 +275,7 @@ def paged_decode_attention(
         q, kv, scales, block_tables, context_lens.to(torch.int32),
         out, part_acc, part_max, part_sum, q.stride(0), q.stride(1),
         (sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E, *strides,
-        block_tables.stride(0), num_heads, tokens_per_split, num_splits,
+        block_tables.stride(0), num_heads, num_splits,
         KV_KIND=KV_KINDS[layout.kv_dtype], NATIVE_FP8=has_native_fp8(q) if native_fp8 is None else native_fp8,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, GROUP=group, ROWS=max(_MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_SIZE=layout.block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim), TILE=tile,

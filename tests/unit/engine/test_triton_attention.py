@@ -336,3 +336,17 @@ def test_the_decode_launches_compile_for_hopper_without_spilling(monkeypatch):
     resources = hopper_resources(monkeypatch, calls)
     assert [r["kernel"] for r in resources] == ["_paged_decode_kernel", "_combine_kernel"] + ["_paged_decode_kernel"] * 3
     assert all(r["spill_bytes"] == 0 for r in resources), resources
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_splits_share_each_rows_own_context_in_a_table_wider_than_it(num_splits):
+    """A CUDA graph's tables are as wide as the longest sequence allowed: here 20 blocks for
+    contexts of 1 to 150 tokens. Every split takes a share of its row's context, so the output
+    is the reference's however few of the table's blocks a row fills."""
+    cache, tables = filled_cache("fp8_e4m3", 2)
+    wide = torch.cat([tables, tables[:, :1].expand(-1, NUM_BLOCKS - tables.shape[1])], dim=1)
+    lens = torch.tensor(CONTEXT_LENS, dtype=torch.int32)
+    q = random_queries(len(CONTEXT_LENS), 4)
+    want = reference_paged_decode_attention(q, cache.buffer, cache.layout, 1, wide, lens)
+    got = kernel(q, cache, 1, wide, lens, num_splits=num_splits, tile_tokens=16)
+    torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
