@@ -15,13 +15,14 @@ never wait on it), and each rank's sampled rows are gathered on the leader. A fo
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from engine.device_sampler import SamplingTensors, sample_on_device
 from engine.kv_cache import PagedKVCache
-from engine.layers.attention import AttentionBatch, DecodeGroup, DeviceStep, PrefillChunk
+from engine.layers.attention import AttentionBatch, DecodeGroup, DevicePrefills, DeviceStep, PrefillChunk
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
 from engine.request import Request
@@ -221,25 +222,16 @@ class ModelRunner:
         input_ids, positions, slot_block_ids = self._flat(plan)
         device = self.device
         decodes = plan.decodes
-        width = max((len(c.block_ids) for c in decodes), default=1)
         step = DeviceStep(
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             segments=KVSegments.of_slots(slot_block_ids, [p % self.block_size for p in positions], device),
             num_decodes=len(decodes),
-            block_tables=torch.tensor([c.block_ids + (c.block_ids[0],) * (width - len(c.block_ids)) for c in decodes], dtype=torch.int32, device=device).view(len(decodes), width),
+            block_tables=_padded_tables(decodes, device),
             context_lens=torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32, device=device),
+            prefills=_device_prefills(plan.prefills, device) if plan.prefills else None,
         )
         rotary = self.model.rotary
-        batch = AttentionBatch(
-            kv_cache=self.kv_cache,
-            rope_cos=rotary.cos,
-            rope_sin=rotary.sin,
-            decode_groups=(),
-            prefill_chunks=self._prefill_chunks(plan.prefills, first_token=len(decodes)),
-            new_k=None,
-            new_v=None,
-            device=step,
-        )
+        batch = AttentionBatch(self.kv_cache, rotary.cos, rotary.sin, decode_groups=(), prefill_chunks=(), new_k=None, new_v=None, device=step)
         return torch.tensor(input_ids, dtype=torch.long, device=device), batch
 
     def _flat(self, plan: StepPlan) -> tuple[list[int], list[int], list[int]]:
@@ -286,3 +278,20 @@ class ModelRunner:
             out.append(PrefillChunk(token_start, chunk.num_tokens, chunk.start, table, mask))
             token_start += chunk.num_tokens
         return tuple(out)
+
+
+def _padded_tables(chunks: tuple[PlannedChunk, ...], device: torch.device) -> torch.Tensor:
+    """``int32 [chunks, widest]`` the chunks' block ids, each row padded with its first block."""
+    width = max((len(c.block_ids) for c in chunks), default=1)
+    rows = [c.block_ids + (c.block_ids[0],) * (width - len(c.block_ids)) for c in chunks]
+    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(chunks), width)
+
+
+def _device_prefills(prefills: tuple[PlannedChunk, ...], device: torch.device) -> DevicePrefills:
+    lengths = [c.num_tokens for c in prefills]
+    return DevicePrefills(
+        block_tables=_padded_tables(prefills, device),
+        starts=torch.tensor([c.start for c in prefills], dtype=torch.int32, device=device),
+        query_starts=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device),
+        max_query_len=max(lengths),
+    )

@@ -117,6 +117,21 @@ class DeviceStep:
     """``int32 [num_decodes]`` tokens each decode row attends over, its own included."""
     num_splits: int | None = None
     """Split-K of the decode kernel; None lets it choose (a graph fixes it at capture)."""
+    prefills: DevicePrefills | None = None
+    """The step's prefill chunks (rows after the decodes), attended in one paged prefill call."""
+
+
+@dataclass(frozen=True)
+class DevicePrefills:
+    """Every prefill chunk of a device-path step, as ``paged_prefill_attention`` takes them."""
+
+    block_tables: torch.Tensor
+    """``int32 [chunks, width]`` each chunk's sequence's blocks up to the chunk's end, padded."""
+    starts: torch.Tensor
+    """``int32 [chunks]`` position of each chunk's first token in its sequence."""
+    query_starts: torch.Tensor
+    """``int32 [chunks + 1]`` where each chunk's rows begin among the prefill rows; the last is their count."""
+    max_query_len: int
 
 
 @dataclass(frozen=True)
@@ -199,17 +214,19 @@ class PagedAttention(torch.nn.Module):
         rope_write_kv(qkv, step.positions, batch.rope_cos, batch.rope_sin, kv_cache.buffer, kv_cache.layout, self.layer_index, step.segments, self.num_heads)
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         decodes = slice(0, step.num_decodes)
-        if not batch.prefill_chunks:
+        if step.prefills is None:
             out = paged_decode_attention(q, kv_cache.buffer, kv_cache.layout, self.layer_index, step.block_tables, step.context_lens, num_splits=step.num_splits)
             return self.o_proj(out.view(num_tokens, self.q_size))
-        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        from engine.kernels.paged_prefill import paged_prefill_attention
+
+        prefills = step.prefills
+        out = paged_prefill_attention(
+            q[step.num_decodes :], kv_cache.buffer, kv_cache.layout, self.layer_index,
+            prefills.block_tables, prefills.starts, prefills.query_starts, prefills.max_query_len,
+        )
         if step.num_decodes:
-            out[decodes] = paged_decode_attention(q[decodes], kv_cache.buffer, kv_cache.layout, self.layer_index, step.block_tables, step.context_lens)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        for chunk in batch.prefill_chunks:
-            span = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[span] = self._prefill(q[span], k[span], v[span], chunk, kv_cache)
+            decoded = paged_decode_attention(q[decodes], kv_cache.buffer, kv_cache.layout, self.layer_index, step.block_tables, step.context_lens)
+            out = torch.cat((decoded, out))
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _decode(self, q, k, v, group: DecodeGroup, kv_cache: PagedKVCache) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
+from kv_store.fp8 import dequantize_fp8
 from tests.unit.engine.helpers import make_engine, random_prompts, run_staggered
 
 PROMPTS = random_prompts(lengths=(1, 17, 40))
@@ -111,10 +112,11 @@ def test_the_graphs_pad_rows_without_writing_their_kv(tiny_llama_dir):
 @on_cpu_only
 def test_the_device_paths_fp8_pool_holds_what_the_default_path_writes(tiny_llama_dir):
     """After the same chunked prefills, the FP8 pool that the RoPE+KV kernel wrote layer by layer
-    holds the codes the runner's single write of every layer stores, and scales within float32
-    rounding: the fused norm sums its squares in another order than the CPU's, so K and V may
-    differ in their last bits (tests/unit/engine/test_rope_kv.py checks the write itself byte
-    for byte on the same inputs)."""
+    holds the default path's K/V within FP8 rounding. They differ by design: on the device path
+    a chunk attends over its own K/V as the pool holds it (quantized, as vLLM's paged kernels
+    read it), on the default path over the fresh values, and the fused norm sums its squares in
+    another order; each layer's K/V then differ in their last bits, a few codes by a step.
+    (tests/unit/engine/test_rope_kv.py checks the write itself byte for byte.)"""
     settings = dict(kv_dtype="fp8_e4m3", max_num_batched_tokens=16)
     engines = [make_engine(tiny_llama_dir, **settings), _triton_engine(tiny_llama_dir, **settings)]
     for engine in engines:
@@ -125,9 +127,11 @@ def test_the_device_paths_fp8_pool_holds_what_the_default_path_writes(tiny_llama
     default, device = (e.kv_cache for e in engines)
     assert default.buffer.any()
     payload = slice(0, default.layout.payload_bytes)
-    num_codes_apart = int((default.buffer[:, payload] != device.buffer[:, payload]).sum())
-    assert num_codes_apart <= default.buffer[:, payload].numel() // 1000
-    torch.testing.assert_close(device.scales, default.scales, rtol=1e-5, atol=0)
+    a, b = (dequantize_fp8(c.payload, c.scales) for c in (default, device))
+    amax = a.abs().amax(dim=(-2, -1), keepdim=True)
+    error = (a - b).abs() / amax.clamp_min(1e-30)  # per (block, head, layer, K/V), relative to its largest value
+    assert error.max() <= 0.15  # at most about two e4m3 steps at the top of the range (32 / 448 each)
+    assert error.mean() <= 1e-3
 
 
 @pytest.mark.parametrize(
