@@ -12,6 +12,10 @@
   ``kernels_only``, the same kernels called layer by layer from Python; ``torch``, every torch
   path. Alternating makes it a paired comparison, robust on a shared box.
 
+- ``device_path``: what one decode layer launches on the device path (``engine/device_path.py``:
+  torch kernels plus Triton launches, the matmuls apart), counted in Triton's interpreter in a
+  subprocess (``TRITON_INTERPRET=1`` must be set before Triton is imported).
+
 **CUDA** (``bench/kernels_gpu.py``): the Triton paged decode kernel's KV bytes per second
 against the HBM peak, a measured device copy and torch gather + SDPA; the paged prefill kernel
 against SDPA over gathered blocks; dense against 2:4 bf16 linears. ``--device cuda`` without a
@@ -20,7 +24,11 @@ GPU exits 2 saying so.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -149,6 +157,36 @@ def decode_step_rows(model: str, kv_dtype: str, concurrency: list[int], prompt_l
         kernels.set("native")
 
 
+def count_device_path(model: str, kv_dtype: str) -> dict:
+    """One decode layer's launches on the device path, unsplit and split (run where Triton interprets)."""
+    from engine.config import EngineConfig
+    from engine.device_path import count_decode_layer_launches
+    from engine.graphs import DecodeGraphs
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=model, weights="fp32", kv_dtype=kv_dtype, num_kv_blocks=16))
+    engine.kv_cache.triton_decode = True
+    graphs = DecodeGraphs(engine.runner.model, engine.kv_cache, 1, 4)
+    whole, split = (count_decode_layer_launches(graphs, 1, num_splits=n) for n in (1, 2))
+    return {
+        "launches_per_decode_layer": whole.num_launches,
+        "launches_per_decode_layer_split_k": split.num_launches,
+        "triton": whole.triton,
+        "torch_ops": whole.torch_ops,
+        "gemms": sum(whole.gemms.values()),
+    }
+
+
+def device_path_report(model: str, kv_dtype: str) -> dict:
+    progress("kernels", "device path: one decode layer's launches, in Triton's interpreter")
+    code = "import json, sys; from bench.kernels import count_device_path; print(json.dumps(count_device_path(sys.argv[1], sys.argv[2])))"
+    done = subprocess.run([sys.executable, "-c", code, model, kv_dtype], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise BenchError(f"counting the device path's launches failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def cpu_report(args) -> dict:
     from engine.quant import native
 
@@ -160,6 +198,7 @@ def cpu_report(args) -> dict:
     report["matmul"] = matmul_rows(args.threads, args.rows, args.repeats)
     torch.set_num_threads(max(args.threads))
     report["decode_steps"] = decode_step_rows(args.model, args.kv_dtype, args.concurrency, args.prompt_len, args.tokens)
+    report["device_path"] = device_path_report(args.model, args.kv_dtype)
     return report
 
 

@@ -28,6 +28,10 @@ def test_the_cpu_report_times_each_matmul_peer_and_both_engines_on_the_same_step
     assert [(r["concurrency"], r["steps"]) for r in report["decode_steps"]] == [(1, 5), (2, 5)]  # tokens after the first
     assert all(r[f"{mode}_ms_per_step"] > 0 for r in report["decode_steps"] for mode in ("native", "kernels_only", "torch"))
     assert native.NATIVE_QMATMUL and cpu_attention.NATIVE_ATTENTION and norm.NATIVE_NORM  # switched back on
+    assert report["device_path"] == {
+        "launches_per_decode_layer": 5, "launches_per_decode_layer_split_k": 6, "gemms": 4, "torch_ops": {},
+        "triton": {"add_rms_norm": 2, "rope_write_kv": 1, "paged_decode_attention": 1, "silu_and_mul": 1},
+    }
 
 
 def test_kernels_that_are_not_built_are_named_and_nothing_is_measured(monkeypatch, capsys):
