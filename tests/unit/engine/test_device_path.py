@@ -196,3 +196,26 @@ def test_capturing_graphs_needs_a_cuda_pool(tiny_llama_dir):
         engine.runner.use_graphs(4, engine.max_model_len, capture=True)
     with pytest.raises(ValueError, match="use_graphs: decode graphs run on the device path"):
         make_engine(tiny_llama_dir).runner.use_graphs(4, 64, capture=False)
+
+
+@on_cpu_only
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "llama-tied", "qwen2-moe"])
+def test_every_architecture_decodes_the_default_paths_tokens_on_the_graphed_device_path(tiny_checkpoint, name):
+    """Per-head q/k norm (Qwen3), QKV bias (Qwen2), tied embeddings, a sparse MoE with a shared
+    expert: the device path's fused kernels around each give the default path's greedy tokens."""
+    model_dir = tiny_checkpoint(name)
+    prompts = PROMPTS[:2]
+    expected = run_staggered(make_engine(model_dir), prompts, FEW)
+    engine = _triton_engine(model_dir, graphs=True)
+    assert run_staggered(engine, prompts, FEW) == expected
+    assert engine.runner.num_graph_steps > 0
+
+
+@on_cpu_only
+def test_ngram_speculation_verifies_its_drafts_on_the_device_path(tiny_llama_dir):
+    """Verify chunks (1 + k tokens, k + 1 sampled rows) run eagerly through the paged prefill
+    kernel; the tokens are the plain greedy ones."""
+    prompt = [[7, 8, 9, 10, 11] * 8]
+    expected = run_staggered(make_engine(tiny_llama_dir), prompt, FEW)
+    engine = _triton_engine(tiny_llama_dir, graphs=True, speculative="ngram")
+    assert run_staggered(engine, prompt, FEW) == expected
