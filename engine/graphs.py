@@ -12,7 +12,7 @@ of the smallest bucket that holds it. The model does not know whether it is bein
     row        0 .. n-1                 n .. bucket-1 (padding)        bucket .. max-1
     input_ids  the sequences' tokens    0                              (not read)
     slots      their (block, offset)    block -1: the KV write skips   (not read)
-    tables     their block tables       block 0, context length 1      (not read)
+    tables     their block tables       context length 0: reads no KV  (not read)
     sampling   their parameters         greedy                         (not read)
     tokens     sampled here ─────────── discarded
 
@@ -152,7 +152,7 @@ class DecodeGraphs:
             return
         self.input_ids[start:stop] = 0
         self.positions[start:stop] = 0
-        self.context_lens[start:stop] = 1
+        self.context_lens[start:stop] = 0
         self.slot_block_ids[start:stop] = -1
         self.block_tables[start:stop] = 0
 

@@ -84,7 +84,7 @@ def test_a_batch_above_the_largest_bucket_runs_eagerly_and_says_so_once(tiny_lla
 @on_cpu_only
 def test_the_graphs_pad_rows_without_writing_their_kv(tiny_llama_dir):
     """A decode step of one sequence run in bucket 1 and padded into bucket 4 (three rows of
-    padding, which read block 0 and write nothing): the same token, the same pool up to the last
+    padding, which read and write no KV): the same token, the same pool up to the last
     bits that a 4-row matmul sums in another order than a 1-row one, and no block but the
     sequence's own touched."""
     from engine.graphs import DecodeGraphs
