@@ -29,7 +29,7 @@ import logging
 import torch
 
 from engine.device_sampler import SamplingTensors, sample_on_device
-from engine.kernels.rope_kv import KVSegments
+from engine.kernels.kv_segments import KVSegments
 from engine.kv_cache import PagedKVCache
 from engine.layers.attention import AttentionBatch, DeviceStep
 from engine.models.decoder import DecoderModel

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.device_sampler import SamplingTensors, sample_on_device
+from engine.kernels.kv_segments import KVSegments
 from engine.kv_cache import PagedKVCache
 from engine.layers.attention import AttentionBatch, DecodeGroup, DevicePrefills, DeviceStep, PrefillChunk
 from engine.models.decoder import DecoderModel
@@ -217,8 +218,6 @@ class ModelRunner:
 
     def _device_batch(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionBatch]:
         """The device path's eager step: each layer writes its K/V into the pool before attending."""
-        from engine.kernels.rope_kv import KVSegments  # Triton: only where the device path runs
-
         input_ids, positions, slot_block_ids = self._flat(plan)
         device = self.device
         decodes = plan.decodes

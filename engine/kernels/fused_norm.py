@@ -15,12 +15,11 @@ kernels must give the same bits in both.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from engine.kernels import launches
+from engine.kernels.triton_common import check_device
 
 try:
     import triton
@@ -32,8 +31,6 @@ except ImportError:  # the serving image runs without Triton; only the kernels n
 _DTYPES = (torch.float32, torch.bfloat16)
 _SILU_BLOCK = 1024
 """Columns of the output one SiLU-and-mul program takes (at most)."""
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-"""Triton runs kernels in its interpreter when this is set before Triton is first imported (tests/conftest.py does so without CUDA)."""
 
 if triton is not None:
 
@@ -153,15 +150,6 @@ def reference_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu_and_mul`` in torch ops."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def check_device(kernel: str, tensor: torch.Tensor) -> None:
-    """Refuses a CPU tensor unless Triton interprets kernels (``TRITON_INTERPRET=1``)."""
-    if tensor.device.type != "cuda" and not INTERPRETED:
-        raise RuntimeError(
-            f"{kernel} runs on CUDA tensors, or on CPU when TRITON_INTERPRET=1 was set before "
-            f"Triton was first imported; the input is on {tensor.device}"
-        )
 
 
 def _require_triton(kernel: str) -> None:

@@ -28,8 +28,8 @@ cut into ``num_splits`` shares of whole tiles (in the kernel, from its length), 
 in a graph's table as wide as the longest sequence allowed still spreads over every split.
 
 Dots run in ``q``'s dtype with float32 accumulation (K/V widened to it: exact for FP8 and
-bf16 pools), float32 queries in IEEE float32. Under Triton's interpreter a bfloat16 dot runs
-in float32 instead: the interpreter (3.x) multiplies bfloat16 operands as their integer bits.
+bf16 pools), float32 queries in IEEE float32 (``paged_kv.dot_types``). Reading the pool
+(``load_kv_tile``, ``pool_views``, the checks) is in ``paged_kv.py``, shared with the prefill kernel.
 
 ``reference_paged_decode_attention`` is the torch reference: it decodes the same bytes with
 torch's own casts and calls SDPA per sequence, sharing no code with the kernel or with
@@ -40,12 +40,15 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
 from engine.kernels.launches import record
+from engine.kernels.paged_kv import (
+    KV_KINDS, LOG2E, MIN_DOT, check_pool, dequantized_layer, dot_types, has_native_fp8, head_dim_pad, pool_views,
+)
+from engine.kernels.triton_common import check_device
 from kv_store.layout import KVBlockLayout
 
 try:
@@ -54,10 +57,6 @@ try:
 except ImportError:  # the serving image runs without Triton; only the kernel needs it
     triton = None
 
-KV_KINDS = {"fp32": 0, "bf16": 1, "fp8_e4m3": 2}
-"""The pool's storage as the kernels' ``KV_KIND`` constant."""
-_STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
-_KV_POINTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.uint8}
 _PROGRAMS_PER_SM = 4
 _TILE_BYTES = 8192
 """K bytes a decode program gathers per iteration (as many of V): 64 FP8 or 32 bf16 tokens at head_dim 128."""
@@ -65,63 +64,10 @@ _DECODE_STAGES = 5
 """Software-pipelining depth. The K/V loads wait on the block-id load before them, so Triton
 3.9 gives them double buffers (the next tile in flight while this one is used) only from 5
 stages; at 2-4 their single buffer is waited for right after it is issued (sm_90 TTGIR)."""
-_MIN_DOT = 16
 _COMBINE_SPLITS = 16
-LOG2E = 1.4426950408889634
-"""The kernels' softmax runs in base 2: scores are scaled by ``sm_scale * LOG2E``."""
-_FLOAT32_FROM_E4M3_MASK = tl.constexpr(0x87F00000 - (1 << 32)) if triton is not None else None
-_REBIAS = tl.constexpr(2.0**120) if triton is not None else None
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-"""Triton runs kernels in its interpreter when this is set before Triton is first imported (tests/conftest.py does so without CUDA)."""
 
 if triton is not None:
-
-    @triton.jit
-    def _widen(raw, KV_KIND: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
-        """Stored K/V values as DOT_DTYPE; FP8 stays unscaled (the caller folds the scale in).
-
-        Without a hardware e4m3 conversion (before sm_89) the code's bits are moved into a
-        float32 as kv_store/fp8.py does on CPU: exact, a shift, a mask and a multiply.
-        """
-        if KV_KIND != 2:
-            values = raw.to(DOT_DTYPE)
-        elif NATIVE_FP8:
-            values = raw.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
-        else:
-            bits = (raw.to(tl.int8, bitcast=True).to(tl.int32) << 20) & _FLOAT32_FROM_E4M3_MASK
-            values = (bits.to(tl.float32, bitcast=True) * _REBIAS).to(DOT_DTYPE)
-        return values
-
-    @triton.jit
-    def load_kv_tile(
-        kv_ptr, scale_ptr, table_row_ptr, tokens, token_ok,
-        kv_offset, v_offset, block_stride, scale_block_stride, scale_offset,
-        KV_KIND: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    ):
-        """K and V of ``tokens`` (positions ``[TILE]`` of one sequence) for one KV head and layer.
-
-        Returns ``(k, v, k_scale, v_scale)``: ``k``, ``v`` as ``[TILE, HEAD_DIM_PAD]`` in
-        DOT_DTYPE, FP8 codes unscaled; the scales ``[TILE]``, each token's block's (1 for
-        unscaled pools). Tokens outside ``token_ok`` read nothing and come out as zeros.
-        Offsets are in elements of ``kv_ptr``'s type (``scale_*`` in float32s) so that each
-        row of ``head_dim`` values is one contiguous, vectorizable load.
-        """
-        dims = tl.arange(0, HEAD_DIM_PAD)
-        block_ids = tl.load(table_row_ptr + tokens // BLOCK_SIZE, mask=token_ok, other=0).to(tl.int64)
-        rows = block_ids * block_stride + kv_offset + (tokens % BLOCK_SIZE) * HEAD_DIM
-        ptrs = kv_ptr + rows[:, None] + dims[None, :]
-        mask = token_ok[:, None] & (dims < HEAD_DIM)[None, :]
-        k = _widen(tl.load(ptrs, mask=mask, other=0), KV_KIND, NATIVE_FP8, DOT_DTYPE)
-        v = _widen(tl.load(ptrs + v_offset, mask=mask, other=0), KV_KIND, NATIVE_FP8, DOT_DTYPE)
-        if KV_KIND == 2:
-            scale_ptrs = scale_ptr + block_ids * scale_block_stride + scale_offset
-            k_scale = tl.load(scale_ptrs, mask=token_ok, other=0.0)
-            v_scale = tl.load(scale_ptrs + 1, mask=token_ok, other=0.0)
-        else:
-            k_scale = token_ok.to(tl.float32)
-            v_scale = k_scale
-        return k, v, k_scale, v_scale
+    from engine.kernels.paged_kv import load_kv_tile
 
     @triton.jit
     def _paged_decode_kernel(
@@ -253,7 +199,7 @@ def paged_decode_attention(
     if triton is None:
         raise RuntimeError("paged_decode_attention needs Triton (pip install the test extras, or triton on a GPU host)")
     _check_inputs(q, pool, layout, layer, block_tables, context_lens)
-    check_device(q, "paged_decode_attention")
+    check_device("paged_decode_attention", q)
     batch, num_heads, head_dim = q.shape
     group = num_heads // layout.num_kv_heads
     max_blocks = block_tables.shape[1]
@@ -277,7 +223,7 @@ def paged_decode_attention(
         (sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E, *strides,
         block_tables.stride(0), num_heads, num_splits,
         KV_KIND=KV_KINDS[layout.kv_dtype], NATIVE_FP8=has_native_fp8(q) if native_fp8 is None else native_fp8,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, GROUP=group, ROWS=max(_MIN_DOT, triton.next_power_of_2(group)),
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, GROUP=group, ROWS=max(MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_SIZE=layout.block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim), TILE=tile,
         SPLIT=num_splits > 1, num_warps=4, num_stages=_DECODE_STAGES,
     )
@@ -290,32 +236,6 @@ def paged_decode_attention(
     return out
 
 
-def pool_views(pool: torch.Tensor, layout: KVBlockLayout, layer: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
-    """The pool as the kernels read it: ``(kv, scales, strides)``.
-
-    ``kv`` views the bytes as the storage's element (uint8 codes for FP8), ``scales`` as
-    float32; ``strides`` are ``load_kv_tile``'s offsets in those units: per block, per KV head,
-    ``layer``'s K, K to V; then the scales' per block, per KV head, ``layer``'s K scale.
-    """
-    element = layout.element_bytes
-    tile_elements = layout.block_size * layout.head_dim
-    kv = pool.view(_KV_POINTER_DTYPES[layout.kv_dtype])
-    strides = (
-        layout.block_bytes // element, layout.head_bytes // element, layer * 2 * tile_elements, tile_elements,
-        layout.block_bytes // 4, layout.num_layers * 2, layout.scales_offset // 4 + layer * 2,
-    )
-    return kv, pool.view(torch.float32), strides
-
-
-def dot_types(q: torch.Tensor) -> tuple:
-    """``(DOT_DTYPE, DOT_PRECISION)`` for queries ``q``: its own dtype, float32 in IEEE (module docstring)."""
-    if q.dtype == torch.float16:
-        return tl.float16, "tf32"
-    if q.dtype == torch.bfloat16 and not INTERPRETED:
-        return tl.bfloat16, "tf32"
-    return tl.float32, "ieee"
-
-
 def _tile_tokens(q: torch.Tensor, layout: KVBlockLayout, tile_tokens: int | None) -> int:
     """``tile_tokens`` checked, or ``_TILE_BYTES`` of K, between 16 and 128 tokens.
 
@@ -324,16 +244,11 @@ def _tile_tokens(q: torch.Tensor, layout: KVBlockLayout, tile_tokens: int | None
     ~500 bytes even at 16 tokens; fine for tests, and the engine's queries are 16-bit).
     """
     if tile_tokens is not None:
-        if tile_tokens < _MIN_DOT or tile_tokens & (tile_tokens - 1):
-            raise ValueError(f"tile_tokens: must be a power of two >= {_MIN_DOT}, got {tile_tokens}")
+        if tile_tokens < MIN_DOT or tile_tokens & (tile_tokens - 1):
+            raise ValueError(f"tile_tokens: must be a power of two >= {MIN_DOT}, got {tile_tokens}")
         return tile_tokens
     element_bytes = 4 if q.dtype == torch.float32 else layout.element_bytes
-    return max(_MIN_DOT, min(128, _TILE_BYTES // (head_dim_pad(layout.head_dim) * element_bytes)))
-
-
-def head_dim_pad(head_dim: int) -> int:
-    """The kernels' ``HEAD_DIM_PAD``: a power of two, at least a dot's 16."""
-    return max(_MIN_DOT, triton.next_power_of_2(head_dim))
+    return max(MIN_DOT, min(128, _TILE_BYTES // (head_dim_pad(layout.head_dim) * element_bytes)))
 
 
 def _auto_num_splits(q: torch.Tensor, num_programs: int, max_splits: int) -> int:
@@ -347,28 +262,6 @@ def _auto_num_splits(q: torch.Tensor, num_programs: int, max_splits: int) -> int
 @functools.cache
 def _multi_processor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def has_native_fp8(q: torch.Tensor) -> bool:
-    """Whether the device converts e4m3 in hardware (sm_89 and later; the interpreter emulates it)."""
-    return q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) >= (8, 9)
-
-
-def check_device(q: torch.Tensor, caller: str) -> None:
-    """Refuse a CPU ``q`` unless Triton's interpreter is on."""
-    if q.device.type != "cuda" and not INTERPRETED:
-        raise RuntimeError(
-            f"{caller} runs on CUDA tensors, or on CPU when TRITON_INTERPRET=1 was set before "
-            f"Triton was first imported; q is on {q.device}"
-        )
-
-
-def check_pool(pool: torch.Tensor, layout: KVBlockLayout, layer: int) -> None:
-    """The checks every paged kernel makes of its pool, layout and layer."""
-    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != layout.block_bytes or not pool.is_contiguous():
-        raise ValueError(f"pool: expected contiguous uint8 [num_blocks, {layout.block_bytes}], got {pool.dtype} {list(pool.shape)}")
-    if not 0 <= layer < layout.num_layers:
-        raise ValueError(f"layer: {layer} outside [0, {layout.num_layers})")
 
 
 def _check_inputs(q, pool, layout: KVBlockLayout, layer: int, block_tables, context_lens) -> None:
@@ -424,19 +317,3 @@ def reference_paged_decode_attention(
         query = q[row].float().unsqueeze(1)  # [num_heads, 1, head_dim]
         outs.append(F.scaled_dot_product_attention(query, k, v, scale=sm_scale).squeeze(1))
     return torch.stack(outs).to(q.dtype)
-
-
-def dequantized_layer(blocks: torch.Tensor, layout: KVBlockLayout, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of ``layer`` from whole blocks (``uint8 [n, block_bytes]``) as float32 ``[kv_heads, n * block_size, head_dim]``.
-
-    Reference code (torch's casts), shared by the decode and prefill references, never by a kernel.
-    """
-    n = blocks.shape[0]
-    payload = blocks[:, : layout.payload_bytes].contiguous().view(_STORAGE_DTYPES[layout.kv_dtype])
-    values = payload.view(n, *layout.payload_shape)[:, :, layer].float()  # [n, kv_heads, 2, block_size, head_dim]
-    if layout.has_scales:
-        trailer = blocks[:, layout.scales_offset : layout.scales_offset + layout.scale_bytes].contiguous()
-        scales = trailer.view(torch.float32).view(n, *layout.scale_shape)[:, :, layer]  # [n, kv_heads, 2]
-        values = values * scales[..., None, None]
-    per_head = values.permute(1, 2, 0, 3, 4).reshape(layout.num_kv_heads, 2, n * layout.block_size, layout.head_dim)
-    return per_head[:, 0], per_head[:, 1]

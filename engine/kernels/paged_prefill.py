@@ -15,11 +15,12 @@ Grid ``(query tile, chunk, KV head)``, flash-attention style. A program takes ``
 consecutive query tokens times the ``GROUP`` query heads that share its KV head as one
 ``[BLOCK_Q * GROUP_PAD, head_dim]`` tile (row ``r`` is token ``r // GROUP_PAD``, head
 ``r % GROUP_PAD``), so each K/V element is read once for the whole group, and walks the keys
-``0 .. (its last query's position)`` in tiles of ``BLOCK_N`` gathered from the pool with the
-decode kernel's ``load_kv_tile``: online softmax, FP8 scales folded into the scores (K) and the
-softmax weights (V), causal mask in absolute positions (key ``j`` is seen by the query at
-position ``p`` iff ``j <= p``). Query tiles past a chunk's end read nothing and write nothing.
-The grid is sized by ``max_query_len``, a host integer, so a call never waits for the device.
+``0 .. (its last query's position)`` in tiles of ``BLOCK_N`` gathered from the pool with
+``paged_kv.load_kv_tile``, as the decode kernel does: online softmax, FP8 scales folded into
+the scores (K) and the softmax weights (V), causal mask in absolute positions (key ``j`` is
+seen by the query at position ``p`` iff ``j <= p``). Query tiles past a chunk's end read
+nothing and write nothing. The grid is sized by ``max_query_len``, a host integer, so a call
+never waits for the device.
 
 ``reference_paged_prefill_attention`` is the torch reference: blocks decoded with torch's own
 casts, one SDPA per chunk with an explicit mask, sharing no code with the kernel.
@@ -33,15 +34,20 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.launches import record
-from engine.kernels.paged_attention import (
-    KV_KINDS, LOG2E, check_device, check_pool, dequantized_layer, dot_types, has_native_fp8, head_dim_pad, pool_views, triton,
+from engine.kernels.paged_kv import (
+    KV_KINDS, LOG2E, check_pool, dequantized_layer, dot_types, has_native_fp8, head_dim_pad, pool_views,
 )
+from engine.kernels.triton_common import check_device
 from kv_store.layout import KVBlockLayout
 
-if triton is not None:
+try:
+    import triton
     import triton.language as tl
+except ImportError:  # the serving image runs without Triton; only the kernel needs it
+    triton = None
 
-    from engine.kernels.paged_attention import load_kv_tile
+if triton is not None:
+    from engine.kernels.paged_kv import load_kv_tile
 
     @triton.jit
     def _paged_prefill_kernel(
@@ -142,7 +148,7 @@ def paged_prefill_attention(
     if triton is None:
         raise RuntimeError("paged_prefill_attention needs Triton (pip install the test extras, or triton on a GPU host)")
     _check_inputs(q, pool, layout, layer, block_tables, starts, query_starts, max_query_len)
-    check_device(q, "paged_prefill_attention")
+    check_device("paged_prefill_attention", q)
     total_tokens, num_heads, head_dim = q.shape
     num_chunks = starts.shape[0]
     group = num_heads // layout.num_kv_heads

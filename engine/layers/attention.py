@@ -42,7 +42,7 @@ from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from engine.parallel.sharding import TPShard
 
 if TYPE_CHECKING:  # Triton is imported only where the device path runs
-    from engine.kernels.rope_kv import KVSegments
+    from engine.kernels.kv_segments import KVSegments
 
 
 NATIVE_MAX_CHUNK_TOKENS = 8

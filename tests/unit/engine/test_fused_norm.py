@@ -5,19 +5,15 @@ On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_IN
 CUDA host they compile and run on the GPU.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import fused_norm
 from engine.kernels.fused_norm import add_rms_norm, reference_add_rms_norm, reference_silu_and_mul, silu_and_mul
 from engine.kernels.launches import LaunchCounter
 from engine.layers.norm import RMSNorm
+from tests.triton_compile import Launch, compile_for_sm90
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
@@ -133,37 +129,19 @@ def test_bad_inputs_are_refused_by_name():
         silu_and_mul(rows(2, 100, torch.float16, 8))
 
 
-SM90_COMPILE = """
-import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from engine.kernels import fused_norm
-
-compiled = {}
-for dtype in ("fp32", "bf16"):
-    variants = {
-        "add_rms_norm": (fused_norm._add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BF16=dtype == "bf16", BLOCK=1024)),
-        "silu_and_mul": (fused_norm._silu_and_mul_kernel, dict(BF16=dtype == "bf16", PRECISE_EXP=True, BLOCK=1024)),
-    }
-    for name, (kernel, constexprs) in variants.items():
-        scalars = {"eps": "fp32", "hidden": "i32", "intermediate": "i32"}
-        signature = {arg: "constexpr" if arg in constexprs else scalars.get(arg, "*" + dtype) for arg in kernel.arg_names}
-        ptx = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-        compiled[name + " " + dtype] = ".entry" in ptx
-print(json.dumps(compiled))
-"""
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above compile and run the kernels")
 def test_kernels_compile_for_sm90():
     """The interpreter runs the kernels' Python, not Triton's compiler, and never takes the GPU's
-    ``libdevice.exp`` branch: compile both kernels to PTX for an H100 (no GPU needed)."""
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[3]
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.splitlines()[-1]) == {
-        "add_rms_norm fp32": True, "silu_and_mul fp32": True, "add_rms_norm bf16": True, "silu_and_mul bf16": True
-    }
+    ``libdevice.exp`` branch: compile both kernels for an H100 (no GPU needed)."""
+    launches = []
+    for dtype in ("fp32", "bf16"):
+        variants = {
+            "_add_rms_norm_kernel": dict(HAS_RESIDUAL=True, BF16=dtype == "bf16", BLOCK=1024),
+            "_silu_and_mul_kernel": dict(BF16=dtype == "bf16", PRECISE_EXP=True, BLOCK=1024),
+        }
+        for name, constexprs in variants.items():
+            scalars = {"eps": "fp32", "hidden": "i32", "intermediate": "i32"}
+            arg_names = [arg for arg in getattr(fused_norm, name).arg_names if arg not in constexprs]
+            launches.append(Launch(fused_norm.__name__, name, {arg: scalars.get(arg, "*" + dtype) for arg in arg_names}, constexprs))
+    compiled = compile_for_sm90(launches)
+    assert [c.kernel for c in compiled] == ["_add_rms_norm_kernel", "_silu_and_mul_kernel"] * 2

@@ -15,7 +15,7 @@ from engine.kernels.launches import LaunchCounter
 from engine.kernels.paged_prefill import paged_prefill_attention, reference_paged_prefill_attention
 from engine.kv_cache import PagedKVCache
 from kv_store.layout import KVBlockLayout
-from tests.unit.engine.test_triton_attention import empty_pool, hopper_resources
+from tests.triton_compile import empty_pool, hopper_resources
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_SIZE = 16
@@ -187,5 +187,5 @@ def test_the_prefill_launches_compile_for_hopper_without_spilling(monkeypatch):
         paged_prefill_attention(q, fp32, fp32_layout, 1, tables, starts, query_starts, max_len)  # float32: IEEE dots
 
     resources = hopper_resources(monkeypatch, calls)
-    assert [r["kernel"] for r in resources] == ["_paged_prefill_kernel"] * 3
-    assert all(r["spill_bytes"] == 0 for r in resources), resources
+    assert [r.kernel for r in resources] == ["_paged_prefill_kernel"] * 3
+    assert all(r.spill_bytes == 0 for r in resources), resources

@@ -5,22 +5,20 @@ On CPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_IN
 CUDA host it compiles and runs on the GPU.
 """
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
+from engine.kernels import rope_kv
+from engine.kernels.kv_segments import KVSegments
 from engine.kernels.launches import LaunchCounter
-from engine.kernels.rope_kv import KVSegments, reference_rope_write_kv, rope_write_kv
+from engine.kernels.rope_kv import reference_rope_write_kv, rope_write_kv
 from engine.kv_cache import BlockFill, PagedKVCache
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.model_config import RopeConfig
 from kv_store.layout import KVBlockLayout
+from tests.triton_compile import Launch, compile_for_sm90
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_LAYERS = 2
@@ -222,38 +220,24 @@ def test_bad_inputs_are_refused_by_name():
     assert torch.count_nonzero(pool) == 0
 
 
-SM90_COMPILE = """
-import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from engine.kernels import rope_kv
-
-kernel = rope_kv._rope_write_kv_kernel
-pointers = {"positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pool_ptr": "*u8", "block_ids_ptr": "*i32",
-            "token_starts_ptr": "*i32", "offsets_ptr": "*i32", "num_tokens_ptr": "*i32"}
-fmas = {}
-for kv_dtype, dtype in (("fp32", "fp32"), ("bf16", "bf16"), ("fp8_e4m3", "fp32"), ("fp8_e4m3", "bf16")):
-    constexprs = dict(GROUP=4, HEAD_DIM=128, HEAD_DIM_PAD=128, MAX_TOKENS=1, BLOCK_SIZE=16, BF16=dtype == "bf16",
-                      KV_KIND=rope_kv._KV_KINDS[kv_dtype], ELEMENT_BYTES={"fp32": 4, "bf16": 2, "fp8_e4m3": 1}[kv_dtype])
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in kernel.arg_names}
-    signature["qkv_ptr"] = "*" + dtype
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=rope_kv.COMPILE_OPTIONS)
-    fmas[kv_dtype + " pool, " + dtype + " model"] = compiled.asm["ptx"].count("fma.rn.f32")
-print(json.dumps(fmas))
-"""
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above compile and run the kernel")
 def test_kernel_compiles_for_sm90_without_fused_multiply_adds():
-    """The interpreter runs the kernel's Python, not Triton's compiler: compile it to PTX for an
-    H100 (no GPU needed) to catch what only the compiler refuses, and check no float32 product
-    was fused into an FMA, which would round the rotation once instead of three times."""
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[3]
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.splitlines()[-1]) == {
+    """The interpreter runs the kernel's Python, not Triton's compiler: compile it for an H100 (no
+    GPU needed) to catch what only the compiler refuses, and check no float32 product was fused
+    into an FMA, which would round the rotation once instead of three times."""
+    kernel = rope_kv._rope_write_kv_kernel
+    pointers = {"positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pool_ptr": "*u8", "block_ids_ptr": "*i32",
+                "token_starts_ptr": "*i32", "offsets_ptr": "*i32", "num_tokens_ptr": "*i32"}
+    variants = (("fp32", "fp32"), ("bf16", "bf16"), ("fp8_e4m3", "fp32"), ("fp8_e4m3", "bf16"))
+    launches = []
+    for kv_dtype, dtype in variants:
+        constexprs = dict(GROUP=4, HEAD_DIM=128, HEAD_DIM_PAD=128, MAX_TOKENS=1, BLOCK_SIZE=16, BF16=dtype == "bf16",
+                          KV_KIND=rope_kv._KV_KINDS[kv_dtype], ELEMENT_BYTES={"fp32": 4, "bf16": 2, "fp8_e4m3": 1}[kv_dtype])
+        signature = {name: pointers.get(name, "i32") for name in kernel.arg_names if name not in constexprs}
+        signature["qkv_ptr"] = "*" + dtype
+        launches.append(Launch(rope_kv.__name__, "_rope_write_kv_kernel", signature, constexprs, options=rope_kv.COMPILE_OPTIONS))
+    compiled = compile_for_sm90(launches)
+    fmas = {f"{kv_dtype} pool, {dtype} model": c.fma_f32 for (kv_dtype, dtype), c in zip(variants, compiled)}
+    assert fmas == {
         "fp32 pool, fp32 model": 0, "bf16 pool, bf16 model": 0, "fp8_e4m3 pool, fp32 model": 0, "fp8_e4m3 pool, bf16 model": 0
     }

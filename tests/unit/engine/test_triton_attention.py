@@ -17,6 +17,7 @@ from engine.layers.attention import DecodeGroup, PagedAttention
 from engine.parallel.group import TPGroup
 from engine.parallel.sharding import TPShard
 from kv_store.layout import KVBlockLayout
+from tests.triton_compile import empty_pool, hopper_resources
 from tests.unit.engine.helpers import attention_model_config
 
 # On CPU the kernels run in Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET=1
@@ -230,93 +231,8 @@ def test_bad_inputs_are_refused_by_name():
 
 
 # --- Compiled for sm_90 without a GPU -------------------------------------------------------
-# The interpreter runs the kernels' arithmetic, not Triton's compiler: loop-carried types,
-# layouts, shared memory and registers are only checked by compiling. Triton's wheel carries
-# ptxas, so each launch the wrappers would make on a Hopper GPU is captured here (arguments
-# specialized as Triton's launcher does) and compiled for sm_90a in a subprocess without
-# TRITON_INTERPRET.
-
-_COMPILE_SCRIPT = r"""
-import importlib, json, re, subprocess, sys, tempfile
-import triton
-import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import CUDABackend, get_ptxas
-from triton.compiler import ASTSource
-
-results = []
-for launch in json.load(sys.stdin):
-    fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
-    signature, constexprs, attrs = {}, {}, {}
-    for index, name in enumerate(fn.arg_names):
-        kind, value = launch["args"][index] if index < len(launch["args"]) else (None, None)
-        if name in launch["constexprs"]:
-            encoded = launch["constexprs"][name]
-            signature[name], constexprs[name] = "constexpr", tl.dtype(encoded["dtype"]) if isinstance(encoded, dict) else encoded
-        elif kind == "constexpr":
-            signature[name], constexprs[name] = "constexpr", value
-        else:
-            signature[name] = kind
-            if value:
-                attrs[(index,)] = CUDABackend.parse_attr(value)
-    options = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as ptx:
-        ptx.write(kernel.asm["ptx"])
-    log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", ptx.name, "-o", "/dev/null"], capture_output=True, text=True, check=True)
-    text = log.stdout + log.stderr
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", text)]
-    results.append({"kernel": launch["kernel"], "registers": int(re.search(r"Used (\d+) registers", text).group(1)),
-                    "spill_bytes": sum(spills), "shared_bytes": kernel.metadata.shared})
-print(json.dumps(results))
-"""
-
-
-class _CapturedKernel:
-    """Stands in for a ``@triton.jit`` kernel: a launch records its specialized arguments instead of running."""
-
-    def __init__(self, module: str, name: str, launches: list) -> None:
-        self.module, self.name, self.launches = module, name, launches
-
-    def __getitem__(self, grid):
-        from triton.backends.compiler import BaseBackend
-        from triton.runtime.jit import native_specialize_impl
-
-        def launch(*args, num_warps: int, num_stages: int = 3, **constexprs):
-            specialized = [list(native_specialize_impl(BaseBackend, arg, False, True, True)) for arg in args]
-            encoded = {k: {"dtype": str(v)} if hasattr(v, "primitive_bitwidth") else v for k, v in constexprs.items()}
-            self.launches.append({"module": self.module, "kernel": self.name, "args": specialized, "constexprs": encoded,
-                                  "num_warps": num_warps, "num_stages": num_stages})
-
-        return launch
-
-
-def hopper_resources(monkeypatch, calls) -> list[dict]:
-    """Registers, spilled bytes and shared memory of every launch ``calls()`` makes, compiled for sm_90a."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from engine.kernels import paged_attention, paged_prefill
-
-    launches: list = []
-    for module, name in ((paged_attention, "_paged_decode_kernel"), (paged_attention, "_combine_kernel"), (paged_prefill, "_paged_prefill_kernel")):
-        monkeypatch.setattr(module, name, _CapturedKernel(module.__name__, name, launches))
-    monkeypatch.setattr(paged_attention, "INTERPRETED", False)  # the GPU's dot dtypes
-    for module in (paged_attention, paged_prefill):
-        monkeypatch.setattr(module, "check_device", lambda q, caller: None)
-    calls()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], input=json.dumps(launches), capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
-
-
-def empty_pool(kv_dtype: str, num_blocks: int = 4) -> tuple[torch.Tensor, KVBlockLayout]:
-    """A zeroed pool in Llama-3-8B's KV shapes (8 KV heads of 128), for launches that are captured, not run."""
-    layout = KVBlockLayout(2, 8, 128, BLOCK_SIZE, kv_dtype)
-    return torch.zeros(num_blocks, layout.block_bytes, dtype=torch.uint8), layout
+# The interpreter runs the kernels' arithmetic, not Triton's compiler: each launch the wrapper
+# would make on a Hopper GPU is captured and compiled for sm_90a (tests/triton_compile.py).
 
 
 @pytest.mark.slow
@@ -334,8 +250,8 @@ def test_the_decode_launches_compile_for_hopper_without_spilling(monkeypatch):
         paged_decode_attention(q, fp32, fp32_layout, 1, tables, lens, num_splits=1)  # float32: IEEE dots
 
     resources = hopper_resources(monkeypatch, calls)
-    assert [r["kernel"] for r in resources] == ["_paged_decode_kernel", "_combine_kernel"] + ["_paged_decode_kernel"] * 3
-    assert all(r["spill_bytes"] == 0 for r in resources), resources
+    assert [r.kernel for r in resources] == ["_paged_decode_kernel", "_combine_kernel"] + ["_paged_decode_kernel"] * 3
+    assert all(r.spill_bytes == 0 for r in resources), resources
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])
