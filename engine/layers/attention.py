@@ -27,12 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_attention
+from engine.kernels.kv_segments import KVSegments
 from engine.kv_cache import PagedKVCache
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary
@@ -40,9 +40,6 @@ from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from engine.parallel.sharding import TPShard
-
-if TYPE_CHECKING:  # Triton is imported only where the device path runs
-    from engine.kernels.kv_segments import KVSegments
 
 
 NATIVE_MAX_CHUNK_TOKENS = 8
