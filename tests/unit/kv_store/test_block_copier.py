@@ -13,25 +13,10 @@ from kv_store.block_pool import BlockPool
 from kv_store.cpu_tier import CPUTier
 from kv_store.events import KVEventLog, Tier
 from kv_store.keys import KeyNamespace
-from kv_store.layout import KVBlockLayout
 from kv_store.redis_tier import RedisTier, RedisTierConfig
 from kv_store.tiered import TieredKVStore
-from tests.redis_server import RedisServer
 from tests.unit.kv_store.fake_stream import POISON, FakeStreamCopier
-
-LAYOUT = KVBlockLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, kv_dtype="fp32")
-BYTES = LAYOUT.block_bytes
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield s
-    s.stop()
-
-
-def _row(value: int) -> torch.Tensor:
-    return torch.full((BYTES,), value % 256, dtype=torch.uint8)
+from tests.unit.kv_store.test_tiers import BYTES, LAYOUT, _row, server  # noqa: F401  (server: a module fixture)
 
 
 def _store(pool_blocks: int, cpu_blocks: int, redis: RedisTier | None = None) -> tuple[TieredKVStore, FakeStreamCopier]:
