@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/splitserve.proto\x12\rsplitserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"r\n\x0eStopConditions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"\x8f\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12+\n\x04stop\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.StopConditions\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x13\n\x0btenant_salt\x18\x08 \x01(\tB\t\n\x07_prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe1\x01\n\x07Timings\x12\x1c\n\x14worker_first_token_s\x18\x01 \x01(\x01\x12\x16\n\x0eworker_total_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x14\n\x0ckv_handoff_s\x18\x04 \x01(\x01\x12\x12\n\nadmitted_s\x18\x05 \x01(\x01\x12\x18\n\x10\x66irst_step_end_s\x18\x06 \x01(\x01\x12\x17\n\x0frequest_plane_s\x18\x07 \x01(\x01\x12\x15\n\rprefill_steps\x18\x08 \x01(\r\x12\x1b\n\x13prefill_step_tokens\x18\t \x01(\x04\"\xde\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.splitserve.v1.Timings\"\xa6\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_promptB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x13\n\x11ListModelsRequest\"h\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x10\n\x08kv_dtype\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo\"\x19\n\x17GetClusterStatusRequest\"\xb4\x03\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x08 \x01(\r\x12\x13\n\x0bmetrics_url\x18\t \x01(\t\x12\x1c\n\x14num_aborted_requests\x18\n \x01(\x04\x12!\n\x19num_queued_prefill_tokens\x18\x0b \x01(\x04\x12\x0f\n\x07tp_size\x18\x0c \x01(\r\x12\'\n\x08tp_ranks\x18\r \x03(\x0b\x32\x15.splitserve.v1.TPRank\x12\x0f\n\x07\x65p_size\x18\x0e \x01(\r\x12\x1d\n\x15\x65p_load_max_over_mean\x18\x0f \x01(\x01\x12\x32\n\x0fhottest_experts\x18\x10 \x03(\x0b\x32\x19.splitserve.v1.ExpertLoad\x12\x10\n\x08\x64raining\x18\x11 \x01(\x08\";\n\nExpertLoad\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"\x84\x01\n\x06TPRank\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07node_ip\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x13\n\x0bparam_bytes\x18\x05 \x01(\x04\x12\x15\n\rkv_head_start\x18\x06 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x07 \x01(\r\"t\n\x0cRouterStatus\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\x12\x14\n\x0cnum_inflight\x18\x03 \x01(\r\x12\x13\n\x0bmetrics_url\x18\x04 \x01(\t\x12\x10\n\x08http_url\x18\x05 \x01(\t\"\xd7\x01\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x17\n\x0ftarget_replicas\x18\x02 \x01(\r\x12\x14\n\x0cnum_replicas\x18\x03 \x01(\r\x12\x14\n\x0cnum_starting\x18\x04 \x01(\r\x12\x14\n\x0cnum_restarts\x18\x05 \x01(\x04\x12\x19\n\x11num_failed_starts\x18\x06 \x01(\x04\x12\x19\n\x11restart_backoff_s\x18\x07 \x01(\x01\x12\x14\n\x0clast_failure\x18\x08 \x01(\t\x12\x14\n\x0cnum_draining\x18\t \x01(\r\"\x97\x01\n\rClusterStatus\x12.\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.splitserve.v1.ReplicaStatus\x12,\n\x07routers\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.RouterStatus\x12(\n\x05pools\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfb\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponse2a\n\x05\x41\x64min\x12X\n\x10GetClusterStatus\x12&.splitserve.v1.GetClusterStatusRequest\x1a\x1c.splitserve.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/splitserve.proto\x12\rsplitserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"r\n\x0eStopConditions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"\xb6\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12+\n\x04stop\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.StopConditions\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x13\n\x0btenant_salt\x18\x08 \x01(\t\x12%\n\x06resume\x18\t \x01(\x0b\x32\x15.splitserve.v1.ResumeB\t\n\x07_prompt\"(\n\x06Resume\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0b\n\x03tag\x18\x02 \x01(\x0c\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe1\x01\n\x07Timings\x12\x1c\n\x14worker_first_token_s\x18\x01 \x01(\x01\x12\x16\n\x0eworker_total_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x14\n\x0ckv_handoff_s\x18\x04 \x01(\x01\x12\x12\n\nadmitted_s\x18\x05 \x01(\x01\x12\x18\n\x10\x66irst_step_end_s\x18\x06 \x01(\x01\x12\x17\n\x0frequest_plane_s\x18\x07 \x01(\x01\x12\x15\n\rprefill_steps\x18\x08 \x01(\r\x12\x1b\n\x13prefill_step_tokens\x18\t \x01(\x04\"\x8e\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x07 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nresume_tag\x18\t \x01(\x0c\x42\x07\n\x05_seed\"\xa6\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_promptB\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x13\n\x11ListModelsRequest\"h\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x10\n\x08kv_dtype\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo\"\x19\n\x17GetClusterStatusRequest\"\xb4\x03\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x08 \x01(\r\x12\x13\n\x0bmetrics_url\x18\t \x01(\t\x12\x1c\n\x14num_aborted_requests\x18\n \x01(\x04\x12!\n\x19num_queued_prefill_tokens\x18\x0b \x01(\x04\x12\x0f\n\x07tp_size\x18\x0c \x01(\r\x12\'\n\x08tp_ranks\x18\r \x03(\x0b\x32\x15.splitserve.v1.TPRank\x12\x0f\n\x07\x65p_size\x18\x0e \x01(\r\x12\x1d\n\x15\x65p_load_max_over_mean\x18\x0f \x01(\x01\x12\x32\n\x0fhottest_experts\x18\x10 \x03(\x0b\x32\x19.splitserve.v1.ExpertLoad\x12\x10\n\x08\x64raining\x18\x11 \x01(\x08\";\n\nExpertLoad\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"\x84\x01\n\x06TPRank\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07node_ip\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x13\n\x0bparam_bytes\x18\x05 \x01(\x04\x12\x15\n\rkv_head_start\x18\x06 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x07 \x01(\r\"t\n\x0cRouterStatus\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\x12\x14\n\x0cnum_inflight\x18\x03 \x01(\r\x12\x13\n\x0bmetrics_url\x18\x04 \x01(\t\x12\x10\n\x08http_url\x18\x05 \x01(\t\"\xd7\x01\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x17\n\x0ftarget_replicas\x18\x02 \x01(\r\x12\x14\n\x0cnum_replicas\x18\x03 \x01(\r\x12\x14\n\x0cnum_starting\x18\x04 \x01(\r\x12\x14\n\x0cnum_restarts\x18\x05 \x01(\x04\x12\x19\n\x11num_failed_starts\x18\x06 \x01(\x04\x12\x19\n\x11restart_backoff_s\x18\x07 \x01(\x01\x12\x14\n\x0clast_failure\x18\x08 \x01(\t\x12\x14\n\x0cnum_draining\x18\t \x01(\r\"\x97\x01\n\rClusterStatus\x12.\n\x08replicas\x18\x01 \x03(\x0b\x32\x1c.splitserve.v1.ReplicaStatus\x12,\n\x07routers\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.RouterStatus\x12(\n\x05pools\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfb\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponse2a\n\x05\x41\x64min\x12X\n\x10GetClusterStatus\x12&.splitserve.v1.GetClusterStatusRequest\x1a\x1c.splitserve.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.splitserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2719
-  _globals['_FINISHREASON']._serialized_end=2839
+  _globals['_FINISHREASON']._serialized_start=2848
+  _globals['_FINISHREASON']._serialized_end=2968
   _globals['_CHATMESSAGE']._serialized_start=41
   _globals['_CHATMESSAGE']._serialized_end=85
   _globals['_SAMPLINGPARAMS']._serialized_start=88
@@ -41,39 +41,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPCONDITIONS']._serialized_start=236
   _globals['_STOPCONDITIONS']._serialized_end=350
   _globals['_GENERATEREQUEST']._serialized_start=353
-  _globals['_GENERATEREQUEST']._serialized_end=624
-  _globals['_USAGE']._serialized_start=626
-  _globals['_USAGE']._serialized_end=713
-  _globals['_TIMINGS']._serialized_start=716
-  _globals['_TIMINGS']._serialized_end=941
-  _globals['_GENERATERESPONSE']._serialized_start=944
-  _globals['_GENERATERESPONSE']._serialized_end=1166
-  _globals['_TOKENIZEREQUEST']._serialized_start=1169
-  _globals['_TOKENIZEREQUEST']._serialized_end=1335
-  _globals['_TOKENIZERESPONSE']._serialized_start=1337
-  _globals['_TOKENIZERESPONSE']._serialized_end=1374
-  _globals['_LISTMODELSREQUEST']._serialized_start=1376
-  _globals['_LISTMODELSREQUEST']._serialized_end=1395
-  _globals['_MODELINFO']._serialized_start=1397
-  _globals['_MODELINFO']._serialized_end=1501
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1503
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1565
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1567
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1592
-  _globals['_REPLICASTATUS']._serialized_start=1595
-  _globals['_REPLICASTATUS']._serialized_end=2031
-  _globals['_EXPERTLOAD']._serialized_start=2033
-  _globals['_EXPERTLOAD']._serialized_end=2092
-  _globals['_TPRANK']._serialized_start=2095
-  _globals['_TPRANK']._serialized_end=2227
-  _globals['_ROUTERSTATUS']._serialized_start=2229
-  _globals['_ROUTERSTATUS']._serialized_end=2345
-  _globals['_POOLSTATUS']._serialized_start=2348
-  _globals['_POOLSTATUS']._serialized_end=2563
-  _globals['_CLUSTERSTATUS']._serialized_start=2566
-  _globals['_CLUSTERSTATUS']._serialized_end=2717
-  _globals['_GENERATION']._serialized_start=2842
-  _globals['_GENERATION']._serialized_end=3093
-  _globals['_ADMIN']._serialized_start=3095
-  _globals['_ADMIN']._serialized_end=3192
+  _globals['_GENERATEREQUEST']._serialized_end=663
+  _globals['_RESUME']._serialized_start=665
+  _globals['_RESUME']._serialized_end=705
+  _globals['_USAGE']._serialized_start=707
+  _globals['_USAGE']._serialized_end=794
+  _globals['_TIMINGS']._serialized_start=797
+  _globals['_TIMINGS']._serialized_end=1022
+  _globals['_GENERATERESPONSE']._serialized_start=1025
+  _globals['_GENERATERESPONSE']._serialized_end=1295
+  _globals['_TOKENIZEREQUEST']._serialized_start=1298
+  _globals['_TOKENIZEREQUEST']._serialized_end=1464
+  _globals['_TOKENIZERESPONSE']._serialized_start=1466
+  _globals['_TOKENIZERESPONSE']._serialized_end=1503
+  _globals['_LISTMODELSREQUEST']._serialized_start=1505
+  _globals['_LISTMODELSREQUEST']._serialized_end=1524
+  _globals['_MODELINFO']._serialized_start=1526
+  _globals['_MODELINFO']._serialized_end=1630
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1632
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1694
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1696
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1721
+  _globals['_REPLICASTATUS']._serialized_start=1724
+  _globals['_REPLICASTATUS']._serialized_end=2160
+  _globals['_EXPERTLOAD']._serialized_start=2162
+  _globals['_EXPERTLOAD']._serialized_end=2221
+  _globals['_TPRANK']._serialized_start=2224
+  _globals['_TPRANK']._serialized_end=2356
+  _globals['_ROUTERSTATUS']._serialized_start=2358
+  _globals['_ROUTERSTATUS']._serialized_end=2474
+  _globals['_POOLSTATUS']._serialized_start=2477
+  _globals['_POOLSTATUS']._serialized_end=2692
+  _globals['_CLUSTERSTATUS']._serialized_start=2695
+  _globals['_CLUSTERSTATUS']._serialized_end=2846
+  _globals['_GENERATION']._serialized_start=2971
+  _globals['_GENERATION']._serialized_end=3222
+  _globals['_ADMIN']._serialized_start=3224
+  _globals['_ADMIN']._serialized_end=3321
 # @@protoc_insertion_point(module_scope)
