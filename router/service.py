@@ -10,6 +10,12 @@ uninterrupted stream::
     client ◄── t0 t1 t2 ─── router ◄── t0 t1 t2 ─── decode-0 ✗ (channel drops: WorkerDied)
                                    ── Submit(request, resume_token_ids=[t0 t1 t2]) ──► decode-1
     client ◄── t3 t4 ...─── router ◄── t3 t4 ... ── decode-1 (prefills prompt + t0..t2, samples t3)
+
+A router that dies takes its streams' channel with it; the client resumes them through another
+router the same way, sending the tokens it received (``GenerateRequest.resume``) with the tag
+the last response carried (router.validation: the new router recomputes it, so a resume it cannot
+verify is refused, never restarted). So that a sampled answer resumes token-identical, the router
+seeds every sampled request that has no seed and reports the seed in the first response.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -35,7 +42,7 @@ from router.errors import CallRejected, from_worker, invalid
 from router.metrics import RouterMetrics
 from router.routing import RouteRequest, RoutingPolicy
 from router.tokenization import RouterTokenizers
-from router.validation import check_generate, check_model, check_prompt_size
+from router.validation import ResumeTagger, check_generate, check_model, check_prompt_size, check_resume, is_greedy, resume_key
 from router.worker_calls import RequestIdInUse, WorkerChannels, WorkerDied
 from router.workers import Replica, WorkerDirectory, worker_load
 
@@ -60,10 +67,21 @@ class _Stream:
     """When the last event reached the router; None before the first."""
     died_s: float | None = None
     """When the replica serving it was found dead, until another one answers."""
+    tagger: ResumeTagger | None = None
+    """Tags each response with the tokens streamed up to it (what a resume sends back)."""
+    client_request_id: str = ""
+    """The id the client's responses carry, when the workers know the call by another (a resume)."""
+    seed: int | None = None
+    """The seed reported in the first response (a sampled answer)."""
+
+
+ROUTER_ERROR_METADATA = (("splitserve-error-origin", "router"),)
+"""Trailing metadata of every status a router answers itself: a client tells a router's own
+UNAVAILABLE (no live worker: another router would say the same) from a router that went away."""
 
 
 async def _abort(context: grpc.aio.ServicerContext, rejected: CallRejected) -> None:
-    await context.abort(rejected.code, rejected.message)
+    await context.abort(rejected.code, rejected.message, trailing_metadata=ROUTER_ERROR_METADATA)
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -80,6 +98,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         """Per block size: the prompts' block keys, hashed once across a session's turns."""
         self.tokenizers = RouterTokenizers(config.tokenizer_threads)
         """Prompt text and chat messages become token ids here: the workers get ids only."""
+        self.resume_key = resume_key(config)
+        """Keys the resume tags (router.validation): the same on every router of the cluster."""
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
@@ -123,8 +143,19 @@ class GenerationService(pb_grpc.GenerationServicer):
         check_generate(request, self.config, self.directory.served_models())
         forwarded = pb.GenerateRequest()
         forwarded.CopyFrom(request)
-        forwarded.request_id = request.request_id or uuid.uuid4().hex
+        forwarded.ClearField("resume")
         stream = _Stream(start)
+        if not is_greedy(request.sampling):
+            if not forwarded.sampling.HasField("seed") and not request.resume.token_ids:
+                forwarded.sampling.seed = int.from_bytes(os.urandom(8), "little") >> 1
+            stream.seed = forwarded.sampling.seed if forwarded.sampling.HasField("seed") else None
+        stream.tagger = ResumeTagger(self.resume_key, forwarded)
+        forwarded.request_id = request.request_id or uuid.uuid4().hex
+        if request.resume.token_ids:
+            check_resume(request, self._vocab_size(request.model), stream.tagger)
+            stream.token_ids = list(request.resume.token_ids)
+            stream.client_request_id = forwarded.request_id
+            forwarded.request_id += f".resume-{uuid.uuid4().hex[:8]}"  # its cut predecessor may still be running on a worker under the client's id
         dead: set[str] = set()
         while True:
             replica = await self._decode_replica(request.model, dead, stream.died_s is not None)
@@ -142,6 +173,10 @@ class GenerationService(pb_grpc.GenerationServicer):
                 self.metrics.migrated(bool(stream.token_ids))
                 logger.warning("request %s: decode worker %s died after %d tokens (%s); migrating", forwarded.request_id, replica.replica_id, len(stream.token_ids), e)
 
+    def _vocab_size(self, model: str) -> int:
+        """The largest vocabulary of the live decode replicas of ``model`` (0: none live)."""
+        return max((r.model.vocab_size for r in self.directory.healthy("decode", model)), default=0)
+
     async def _decode_replica(self, model: str, dead: set[str], migrating: bool) -> Replica:
         """The least loaded live decode replica not in ``dead``; a migrating call waits for one."""
         deadline = time.monotonic() + (self.config.migration_wait_s if migrating else 0.0)
@@ -158,6 +193,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         """Run the call on ``replica`` from where ``stream`` stands. A fresh call may have its
         prompt prefilled by a prefill replica; a migrated one is prefilled on ``replica``."""
         prefill = None if stream.token_ids else await self._choose_prefill(forwarded, replica)
+        if stream.token_ids and not forwarded.prompt_token_ids:  # a resumed call: its prompt is still text
+            await self._tokenize_prompt(forwarded, replica)
         replica.num_inflight += 1
         if prefill is not None:
             prefill.num_inflight += 1
@@ -179,15 +216,22 @@ class GenerationService(pb_grpc.GenerationServicer):
                         stream.died_s = None
                     if stream.last_s is None:
                         stream.ttft_s = now - stream.start_s
-                        self.metrics.ttft.observe(stream.ttft_s)
+                        if stream.seed is not None:
+                            event.response.seed = stream.seed
+                        if not stream.client_request_id:
+                            self.metrics.ttft.observe(stream.ttft_s)
                     elif event.response.token_ids:
                         self.metrics.inter_token.observe((now - stream.last_s) / len(event.response.token_ids))
                     stream.last_s = now
                     stream.token_ids += event.response.token_ids
+                    stream.tagger.add(event.response.token_ids)
+                    event.response.resume_tag = stream.tagger.tag()
+                    if stream.client_request_id:
+                        event.response.request_id = stream.client_request_id
                     self.metrics.output_tokens.inc(len(event.response.token_ids))
                     if event.response.HasField("usage"):
                         self.metrics.prompt_tokens.inc(event.response.usage.prompt_tokens)
-                    if event.response.HasField("timings") and not stream.num_migrations:
+                    if event.response.HasField("timings") and not stream.num_migrations and not stream.client_request_id:
                         self.metrics.path_first_token.observe(max(0.0, stream.ttft_s - event.response.timings.worker_first_token_s))
                     yield event.response
             self.metrics.e2e.observe(time.perf_counter() - stream.start_s)
