@@ -1,5 +1,5 @@
-"""``splitserve``: up (start a cluster), head / worker (one node of a cluster, as Kubernetes pods
-run them), generate (stream an answer), status (pools and replicas), plan (the SLA planner)."""
+"""``splitserve``: up (start a cluster), head / worker / router (one node of a cluster, as
+Kubernetes pods run them), generate (stream an answer), status (pools and replicas), plan (the SLA planner)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ from router.ray_node import HeadNodeConfig, WorkerNodeConfig, stop_on_signals
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
 EXIT_REJECTED = 4
+GCS_REDIS_PASSWORD_ENV = "REDIS_PASSWORD"
+GCS_REDIS_USERNAME_ENV = "REDIS_USERNAME"
+"""Where `splitserve head` finds the credentials of the Redis that Ray's GCS keeps its state in
+(the address is RAY_REDIS_ADDRESS, which `ray start` reads itself): the variables KubeRay sets on
+the head container from the RayCluster's gcsFaultToleranceOptions.redisPassword / redisUsername."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up(commands.add_parser("up", help="start a cluster (local Ray by default) and serve gRPC until Ctrl-C"))
     _add_head(commands.add_parser("head", help="start this host's Ray head, the controller and a router; pools follow the worker nodes"))
     _add_worker(commands.add_parser("worker", help="join a head as one replica slot of a pool; drain it on SIGTERM"))
+    _add_router(commands.add_parser("router", help="join a head as a node of its own holding one router replica (off the head, as the chart runs routers)"))
     _add_generate(commands.add_parser("generate", help="stream the answer to a prompt"))
     _add_status(commands.add_parser("status", help="print the pools, replicas, their load and KV use"))
     from planner.cli import add_plan  # the planner sits above the router; this is the one entry point
@@ -165,6 +171,60 @@ def _add_worker(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_run_worker)
 
 
+def _add_router(parser: argparse.ArgumentParser) -> None:
+    from router.cli_args import add_dataclass_args
+    from router.config import RouterConfig
+    from router.router_node import RouterNodeConfig
+
+    parser.add_argument("--address", required=True, help="the head's Ray GCS, HOST:PORT")
+    parser.add_argument("--router-id", default="", help="the router's name in `splitserve status` (default: router-HOSTNAME)")
+    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs this node offers Ray (default: what Ray detects)")
+    parser.add_argument(
+        "--connect-timeout-s", type=float, default=RouterNodeConfig.connect_timeout_s, help="how long to wait for the head to accept connections (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--controller-timeout-s", type=float, default=RouterNodeConfig.controller_timeout_s,
+        help="how long to wait for the head's controller to exist (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--stop-grace-s", type=float, default=RouterNodeConfig.stop_grace_s, help="on SIGTERM, how long in-flight calls may take to finish (default: %(default)s)"
+    )
+    parser.add_argument("--node-ip-address", default=None, help="IP address this Ray node advertises, e.g. the pod's (default: the one Ray picks)")
+    parser.add_argument("--ray-start-args", default="", help="further `ray start` options as one string")
+    parser.add_argument("--tls-cert", type=Path, help="server certificate (enables TLS)")
+    parser.add_argument("--tls-key", type=Path, help="server private key")
+    parser.add_argument("--tls-client-ca", type=Path, help="CA of client certificates (enables mutual TLS)")
+    _add_cluster_tls_options(parser)
+    add_dataclass_args(parser, RouterConfig, skip=("tls", "cluster_tls"))
+    parser.set_defaults(run=_run_router)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from router.cli_args import dataclass_from_args
+    from router.config import RouterConfig, TLSConfig
+    from router.ray_node import RayNodeError, split_ray_start_args
+    from router.router_node import RouterNodeConfig, run_router
+
+    try:
+        config = RouterNodeConfig(
+            address=args.address, router_id=args.router_id, num_cpus=args.num_cpus, connect_timeout_s=args.connect_timeout_s,
+            controller_timeout_s=args.controller_timeout_s, stop_grace_s=args.stop_grace_s, node_ip_address=args.node_ip_address,
+            ray_start_args=split_ray_start_args(args.ray_start_args),
+        )
+        tls = TLSConfig(cert_file=args.tls_cert, key_file=args.tls_key, client_ca_file=args.tls_client_ca) if args.tls_cert or args.tls_key else None
+        router_config = dataclass_from_args(RouterConfig, args, tls=tls, cluster_tls=_cluster_tls(args))
+    except (ValueError, TypeError) as e:
+        print(f"splitserve router: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    _restart_with_ray_tls("router", router_config.cluster_tls)
+    try:
+        run_router(config, router_config)
+    except RayNodeError as e:
+        print(f"splitserve router: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    return 0
+
+
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     """The options ``up`` and ``head`` share: what the replicas and the router run with."""
     from decode_worker.config import WorkerConfig
@@ -296,12 +356,16 @@ def _run_up(args: argparse.Namespace) -> int:
 
 
 def _run_head(args: argparse.Namespace) -> int:
+    import os
     from dataclasses import replace
 
     from router.ray_node import RayNode, RayNodeError, check_port_free, split_ray_start_args
 
     try:
-        head = HeadNodeConfig(ray_port=args.ray_port, node_ip_address=args.node_ip_address, ray_start_args=split_ray_start_args(args.ray_start_args))
+        head = HeadNodeConfig(
+            ray_port=args.ray_port, node_ip_address=args.node_ip_address, ray_start_args=split_ray_start_args(args.ray_start_args),
+            redis_password=os.environ.get(GCS_REDIS_PASSWORD_ENV) or None, redis_username=os.environ.get(GCS_REDIS_USERNAME_ENV) or None,
+        )
         config = _cluster_config(args, num_decode=0, num_prefill=0, follow_nodes=True)
     except (ValueError, TypeError) as e:
         print(f"splitserve head: {e}", file=sys.stderr)
@@ -324,7 +388,8 @@ def _run_head(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
     try:
         config = replace(config, ray_address=f"{node_ip}:{head.ray_port}")
-        print(f"splitserve: Ray head on {config.ray_address}; starting the controller and router-0 for {config.engine.model}; "
+        routers = f"router-0 to router-{config.num_routers - 1}" if config.num_routers > 1 else "router-0" if config.num_routers else "no router (they run as `splitserve router` nodes)"
+        print(f"splitserve: Ray head on {config.ray_address}; starting the controller and {routers} for {config.engine.model}; "
               "each worker node that joins gets a replica of its pool", flush=True)
         code = _serve("head", config, stop, ray_alive=lambda: node.returncode is None)
         ended_by_itself = node.returncode
@@ -355,8 +420,11 @@ def _serve(command: str, config, stop: threading.Event, ray_alive=lambda: True) 
         for router in cluster.router_statuses:
             http = f", OpenAI/KServe HTTP on {router.http_url}" if router.http_url else ""
             print(f"splitserve: {router.router_id} serving gRPC on {router.grpc_address}{http} (metrics {router.metrics_url})", flush=True)
-        tls_flag = " --tls-ca CA.pem" if config.router.tls else ""
-        print(f"try: splitserve generate --addr {status.grpc_address}{tls_flag} \"What is the capital of France?\"", flush=True)
+        if status is not None:
+            tls_flag = " --tls-ca CA.pem" if config.router.tls else ""
+            print(f"try: splitserve generate --addr {status.grpc_address}{tls_flag} \"What is the capital of France?\"", flush=True)
+        else:
+            print(f"splitserve: controller up; routers join with `splitserve router --address {config.ray_address}`", flush=True)
         stop.wait()
         print("splitserve: shutting down", flush=True)
     finally:

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.controller_config import CONTROLLER_NAME, NAMESPACE, POOLS, pool_resource
 from router.node_slots import is_alive
@@ -41,7 +41,10 @@ REGISTRATION_TIMEOUT = "timed out during startup"
 Ray 2.x allows (a fixed wait, no setting): on a node whose cores are busy it passes now and then."""
 RAY_START_ATTEMPTS = 3
 """Tries of ``ray start`` when it fails with ``REGISTRATION_TIMEOUT``; any other failure is final."""
-OWN_FLAGS = ("--head", "--address", "--port", "--resources", "--block", "--node-name", "--node-ip-address", "--num-cpus", "--num-gpus")
+OWN_FLAGS = (
+    "--head", "--address", "--port", "--resources", "--block", "--node-name", "--node-ip-address", "--num-cpus", "--num-gpus",
+    "--redis-password", "--redis-username",
+)
 """``ray start`` options the entrypoints set themselves; ``ray_start_args`` may not repeat them."""
 
 
@@ -75,6 +78,11 @@ class HeadNodeConfig:
     """Further ``ray start`` options (ports, object store size, temp dir, dashboard), passed as given."""
     start_timeout_s: float = 120.0
     """How long ``ray start`` may take to bring the node up."""
+    redis_password: str | None = field(default=None, repr=False)
+    """Password of the Redis that Ray's GCS keeps its state in (GCS fault tolerance: the Redis is
+    ``RAY_REDIS_ADDRESS``, which ``ray start`` reads itself); None: a Redis without one."""
+    redis_username: str | None = None
+    """User name on that Redis (Redis 6 ACLs); None: the default user."""
 
     def __post_init__(self) -> None:
         if not 0 < self.ray_port < 65536:
@@ -85,7 +93,12 @@ class HeadNodeConfig:
 
     def command(self, node_ip: str) -> list[str]:
         """The ``ray start`` command line; the head offers no pool resource, so no replica lands on it."""
-        return [*_RAY, "start", "--head", "--block", "--port", str(self.ray_port), "--node-ip-address", node_ip, *self.ray_start_args]
+        command = [*_RAY, "start", "--head", "--block", "--port", str(self.ray_port), "--node-ip-address", node_ip]
+        if self.redis_password:
+            command += ["--redis-password", self.redis_password]
+        if self.redis_username:
+            command += ["--redis-username", self.redis_username]
+        return command + list(self.ray_start_args)
 
 
 @dataclass(frozen=True)

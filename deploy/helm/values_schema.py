@@ -101,6 +101,31 @@ def _pool(pool: str) -> dict:
     return schema
 
 
+def _gcs_fault_tolerance() -> dict:
+    string = {"type": "string"}
+    secret_key = {"type": "string", "pattern": "^[-._a-zA-Z0-9]+$"}
+    return {
+        "type": "object", "additionalProperties": False,
+        "properties": {
+            "enabled": {"type": "boolean"},
+            "redis": {"type": "object", "additionalProperties": False, "properties": {
+                "enabled": {"type": "boolean"},
+                "image": {"type": "object", "additionalProperties": False,
+                          "properties": {"repository": {"type": "string", "minLength": 1},
+                                         "tag": {"type": "string", "minLength": 1}}},
+                "resources": _resources()}},
+            "externalAddress": {"type": "string", "pattern": "^$|^(redis://|rediss://)?[^/:\\s]+:[0-9]+$",
+                                "description": "host:port, redis://host:port or rediss://host:port."},
+            "passwordSecret": {"type": "object", "additionalProperties": False,
+                               "properties": {"name": string, "key": secret_key}},
+            "tls": {"type": "object", "additionalProperties": False,
+                    "properties": {"caSecretName": string, "caKey": secret_key}},
+            "externalStorageNamespace": string,
+            "reconnectTimeoutS": _integer(1, description="RAY_gcs_rpc_server_reconnect_timeout_s of worker and router pods."),
+        },
+    }
+
+
 def build_schema() -> dict:
     """The whole values.schema.json as a dict."""
     string = {"type": "string"}
@@ -139,6 +164,13 @@ def build_schema() -> dict:
             "head": {"type": "object", "additionalProperties": False,
                      "properties": {"resources": _resources(), "shmSize": {"type": "string", "minLength": 1}, **_placement()}},
             "router": {"type": "object", "additionalProperties": False, "properties": {
+                "replicas": _integer(1, MAX_REPLICAS, "Router pods (one router replica each)."),
+                "cpus": _integer(1),
+                "memory": {"type": "string", "minLength": 1},
+                "shmSize": {"type": "string", "minLength": 1},
+                "stopGraceS": _integer(0, description="Seconds in-flight calls may take to finish after SIGTERM."),
+                "extraArgs": {"type": "array", "items": string},
+                **_placement(),
                 "grpcPort": _port(),
                 "http": {"type": "object", "additionalProperties": False,
                          "properties": {"enabled": {"type": "boolean"}, "port": _port()}},
@@ -171,6 +203,7 @@ def build_schema() -> dict:
                                 "properties": {"size": {"type": "string", "minLength": 1}, "storageClassName": string}},
                 "maxMemory": {"type": "string", "minLength": 1},
                 "resources": _resources()}},
+            "gcsFaultTolerance": _gcs_fault_tolerance(),
             "tls": {"type": "object", "additionalProperties": False,
                     "properties": {"enabled": {"type": "boolean"}, "secretName": string,
                                    "caKey": {"type": "string", "pattern": "^[-._a-zA-Z0-9]+$",

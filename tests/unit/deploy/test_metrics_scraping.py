@@ -45,7 +45,9 @@ def test_metrics_services_reach_the_ports_the_processes_listen_on(example_object
     head = container(raycluster["spec"]["headGroupSpec"]["template"])
     head_ports = {p["name"]: p["containerPort"] for p in head["ports"]}
     args = head["args"]
-    assert head_ports["metrics"] == int(args[args.index("--metrics-port") + 1])
+    router = container(worker_group(raycluster, "router")["template"])
+    router_args = router["args"]
+    assert {p["name"]: p["containerPort"] for p in router["ports"]}["metrics"] == int(router_args[router_args.index("--metrics-port") + 1])
     assert head_ports["ctrl-metrics"] == int(args[args.index("--controller-metrics-port") + 1])
     for pool, flag in (("prefill", "--prefill-metrics-port"), ("decode", "--worker-metrics-port")):
         worker = container(worker_group(raycluster, pool)["template"])

@@ -124,5 +124,6 @@ def test_planner_is_the_only_replica(example_objects):
 
 
 def test_without_the_planner_there_is_no_rbac():
-    kinds = {o["kind"] for o in render_example("values-moe-ep", planner={"enabled": False})}
-    assert not kinds & {"Deployment", "Role", "RoleBinding", "ServiceAccount"}
+    objects = render_example("values-moe-ep", planner={"enabled": False})
+    assert not {o["kind"] for o in objects} & {"Role", "RoleBinding", "ServiceAccount"}
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"] == ["splitserve-gcs-redis"]

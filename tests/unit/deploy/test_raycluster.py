@@ -1,6 +1,7 @@
 """The RayCluster follows the contract with the entrypoints: one image, our own commands
-(KubeRay's `ray start` switched off), a prefill and a decode worker group whose pods request
-their replica's GPUs, advertise their pool's Ray resource, and drain before they are killed."""
+(KubeRay's `ray start` switched off), a head with the controller and no router, a prefill and a
+decode worker group whose pods request their replica's GPUs, advertise their pool's Ray
+resource, and drain before they are killed, and a router group behind the router Service."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 
 import pytest
 
-from router.cli import _add_node_cert, _add_up, _add_worker
+from router.cli import _add_node_cert, _add_router, _add_up, _add_worker
 from router.controller import pool_resource
 from tests.unit.deploy.chart import EXAMPLES, container, example_values, find, flag, render, render_example, worker_group
 
@@ -27,7 +28,7 @@ def test_kuberay_runs_our_commands_and_its_autoscaler_is_off(example, example_ob
     raycluster = find(example_objects[example], "RayCluster")
     assert raycluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
     assert raycluster["spec"]["enableInTreeAutoscaling"] is False
-    assert [g["groupName"] for g in raycluster["spec"]["workerGroupSpecs"]] == ["prefill", "decode"]
+    assert [g["groupName"] for g in raycluster["spec"]["workerGroupSpecs"]] == ["prefill", "decode", "router"]
     templates = [raycluster["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in raycluster["spec"]["workerGroupSpecs"]]
     images = {container(t)["image"] for t in templates}
     assert len(images) == 1
@@ -40,8 +41,8 @@ def test_head_command(example, example_objects):
     args = head["args"]
     assert head["command"] == ["splitserve"] and args[0] == "head"
     assert flag(args, "--model") == values["model"]["name"]
-    assert flag(args, "--ray-port") == "6379" and flag(args, "--port") == "50051"
-    assert flag(args, "--host") == "0.0.0.0" and flag(args, "--metrics-host") == "0.0.0.0"
+    assert flag(args, "--ray-port") == "6379" and flag(args, "--routers") == "0", "the routers run in their own group"
+    assert not {"--port", "--host", "--http-port", "--metrics-port", "--tls-cert", "--token-file"} & set(args)
     assert flag(args, "--prefill-tp") == str(values["prefill"].get("tp", 1))
     assert flag(args, "--decode-tp") == str(values["decode"].get("tp", 1))
     assert flag(args, "--decode-ep") == str(values["decode"].get("ep", 1))
@@ -86,7 +87,7 @@ def test_prefill_may_scale_to_zero(example_objects):
 
 def test_model_from_a_claim_is_mounted_read_only_in_every_pod(example_objects):
     raycluster = find(example_objects["values-gpu-llama-8b"], "RayCluster")
-    for template in [raycluster["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in raycluster["spec"]["workerGroupSpecs"]]:
+    for template in [raycluster["spec"]["headGroupSpec"]["template"]] + [worker_group(raycluster, p)["template"] for p in ("prefill", "decode")]:
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
         assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "llama-weights", "readOnly": True}
         assert {"name": "model", "mountPath": "/models", "readOnly": True} in container(template)["volumeMounts"]
@@ -98,12 +99,18 @@ def test_model_baked_into_the_image_mounts_no_claim(example_objects):
     assert flag(container(raycluster["spec"]["headGroupSpec"]["template"])["args"], "--model") == "/opt/models/Qwen3-30B-A3B"
 
 
+def test_the_router_pods_need_no_model(example_objects):
+    router = worker_group(find(example_objects["values-gpu-llama-8b"], "RayCluster"), "router")["template"]
+    assert "model" not in {v["name"] for v in router["spec"]["volumes"]}
+    assert "--model" not in container(router)["args"], "a router fetches tokenizer files from a decode replica"
+
+
 def test_tls_and_token_come_from_secrets(example_objects):
-    head = find(example_objects["values-moe-ep"], "RayCluster")["spec"]["headGroupSpec"]["template"]
-    volumes = {v["name"]: v for v in head["spec"]["volumes"]}
+    router = worker_group(find(example_objects["values-moe-ep"], "RayCluster"), "router")["template"]
+    volumes = {v["name"]: v for v in router["spec"]["volumes"]}
     assert volumes["tls"]["secret"]["secretName"] == "splitserve-api-tls"
     assert volumes["auth"]["secret"]["secretName"] == "splitserve-api-token"
-    args = container(head)["args"]
+    args = container(router)["args"]
     assert flag(args, "--tls-cert") == "/etc/splitserve/tls/tls.crt"
     assert flag(args, "--tls-key") == "/etc/splitserve/tls/tls.key"
     assert flag(args, "--token-file") == "/etc/splitserve/auth/token"
@@ -121,7 +128,7 @@ def test_cluster_tls_every_ray_pod_issues_its_own_certificate(example_objects):
     container reads it through --cluster-tls-*, and only the init container sees the CA's key."""
     raycluster = find(example_objects["values-moe-ep"], "RayCluster")
     head = raycluster["spec"]["headGroupSpec"]["template"]
-    pods = {"head": head, **{pool: worker_group(raycluster, pool)["template"] for pool in ("prefill", "decode")}}
+    pods = {"head": head, **{group: worker_group(raycluster, group)["template"] for group in ("prefill", "decode", "router")}}
     for role, pod in pods.items():
         (init,) = pod["spec"]["initContainers"]
         issued = _parse(_add_node_cert, init["args"][1:])
@@ -136,7 +143,8 @@ def test_cluster_tls_every_ray_pod_issues_its_own_certificate(example_objects):
 
         ray_container = container(pod)
         args = ray_container["args"]
-        parsed = _parse(_add_worker if role != "head" else _add_up, args[1:] if role != "head" else [a for a in args[1:] if a not in ("--ray-port", "6379")])
+        add = {"head": _add_up, "router": _add_router}.get(role, _add_worker)
+        parsed = _parse(add, args[1:] if role != "head" else [a for a in args[1:] if a not in ("--ray-port", "6379")])
         files = (parsed.cluster_tls_cert, parsed.cluster_tls_key, parsed.cluster_tls_ca)
         assert [f.name for f in files] == ["tls.crt", "tls.key", "ca.crt"] and {f.parent for f in files} == {issued.out}
         mounts = {m["name"]: m for m in ray_container["volumeMounts"]}
@@ -183,7 +191,7 @@ def test_router_service_ports(example_objects):
     assert {p["name"]: p["port"] for p in with_http["spec"]["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9400}
     without_http = find(example_objects["values-gpu-70b-tp"], "Service", "splitserve-router")
     assert {p["name"] for p in without_http["spec"]["ports"]} == {"grpc", "metrics"}
-    assert with_http["spec"]["selector"] == {"ray.io/cluster": "splitserve", "ray.io/node-type": "head"}
+    assert with_http["spec"]["selector"] == {"ray.io/cluster": "splitserve", "ray.io/group": "router"}, "the router pods, not the head"
 
 
 def test_release_name_names_the_raycluster():
@@ -193,10 +201,16 @@ def test_release_name_names_the_raycluster():
     assert find(other, "RayCluster")["metadata"]["name"] == "prod-a"
 
 
-def test_head_is_ready_when_the_router_serves(example_objects):
-    plain = container(find(example_objects["values-cpu-dev"], "RayCluster")["spec"]["headGroupSpec"]["template"])
+def test_head_is_ready_when_the_controller_serves_metrics(example_objects):
+    head = container(find(example_objects["values-cpu-dev"], "RayCluster")["spec"]["headGroupSpec"]["template"])
+    assert head["readinessProbe"]["tcpSocket"] == {"port": "ctrl-metrics"}
+    assert {p["name"] for p in head["ports"]} == {"gcs-server", "ctrl-metrics"}
+
+
+def test_router_is_ready_when_it_serves(example_objects):
+    plain = container(worker_group(find(example_objects["values-cpu-dev"], "RayCluster"), "router")["template"])
     assert plain["readinessProbe"]["grpc"] == {"port": 50051}
-    with_tls = container(find(example_objects["values-moe-ep"], "RayCluster")["spec"]["headGroupSpec"]["template"])
+    with_tls = container(worker_group(find(example_objects["values-moe-ep"], "RayCluster"), "router")["template"])
     assert "grpc" not in with_tls["readinessProbe"], "the kubelet's gRPC probe cannot speak TLS"
     assert with_tls["readinessProbe"]["tcpSocket"] == {"port": "grpc"}
 

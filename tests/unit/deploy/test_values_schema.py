@@ -119,7 +119,7 @@ def test_planner_with_tls_or_token_is_no_longer_refused(off):
     values = _with("values-moe-ep", "planner.enabled", True)
     if off:
         values[off]["enabled"] = False
-    planners = [o for o in render.render_objects(values) if o["kind"] == "Deployment"]
+    planners = [o for o in render.render_objects(values) if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-planner")]
     assert [p["metadata"]["name"] for p in planners] == ["splitserve-planner"]
 
 

@@ -21,6 +21,29 @@ ray.io/cluster: {{ include "splitserve.fullname" . }}
 ray.io/node-type: head
 {{- end -}}
 
+{{/* The router group's pods: the router Service's selector. */}}
+{{- define "splitserve.routerSelector" -}}
+ray.io/cluster: {{ include "splitserve.fullname" . }}
+ray.io/group: router
+{{- end -}}
+
+{{/* The Redis Ray's GCS keeps its state in: the release's own, or gcsFaultTolerance.externalAddress. */}}
+{{- define "splitserve.gcsRedisAddress" -}}
+{{- if .Values.gcsFaultTolerance.redis.enabled -}}
+{{ include "splitserve.fullname" . }}-gcs-redis:6379
+{{- else -}}
+{{ .Values.gcsFaultTolerance.externalAddress }}
+{{- end -}}
+{{- end -}}
+
+{{/* Worker and router pods wait this long for a restarting head's GCS before they exit. */}}
+{{- define "splitserve.gcsReconnectEnv" -}}
+{{- if .Values.gcsFaultTolerance.enabled -}}
+- name: RAY_gcs_rpc_server_reconnect_timeout_s
+  value: {{ .Values.gcsFaultTolerance.reconnectTimeoutS | quote }}
+{{- end -}}
+{{- end -}}
+
 {{- define "splitserve.redisUrl" -}}
 {{- if .Values.redis.enabled -}}
 redis://{{ include "splitserve.fullname" . }}-redis:6379/0
@@ -43,6 +66,18 @@ sentence naming the values involved.
 {{- $ranks := max (int .Values.prefill.tp) (int .Values.decode.tp) (int .Values.decode.ep) }}
 {{- if and (gt $ranks 1) (or .Values.redis.enabled .Values.redis.externalUrl (gt (int64 .Values.engine.cpuKvCacheBytes) 0)) }}
 {{- fail "the CPU and Redis KV tiers serve replicas of one rank only: with prefill.tp, decode.tp or decode.ep above 1, set redis.enabled false, redis.externalUrl \"\" and engine.cpuKvCacheBytes 0" }}
+{{- end }}
+{{- $ft := .Values.gcsFaultTolerance }}
+{{- if $ft.enabled }}
+{{- if and $ft.redis.enabled $ft.externalAddress }}
+{{- fail "gcsFaultTolerance.redis.enabled starts a Redis for the GCS and gcsFaultTolerance.externalAddress names another: set one of them" }}
+{{- end }}
+{{- if not (or $ft.redis.enabled $ft.externalAddress) }}
+{{- fail "gcsFaultTolerance.enabled needs a Redis: set gcsFaultTolerance.redis.enabled true or gcsFaultTolerance.externalAddress" }}
+{{- end }}
+{{- if and $ft.tls.caSecretName (not (hasPrefix "rediss://" $ft.externalAddress)) }}
+{{- fail "gcsFaultTolerance.tls.caSecretName is for a TLS Redis: gcsFaultTolerance.externalAddress must start with rediss://" }}
+{{- end }}
 {{- end }}
 {{- if and .Values.redis.enabled .Values.redis.externalUrl }}
 {{- fail "redis.enabled starts a Redis StatefulSet and redis.externalUrl names another server: set one of them" }}

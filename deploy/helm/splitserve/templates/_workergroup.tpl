@@ -62,6 +62,9 @@ the controller places that pool's replicas only here. Called with dict root, poo
             failureThreshold: 3
           env:
             {{- include "splitserve.env" .root | nindent 12 }}
+            {{- with include "splitserve.gcsReconnectEnv" .root }}
+            {{- . | nindent 12 }}
+            {{- end }}
           resources:
             requests:
               cpu: {{ $p.cpus | quote }}
