@@ -5,10 +5,16 @@ Requests become GenerateRequests (openai_schema.py) and run through
 response is in, so a refusal (unknown model, full queue, prompt too long) is an HTTP status with
 OpenAI's error body, never a 200 stream that carries an error; an error after that is sent as
 one ``data: {"error": ...}`` event before ``[DONE]``, as vLLM does.
+
+A router that dies cuts its HTTP streams (the connection drops without ``[DONE]``); a client
+that asked for ``return_resume`` sends the request again with ``resume`` (openai_schema.py) to
+any router, and the answer goes on where it stopped. Any other client sees a dropped connection
+(or a proxy's 502/503) and must ask again from the start.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import time
@@ -130,7 +136,7 @@ async def _respond(service: GenerationService, request: Request, parsed: OpenAIR
     envelope = {"id": shape.id_prefix + parsed.generate.request_id, "created": int(time.time()), "model": shape.model}
     responses = service.generate(parsed.generate)
     if parsed.stream:
-        return await _stream(request, responses, envelope, shape, parsed.include_usage)
+        return await _stream(request, responses, envelope, shape, parsed.include_usage, parsed.return_resume)
     return await _complete(request, responses, envelope, shape)
 
 
@@ -151,7 +157,15 @@ async def _complete(request: Request, responses: AsyncIterator[pb.GenerateRespon
     return JSONResponse(body)
 
 
-async def _stream(request: Request, responses: AsyncIterator[pb.GenerateResponse], envelope: dict, shape, include_usage: bool) -> Response:
+def resume_body(response: pb.GenerateResponse) -> dict:
+    """What a chunk carries for a resume: its new token ids, the tag of every id so far, the seed."""
+    body = {"token_ids": list(response.token_ids), "tag": base64.b64encode(response.resume_tag).decode()}
+    if response.HasField("seed"):
+        body["seed"] = response.seed
+    return body
+
+
+async def _stream(request: Request, responses: AsyncIterator[pb.GenerateResponse], envelope: dict, shape, include_usage: bool, return_resume: bool = False) -> Response:
     first = await answered_unless_disconnected(request.receive, anext(responses))
     if first is None:
         return Response(status_code=499)
@@ -179,7 +193,9 @@ async def _stream(request: Request, responses: AsyncIterator[pb.GenerateResponse
     def from_response(response: pb.GenerateResponse) -> bytes:
         finish_reason = _FINISH_REASONS.get(response.finish_reason)
         out = b""
-        if response.text:
+        if return_resume and response.token_ids:  # every id, even one whose text is still incomplete
+            out += sse_event({**chunk, "choices": [shape.delta(response.text, None)], "resume": resume_body(response)})
+        elif response.text:
             out += sse_event({**chunk, "choices": [shape.delta(response.text, None)]})
         if finish_reason is not None:
             out += sse_event({**chunk, "choices": [shape.delta("", finish_reason)]})

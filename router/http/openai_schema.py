@@ -4,11 +4,18 @@ Each check raises APIError naming the field as the client wrote it. Fields are r
 declared: a field this module does not know is ignored (clients add vendor extensions), but a
 field of the OpenAI API that would change the output and that splitserve cannot honour
 (``logprobs``, ``n`` > 1, penalties, tools, ...) is refused rather than silently dropped.
-Extensions that vLLM also accepts: ``top_k``, ``ignore_eos``, ``stop_token_ids``.
+Extensions that vLLM also accepts: ``top_k``, ``ignore_eos``, ``stop_token_ids``. splitserve's
+own, for resuming an answer whose router died (the gRPC API's ``GenerateRequest.resume``):
+``return_resume: true`` makes every streamed chunk carry ``resume`` (the chunk's new token ids,
+the tag of every id so far, and, on the first, the seed), and ``resume: {"token_ids": [...],
+"tag": "..."}`` (every id received, the last tag; with ``seed`` set to the reported one) goes on
+after them.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -51,6 +58,8 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     """``stream_options.include_usage``: a last chunk carries the usage."""
+    return_resume: bool = False
+    """Chunks carry what a resume needs (token ids, tag, seed)."""
 
 
 def parse_completion(body: object, models: Mapping[str, pb.ModelInfo]) -> OpenAIRequest:
@@ -114,7 +123,24 @@ def _common(body: dict, request: pb.GenerateRequest, models: Mapping[str, pb.Mod
     if options and not stream:
         raise invalid("stream_options", "only allowed when stream is true")
     include_usage = _boolean(options or {}, "include_usage", False, "stream_options.include_usage")
-    return OpenAIRequest(request, model, stream, include_usage)
+    _resume(body.get("resume"), request)
+    return OpenAIRequest(request, model, stream, include_usage, _boolean(body, "return_resume", False))
+
+
+def _resume(resume: object, request: pb.GenerateRequest) -> None:
+    """``resume``: the token ids a cut stream delivered and the last tag its chunks carried."""
+    if resume is None:
+        return
+    if not isinstance(resume, dict):
+        raise invalid("resume", f"must be an object with token_ids and tag, got {type(resume).__name__}")
+    request.resume.token_ids.extend(_int_list(resume, "token_ids", "resume.token_ids"))
+    tag = resume.get("tag")
+    if not isinstance(tag, str):
+        raise invalid("resume.tag", "required: the tag of the last chunk received (base64)")
+    try:
+        request.resume.tag = base64.b64decode(tag, validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid("resume.tag", "not base64") from None
 
 
 def _model(model: object, models: Mapping[str, pb.ModelInfo]) -> str:
@@ -237,10 +263,10 @@ def _boolean(body: Mapping, name: str, default: bool, where: str | None = None) 
     return value
 
 
-def _int_list(body: Mapping, name: str) -> list[int]:
+def _int_list(body: Mapping, name: str, where: str | None = None) -> list[int]:
     value = body.get(name)
     if value is None:
         return []
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _INT32_MAX for v in value):
-        raise invalid(name, "must be a list of token ids (integers >= 0)")
+        raise invalid(where or name, "must be a list of token ids (integers >= 0)")
     return value

@@ -1,16 +1,19 @@
 """A router that dies mid-stream on a real cluster (three router replicas, real Ray, real gRPC):
 a client holding several routers' addresses resumes each cut answer through another router with
 the tokens it received, and the answer completes token-identical to an undisturbed run: greedy,
-seeded, and sampled without a seed (the seed the router chose and reported)."""
+seeded, and sampled without a seed (the seed the router chose and reported). The OpenAI HTTP API
+takes the same resume."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
+import requests
 
 from engine.config import EngineConfig
 from router.client import SplitServeClient
@@ -35,7 +38,7 @@ NUM_READ = 3
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_llama_dir):
     engine = EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=256, max_num_seqs=8, max_model_len=512)
-    config = ClusterConfig(engine=engine, router=RouterConfig(port=0, worker_refresh_interval_s=0.25), num_routers=3)
+    config = ClusterConfig(engine=engine, router=RouterConfig(port=0, http_port=0, worker_refresh_interval_s=0.25), num_routers=3)
     with running_cluster(config) as c:
         yield c
 
@@ -91,3 +94,47 @@ def test_streams_cut_by_a_router_killed_with_sigkill_complete_on_another(cluster
         wait_until(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z")
 
     cut_streams(cluster, [2, 1], sigkill)
+
+
+def sse_chunks(url: str, body: dict, num_token_ids: int | None = None) -> list[dict]:
+    """The chunks of a streamed completion; with ``num_token_ids``, the stream is cut (its
+    connection closed) once that many token ids have arrived."""
+    chunks, num_ids = [], 0
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60) as response:
+        assert response.status_code == 200, response.text
+        for line in response.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunks.append(json.loads(line[len(b"data: "):]))
+            num_ids += len(chunks[-1].get("resume", {}).get("token_ids", []))
+            if num_token_ids is not None and num_ids >= num_token_ids:
+                break
+    return chunks
+
+
+def ids_and_text(chunks: list[dict]) -> tuple[list[int], str]:
+    return [t for c in chunks for t in c.get("resume", {}).get("token_ids", [])], "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+def test_an_http_stream_cut_mid_answer_resumes_through_the_openai_api(cluster):
+    """The stream is cut by closing its connection (what a client sees when its router dies); the
+    resume goes to a router through /v1/completions with what the cut chunks carried."""
+    url = cluster.router_statuses[1].http_url
+    with SplitServeClient(addresses(cluster)[1]) as client:
+        model = client.list_models()[0].id
+    [prompt] = random_prompts([30], seed=53)
+    body = dict(model=model, prompt=prompt, max_tokens=60, temperature=0.9, ignore_eos=True, stream=True, return_resume=True)
+    cut = sse_chunks(url, body, num_token_ids=5)
+    seed = cut[0]["resume"]["seed"]
+    cut_ids, cut_text = ids_and_text(cut)
+    resume = {"token_ids": cut_ids, "tag": cut[-1]["resume"]["tag"]}
+    rest_ids, rest_text = ids_and_text(sse_chunks(url, dict(body, seed=seed, resume=resume)))
+    full_ids, full_text = ids_and_text(sse_chunks(url, dict(body, seed=seed)))
+    assert len(full_ids) == 60
+    assert (cut_ids + rest_ids, cut_text + rest_text) == (full_ids, full_text)
+
+    altered = dict(resume, token_ids=[*cut_ids[:-1], (cut_ids[-1] + 1) % 100])
+    refused = requests.post(f"{url}/v1/completions", json=dict(body, seed=seed, resume=altered), timeout=60)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "resume.tag"
+    assert refused.json()["error"]["message"].startswith(f"resume.tag: does not match the request and its {len(cut_ids)} token ids")
