@@ -5,6 +5,7 @@ Plain data: the controller (router/controller.py) changes it; the collector read
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -86,3 +87,23 @@ class ReplicaCollector(Collector):
             restarts.add_metric([pool], state.num_restarts)
             failed.add_metric([pool], state.num_failed_starts)
         yield from (gauge, target, starting, restarts, failed)
+
+
+class ControllerCollector(Collector):
+    """The controller's own history: its generation, restarts and the routers it started again.
+    ``read`` returns ``(ControllerHistory, num_router_restarts)`` at scrape time."""
+
+    def __init__(self, read: Callable[[], tuple[object, int]]) -> None:
+        self._read = read
+
+    def collect(self):
+        history, num_router_restarts = self._read()
+        generation = GaugeMetricFamily("splitserve_controller_generation", "The controller's generation (one more at every start or restart).")
+        generation.add_metric([], history.generation)
+        restarts = CounterMetricFamily("splitserve_controller_restarts", "Times Ray restarted the controller after it died.")
+        restarts.add_metric([], history.num_restarts)
+        last = GaugeMetricFamily("splitserve_controller_last_restart_timestamp_seconds", "Unix time of the controller's last restart (0: never).")
+        last.add_metric([], history.last_restart_unix_s)
+        routers = CounterMetricFamily("splitserve_router_restarts", "Routers the controller started again after they died.")
+        routers.add_metric([], num_router_restarts)
+        yield from (generation, restarts, last, routers)

@@ -26,13 +26,21 @@ with ``follow_nodes`` (``splitserve head`` on Kubernetes), from the Ray nodes th
 health round reads ``ray.nodes()``, keeps one replica pinned to every slot of a pool's resource
 (router/node_slots.py) and forgets the replicas of nodes that are gone. A worker pod that is
 being stopped calls ``drain_node`` first, so its replicas finish what they run before its node goes.
+
+Surviving its own death: replicas and routers are detached actors named in the namespace, so they
+outlive this actor, which Ray restarts (``max_restarts=-1``, router/launch.py). A restarted
+controller takes the next generation and rebuilds its map from the live ``splitserve-*`` actors
+and the few facts router/controller_store.py keeps (pool specs and targets, joins, drains,
+routers); then it acts on the difference (router/reconcile.py): adopted replicas stay, half-started
+ones are stopped, a drain goes on or is taken back, missing replicas and dead routers are started.
+Every act that starts or stops an actor first checks that its generation is still the stored one
+(``StaleGenerationError`` otherwise), so an old controller never races a new one's acts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-import itertools
 import logging
 import time
 from collections import Counter
@@ -45,17 +53,37 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from proto import splitserve_pb2 as pb
 from router import placement
-from router.cluster_map import ClusterMap, MapReplica, PoolState, ReplicaCollector
-from router.controller_config import CONTROLLER_NAME, NAMESPACE, POOLS, ControllerConfig, ReplicaSpec, pool_resource
+from router.cluster_map import ClusterMap, ControllerCollector, MapReplica, PoolState, ReplicaCollector
+from router.controller_config import (
+    CONTROLLER_NAME,
+    NAMESPACE,
+    POOLS,
+    ControllerConfig,
+    ReplicaSpec,
+    RouterSpec,
+    StaleGenerationError,
+    pool_resource,
+    replica_actor_name,
+)
+from router.controller_recovery import Recovery
+from router.controller_routers import RouterKeeping
+from router.controller_store import ControllerHistory, ControllerStore, ReplicaRecord
 from router.node_slots import alive_node_ids, node_slots, slots_to_fill
+from router.reconcile import plan_pool
 
-__all__ = ["CONTROLLER_NAME", "NAMESPACE", "POOLS", "ClusterController", "ControllerConfig", "ReplicaSpec", "pool_resource"]
+__all__ = [
+    "CONTROLLER_NAME", "NAMESPACE", "POOLS", "ClusterController", "ControllerConfig", "ReplicaSpec", "RouterSpec", "StaleGenerationError", "pool_resource",
+]
 
 logger = logging.getLogger(__name__)
 
 
 _DRAIN_POLL_S = 0.2
 """How often drain_node looks whether its node is empty yet."""
+
+
+def _in_actor() -> bool:
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 def _reason(error: Exception) -> str:
@@ -66,47 +94,76 @@ def _reason(error: Exception) -> str:
     return text.splitlines()[-1] if text else repr(error)
 
 
-class ClusterController:
+class ClusterController(Recovery, RouterKeeping):
     """Pools, replicas, routers and health. Run as a named async Ray actor."""
 
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
         self._state = ClusterMap()
-        self._ids = {pool: itertools.count() for pool in POOLS}
+        self._next_index = dict.fromkeys(POOLS, 0)
+        self._routers: dict[str, object] = {}
+        """Router id -> handle of the routers this controller keeps alive."""
+        self._router_specs: dict[str, RouterSpec] = {}
+        self._routers_starting: set[str] = set()
+        self._recovery: asyncio.Task | None = None
+        self.num_router_restarts = 0
         self._health_task: asyncio.Task | None = None
         self._replacements: set[asyncio.Task] = set()
         self._introducing = asyncio.Lock()
+        self._reserving_id = asyncio.Lock()
         self._draining_nodes: dict[str, float] = {}
         """Node id -> drain timeout of the nodes being drained: their slots count for no pool."""
         self._starting_on: Counter[tuple[str, str]] = Counter()
         """(pool, node id) -> replicas being started there by the node follower."""
+        # Outside a Ray actor (unit tests build one directly) there is nothing to recover or fence.
+        self.store = ControllerStore() if _in_actor() else None
+        restarted = bool(self.store and ray.get_runtime_context().was_current_actor_reconstructed)
+        self.history = self.store.begin_generation(restarted) if self.store else ControllerHistory(0, 0, 0.0)
+        self.generation = self.history.generation
         registry = CollectorRegistry()
         registry.register(ReplicaCollector(self._state))
+        registry.register(ControllerCollector(lambda: (self.history, self.num_router_restarts)))
         server, _ = start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
         self.metrics_url = f"http://{config.metrics_host}:{server.server_port}/metrics"
+        if self.store is not None:
+            if restarted:
+                logger.warning("controller: restarted as generation %d (restart %d); rebuilding the map", self.generation, self.history.num_restarts)
+            self._recovery = asyncio.get_running_loop().create_task(self._recover())
 
-    async def set_pool(self, spec: ReplicaSpec, num_replicas: int) -> list[pb.ReplicaStatus]:
+    async def controller_history(self) -> ControllerHistory:
+        """This controller's generation and how often it was restarted."""
+        return self.history
+
+    async def set_pool(self, spec: ReplicaSpec, num_replicas: int, generation: int | None = None) -> list[pb.ReplicaStatus]:
         """Keep ``spec.pool`` at ``num_replicas`` replicas started from ``spec``: start the missing
         ones now (all at once; raises if one fails, after stopping it) or remove the newest surplus
-        ones. Returns the statuses of the replicas started."""
+        ones. Returns the statuses of the replicas started. With ``generation``, refused unless it
+        is this controller's (as every act here)."""
         if num_replicas < 0:
             raise ValueError(f"num_replicas: must be >= 0, got {num_replicas}")
+        self._check_generation(generation)
+        await self._recovered()
+        await self._fence()
         pool = self._state.pools[spec.pool]
         pool.spec, pool.target = spec, num_replicas
+        await self._save("save_pool", spec.pool, spec, num_replicas)
         members = self._state.members(spec.pool)
         for replica_id in members[num_replicas:][::-1]:
             await self._remove(replica_id)
         return await self._start_missing(pool, spec, num_replicas - len(members) - pool.num_starting)
 
-    async def add_replica(self, spec: ReplicaSpec) -> pb.ReplicaStatus:
+    async def add_replica(self, spec: ReplicaSpec, generation: int | None = None) -> pb.ReplicaStatus:
         """Grow ``spec.pool`` by one replica started from ``spec``; returns its first status.
         A replica that fails to start is stopped, and the pool's target is left as it was."""
+        self._check_generation(generation)
+        await self._recovered()
         started = await self._start(spec)
         pool = self._state.pools[spec.pool]
         pool.spec, pool.target = spec, pool.target + 1
+        await self._save("save_pool", spec.pool, spec, pool.target)
         return started
 
-    async def scale_pool(self, pool_name: str, target: int, drain_timeout_s: float = 300.0) -> None:
+    async def scale_pool(self, pool_name: str, target: int, drain_timeout_s: float = 300.0, generation: int | None = None) -> None:
         """Set a pool's size (the planner's action): start the replicas it lacks now, and drain
         the newest surplus ones: they take no new request, finish the ones they have (or are
         removed after ``drain_timeout_s``), then leave the map, which tells routers that their
@@ -119,19 +176,33 @@ class ClusterController:
             raise ValueError(f"target: must be >= 0, got {target}")
         if self.config.follow_nodes:
             raise ValueError(f"pool {pool_name!r} follows the Ray nodes (follow_nodes): scale its worker group instead")
+        self._check_generation(generation)
+        await self._recovered()
         pool = self._state.pools[pool_name]
         if pool.spec is None:
             raise ValueError(f"pool {pool_name!r} was never started: no spec to start replicas from")
+        await self._fence()
         pool.target = target
+        await self._save("save_pool", pool_name, pool.spec, target)
+        await self._reconcile_pool(pool_name, drain_timeout_s, start_now=True)
+
+    async def _reconcile_pool(self, pool_name: str, drain_timeout_s: float, start_now: bool) -> None:
+        """Act on the difference between a pool's target and its replicas (router/reconcile.py):
+        take back drains, drain the newest surplus, start what is missing (now, raising if one
+        fails, or ``start_now`` False: in the background, retried after the backoff)."""
+        pool = self._state.pools[pool_name]
         members = [self._state.replicas[rid] for rid in self._state.members(pool_name)]
         active = [r.status.replica_id for r in members if not r.draining]
         draining = [r.status.replica_id for r in members if r.draining and r.node_id not in self._draining_nodes]
-        for replica_id in draining[::-1][: max(0, target - len(active))]:  # take back the newest drains first
-            self._set_draining(replica_id, False)
-            active.append(replica_id)
-        for replica_id in active[target:][::-1]:
-            self._drain_in_background(replica_id, drain_timeout_s)
-        await self._start_missing(pool, pool.spec, target - len(active) - pool.num_starting)
+        plan = plan_pool(pool.target, active, draining, pool.num_starting)
+        for replica_id in plan.undrain:
+            await self._set_draining(replica_id, False)
+        for replica_id in plan.drain:
+            await self._drain_in_background(replica_id, drain_timeout_s)
+        if start_now:
+            await self._start_missing(pool, pool.spec, plan.num_to_start)
+        else:
+            self._heal()
 
     async def drain_node(self, node_id: str, timeout_s: float = 300.0) -> list[str]:
         """Drain every replica on Ray node ``node_id`` (its pod is being stopped): routers send
@@ -142,6 +213,7 @@ class ClusterController:
         node, with the ids of the replicas drained."""
         if timeout_s < 0:
             raise ValueError(f"timeout_s: must be >= 0, got {timeout_s}")
+        await self._recovered()
         self._draining_nodes[node_id] = timeout_s
         deadline = time.monotonic() + timeout_s
         drained = []
@@ -149,11 +221,12 @@ class ClusterController:
             on_node = [rid for rid, r in self._state.replicas.items() if r.node_id == node_id]
             for replica_id in on_node:
                 if not self._state.replicas[replica_id].draining:
-                    self._drain_in_background(replica_id, max(0.0, deadline - time.monotonic()))
-                    drained.append(replica_id)
                     if not self.config.follow_nodes:  # its pool shrinks: no replacement anywhere
                         pool = self._state.pools[self._state.replicas[replica_id].status.pool]
                         pool.target = max(0, pool.target - 1)
+                        await self._save("save_pool", pool.spec.pool, pool.spec, pool.target)
+                    await self._drain_in_background(replica_id, max(0.0, deadline - time.monotonic()))
+                    drained.append(replica_id)
             starting = sum(n for (_, nid), n in self._starting_on.items() if nid == node_id)
             if not on_node and not starting:
                 return drained
@@ -167,8 +240,10 @@ class ClusterController:
         alive nodes (``node_slots``): fill the slots now, then every health round."""
         if not self.config.follow_nodes:
             raise ValueError("follow_nodes: off in this controller's config; set_pool sizes its pools")
+        await self._recovered()
         for spec in specs:
             self._state.pools[spec.pool].spec = spec
+            await self._save("save_pool", spec.pool, spec, self._state.pools[spec.pool].target)
         self._ensure_health_loop()
         await self._follow_nodes_once()
 
@@ -185,7 +260,7 @@ class ClusterController:
                 logger.warning("controller: node %s of replica %s is gone; forgetting the replica", replica.node_id, replica_id)
                 await self._remove(replica_id)
             elif replica.node_id in self._draining_nodes and not replica.draining:
-                self._drain_in_background(replica_id, self._draining_nodes[replica.node_id])
+                await self._drain_in_background(replica_id, self._draining_nodes[replica.node_id])
         for name, pool in self._state.pools.items():
             if pool.spec is None:
                 continue
@@ -220,12 +295,18 @@ class ClusterController:
             self._failed_start(pool, e)
             raise
 
-    def _set_draining(self, replica_id: str, draining: bool) -> None:
+    async def _set_draining(self, replica_id: str, draining: bool, timeout_s: float = 0.0) -> None:
+        """Mark a replica draining (or not), recorded first: a restarted controller goes on with it."""
         replica = self._state.replicas[replica_id]
+        await self._save("save_replica", self._record(replica_id, replica, draining, time.time() + timeout_s))
         replica.draining = replica.status.draining = draining
 
-    def _drain_in_background(self, replica_id: str, timeout_s: float) -> None:
-        self._set_draining(replica_id, True)
+    def _record(self, replica_id: str, replica: MapReplica, draining: bool = False, drain_deadline_unix_s: float = 0.0) -> ReplicaRecord:
+        started_unix_s = time.time() - (time.monotonic() - replica.started_s)
+        return ReplicaRecord(replica_id, replica.status.pool, replica.node_id, started_unix_s, draining, drain_deadline_unix_s if draining else 0.0)
+
+    async def _drain_in_background(self, replica_id: str, timeout_s: float) -> None:
+        await self._set_draining(replica_id, True, timeout_s)
         self._spawn(self._drain(replica_id, timeout_s))
 
     def _spawn(self, coroutine) -> None:
@@ -256,13 +337,18 @@ class ClusterController:
         if replica is not None and replica.draining:
             await self._remove(replica_id)
 
-    async def remove_replica(self, replica_id: str) -> bool:
+    async def remove_replica(self, replica_id: str, generation: int | None = None) -> bool:
         """Stop a replica for good: its pool's target shrinks by one (it is not replaced)."""
+        self._check_generation(generation)
+        await self._recovered()
         replica = self._state.replicas.get(replica_id)
         if replica is None:
             return False
+        await self._fence()
         pool = self._state.pools[replica.status.pool]
         pool.target = max(0, pool.target - 1)
+        if pool.spec is not None:
+            await self._save("save_pool", pool.spec.pool, pool.spec, pool.target)
         return await self._remove(replica_id)
 
     async def _start(self, spec: ReplicaSpec, node_id: str | None = None) -> pb.ReplicaStatus:
@@ -271,15 +357,18 @@ class ClusterController:
         self._ensure_health_loop()
         module, _, name = spec.actor_class.partition(":")
         actor_class = ray.remote(getattr(importlib.import_module(module), name))
-        replica_id = f"{spec.pool}-{next(self._ids[spec.pool])}"
         pool = self._state.pools[spec.pool]
         pool.num_starting += 1
-        group = handle = None
+        group = handle = replica_id = None
         try:
+            await self._fence()
+            replica_id = await self._new_replica_id(spec.pool)
             options = dict(num_cpus=spec.num_cpus, resources={pool_resource(spec.pool): 1})
             if spec.tp_size > 1:
                 wanted = placement.bundles(spec.tp_size, spec.num_cpus, spec.tp_rank_cpus, pool_resource(spec.pool), spec.tp_rank_gpus)
-                group = await placement.reserve(f"a {spec.rank_kind} {spec.tp_size} {spec.pool} replica", wanted, spec.placement_timeout_s, node_id)
+                group = await placement.reserve(
+                    f"a {spec.rank_kind} {spec.tp_size} {spec.pool} replica", wanted, spec.placement_timeout_s, node_id, name=replica_actor_name(replica_id)
+                )
                 strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0, placement_group_capture_child_tasks=False)
                 options.update(scheduling_strategy=strategy, num_gpus=spec.tp_rank_gpus)
             else:
@@ -288,17 +377,20 @@ class ClusterController:
                 if node_id is not None:
                     options.update(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
             handle = actor_class.options(
-                name=f"splitserve-{replica_id}", namespace=NAMESPACE, max_concurrency=10_000, max_restarts=0, **options
+                name=replica_actor_name(replica_id), namespace=NAMESPACE, lifetime="detached", max_concurrency=10_000, max_restarts=0, **options
             ).remote(replica_id, *spec.init_args)
             model = await handle.model_info.remote()
             status = await handle.status.remote()
             node_id = node_id or await handle.__ray_call__.remote(placement.actor_node_id)
             async with self._introducing:  # one at a time: each sees every replica introduced before it
+                await self._fence()  # a newer controller may have taken over while this one loaded
                 await self._introduce(replica_id, spec.pool, handle)
                 replica = MapReplica(handle, model, status, time.monotonic(), placement_group=group, node_id=node_id)
+                await self._save("save_replica", self._record(replica_id, replica))  # joined: adopted after a restart
                 self._state.replicas[replica_id] = replica  # routers may pick it from now on
         except BaseException:
-            self._state.kv_endpoints.pop(replica_id, None)
+            if replica_id is not None:
+                self._state.kv_endpoints.pop(replica_id, None)
             if handle is not None:
                 ray.kill(handle)  # never leave a half-started replica running
             placement.release(group)
@@ -306,6 +398,15 @@ class ClusterController:
         finally:
             pool.num_starting -= 1
         return status
+
+    async def _new_replica_id(self, pool: str) -> str:
+        """A replica id never handed out before, by this controller or an earlier generation."""
+        async with self._reserving_id:  # one at a time: two starts never read the same next index
+            index = self._next_index[pool]
+            if self.store is not None:
+                index = await asyncio.to_thread(self.store.reserve_id, pool, index)
+            self._next_index[pool] = index + 1
+        return f"{pool}-{index}"
 
     async def _introduce(self, replica_id: str, pool: str, handle) -> None:
         """Make a new replica and the other pool's replicas known to each other: prefill workers
@@ -327,9 +428,13 @@ class ClusterController:
 
     async def _remove(self, replica_id: str) -> bool:
         """Take a replica out of the map, release what the others hold for it, stop it."""
+        if replica_id not in self._state.replicas:
+            return False
+        await self._fence()
         replica = self._state.replicas.pop(replica_id, None)
         if replica is None:
             return False
+        await self._save("forget_replica", replica_id)
         endpoints = self._state.kv_endpoints.pop(replica_id, None)
         if endpoints:
             prefill = [r.handle for r in self._state.replicas.values() if r.status.pool == "prefill"]
@@ -437,7 +542,9 @@ class ClusterController:
         )
 
     async def shutdown(self) -> None:
-        """Stop every replica (routers are stopped by whoever started them); nothing is replaced."""
+        """Stop the routers it keeps and every replica (they are detached: nothing else would),
+        and forget the cluster: a controller started later starts from nothing."""
+        await self._recovered()
         if self._health_task is not None:
             self._health_task.cancel()
         tasks = list(self._replacements)
@@ -445,21 +552,34 @@ class ClusterController:
             task.cancel()
         if tasks:  # let each cancelled start stop its actor and release its group before this returns
             await asyncio.wait(tasks, timeout=self.config.health_check_timeout_s)
+        self._router_specs.clear()
+        await asyncio.gather(*(self._stop_router(rid) for rid in list(self._routers)))
         for pool in self._state.pools.values():
             pool.target = 0
         for replica_id in list(self._state.replicas):
             await self._remove(replica_id)
+        await self._save("clear")
 
     async def _check_health_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
-            if self.config.follow_nodes:
-                try:
-                    await self._follow_nodes_once()
-                except Exception:  # the GCS may be briefly unreachable: try again next round
-                    logger.exception("controller: following the Ray nodes failed")
-            await asyncio.gather(*(self._check(rid) for rid in list(self._state.replicas)))
-            self._heal()
+            try:
+                await self._health_round()
+            except StaleGenerationError as e:
+                logger.error("controller: %s; this controller stops acting", e)
+                return
+
+    async def _health_round(self) -> None:
+        if self.config.follow_nodes:
+            try:
+                await self._follow_nodes_once()
+            except StaleGenerationError:
+                raise
+            except Exception:  # the GCS may be briefly unreachable: try again next round
+                logger.exception("controller: following the Ray nodes failed")
+        await asyncio.gather(*(self._check(rid) for rid in list(self._state.replicas)))
+        await asyncio.gather(*(self._check_router(rid) for rid in list(self._router_specs)))
+        self._heal()
 
     async def _check(self, replica_id: str) -> None:
         replica = self._state.replicas.get(replica_id)

@@ -6,11 +6,30 @@ without the actor's machinery.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 CONTROLLER_NAME = "splitserve-controller"
 NAMESPACE = "splitserve"
 POOLS = ("prefill", "decode")
+ROUTER_CLASS = "router.replica:RouterReplica"
+_REPLICA_NAME = re.compile(r"splitserve-(prefill|decode)-(\d+)")
+
+
+def replica_actor_name(replica_id: str) -> str:
+    """The Ray actor name (in ``NAMESPACE``) of worker replica or router ``replica_id``."""
+    return f"splitserve-{replica_id}"
+
+
+def parse_replica_name(actor_name: str) -> tuple[str, int] | None:
+    """``(pool, index)`` of a worker replica's actor name (``splitserve-decode-3``); None for any other name."""
+    match = _REPLICA_NAME.fullmatch(actor_name)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+class StaleGenerationError(RuntimeError):
+    """An act asked of (or by) a controller whose generation is no longer the newest: a restarted
+    controller has taken over, and only it changes replicas."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +52,9 @@ class ControllerConfig:
     """Longest delay between replacements."""
     stable_after_s: float = 30.0
     """A replica that ran this long counts as healthy: its death is replaced at once, with no backoff."""
+    drain_timeout_s: float = 300.0
+    """How long a drain that a restarted controller starts itself (a scale-down cut short before
+    its drains were recorded) waits for the replica's requests before removing it."""
     follow_nodes: bool = False
     """Size each pool by the Ray nodes (Kubernetes): one replica per slot of the pool's resource on
     each alive node, started when a node joins and forgotten when it goes; off, pools keep the
@@ -45,6 +67,8 @@ class ControllerConfig:
             raise ValueError(f"restart_backoff_s: must be > 0 and <= max_restart_backoff_s, got {self.restart_backoff_s} / {self.max_restart_backoff_s}")
         if self.stable_after_s < 0:
             raise ValueError(f"stable_after_s: must be >= 0, got {self.stable_after_s}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if self.max_failed_health_checks < 1:
             raise ValueError(f"max_failed_health_checks: must be >= 1, got {self.max_failed_health_checks}")
 
@@ -78,6 +102,28 @@ class ReplicaSpec:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
         if self.pool not in POOLS:
             raise ValueError(f"pool: {self.pool!r} is not one of {POOLS}")
+        if ":" not in self.actor_class:
+            raise ValueError(f"actor_class: {self.actor_class!r} is not module:Class")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How to start one router replica; the controller keeps every router it started alive."""
+
+    router_id: str
+    """Its id, e.g. "router-0"; its actor is named ``splitserve-<router_id>``."""
+    config: object
+    """Its RouterConfig (ports included: a replacement listens where the dead router listened)."""
+    actor_class: str = ROUTER_CLASS
+    """``module:Class`` of the router actor."""
+    node_id: str | None = None
+    """The Ray node it runs on (the head's); None lets Ray choose."""
+
+    def __post_init__(self) -> None:
+        if not self.router_id:
+            raise ValueError("router_id: must not be empty")
+        if parse_replica_name(replica_actor_name(self.router_id)) is not None:
+            raise ValueError(f"router_id: {self.router_id!r} is a worker replica's id")
         if ":" not in self.actor_class:
             raise ValueError(f"actor_class: {self.actor_class!r} is not module:Class")
 

@@ -20,7 +20,8 @@ from prefill_worker.config import PrefillWorkerConfig
 from proto import splitserve_pb2 as pb
 from proto.tls import ClusterTLSConfig, ray_tls_env
 from router.config import RouterConfig
-from router.controller import CONTROLLER_NAME, NAMESPACE, POOLS, ClusterController, ControllerConfig, ReplicaSpec, pool_resource
+from router.controller import CONTROLLER_NAME, NAMESPACE, POOLS, ClusterController, ControllerConfig, ReplicaSpec, RouterSpec, pool_resource
+from router.controller_config import parse_replica_name
 from router.replica import RouterReplica
 
 DECODE_WORKER_CLASS = "decode_worker.actor:DecodeWorker"
@@ -154,7 +155,12 @@ def _this_node() -> NodeAffinitySchedulingStrategy:
 
 
 class Cluster:
-    """Handles on a running cluster's controller and routers; ``stop`` tears down what it started."""
+    """Handles on a running cluster's controller and routers; ``stop`` tears down what it started.
+
+    The controller, the replicas and the routers are detached actors: the controller restarts
+    when it dies (Ray starts it again and it rebuilds its map), and it keeps the replicas and
+    routers alive. Detached actors outlive this process, so ``stop`` must run (``splitserve up``
+    runs it on exit)."""
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
@@ -180,7 +186,10 @@ class Cluster:
         init_ray(self.config.ray_address, self.config.router.cluster_tls)
         self.controller = (
             ray.remote(ClusterController)
-            .options(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000, scheduling_strategy=_this_node())
+            .options(
+                name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000, scheduling_strategy=_this_node(),
+                lifetime="detached", max_restarts=-1,
+            )
             .remote(self.config.controller)
         )
         decode, prefill = self.config.replica_spec("decode"), self.config.replica_spec("prefill")
@@ -188,10 +197,16 @@ class Cluster:
             ray.get(self.controller.follow_nodes.remote([decode, prefill]))
         else:
             ray.get([self.controller.set_pool.remote(decode, self.config.num_decode), self.controller.set_pool.remote(prefill, self.config.num_prefill)])
-        for i in range(self.config.num_routers):
-            self.routers.append(self.start_router(f"router-{i}", self.config.router_config(i)))
-        self.router_statuses = ray.get([router.start.remote() for router in self.routers])
+        node_id = ray.get_runtime_context().get_node_id()
+        specs = [RouterSpec(f"router-{i}", self.config.router_config(i), node_id=node_id) for i in range(self.config.num_routers)]
+        self.router_statuses = ray.get(self.controller.set_routers.remote(specs))
+        self.routers = [self.router_handle(spec.router_id) for spec in specs]
         return self.router_status
+
+    @staticmethod
+    def router_handle(router_id: str):
+        """The live actor of router ``router_id`` (after a replacement, the new one's)."""
+        return ray.get_actor(f"splitserve-{router_id}", namespace=NAMESPACE)
 
     @staticmethod
     def start_router(router_id: str, config: RouterConfig):
@@ -203,13 +218,20 @@ class Cluster:
         )
 
     def stop(self) -> None:
-        """Stop the routers and every replica, then the controller."""
-        if self.routers:
-            ray.get([router.stop.remote() for router in self.routers])
-            for router in self.routers:
-                ray.kill(router)
-            self.routers, self.router_statuses = [], []
-        if self.controller is not None:
+        """Stop the routers and every replica (the controller does), then the controller; a
+        replica actor left behind by a controller that could not finish is killed here."""
+        self.routers, self.router_statuses = [], []
+        if self.controller is None:
+            return
+        try:
             ray.get(self.controller.shutdown.remote())
-            ray.kill(self.controller)
+        finally:
+            ray.kill(self.controller)  # no_restart: this time it stays down
             self.controller = None
+            for actor in ray.util.list_named_actors(all_namespaces=True):
+                if actor["namespace"] == NAMESPACE and parse_replica_name(actor["name"]) is not None:
+                    logger.warning("cluster: replica %s outlived its controller; killing it", actor["name"])
+                    try:
+                        ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE))
+                    except ValueError:
+                        pass  # gone meanwhile

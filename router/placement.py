@@ -8,6 +8,11 @@ some node could hold it at all, so an impossible size fails at once with a sente
 is needed and what exists, instead of a placement group that waits forever. When the controller
 follows the nodes (Kubernetes), the group is pinned to one node by the ``ray.io/node-id`` label
 Ray gives every node.
+
+Groups are detached and named after their replica (``splitserve-decode-3``): a group an actor
+creates dies with it otherwise, and the ranks in it with the group, so a controller's death would
+take every multi-rank replica down. A restarted controller finds a replica's group by that name
+(``find``), and removes the groups of replicas that never finished starting (``orphans``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from __future__ import annotations
 import asyncio
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray._raylet import PlacementGroupID
+from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group, placement_group_table, remove_placement_group
 
 from router.errors import PlacementError
 from router.node_slots import is_alive
@@ -48,8 +54,8 @@ def check_fits(what: str, wanted: list[dict[str, float]], nodes: list[dict]) -> 
     raise PlacementError(f"{what} needs {needed} on one node, but the largest node has {has} ({len(totals)} nodes alive)")
 
 
-async def reserve(what: str, wanted: list[dict[str, float]], timeout_s: float, node_id: str | None = None) -> PlacementGroup:
-    """A ready STRICT_PACK placement group of ``wanted`` (on Ray node ``node_id`` when given);
+async def reserve(what: str, wanted: list[dict[str, float]], timeout_s: float, node_id: str | None = None, name: str = "") -> PlacementGroup:
+    """A ready, detached STRICT_PACK placement group of ``wanted`` named ``name`` (on Ray node ``node_id`` when given);
     PlacementError if no node could hold it or it is not ready within ``timeout_s`` (others hold
     the resources)."""
     nodes = await asyncio.to_thread(ray.nodes)
@@ -59,7 +65,7 @@ async def reserve(what: str, wanted: list[dict[str, float]], timeout_s: float, n
             raise PlacementError(f"{what}: no such alive Ray node")
     check_fits(what, wanted, nodes)
     selector = [{NODE_ID_LABEL: node_id} for _ in wanted] if node_id is not None else None
-    group = placement_group(wanted, strategy="STRICT_PACK", bundle_label_selector=selector)
+    group = placement_group(wanted, strategy="STRICT_PACK", name=name, lifetime="detached", bundle_label_selector=selector)
     try:
         await asyncio.wait_for(group.ready(), timeout_s)
     except asyncio.TimeoutError:
@@ -84,6 +90,23 @@ def actor_node_id(actor) -> str:
 def release(group: PlacementGroup | None) -> None:
     if group is not None:
         remove_placement_group(group)
+
+
+def find(name: str) -> PlacementGroup | None:
+    """The live placement group named ``name``; None when there is none."""
+    try:
+        return get_placement_group(name)
+    except ValueError:  # Ray raises for a name it does not know
+        return None
+
+
+def live_group_names() -> dict[str, PlacementGroup]:
+    """Name -> group of every named placement group not yet removed."""
+    return {
+        g["name"]: PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id)))
+        for pg_id, g in placement_group_table().items()
+        if g.get("name") and g.get("state") != "REMOVED"
+    }
 
 
 def _fmt(value: float) -> str:
