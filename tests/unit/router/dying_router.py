@@ -90,6 +90,9 @@ class DyingGeneration(pb_grpc.GenerationServicer):
             self.num_sent += 1
             yield response
 
+    def ListModels(self, request, context):
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id="fake", vocab_size=VOCAB_SIZE)])
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()

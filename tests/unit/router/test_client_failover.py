@@ -216,3 +216,13 @@ def test_calls_take_turns_over_the_routers(routers):
         for _ in range(4):
             assert [t for r in client.generate(PROMPT, max_tokens=2, temperature=0) for t in r.token_ids] == answer(None, 2)
     assert (len(first.calls()), len(second.calls())) == (2, 2)
+
+
+def test_unary_calls_go_to_the_first_router_that_answers(routers):
+    live, dead = routers(), closed_address()
+    with SplitServeClient([dead, live.address]) as client:
+        assert [m.id for m in client.list_models()] == ["fake"]
+    with SplitServeClient([dead, closed_address()]) as client, pytest.raises(grpc.RpcError) as e:
+        client.list_models()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert e.value.details().startswith(f"no router answered; tried {dead} (")
