@@ -96,11 +96,19 @@ class CallFailed(grpc.RpcError, grpc.Call):
         return f"{self._code.name}: {self._details}"
 
 
+_TRANSPORT_FAILURES = ("Stream removed", "Received RST_STREAM", "Connection reset", "Socket closed")
+"""Details with which gRPC reports a connection that broke under a call as UNKNOWN or INTERNAL
+(some versions and proxies do) rather than UNAVAILABLE."""
+
+
 def router_went_away(error: grpc.RpcError) -> bool:
-    """UNAVAILABLE from the transport (the router died or cannot be reached), not from a router."""
-    if not isinstance(error, grpc.Call) or error.code() != grpc.StatusCode.UNAVAILABLE:
+    """The router died or cannot be reached (UNAVAILABLE, or a broken connection reported as
+    UNKNOWN or INTERNAL), as opposed to a status a router answered itself."""
+    if not isinstance(error, grpc.Call) or ROUTER_ERROR_ORIGIN in tuple(error.trailing_metadata() or ()):
         return False
-    return ROUTER_ERROR_ORIGIN not in tuple(error.trailing_metadata() or ())
+    if error.code() == grpc.StatusCode.UNAVAILABLE:
+        return True
+    return error.code() in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and any(f in (error.details() or "") for f in _TRANSPORT_FAILURES)
 
 
 class SplitServeClient:

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from router import client as client_module
-from router.client import ROUTER_ERROR_ORIGIN, SplitServeClient, parse_addresses
+from router.client import ROUTER_ERROR_ORIGIN, CallFailed, SplitServeClient, parse_addresses, router_went_away
 from router.service import ROUTER_ERROR_METADATA
 from tests.unit.router.dying_router import SEED_CHOSEN, token
 
@@ -226,3 +226,21 @@ def test_unary_calls_go_to_the_first_router_that_answers(routers):
         client.list_models()
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert e.value.details().startswith(f"no router answered; tried {dead} (")
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "went_away"),
+    [
+        ("UNAVAILABLE", "Socket closed", True),
+        ("UNAVAILABLE", "failed to connect to all addresses", True),
+        ("UNKNOWN", "Stream removed", True),
+        ("INTERNAL", "Received RST_STREAM with error code 2", True),
+        ("INTERNAL", "a step raised ValueError", False),
+        ("INVALID_ARGUMENT", "prompt: must not be empty", False),
+        ("DEADLINE_EXCEEDED", "Deadline Exceeded", False),
+        ("CANCELLED", "Locally cancelled by application!", False),
+        ("RESOURCE_EXHAUSTED", "router has 512 calls in flight", False),
+    ],
+)
+def test_which_statuses_mean_the_router_went_away(code, details, went_away):
+    assert router_went_away(CallFailed(grpc.StatusCode[code], details)) is went_away
