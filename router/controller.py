@@ -289,8 +289,10 @@ class ClusterController(Recovery, RouterKeeping):
     async def _start_missing(self, pool: PoolState, spec: ReplicaSpec, missing: int) -> list[pb.ReplicaStatus]:
         """Start ``missing`` replicas at once (none when it is 0 or less); their statuses. If one
         fails, the pool stays short: the failure is counted and replacements follow after the backoff."""
+        missing = max(0, missing)
+        pool.num_starting += missing  # counted now, as in _heal
         try:
-            return list(await asyncio.gather(*(self._start(spec) for _ in range(missing))))
+            return list(await asyncio.gather(*(self._start(spec, counted=True) for _ in range(missing))))
         except Exception as e:
             self._failed_start(pool, e)
             raise
@@ -351,14 +353,17 @@ class ClusterController(Recovery, RouterKeeping):
             await self._save("save_pool", pool.spec.pool, pool.spec, pool.target)
         return await self._remove(replica_id)
 
-    async def _start(self, spec: ReplicaSpec, node_id: str | None = None) -> pb.ReplicaStatus:
+    async def _start(self, spec: ReplicaSpec, node_id: str | None = None, counted: bool = False) -> pb.ReplicaStatus:
         """Start a replica (on Ray node ``node_id``, or where Ray finds room) and wait until its
-        model is loaded and it is introduced to the others."""
+        model is loaded and it is introduced to the others. ``counted``: the caller already
+        added it to the pool's ``num_starting`` (when it decided to start it, so that no pass
+        in between starts a second one for the same slot)."""
         self._ensure_health_loop()
         module, _, name = spec.actor_class.partition(":")
         actor_class = ray.remote(getattr(importlib.import_module(module), name))
         pool = self._state.pools[spec.pool]
-        pool.num_starting += 1
+        if not counted:
+            pool.num_starting += 1
         group = handle = replica_id = None
         try:
             await self._fence()
@@ -489,11 +494,12 @@ class ClusterController(Recovery, RouterKeeping):
             if pool.spec is None or now < pool.next_start_s:
                 continue
             for _ in range(pool.target - len(self._state.members(name)) - pool.num_starting):
+                pool.num_starting += 1  # counted now: a pass before the task runs must not start it again
                 self._spawn(self._replace(pool))
 
     async def _replace(self, pool: PoolState) -> None:
         try:
-            status = await self._start(pool.spec)
+            status = await self._start(pool.spec, counted=True)
         except Exception as e:  # a replacement that cannot start is retried after the backoff
             self._failed_start(pool, e)
             return

@@ -44,18 +44,24 @@ class RouterKeeping:
         await self._recovered()
         for spec in specs:
             self._router_specs[spec.router_id] = spec
+            self._routers_starting.add(spec.router_id)  # before any await: a health round must not start it too
+        for spec in specs:
             await self._save("save_router", spec, None)  # known before it starts: a restart finishes its start
         self._ensure_health_loop()
         return list(await asyncio.gather(*(self._start_router(spec) for spec in specs)))
 
     async def _start_router(self, spec: RouterSpec) -> pb.RouterStatus:
-        await self._fence()
+        """Start one router; the caller has put its id in ``_routers_starting`` (taken out here)."""
+        try:
+            await self._fence()
+        except BaseException:
+            self._routers_starting.discard(spec.router_id)
+            raise
         module, _, name = spec.actor_class.partition(":")
         actor_class = ray.remote(getattr(importlib.import_module(module), name))
         options = dict(name=replica_actor_name(spec.router_id), namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=10_000)
         if spec.node_id is not None:
             options.update(scheduling_strategy=NodeAffinitySchedulingStrategy(spec.node_id, soft=False))
-        self._routers_starting.add(spec.router_id)
         handle = None
         try:
             handle = actor_class.options(**options).remote(spec.router_id, spec.config)
@@ -104,9 +110,9 @@ class RouterKeeping:
         self._spawn(self._replace_router(router_id))
 
     async def _replace_router(self, router_id: str) -> None:
-        self._routers_starting.discard(router_id)
         spec = self._router_specs.get(router_id)
         if spec is None:
+            self._routers_starting.discard(router_id)
             return
         try:
             await self._start_router(spec)

@@ -220,6 +220,7 @@ class Cluster:
     def stop(self) -> None:
         """Stop the routers and every replica (the controller does), then the controller; a
         replica actor left behind by a controller that could not finish is killed here."""
+        router_names = {f"splitserve-router-{i}" for i in range(self.config.num_routers)}
         self.routers, self.router_statuses = [], []
         if self.controller is None:
             return
@@ -229,9 +230,10 @@ class Cluster:
             ray.kill(self.controller)  # no_restart: this time it stays down
             self.controller = None
             for actor in ray.util.list_named_actors(all_namespaces=True):
-                if actor["namespace"] == NAMESPACE and parse_replica_name(actor["name"]) is not None:
-                    logger.warning("cluster: replica %s outlived its controller; killing it", actor["name"])
+                name = actor["name"]
+                if actor["namespace"] == NAMESPACE and (parse_replica_name(name) is not None or name in router_names):
+                    logger.warning("cluster: %s outlived its controller; killing it", name)
                     try:
-                        ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE))
+                        ray.kill(ray.get_actor(name, namespace=NAMESPACE))
                     except ValueError:
                         pass  # gone meanwhile

@@ -12,11 +12,14 @@ import os
 import signal
 import time
 import urllib.request
+from dataclasses import replace
 
 import pytest
 import ray
 
+from decode_worker.actor import DecodeWorker
 from engine.config import EngineConfig
+from ray.experimental import internal_kv
 from router.client import SplitServeClient
 from router.config import RouterConfig
 from router.controller import ControllerConfig, StaleGenerationError
@@ -176,6 +179,48 @@ def test_a_controller_killed_during_a_scale_down_finishes_it_with_no_replica_los
 
     ray.get(cluster.controller.scale_pool.remote("decode", 2))
     assert len(decode_ids(first)) == 2 and len(replica_names()) == 2
+
+
+GATE = b"slow-start-gate"
+GATE_NAMESPACE = "splitserve-test"
+
+
+class SlowDecodeWorker(DecodeWorker):
+    """A decode replica whose start waits until the test opens a gate (a key in Ray's internal KV)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        while internal_kv._internal_kv_get(GATE, namespace=GATE_NAMESPACE) is None:
+            time.sleep(0.05)
+        super().__init__(*args, **kwargs)
+
+
+def test_a_controller_killed_during_a_scale_up_rolls_the_half_started_replica_back_and_finishes_it(cluster, clients):
+    first, _ = clients
+    wait_until(lambda: len(decode_ids(first)) == 2, HEALS_WITHIN_S)
+    spec = cluster.config.replica_spec("decode")
+    slow = replace(spec, actor_class=f"{__name__}:SlowDecodeWorker")
+    internal_kv._internal_kv_del(GATE, namespace=GATE_NAMESPACE)
+    ray.get(cluster.controller.set_pool.remote(slow, 2))  # the pool's next replicas start slowly; its two replicas stay
+    before_names = replica_names()
+
+    scaling = cluster.controller.scale_pool.remote("decode", 3)
+    [half_started] = wait_until(lambda: replica_names() - before_names)
+    before, _ = kill_controller(cluster)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(scaling)
+    controller_back(cluster, before)
+
+    # The half-started replica is stopped and one new replica starts in its place, with a new id.
+    [replacement] = wait_until(lambda: replica_names() - before_names - {half_started})
+    assert half_started not in replica_names()
+    assert parse_replica_name(replacement)[1] == parse_replica_name(half_started)[1] + 1
+    internal_kv._internal_kv_put(GATE, b"open", namespace=GATE_NAMESPACE)
+    wait_until(lambda: len(decode_ids(first)) == 3, HEALS_WITHIN_S)
+    assert replica_names() == before_names | {replacement}
+    assert not named_groups() - {f"splitserve-{rid}" for rid in decode_ids(first)}
+
+    ray.get(cluster.controller.set_pool.remote(spec, 2))  # back to two replicas of the usual class
+    assert replica_names() == before_names
 
 
 def test_a_dead_router_is_started_again_on_its_port(cluster, clients):
