@@ -215,6 +215,7 @@ class ClusterController(Recovery, RouterKeeping):
             raise ValueError(f"timeout_s: must be >= 0, got {timeout_s}")
         await self._recovered()
         self._draining_nodes[node_id] = timeout_s
+        await self._save("save_draining_node", node_id, timeout_s)
         deadline = time.monotonic() + timeout_s
         drained = []
         while True:
@@ -255,6 +256,7 @@ class ClusterController(Recovery, RouterKeeping):
         alive = alive_node_ids(nodes)
         for node_id in [n for n in self._draining_nodes if n not in alive]:
             del self._draining_nodes[node_id]
+            await self._save("forget_draining_node", node_id)
         for replica_id, replica in list(self._state.replicas.items()):
             if replica.node_id and replica.node_id not in alive:
                 logger.warning("controller: node %s of replica %s is gone; forgetting the replica", replica.node_id, replica_id)

@@ -85,6 +85,7 @@ class Recovery:
         pools = await asyncio.to_thread(self.store.pools)
         records = await asyncio.to_thread(self.store.replicas)
         routers = await asyncio.to_thread(self.store.routers)
+        self._draining_nodes.update(await asyncio.to_thread(self.store.draining_nodes))
         names = [a["name"] for a in await asyncio.to_thread(ray.util.list_named_actors, True) if a["namespace"] == NAMESPACE]
         live = {name.removeprefix("splitserve-"): parse_replica_name(name) for name in names if parse_replica_name(name) is not None}
         for pool in POOLS:

@@ -3,7 +3,7 @@
 The controller rebuilds its map from the live actors in the namespace (router/controller.py),
 but a few facts live nowhere else: the generation that fences an older controller, each pool's
 spec and target, which replicas finished joining (a live actor without a record was half
-started and is rolled back), which ones are draining and until when, the routers to keep alive,
+started and is rolled back), which ones are draining and until when, the nodes being drained, the routers to keep alive,
 and the highest replica id handed out (ids are never reused). They are written here before or
 as each act happens, so a controller killed between any two lines finds them.
 
@@ -75,7 +75,7 @@ class ControllerStore:
         the last cluster's pools, replicas and routers (its generation keeps counting)."""
         old = self.history()
         if not restarted:
-            for key in self._keys("pool/") + self._keys("replica/") + self._keys("router/") + self._keys("next_id/"):
+            for key in self._cluster_keys():
                 self._delete(key)
         now = time.time()
         history = ControllerHistory(
@@ -83,6 +83,9 @@ class ControllerStore:
         )
         self._put("history", history)
         return history
+
+    def _cluster_keys(self) -> list[str]:
+        return [k for prefix in ("pool/", "replica/", "router/", "next_id/", "draining_node/") for k in self._keys(prefix)]
 
     def history(self) -> ControllerHistory:
         return self._get("history") or ControllerHistory(0, 0, 0.0)
@@ -118,6 +121,17 @@ class ControllerStore:
         """Router id -> (spec, last status)."""
         return {key.removeprefix("router/"): self._get(key) for key in self._keys("router/")}
 
+    def save_draining_node(self, node_id: str, timeout_s: float) -> None:
+        """A Ray node being drained (its slots count for no pool), with its drain's timeout."""
+        self._put(f"draining_node/{node_id}", timeout_s)
+
+    def forget_draining_node(self, node_id: str) -> None:
+        self._delete(f"draining_node/{node_id}")
+
+    def draining_nodes(self) -> dict[str, float]:
+        """Node id -> drain timeout of the nodes being drained."""
+        return {key.removeprefix("draining_node/"): self._get(key) for key in self._keys("draining_node/")}
+
     def reserve_id(self, pool: str, at_least: int) -> int:
         """The next replica index of ``pool`` (never one handed out before, nor below ``at_least``)."""
         index = max(self._get(f"next_id/{pool}") or 0, at_least)
@@ -126,5 +140,5 @@ class ControllerStore:
 
     def clear(self) -> None:
         """Forget the cluster (its controller shut down for good); the generation stays."""
-        for key in self._keys("pool/") + self._keys("replica/") + self._keys("router/") + self._keys("next_id/"):
+        for key in self._cluster_keys():
             self._delete(key)

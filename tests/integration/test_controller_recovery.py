@@ -273,6 +273,7 @@ def test_the_store_keeps_what_a_restart_cannot_observe(ray_session):
     first = store.begin_generation(restarted=False)
     store.save_pool("decode", "a spec", 2)
     store.save_replica(ReplicaRecord("decode-0", "decode", "node-a", 100.0))
+    store.save_draining_node("node-b", 30.0)
     assert [store.reserve_id("decode", 0), store.reserve_id("decode", 0), store.reserve_id("decode", 7), store.reserve_id("decode", 0)] == [0, 1, 7, 8]
 
     restarted = store.begin_generation(restarted=True)
@@ -280,8 +281,9 @@ def test_the_store_keeps_what_a_restart_cannot_observe(ray_session):
     assert store.pools() == {"decode": ("a spec", 2)}
     assert store.replicas() == {"decode-0": ReplicaRecord("decode-0", "decode", "node-a", 100.0)}
     assert store.reserve_id("decode", 0) == 9
+    assert store.draining_nodes() == {"node-b": 30.0}
 
     fresh = store.begin_generation(restarted=False)  # a new cluster: nothing of the last one, the generation still counts up
     assert (fresh.generation, fresh.num_restarts, fresh.last_restart_unix_s) == (first.generation + 2, 0, 0.0)
-    assert (store.pools(), store.replicas(), store.routers(), store.reserve_id("decode", 0)) == ({}, {}, {}, 0)
+    assert (store.pools(), store.replicas(), store.routers(), store.draining_nodes(), store.reserve_id("decode", 0)) == ({}, {}, {}, {}, 0)
     store.clear()
