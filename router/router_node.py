@@ -26,6 +26,12 @@ from router.ray_node import RayNode, RayNodeError, _check_extra_args, _RAY, node
 
 ROUTER_RESOURCE = "splitserve_router"
 """The custom Ray resource a router node offers: no replica slot, so the controller places none here."""
+HEADLESS_NODE_STOP_S = 5.0
+"""How long ``ray start`` may take to stop when the head seems gone: it would first ask a GCS
+to drain the node, and wait for one to answer."""
+STOP_MARGIN_S = 10.0
+"""How much longer than its grace a router's stop may take (closing channels, unregistering)
+before the node goes anyway: a controller that is gone with its head must not hold up a pod's exit."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,7 @@ def run_router(config: RouterNodeConfig, router_config) -> None:
     stop it (in-flight calls finish) and take the node down. Raises RayNodeError when the head
     or its controller cannot be reached, the node cannot join, or the router or node dies."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
     host, port = parse_address(config.address)
     wait_reachable(host, port, config.connect_timeout_s)
@@ -126,7 +132,7 @@ def run_router(config: RouterNodeConfig, router_config) -> None:
     node_name = f"splitserve-router-{socket.gethostname()}-{os.getpid()}"
     node = RayNode(config.command(node_ip, node_name), on_exit=stop.set)
     node.start(config.start_timeout_s)
-    router = None
+    node_stop_timeout_s = 60.0
     try:
         try:
             ray.init(address=config.address, namespace=NAMESPACE, log_to_driver=False)
@@ -144,17 +150,18 @@ def run_router(config: RouterNodeConfig, router_config) -> None:
             except GetTimeoutError:
                 continue  # a restarting GCS slows calls down; the actor itself answers its clients
             except RayActorError as e:
-                router = None
                 raise RayNodeError(f"its router actor died: {str(e).splitlines()[0]}") from e
         if node.returncode is not None:
             raise RayNodeError(f"its Ray node stopped on its own (ray start exit code {node.returncode})")
         _say(f"stopping {config.name} (in-flight calls get {config.stop_grace_s:g} s)")
-        ray.get(router.stop.remote(config.stop_grace_s), timeout=config.stop_grace_s + 60)
+        try:
+            ray.get(router.stop.remote(config.stop_grace_s), timeout=config.stop_grace_s + STOP_MARGIN_S)
+        except (RayActorError, RayTaskError, GetTimeoutError) as e:  # e.g. the head (its controller) is gone
+            _say(f"{config.name} stopped without unregistering: {str(e).splitlines()[0]}")
+            node_stop_timeout_s = HEADLESS_NODE_STOP_S
     finally:
-        if router is not None:
-            ray.kill(router)
         ray.shutdown()
-        node.stop()
+        node.stop(node_stop_timeout_s)  # the router actor's process goes with its node
     _say("stopped")
 
 

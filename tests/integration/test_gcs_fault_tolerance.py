@@ -19,6 +19,9 @@ What Ray 2.60 does here (the test asserts each):
   the same nodes, the same named actors.
 - While the GCS is away and after it is back, both routers answer every request, token for token
   as before: replicas, routers and the controller talk to each other directly, not through the GCS.
+- Then a head crash (the GCS gone and the head's node with it: raylet, controller, router-0): the
+  router node keeps answering from its last worker map, and its SIGTERM stop still ends cleanly
+  (without unregistering: no controller is left) instead of waiting for a GCS.
 
 The pytest process may run the session's own Ray beside this cluster: this one has its own
 ports and temp dir, is never touched by `ray stop`, and every process it started is checked gone.
@@ -187,10 +190,10 @@ def test_replicas_and_routers_serve_while_the_gcs_restarts_from_redis(tiny_llama
         decode.wait_for("with one decode slot", timeout_s=120)
         router = Role("router node", [
             "router", "--address", address, "--router-id", "router-pod-a", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
-            "--port", str(router_grpc), "--worker-refresh-interval-s", "0.2", "--ray-start-args", _ray_start_args(),
+            "--port", str(router_grpc), "--worker-refresh-interval-s", "0.2", "--stop-grace-s", "2", "--ray-start-args", _ray_start_args(),
         ])
         roles.append(router)
-        router.wait_for(f"router-pod-a on node", timeout_s=120)
+        router.wait_for("router-pod-a on node", timeout_s=120)
 
         expected = wait_until(lambda: _try_answer(clients["router-0 (head)"]), timeout_s=60, interval_s=0.2)
         assert len(expected) == MAX_TOKENS
@@ -239,18 +242,27 @@ def test_replicas_and_routers_serve_while_the_gcs_restarts_from_redis(tiny_llama
         assert [(r.pool, r.healthy) for r in status.replicas] == [("decode", True)]
 
         every_process = [p for role in roles for p in role.tree()] + [psutil.Process(restarted_gcs.pid)]
-        assert router.stop(timeout_s=90) == 0
-        assert any("stopping router-pod-a" in line for line in _drain(router))
-        assert decode.stop(timeout_s=90) == 0
 
-        # The old GCS is still in its SIGTERM shutdown. SIGKILL, which `ray start` does not expect
-        # from its daemons, takes the head's whole node down with it: a head crash.
+        # A head crash, as a head pod's loss is: the GCS goes, and SIGKILL to the old one (still in
+        # its SIGTERM shutdown), which `ray start` does not expect from its daemons, takes the
+        # head's whole node down with it: raylet, controller, router-0.
+        restarted_gcs.kill()
+        restarted_gcs.wait()
         assert gcs.is_running() and gcs.status() != psutil.STATUS_ZOMBIE
         gcs.kill()
         assert head.process.wait(60) == 3
         assert any("its Ray node stopped on its own" in line for line in _drain(head))
-        restarted_gcs.terminate()
-        _, alive = psutil.wait_procs(every_process, timeout=30)
+        # No GCS, no controller, no head: the router node answers from its last map, within the
+        # time its raylet waits for a GCS (RAY_gcs_rpc_server_reconnect_timeout_s, 60 s here).
+        assert [_answer(clients["router node"]) for _ in range(10)] == [expected] * 10
+        crashed_at = time.monotonic()
+        assert router.stop(timeout_s=120) == 0
+        print(f"head crash: router node stopped {time.monotonic() - crashed_at:.1f} s after its last answer")
+        assert any("router-pod-a stopped without unregistering" in line for line in _drain(router))
+        # The decode worker's drain goes through the controller, and none is left; the head's
+        # agents outlive their raylet for a minute, waiting for a GCS. SIGKILL what is left.
+        _kill_all(every_process)
+        alive = [p for p in every_process if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert alive == [], f"left running: {[(p.pid, p.name()) for p in alive]}"
     finally:
         if traffic is not None:
