@@ -114,7 +114,10 @@ class ClusterController(Recovery, RouterKeeping, NodeFollowing):
         # Outside a Ray actor (unit tests build one directly) there is nothing to recover or fence.
         self.store = ControllerStore() if _in_actor() else None
         restarted = bool(self.store and ray.get_runtime_context().was_current_actor_reconstructed)
-        self.history = self.store.begin_generation(restarted) if self.store else ControllerHistory(0, 0, 0.0)
+        # Following the nodes (Kubernetes), a new controller adopts what the last one left running:
+        # a head restarted with its GCS on Redis finds its workers serving and keeps them.
+        self.history = self.store.begin_generation(restarted, keep_cluster=config.follow_nodes) if self.store else ControllerHistory(0, 0, 0.0)
+        restarted = self.history.last_restart_unix_s > 0  # this start went on with a cluster
         self.generation = self.history.generation
         registry = CollectorRegistry()
         registry.register(ReplicaCollector(self._state))

@@ -70,17 +70,19 @@ class ControllerStore:
     def _keys(self, prefix: str) -> list[str]:
         return sorted(k.decode() for k in internal_kv._internal_kv_list(prefix.encode(), namespace=self.kv_namespace))
 
-    def begin_generation(self, restarted: bool) -> ControllerHistory:
-        """Take the next generation; a restart (``restarted``) is counted. A fresh start forgets
-        the last cluster's pools, replicas and routers (its generation keeps counting)."""
+    def begin_generation(self, restarted: bool, keep_cluster: bool = False) -> ControllerHistory:
+        """Take the next generation. A restart (``restarted``: Ray restarted this actor), or a new
+        controller told to ``keep_cluster`` that finds one (a Kubernetes head that came back with
+        its GCS kept on Redis), goes on with the last cluster and is counted as a restart; any
+        other start forgets the last cluster's pools, replicas and routers. The generation always
+        counts up."""
         old = self.history()
-        if not restarted:
+        if restarted or keep_cluster:
+            restarted = restarted or bool(self._keys("pool/") or self._keys("router/"))  # a cluster was started
+        else:
             for key in self._cluster_keys():
                 self._delete(key)
-        now = time.time()
-        history = ControllerHistory(
-            old.generation + 1, old.num_restarts + 1 if restarted else 0, now if restarted else 0.0
-        )
+        history = ControllerHistory(old.generation + 1, old.num_restarts + 1 if restarted else 0, time.time() if restarted else 0.0)
         self._put("history", history)
         return history
 

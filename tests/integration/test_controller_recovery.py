@@ -283,7 +283,11 @@ def test_the_store_keeps_what_a_restart_cannot_observe(ray_session):
     assert store.reserve_id("decode", 0) == 9
     assert store.draining_nodes() == {"node-b": 30.0}
 
+    kept = store.begin_generation(restarted=False, keep_cluster=True)  # a new head's controller finds the cluster: a restart
+    assert (kept.generation, kept.num_restarts, store.pools()) == (first.generation + 2, first.num_restarts + 2, {"decode": ("a spec", 2)})
+
     fresh = store.begin_generation(restarted=False)  # a new cluster: nothing of the last one, the generation still counts up
-    assert (fresh.generation, fresh.num_restarts, fresh.last_restart_unix_s) == (first.generation + 2, 0, 0.0)
+    assert (fresh.generation, fresh.num_restarts, fresh.last_restart_unix_s) == (first.generation + 3, 0, 0.0)
     assert (store.pools(), store.replicas(), store.routers(), store.draining_nodes(), store.reserve_id("decode", 0)) == ({}, {}, {}, {}, 0)
+    assert store.begin_generation(restarted=False, keep_cluster=True).num_restarts == 0  # nothing to keep: no restart
     store.clear()
