@@ -1,19 +1,31 @@
 """Chaos soak: a live cluster under steady load while faults run, every answer checked.
 
-``soak``: a local cluster (2 prefill + 2 decode replicas, a Redis tier on a redis-server this
-bench starts) serves ``--clients`` closed-loop clients for ``--duration-s``: greedy calls that
-must complete, calls cancelled after a few tokens, calls with short deadlines. Meanwhile the
-faults cycle, ``rounds`` times each, evenly spread::
+``soak``: a local cluster (2 prefill + 2 decode replicas, 2 routers, a Redis tier on a
+redis-server this bench starts) serves ``--clients`` closed-loop clients for ``--duration-s``:
+greedy calls that must complete, calls cancelled after a few tokens, calls with short deadlines.
+The clients hold both routers' addresses (a stream cut by a dead router resumes on the other).
+Meanwhile the faults cycle, ``rounds`` times each, evenly spread, one at a time::
 
-    kill_prefill   ray.kill a random prefill replica (the controller replaces it)
-    kill_decode    ray.kill a random decode replica (its calls migrate; it is replaced)
-    restart_redis  stop redis-server (its data is lost), start it again on the same port
-    drop_transfer  the next 2 hand-offs of a random prefill replica fail (decode recomputes)
+    kill_controller  SIGKILL the controller's process (Ray starts it again; it rebuilds its map
+                     from the live replicas; routers serve from their last map meanwhile)
+    kill_prefill     ray.kill a random prefill replica (the controller replaces it)
+    kill_decode      ray.kill a random decode replica (its calls migrate; it is replaced)
+    kill_router      SIGKILL a random router's process (its streams resume on the other router;
+                     the controller starts it again on its port)
+    restart_redis    stop redis-server (its data is lost), start it again on the same port
+    drop_transfer    the next 2 hand-offs of a random prefill replica fail (decode recomputes)
 
 Every completed call is checked against a greedy reference from an in-process engine; then every
 pool must drain, no block, lease or NIXL handle held. A fault not recovered from within
-``--recovery-s`` is reported with ``recovered_s: null``. ``pauses``: what one stream sees when
-its decode replica is killed or frozen.
+``--recovery-s`` is reported with ``recovered_s: null``; ``by_fault`` gives, per kind, the
+recovery seconds and the longest gap a stream saw (bench/chaos_faults.py says how each is
+measured). ``pauses``: what one stream sees when its decode replica is killed or frozen.
+
+No GCS restart: Ray's GCS recovers only from an external Redis (``RAY_REDIS_ADDRESS`` set when
+the head starts), and Ray 2.60 restarts nothing on one host: a SIGKILLed gcs_server takes its
+head node down, and a stopped one must be started again by hand from its command line. The
+soak's Ray is the one ``ray.init`` starts in this process (or a test session's), which has no
+such Redis; tests/integration/test_gcs_fault_tolerance.py runs that fault on a head of its own.
 
 The KV cache is fp32 by default: with fp8 a prefix read back quantized attends differently from
 one computed in the same pass, so a greedy answer depends on what the cache held.
@@ -34,6 +46,7 @@ from dataclasses import dataclass, field
 import grpc
 import ray
 
+from bench.chaos_faults import FAULTS, baseline_gap, by_kind, inject, replicas, window_stats
 from bench.report import arg_parser, emit_report, machine, percentile, positive, progress, run, user_error
 from bench.workload import greedy, local_cluster, random_tokens, redis_server
 from decode_worker.config import WorkerConfig
@@ -45,7 +58,6 @@ from router.config import RouterConfig
 from router.controller import ControllerConfig
 from router.launch import Cluster, ClusterConfig
 
-FAULTS = ("kill_prefill", "kill_decode", "restart_redis", "drop_transfer")
 EXPECTED = {"cancel": "CANCELLED", "deadline": "DEADLINE_EXCEEDED"}
 """The one status each kind of call may end with instead of completing."""
 PAUSES = {"kill_decode": (2, "kill"), "freeze_decode": (2, "freeze"), "kill_only_decode": (1, "kill")}
@@ -66,6 +78,12 @@ class Outcome:
     completion_tokens: int = 0
     finished: bool = False
     """The last response carried a finish reason."""
+    times: list[float] = field(default_factory=list)
+    """When each response arrived, seconds since the soak began."""
+    resumes: int = 0
+    """Times the stream moved to another router mid-answer."""
+    detail: str = ""
+    """The status's details when it failed."""
 
 
 @dataclass
@@ -83,6 +101,10 @@ class Soak:
     fault_log: list[dict] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     t0: float = field(default_factory=time.monotonic)
+    streams: dict = field(default_factory=dict)
+    """Client thread id -> the call it is making now and its stream."""
+    load_ended_s: float | None = None
+    """When the last client's last call ended."""
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -113,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
                 controller=ControllerConfig(health_check_interval_s=0.5, health_check_timeout_s=5, restart_backoff_s=1, stable_after_s=10),
                 num_prefill=2,
                 num_decode=2,
+                num_routers=2,
             )
-            progress("chaos", "starting 2 prefill + 2 decode replicas with a Redis tier")
-            with local_cluster(config) as (cluster, client):
+            progress("chaos", "starting 2 prefill + 2 decode replicas and 2 routers with a Redis tier")
+            with _cluster(config) as (cluster, client):
                 report = _soak(Soak(cluster, client, redis, prompts, references, args.max_tokens), args)
     if "pauses" in args.phases:
         report["pauses"] = _pauses(args)
@@ -138,9 +161,16 @@ def _references(engine: EngineConfig, args) -> tuple[list[list[int]], list[list[
     return prompts, references
 
 
-def _replicas(cluster: Cluster, pool: str | None = None) -> dict:
-    """Replica id -> actor handle of each replica (of ``pool``) the controller holds."""
-    return {s.replica_id: h for s, _, h in ray.get(cluster.controller.replicas.remote()) if pool in (None, s.pool)}
+@contextlib.contextmanager
+def _cluster(config: ClusterConfig):
+    """A local cluster started from ``config`` and a client holding every router's address; both stopped after."""
+    cluster = Cluster(config)
+    try:
+        cluster.start()
+        with SplitServeClient([s.grpc_address for s in cluster.router_statuses]) as client:
+            yield cluster, client
+    finally:
+        cluster.stop()
 
 
 def _pauses(args) -> dict:
@@ -158,22 +188,22 @@ def _pauses(args) -> dict:
             stream = client.generate("Tell me about the sea.", **sampling)
             ids = [t for _, r in zip(range(4), stream) for t in r.token_ids]
             victim = next(r.replica_id for r in client.cluster_status().replicas if r.num_running)
-            handle = _replicas(cluster)[victim]
+            handle = replicas(cluster)[victim]
             pid = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
             struck = last = time.monotonic()
             if how == "kill":
                 ray.kill(handle)
             else:
                 os.kill(pid, signal.SIGSTOP)
-            gaps = []
+            intervals = []
             for response in stream:
                 now = time.monotonic()
-                gaps.append(now - last)
+                intervals.append(now - last)
                 last = now
                 ids += response.token_ids
             while len([r for r in client.cluster_status().replicas if r.replica_id != victim]) < num_decode:
                 time.sleep(0.1)
-            results[case] = {"max_gap_s": round(max(gaps), 3), "identical": ids == expected, "pool_whole_after_s": round(time.monotonic() - struck, 2)}
+            results[case] = {"max_gap_s": round(max(intervals), 3), "identical": ids == expected, "pool_whole_after_s": round(time.monotonic() - struck, 2)}
             if how == "freeze":
                 with contextlib.suppress(ProcessLookupError):  # the controller has killed it already
                     os.kill(pid, signal.SIGKILL)
@@ -192,6 +222,7 @@ def _soak(soak: Soak, args) -> dict:
     soak.stop.set()
     for thread in clients:
         thread.join(args.recovery_s)
+    soak.load_ended_s = soak.now()
     progress("chaos", "load stopped; waiting for every pool to drain")
     leaks = _drain(soak, args.recovery_s)
     return _report(soak, args, leaks)
@@ -206,8 +237,10 @@ def _client(soak: Soak, rng: random.Random) -> None:
         cancel_after = rng.randrange(0, 6) if kind == "cancel" else None
         started = time.monotonic()
         stream = soak.client.generate(soak.prompts[index], max_tokens=soak.max_tokens, temperature=0, ignore_eos=True, timeout_s=timeout_s)
+        soak.streams[threading.get_ident()] = outcome, stream
         try:
             for num_responses, response in enumerate(stream):
+                outcome.times.append(soak.now())
                 if outcome.ttft_s is None:
                     outcome.ttft_s = time.monotonic() - started
                 outcome.token_ids += response.token_ids
@@ -216,7 +249,9 @@ def _client(soak: Soak, rng: random.Random) -> None:
                 if cancel_after is not None and num_responses >= cancel_after and not outcome.finished:
                     stream.cancel()
         except grpc.RpcError as e:
-            outcome.status = e.code().name
+            outcome.status, outcome.detail = e.code().name, e.details() or ""
+        soak.streams.pop(threading.get_ident(), None)
+        outcome.resumes = stream.num_resumes
         soak.outcomes.append(outcome)
 
 
@@ -226,40 +261,17 @@ def _faults(soak: Soak, interval_s: float, rounds: int, recovery_s: float, rng: 
             return
         started = soak.now()
         progress("chaos", f"{started:.0f} s: {fault}")
-        target, recovered_s = _inject(soak, fault, rng, recovery_s)
+        target, recovered_s = inject(soak.cluster, soak.redis, fault, rng, recovery_s, lambda: {s.address for o, s in list(soak.streams.values()) if o.token_ids and not o.finished})
+        progress("chaos", f"{fault} on {target}: recovered after {recovered_s} s")
         soak.fault_log.append({"kind": fault, "at_s": round(started, 2), "target": target, "recovered_s": recovered_s})
-
-
-def _inject(soak: Soak, fault: str, rng: random.Random, recovery_s: float) -> tuple[str, float | None]:
-    """Run one fault; returns what it hit and how long until the cluster was whole again (None: not within ``recovery_s``)."""
-    started = time.monotonic()
-    if fault == "restart_redis":
-        soak.redis.stop()
-        time.sleep(1.0)
-        soak.redis.start()
-        return "redis", round(time.monotonic() - started, 2)
-    pool = "decode" if fault == "kill_decode" else "prefill"
-    replicas = _replicas(soak.cluster, pool)
-    if not replicas:
-        return "none live", None
-    target = rng.choice(sorted(replicas))
-    if fault == "drop_transfer":
-        ray.get(replicas[target].inject_faults.remote(fail_next=2))
-        return target, 0.0
-    ray.kill(replicas[target])
-    while time.monotonic() - started < recovery_s:
-        live = _replicas(soak.cluster, pool)
-        if target not in live and len(live) == len(replicas):
-            return target, round(time.monotonic() - started, 2)
-        time.sleep(0.2)
-    return target, None
+    soak.stop.wait(interval_s)  # the load runs on after the last fault, as between two
 
 
 def _drain(soak: Soak, timeout_s: float) -> dict:
     """Blocks, leases and NIXL handles still held once the pools had ``timeout_s`` to drain."""
     deadline = time.monotonic() + timeout_s
     while True:
-        handles = _replicas(soak.cluster)
+        handles = replicas(soak.cluster)
         statuses = soak.client.cluster_status().replicas
         held = {r.replica_id: {"blocks": r.num_kv_blocks - r.num_free_kv_blocks, "leases": 0, "handles": 0} for r in statuses}
         for rid, stats in zip(handles, ray.get([h.transfer_stats.remote() for h in handles.values()])):
@@ -278,6 +290,9 @@ def _drain(soak: Soak, timeout_s: float) -> dict:
 
 def _report(soak: Soak, args, leaks: dict) -> dict:
     pools = {p.pool: {"restarts": p.num_restarts, "failed_starts": p.num_failed_starts, "replicas": p.num_replicas} for p in soak.client.cluster_status().pools}
+    for fault, seen in zip(soak.fault_log, window_stats(soak.outcomes, soak.fault_log, soak.load_ended_s)):
+        fault.update(seen)
+    first_fault_s = soak.fault_log[0]["at_s"] if soak.fault_log else soak.load_ended_s
     counts = tally(soak.outcomes, soak.references, soak.fault_log)
     leaked = leaks["leaked_blocks"] or leaks["open_leases"] or leaks["open_handles"]
     return {
@@ -286,8 +301,11 @@ def _report(soak: Soak, args, leaks: dict) -> dict:
         "clients": args.clients,
         **counts,
         **leaks,
-        **_router_metrics(soak.cluster.router_status.metrics_url),
+        "stream_resumes": sum(o.resumes for o in soak.outcomes),
+        "controller_restarts": ray.get(soak.cluster.controller.controller_history.remote()).num_restarts,
+        **_router_metrics([r.metrics_url for r in soak.client.cluster_status().routers]),
         "pools": pools,
+        "by_fault": by_kind(soak.fault_log, baseline_gap(soak.outcomes, first_fault_s)),
         "fault_log": soak.fault_log,
         "survived": not (counts["lost"] or counts["wrong"] or counts["failed_unasked"] or counts["unrecovered_faults"] or leaked),
         "machine": machine(),
@@ -316,6 +334,11 @@ def tally(outcomes: list[Outcome], references: list[list[int]], fault_log: list[
         "completed": len(completed),
         "failed_with_status": dict(Counter(o.status for o in outcomes if o.status != "OK")),
         "failed_unasked": sum(1 for o in outcomes if o.status != "OK" and EXPECTED.get(o.kind) != o.status),
+        "failed_unasked_examples": [
+            {"kind": o.kind, "status": o.status, "started_s": round(o.started_s, 2), "tokens": len(o.token_ids), "detail": o.detail[:300]}
+            for o in outcomes
+            if o.status != "OK" and EXPECTED.get(o.kind) != o.status
+        ][:5],
         "lost": sum(1 for o in outcomes if o.status == "OK" and not o.finished),
         "wrong": wrong,
         "duplicated_tokens": duplicated,
@@ -332,9 +355,10 @@ def metric_total(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-def _router_metrics(metrics_url: str) -> dict:
-    """Migrations the router made, and their mean time from a replica's death to the next event."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+def _router_metrics(metrics_urls: list[str]) -> dict:
+    """Migrations the routers made, and their mean time from a replica's death to the next event
+    (a router killed by the soak took its own counts with it)."""
+    text = "\n".join(urllib.request.urlopen(url, timeout=10).read().decode() for url in metrics_urls)
     count = metric_total(text, "splitserve_migration_seconds_count")
     return {
         "migrations": int(metric_total(text, "splitserve_migrations_total")),

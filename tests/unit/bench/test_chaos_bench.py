@@ -1,5 +1,6 @@
 """bench.chaos's accounting, on hand-built outcomes (no cluster): what counts as wrong, lost,
-duplicated or asked-for; and its refusal of a model it cannot load."""
+duplicated or asked-for, the longest gap a stream saw in each fault's window, the summary by
+fault kind; and its refusal of a model it cannot load."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 
 from bench.chaos import FAULTS, Outcome, tally
+from bench.chaos_faults import baseline_gap, by_kind, window_stats
 
 REFERENCES = [[1, 2, 3, 4], [5, 6, 7, 8]]
 FAULT_LOG = [{"kind": kind, "at_s": 10.0 * (i + 1), "target": "x", "recovered_s": 1.0} for i, kind in enumerate(FAULTS)]
@@ -54,3 +56,35 @@ def test_a_model_it_cannot_load_is_refused_with_one_sentence():
     result = subprocess.run([sys.executable, "-m", "bench.chaos", "--model", "/nonexistent", "--duration-s", "1"], capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1].startswith("bench.chaos: --model /nonexistent: model '/nonexistent' is neither")
+
+
+def _answered(*times: float, resumes: int = 0) -> Outcome:
+    return Outcome("plain", 0, times[0], "OK", 0.1, [], 0, finished=True, times=list(times), resumes=resumes)
+
+
+def test_a_faults_gap_is_the_longest_between_two_responses_of_a_call_in_flight_in_its_window():
+    calls = [
+        _answered(1.0, 1.5, 4.0, 4.2),  # 2.5 s across the first fault's start; 0.5 s before it
+        _answered(10.0, 10.1, 11.0),
+        _answered(14.0, 17.5, 17.6, resumes=1),  # 3.5 s in the second fault's window, resumed on another router
+        _answered(40.0, 49.0),  # after the load stopped
+        _answered(5.0),  # one response: no interval
+    ]
+    log = [{"kind": "kill_router", "at_s": 3.0, "recovered_s": 2.0}, {"kind": "kill_controller", "at_s": 12.0, "recovered_s": None}]
+    assert window_stats(calls, log, load_ended_s=30.0) == [{"max_gap_s": 2.5, "resumed_calls": 0}, {"max_gap_s": 3.5, "resumed_calls": 1}]
+    assert window_stats([_answered(5.0)], log[:1], load_ended_s=30.0) == [{"max_gap_s": None, "resumed_calls": 0}]
+    assert baseline_gap(calls, before_s=3.0) == 0.5
+
+
+def test_faults_are_summed_up_by_kind_with_their_recoveries_and_longest_gap():
+    log = [
+        {"kind": "kill_router", "at_s": 3.0, "recovered_s": 2.0, "max_gap_s": 1.25, "resumed_calls": 2},
+        {"kind": "kill_router", "at_s": 9.0, "recovered_s": 4.5, "max_gap_s": 0.75, "resumed_calls": 1},
+        {"kind": "kill_controller", "at_s": 12.0, "recovered_s": None, "max_gap_s": None, "resumed_calls": 0},
+    ]
+    summary = by_kind(log, baseline_gap_s=0.2)
+    assert summary["kill_router"] == {"count": 2, "recovered_s": [2.0, 4.5], "recovered_s_max": 4.5, "max_gap_s": 1.25, "resumed_calls": 3}
+    assert summary["kill_controller"] == {"count": 1, "recovered_s": [None], "recovered_s_max": None, "max_gap_s": None, "resumed_calls": 0}
+    assert summary["drop_transfer"] == {"count": 0, "recovered_s": [], "recovered_s_max": None, "max_gap_s": None, "resumed_calls": 0}
+    assert summary["before_faults"] == {"max_gap_s": 0.2}
+    assert set(summary) == {*FAULTS, "before_faults"}
