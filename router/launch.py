@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from prefill_worker.config import PrefillWorkerConfig
 from proto import splitserve_pb2 as pb
 from proto.tls import ClusterTLSConfig, ray_tls_env
+from router import placement
 from router.config import RouterConfig
 from router.controller import CONTROLLER_NAME, NAMESPACE, POOLS, ClusterController, ControllerConfig, ReplicaSpec, RouterSpec, pool_resource
 from router.controller_config import parse_replica_name
@@ -27,6 +28,9 @@ from router.replica import RouterReplica
 DECODE_WORKER_CLASS = "decode_worker.actor:DecodeWorker"
 PREFILL_WORKER_CLASS = "prefill_worker.actor:PrefillWorker"
 _LOCAL_MIN_CPUS = 16
+_STOP_TIMEOUT_S = 300.0
+"""How long ``Cluster.stop`` waits for the controller to stop everything (a controller that cannot
+be scheduled again would never answer) before killing the leftover actors itself."""
 _LOCAL_POOL_SLOTS = 64
 """Replica slots per pool that a local single-node cluster offers (logical, not CPUs)."""
 
@@ -219,13 +223,16 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop the routers and every replica (the controller does), then the controller; a
-        replica actor left behind by a controller that could not finish is killed here."""
+        replica, router or placement group left behind by a controller that could not finish is
+        removed here."""
         router_names = {f"splitserve-router-{i}" for i in range(self.config.num_routers)}
         self.routers, self.router_statuses = [], []
         if self.controller is None:
             return
         try:
-            ray.get(self.controller.shutdown.remote())
+            ray.get(self.controller.shutdown.remote(), timeout=_STOP_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            logger.warning("cluster: the controller did not stop within %.0f s; killing what it leaves", _STOP_TIMEOUT_S)
         finally:
             ray.kill(self.controller)  # no_restart: this time it stays down
             self.controller = None
@@ -237,3 +244,7 @@ class Cluster:
                         ray.kill(ray.get_actor(name, namespace=NAMESPACE))
                     except ValueError:
                         pass  # gone meanwhile
+            for name, group in placement.live_group_names().items():
+                if parse_replica_name(name) is not None:
+                    logger.warning("cluster: placement group %s outlived its controller; removing it", name)
+                    placement.release(group)
