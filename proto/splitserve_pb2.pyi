@@ -284,11 +284,25 @@ class PoolStatus(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., target_replicas: _Optional[int] = ..., num_replicas: _Optional[int] = ..., num_starting: _Optional[int] = ..., num_restarts: _Optional[int] = ..., num_failed_starts: _Optional[int] = ..., restart_backoff_s: _Optional[float] = ..., last_failure: _Optional[str] = ..., num_draining: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("replicas", "routers", "pools")
+    __slots__ = ("replicas", "routers", "pools", "controller")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     ROUTERS_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     routers: _containers.RepeatedCompositeFieldContainer[RouterStatus]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
+    controller: ControllerStatus
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., controller: _Optional[_Union[ControllerStatus, _Mapping]] = ...) -> None: ...
+
+class ControllerStatus(_message.Message):
+    __slots__ = ("generation", "num_restarts", "last_restart_unix_s", "num_router_restarts")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESTART_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROUTER_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    num_restarts: int
+    last_restart_unix_s: float
+    num_router_restarts: int
+    def __init__(self, generation: _Optional[int] = ..., num_restarts: _Optional[int] = ..., last_restart_unix_s: _Optional[float] = ..., num_router_restarts: _Optional[int] = ...) -> None: ...

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
 
+from proto import splitserve_pb2 as pb
 from router.ray_node import HeadNodeConfig, WorkerNodeConfig, stop_on_signals
 
 EXIT_USAGE = 2
@@ -129,7 +131,18 @@ def _run_status(args: argparse.Namespace) -> int:
     for router in status.routers:
         http = f", HTTP {router.http_url}" if router.http_url else ""
         print(f"router {router.router_id} at {router.grpc_address}: {router.num_inflight} in flight, metrics {router.metrics_url}{http}")
+    print(controller_line(status.controller))
     return 0
+
+
+def controller_line(controller: pb.ControllerStatus) -> str:
+    """``status``'s line about the controller itself: its generation and restarts."""
+    if not controller.num_restarts:
+        restarts = "never restarted"
+    else:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(controller.last_restart_unix_s))
+        restarts = f"{controller.num_restarts} restart{'s' if controller.num_restarts != 1 else ''}, the last at {when}"
+    return f"controller: generation {controller.generation}, {restarts}; {controller.num_router_restarts} routers started again"
 
 
 def _add_up(parser: argparse.ArgumentParser) -> None:

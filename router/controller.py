@@ -446,10 +446,15 @@ class ClusterController(Recovery, RouterKeeping, NodeFollowing):
         """Every replica probed now (not the last health check), the pools and the registered routers."""
         await self._recovered()
         await asyncio.gather(*(self._check(rid) for rid in list(self._state.replicas)))
+        history = self.history
         return pb.ClusterStatus(
             replicas=[r.status for r in self._state.replicas.values()],
             routers=list(self._state.routers.values()),
             pools=[self._pool_status(name) for name in POOLS],
+            controller=pb.ControllerStatus(
+                generation=history.generation, num_restarts=history.num_restarts,
+                last_restart_unix_s=history.last_restart_unix_s, num_router_restarts=self.num_router_restarts,
+            ),
         )
 
     def _pool_status(self, name: str) -> pb.PoolStatus:

@@ -102,8 +102,10 @@ class ClusterConfig:
             raise ValueError(
                 f"num_decode, num_prefill: must be 0 when controller.follow_nodes sizes the pools, got {self.num_decode}, {self.num_prefill}"
             )
-        if self.num_routers < 1:
-            raise ValueError(f"num_routers: must be >= 1, got {self.num_routers}")
+        if self.num_routers < (0 if self.controller.follow_nodes else 1):
+            raise ValueError(
+                f"num_routers: must be >= 1, got {self.num_routers} (0 only where the controller follows the nodes and routers join as `splitserve router` nodes)"
+            )
         if self.num_decode < 1 and not self.controller.follow_nodes:
             raise ValueError(f"num_decode: must be >= 1, got {self.num_decode}")
         if self.num_prefill < 0:

@@ -116,6 +116,8 @@ def test_kill_9_of_the_controller_then_of_a_decode_replica_heals_the_pool(cluste
     assert collect(first.generate(prompt, **GREEDY))[0] == expected  # served from the router's last map
     controller_back(cluster, before)
     controller_s = time.monotonic() - killed_at
+    status = ray.get(cluster.controller.cluster_status.remote()).controller  # what `splitserve status` prints
+    assert status.generation == before + 1 and status.num_restarts >= 1 and status.last_restart_unix_s > 0
     assert collect(head)[0] + collect(stream)[0] == expected
 
     # Adopted, not restarted: the same replica actors, in the same processes.

@@ -154,13 +154,24 @@ def test_a_wildcard_bind_is_advertised_as_the_nodes_address():
 
 def test_router_i_listens_on_each_fixed_port_plus_i():
     from router.config import RouterConfig
+    from router.controller_config import ControllerConfig
     from router.launch import ClusterConfig
 
     config = ClusterConfig(router=RouterConfig(port=50051, metrics_port=0, http_port=8000), num_routers=3)
     assert [(c.port, c.metrics_port, c.http_port) for c in map(config.router_config, range(3))] == [(50051, 0, 8000), (50052, 0, 8001), (50053, 0, 8002)]
     assert ClusterConfig(router=RouterConfig(port=0)).router_config(1).port == 0  # 0: a free port each
-    with pytest.raises(ValueError, match="num_routers: must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_routers: must be >= 1, got 0 "):
         ClusterConfig(num_routers=0)
+    assert ClusterConfig(controller=ControllerConfig(follow_nodes=True), num_decode=0, num_routers=0).num_routers == 0  # routers join as nodes
+
+
+def test_status_says_how_often_the_controller_restarted():
+    from proto import splitserve_pb2 as pb
+    from router.cli import controller_line
+
+    assert controller_line(pb.ControllerStatus(generation=1)) == "controller: generation 1, never restarted; 0 routers started again"
+    restarted = pb.ControllerStatus(generation=4, num_restarts=2, last_restart_unix_s=1795000000.0, num_router_restarts=1)
+    assert controller_line(restarted) == "controller: generation 4, 2 restarts, the last at 2026-11-18 11:06:40 UTC; 1 routers started again"
 
 
 def test_a_speculative_decode_pool_runs_beside_a_tensor_parallel_prefill_pool():
