@@ -80,8 +80,8 @@ class Outcome:
     """The last response carried a finish reason."""
     times: list[float] = field(default_factory=list)
     """When each response arrived, seconds since the soak began."""
-    resumes: int = 0
-    """Times the stream moved to another router mid-answer."""
+    resumed_at: list[float] = field(default_factory=list)
+    """When the first response after each move to another router mid-answer arrived (seconds since the soak began)."""
     detail: str = ""
     """The status's details when it failed."""
 
@@ -103,8 +103,6 @@ class Soak:
     t0: float = field(default_factory=time.monotonic)
     streams: dict = field(default_factory=dict)
     """Client thread id -> the call it is making now and its stream."""
-    load_ended_s: float | None = None
-    """When the last client's last call ended."""
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -222,7 +220,6 @@ def _soak(soak: Soak, args) -> dict:
     soak.stop.set()
     for thread in clients:
         thread.join(args.recovery_s)
-    soak.load_ended_s = soak.now()
     progress("chaos", "load stopped; waiting for every pool to drain")
     leaks = _drain(soak, args.recovery_s)
     return _report(soak, args, leaks)
@@ -241,6 +238,8 @@ def _client(soak: Soak, rng: random.Random) -> None:
         try:
             for num_responses, response in enumerate(stream):
                 outcome.times.append(soak.now())
+                if stream.num_resumes > len(outcome.resumed_at):
+                    outcome.resumed_at.append(outcome.times[-1])
                 if outcome.ttft_s is None:
                     outcome.ttft_s = time.monotonic() - started
                 outcome.token_ids += response.token_ids
@@ -251,7 +250,6 @@ def _client(soak: Soak, rng: random.Random) -> None:
         except grpc.RpcError as e:
             outcome.status, outcome.detail = e.code().name, e.details() or ""
         soak.streams.pop(threading.get_ident(), None)
-        outcome.resumes = stream.num_resumes
         soak.outcomes.append(outcome)
 
 
@@ -290,9 +288,9 @@ def _drain(soak: Soak, timeout_s: float) -> dict:
 
 def _report(soak: Soak, args, leaks: dict) -> dict:
     pools = {p.pool: {"restarts": p.num_restarts, "failed_starts": p.num_failed_starts, "replicas": p.num_replicas} for p in soak.client.cluster_status().pools}
-    for fault, seen in zip(soak.fault_log, window_stats(soak.outcomes, soak.fault_log, soak.load_ended_s)):
+    for fault, seen in zip(soak.fault_log, window_stats(soak.outcomes, soak.fault_log)):
         fault.update(seen)
-    first_fault_s = soak.fault_log[0]["at_s"] if soak.fault_log else soak.load_ended_s
+    first_fault_s = soak.fault_log[0]["at_s"] if soak.fault_log else float("inf")
     counts = tally(soak.outcomes, soak.references, soak.fault_log)
     leaked = leaks["leaked_blocks"] or leaks["open_leases"] or leaks["open_handles"]
     return {
@@ -301,7 +299,7 @@ def _report(soak: Soak, args, leaks: dict) -> dict:
         "clients": args.clients,
         **counts,
         **leaks,
-        "stream_resumes": sum(o.resumes for o in soak.outcomes),
+        "stream_resumes": sum(len(o.resumed_at) for o in soak.outcomes),
         "controller_restarts": ray.get(soak.cluster.controller.controller_history.remote()).num_restarts,
         **_router_metrics([r.metrics_url for r in soak.client.cluster_status().routers]),
         "pools": pools,

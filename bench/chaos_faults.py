@@ -122,35 +122,32 @@ def _kill_router(cluster, rng: random.Random, recovery_s: float, serving: Callab
     return router_id, _until(back, started, recovery_s)
 
 
-def window_stats(calls: list, fault_log: list[dict], load_ended_s: float) -> list[dict]:
-    """What the calls saw in each fault's window (its start to the next fault's, the last one's to
-    ``load_ended_s``): ``max_gap_s``, the longest interval between two consecutive responses of
-    any call (``times``: when they arrived, seconds since the soak began) overlapping the window,
-    None when no call answered twice in it; ``resumed_calls``, the calls that moved to another
-    router mid-answer (``resumes``) and answered in the window."""
+def window_stats(calls: list, fault_log: list[dict]) -> list[dict]:
+    """What the calls saw in each fault's window (its start to the next fault's start; the last
+    one's to the end): ``max_gap_s``, the longest interval between two consecutive responses of
+    any call (``times``: when they arrived, seconds since the soak began) that ended in the window
+    (a gap belongs to the fault it ended after), None when no call answered twice in it;
+    ``resumed_calls``, the calls that moved to another router mid-answer in it (``resumed_at``:
+    when the first response after each move arrived)."""
     starts = [f["at_s"] for f in fault_log]
     return [
-        {
-            "max_gap_s": _max_gap(calls, start, end),
-            "resumed_calls": sum(1 for c in calls if c.resumes and c.times and c.times[0] <= end and c.times[-1] >= start),
-        }
-        for start, end in zip(starts, [*starts[1:], load_ended_s])
+        {"max_gap_s": _max_gap(calls, start, end), "resumed_calls": sum(1 for c in calls if any(start <= t < end for t in c.resumed_at))}
+        for start, end in zip(starts, [*starts[1:], float("inf")])
     ]
 
 
 def baseline_gap(calls: list, before_s: float) -> float | None:
     """The longest interval between two consecutive responses that both came before ``before_s``
     (the first fault's start): what the load alone does, to set the faults' gaps against."""
-    return _max_gap(calls, float("-inf"), before_s, whole=True)
+    return _max_gap(calls, float("-inf"), before_s)
 
 
-def _max_gap(calls: list, start: float, end: float, whole: bool = False) -> float | None:
-    """The longest interval overlapping [start, end] (``whole``: inside it)."""
+def _max_gap(calls: list, start: float, end: float) -> float | None:
+    """The longest interval between two consecutive responses that ended in [start, end)."""
     longest = None
     for call in calls:
         for a, b in zip(call.times, call.times[1:]):
-            inside = a >= start and b <= end if whole else b >= start and a <= end
-            if inside and (longest is None or b - a > longest):
+            if start <= b < end and (longest is None or b - a > longest):
                 longest = b - a
     return None if longest is None else round(longest, 3)
 

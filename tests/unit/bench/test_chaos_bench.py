@@ -58,21 +58,21 @@ def test_a_model_it_cannot_load_is_refused_with_one_sentence():
     assert result.stderr.splitlines()[-1].startswith("bench.chaos: --model /nonexistent: model '/nonexistent' is neither")
 
 
-def _answered(*times: float, resumes: int = 0) -> Outcome:
-    return Outcome("plain", 0, times[0], "OK", 0.1, [], 0, finished=True, times=list(times), resumes=resumes)
+def _answered(*times: float, resumed_at: tuple[float, ...] = ()) -> Outcome:
+    return Outcome("plain", 0, times[0], "OK", 0.1, [], 0, finished=True, times=list(times), resumed_at=list(resumed_at))
 
 
-def test_a_faults_gap_is_the_longest_between_two_responses_of_a_call_in_flight_in_its_window():
+def test_a_faults_gap_is_the_longest_between_two_responses_that_ended_in_its_window():
     calls = [
-        _answered(1.0, 1.5, 4.0, 4.2),  # 2.5 s across the first fault's start; 0.5 s before it
-        _answered(10.0, 10.1, 11.0),
-        _answered(14.0, 17.5, 17.6, resumes=1),  # 3.5 s in the second fault's window, resumed on another router
-        _answered(40.0, 49.0),  # after the load stopped
+        _answered(1.0, 1.5, 4.0, 4.2, resumed_at=(4.0,)),  # 2.5 s ending after the first fault's start; 0.5 s before it
+        _answered(10.0, 10.1, 11.0, 13.0),  # 2.0 s ending in the second window: not the first's
+        _answered(14.0, 17.5, 17.6, resumed_at=(17.5,)),  # 3.5 s in the second window, resumed on another router
         _answered(5.0),  # one response: no interval
     ]
     log = [{"kind": "kill_router", "at_s": 3.0, "recovered_s": 2.0}, {"kind": "kill_controller", "at_s": 12.0, "recovered_s": None}]
-    assert window_stats(calls, log, load_ended_s=30.0) == [{"max_gap_s": 2.5, "resumed_calls": 0}, {"max_gap_s": 3.5, "resumed_calls": 1}]
-    assert window_stats([_answered(5.0)], log[:1], load_ended_s=30.0) == [{"max_gap_s": None, "resumed_calls": 0}]
+    assert window_stats(calls, log) == [{"max_gap_s": 2.5, "resumed_calls": 1}, {"max_gap_s": 3.5, "resumed_calls": 1}]
+    assert window_stats(calls[1:2], log) == [{"max_gap_s": 0.9, "resumed_calls": 0}, {"max_gap_s": 2.0, "resumed_calls": 0}]
+    assert window_stats([_answered(5.0)], log[:1]) == [{"max_gap_s": None, "resumed_calls": 0}]
     assert baseline_gap(calls, before_s=3.0) == 0.5
 
 
