@@ -128,6 +128,13 @@ class RouterSpec:
             raise ValueError(f"actor_class: {self.actor_class!r} is not module:Class")
 
 
+HEAD_RESOURCE = "splitserve_head"
+"""The custom Ray resource of the node that runs the controller (``splitserve head``, a local
+``up``). The controller asks for a sliver of it instead of pinning a node id: a head pod that
+comes back as a new Ray node gets the restarted controller, where a node id would leave it
+pending on the node that is gone."""
+
+
 def pool_resource(pool: str) -> str:
     """The custom Ray resource a node offers per replica slot of ``pool``."""
     return f"splitserve_{pool}"

@@ -22,7 +22,7 @@ from proto.tls import ClusterTLSConfig, ray_tls_env
 from router import placement
 from router.config import RouterConfig
 from router.controller import CONTROLLER_NAME, NAMESPACE, POOLS, ClusterController, ControllerConfig, ReplicaSpec, RouterSpec, pool_resource
-from router.controller_config import parse_replica_name
+from router.controller_config import HEAD_RESOURCE, parse_replica_name
 from router.replica import RouterReplica
 
 DECODE_WORKER_CLASS = "decode_worker.actor:DecodeWorker"
@@ -150,8 +150,17 @@ def init_ray(address: str | None, cluster_tls: ClusterTLSConfig | None = None) -
         # Logical CPUs are scheduling tokens: on one machine every replica shares the same cores
         # anyway, so a local cluster admits more replicas than it has cores (2 cores, 1 + 2 replicas).
         num_cpus=max(os.cpu_count() or 1, _LOCAL_MIN_CPUS),
-        resources={pool_resource(p): _LOCAL_POOL_SLOTS for p in POOLS},
+        resources={**{pool_resource(p): _LOCAL_POOL_SLOTS for p in POOLS}, HEAD_RESOURCE: 1},
     )
+
+
+def _controller_placement() -> dict:
+    """Where the controller runs: on the node offering ``HEAD_RESOURCE`` (a ``splitserve head``
+    or a local ``up``), wherever that node is after a restart; on this process's node in a Ray
+    cluster started otherwise."""
+    if any(node["Alive"] and node["Resources"].get(HEAD_RESOURCE) for node in ray.nodes()):
+        return {"resources": {HEAD_RESOURCE: 0.01}}
+    return {"scheduling_strategy": _this_node()}
 
 
 def _this_node() -> NodeAffinitySchedulingStrategy:
@@ -193,8 +202,8 @@ class Cluster:
         self.controller = (
             ray.remote(ClusterController)
             .options(
-                name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000, scheduling_strategy=_this_node(),
-                lifetime="detached", max_restarts=-1,
+                name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000, lifetime="detached", max_restarts=-1,
+                **_controller_placement(),
             )
             .remote(self.config.controller)
         )

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.controller_config import CONTROLLER_NAME, NAMESPACE, POOLS, pool_resource
+from router.controller_config import CONTROLLER_NAME, HEAD_RESOURCE, NAMESPACE, POOLS, pool_resource
 from router.node_slots import is_alive
 
 READY_LINE = "Ray runtime started"
@@ -92,8 +92,10 @@ class HeadNodeConfig:
         _check_extra_args(self.ray_start_args)
 
     def command(self, node_ip: str) -> list[str]:
-        """The ``ray start`` command line; the head offers no pool resource, so no replica lands on it."""
+        """The ``ray start`` command line; the head offers no pool resource, so no replica lands on
+        it, and the head resource, which the controller asks for (``HEAD_RESOURCE``)."""
         command = [*_RAY, "start", "--head", "--block", "--port", str(self.ray_port), "--node-ip-address", node_ip]
+        command += ["--resources", json.dumps({HEAD_RESOURCE: 1})]
         if self.redis_password:
             command += ["--redis-password", self.redis_password]
         if self.redis_username:

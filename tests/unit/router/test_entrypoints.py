@@ -58,13 +58,13 @@ def test_a_replica_starts_in_every_slot_that_holds_none(used, to_start):
     assert slots_to_fill({"decode-a": 1, "decode-b": 2}, used) == to_start
 
 
-def test_the_head_runs_ray_start_with_no_pool_resource():
+def test_the_head_runs_ray_start_with_the_head_resource_and_no_pool_resource():
     head = HeadNodeConfig(ray_port=6380, ray_start_args=split_ray_start_args("--metrics-export-port 8080 --dashboard-host '0.0.0.0'"))
     command = head.command("10.1.2.3")
     assert command[command.index("start"):] == [
-        "start", "--head", "--block", "--port", "6380", "--node-ip-address", "10.1.2.3", "--metrics-export-port", "8080", "--dashboard-host", "0.0.0.0",
+        "start", "--head", "--block", "--port", "6380", "--node-ip-address", "10.1.2.3", "--resources", '{"splitserve_head": 1}',
+        "--metrics-export-port", "8080", "--dashboard-host", "0.0.0.0",
     ]
-    assert "--resources" not in command
 
 
 def test_a_worker_runs_ray_start_with_one_slot_of_its_pool():
