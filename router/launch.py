@@ -132,6 +132,10 @@ def init_ray(address: str | None, cluster_tls: ClusterTLSConfig | None = None) -
     # the serving path: at nice 15 the engine's OpenMP team lost the cores to every client,
     # raylet and GCS wake-up on a small machine. Workers of a local cluster run at normal priority.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # A local Ray's GCS must write its port within 30 s by default. On a 2-core machine whose cores
+    # other Ray nodes are busy starting (a test module with three nodes of its own beside this one,
+    # and a core kept busy), it did not, and every test of that pytest worker errored at start-up.
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
     ray_env = ray_tls_env(cluster_tls) if cluster_tls is not None else {}
     missing = " ".join(f"{k}={v}" for k, v in ray_env.items() if os.environ.get(k) != v)
     if ray.is_initialized():

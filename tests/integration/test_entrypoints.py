@@ -11,14 +11,8 @@ stopped by a signal to it, and the test ends by checking that none of them is le
 
 from __future__ import annotations
 
-import os
-import queue
-import shutil
-import signal
 import subprocess
-import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import grpc
@@ -27,94 +21,16 @@ import pytest
 
 from tests.certs import make_pki
 from tests.integration.conftest import wait_until
+from tests.integration.entrypoint_roles import CLI, Role, kill_all, ray_start_args, ray_temp_dir  # noqa: F401  (ray_temp_dir: a fixture)
 from tests.redis_server import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-CLI = [sys.executable, "-m", "router.cli"]
-
-
-PORT_FLAGS = (
-    "--node-manager-port", "--object-manager-port", "--dashboard-agent-grpc-port", "--dashboard-agent-listen-port",
-    "--metrics-export-port", "--runtime-env-agent-port",
-)
-
-
-def ray_start_args(*extra: str) -> str:
-    """``ray start`` options of one node. Every port of its own, given up front: with port 0 the
-    raylet waits for each agent to write the port it took (on a busy 2-core machine a dashboard
-    agent outlasted that wait and took the node down), and two nodes starting at once on one
-    host raced for the same one. No log monitor (nothing reads worker logs here) and the smallest
-    useful object store (100 MB): three nodes on one small machine."""
-    ports = [f"{flag} {free_port()}" for flag in PORT_FLAGS]
-    return " ".join([*ports, "--include-log-monitor false", "--object-store-memory 100000000", *extra])
-
-
-class Role:
-    """One entrypoint process: its output lines and the processes it started."""
-
-    def __init__(self, name: str, args: list[str]) -> None:
-        self.name = name
-        env = {**os.environ, "RAY_ADDRESS": ""}  # never the address of another Ray on this host
-        self.process = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True).start()
-
-    def wait_for(self, needle: str, timeout_s: float) -> str:
-        """The first line (from now on) containing ``needle``."""
-        while True:
-            try:
-                line = self.lines.get(timeout=timeout_s)
-            except queue.Empty:
-                raise AssertionError(f"{self.name}: no line containing {needle!r} within {timeout_s} s; last lines: {self.seen[-15:]}") from None
-            self.seen.append(line)
-            if needle in line:
-                return line
-
-    def drain_output(self) -> list[str]:
-        while not self.lines.empty():
-            self.seen.append(self.lines.get())
-        return self.seen
-
-    def tree(self) -> list[psutil.Process]:
-        """This process and every process below it (its Ray node and that node's workers)."""
-        try:
-            root = psutil.Process(self.process.pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def stop(self, timeout_s: float) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not exit within {timeout_s} s of SIGTERM; last lines: {self.drain_output()[-15:]}") from None
-
-
-def _kill_all(processes: list[psutil.Process]) -> None:
-    for p in processes:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(processes, timeout=10)
-
 
 def _pools(client) -> dict[str, tuple[int, int, int]]:
     """Pool -> (healthy replicas, replicas, target)."""
     status = client.cluster_status()
     healthy = {pool.pool: sum(1 for r in status.replicas if r.pool == pool.pool and r.healthy) for pool in status.pools}
     return {pool.pool: (healthy[pool.pool], pool.num_replicas, pool.target_replicas) for pool in status.pools}
-
-
-@pytest.fixture
-def ray_temp_dir():
-    """A short temp dir of this cluster's own (Ray's socket paths must stay under 108 characters)."""
-    path = tempfile.mkdtemp(prefix="ssray-", dir="/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_head_and_one_worker_per_pool_serve_then_drain_and_stop(tiny_llama_dir, ray_temp_dir, tmp_path):
@@ -184,7 +100,7 @@ def test_head_and_one_worker_per_pool_serve_then_drain_and_stop(tiny_llama_dir, 
         assert alive == [], f"left running: {[(p.pid, p.name()) for p in alive]}"
     finally:
         client.close()
-        _kill_all([p for role in roles for p in role.tree()] + every_process)
+        kill_all([p for role in roles for p in role.tree()] + every_process)
     assert not [p for p in psutil.process_iter(["cmdline"]) if ray_temp_dir in " ".join(p.info["cmdline"] or ())]
     current = Path(tempfile.gettempdir(), "ray", "ray_current_cluster")  # what ray.init(address="auto") reads
     assert not (current.exists() and current.read_text().strip() == address)

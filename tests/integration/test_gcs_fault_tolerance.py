@@ -30,13 +30,10 @@ ports and temp dir, is never touched by `ray stop`, and every process it started
 from __future__ import annotations
 
 import os
-import queue
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -44,68 +41,13 @@ import psutil
 import pytest
 
 from tests.integration.conftest import wait_until
+from tests.integration.entrypoint_roles import Role, kill_all, ray_start_args, ray_temp_dir  # noqa: F401  (ray_temp_dir: a fixture)
 from tests.redis_server import RedisServer, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-CLI = [sys.executable, "-m", "router.cli"]
-PORT_FLAGS = (
-    "--node-manager-port", "--object-manager-port", "--dashboard-agent-grpc-port", "--dashboard-agent-listen-port",
-    "--metrics-export-port", "--runtime-env-agent-port",
-)
 PROMPT = [(11 * i) % 300 + 20 for i in range(24)]
 MAX_TOKENS = 8
-
-
-def _ray_start_args(*extra: str) -> str:
-    """One node's `ray start` options: every port its own (see test_entrypoints.ray_start_args)."""
-    ports = [f"{flag} {free_port()}" for flag in PORT_FLAGS]
-    return " ".join([*ports, "--include-log-monitor false", "--object-store-memory 100000000", *extra])
-
-
-class Role:
-    """One entrypoint process: its output lines and the processes it started."""
-
-    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.name = name
-        env = {**os.environ, "RAY_ADDRESS": "", **(env or {})}
-        self.process = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True).start()
-
-    def wait_for(self, needle: str, timeout_s: float) -> str:
-        while True:
-            try:
-                line = self.lines.get(timeout=timeout_s)
-            except queue.Empty:
-                raise AssertionError(f"{self.name}: no line containing {needle!r} within {timeout_s} s; last lines: {self.seen[-15:]}") from None
-            self.seen.append(line)
-            if needle in line:
-                return line
-
-    def tree(self) -> list[psutil.Process]:
-        try:
-            root = psutil.Process(self.process.pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def stop(self, timeout_s: float) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not exit within {timeout_s} s of SIGTERM; last lines: {self.seen[-15:]}") from None
-
-
-def _kill_all(processes: list[psutil.Process]) -> None:
-    for p in processes:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(processes, timeout=10)
 
 
 def _accepts(port: int) -> bool:
@@ -153,20 +95,13 @@ class Traffic:
         self._thread.join(60)
 
 
-@pytest.fixture
-def ray_temp_dir():
-    path = tempfile.mkdtemp(prefix="ssgcs-", dir="/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def test_replicas_and_routers_serve_while_the_gcs_restarts_from_redis(tiny_llama_dir, ray_temp_dir, tmp_path):
     from router.client import SplitServeClient
 
     redis_server = RedisServer(tmp_path, password="gcs-secret").start()
     ray_port, head_grpc, router_grpc = free_port(), free_port(), free_port()
     address = f"127.0.0.1:{ray_port}"
-    head_ray_args = _ray_start_args(
+    head_ray_args = ray_start_args(
         f"--temp-dir {ray_temp_dir}", f"--ray-client-server-port {free_port()}", f"--dashboard-port {free_port()}", "--include-dashboard false"
     )
     head = Role("head", [
@@ -184,13 +119,13 @@ def test_replicas_and_routers_serve_while_the_gcs_restarts_from_redis(tiny_llama
         assert redis_server.client().dbsize() > 0, "the GCS keeps its tables in the Redis"
         decode = Role("decode worker", [
             "worker", "--pool", "decode", "--address", address, "--num-cpus", "1", "--node-ip-address", "127.0.0.1",
-            "--drain-timeout-s", "30", "--ray-start-args", _ray_start_args(),
+            "--drain-timeout-s", "30", "--ray-start-args", ray_start_args(),
         ])
         roles.append(decode)
         decode.wait_for("with one decode slot", timeout_s=120)
         router = Role("router node", [
             "router", "--address", address, "--router-id", "router-pod-a", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
-            "--port", str(router_grpc), "--worker-refresh-interval-s", "0.2", "--stop-grace-s", "2", "--ray-start-args", _ray_start_args(),
+            "--port", str(router_grpc), "--worker-refresh-interval-s", "0.2", "--stop-grace-s", "2", "--ray-start-args", ray_start_args(),
         ])
         roles.append(router)
         router.wait_for("router-pod-a on node", timeout_s=120)
@@ -261,7 +196,7 @@ def test_replicas_and_routers_serve_while_the_gcs_restarts_from_redis(tiny_llama
         assert any("router-pod-a stopped without unregistering" in line for line in _drain(router))
         # The decode worker's drain goes through the controller, and none is left; the head's
         # agents outlive their raylet for a minute, waiting for a GCS. SIGKILL what is left.
-        _kill_all(every_process)
+        kill_all(every_process)
         alive = [p for p in every_process if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert alive == [], f"left running: {[(p.pid, p.name()) for p in alive]}"
     finally:
@@ -272,7 +207,7 @@ def test_replicas_and_routers_serve_while_the_gcs_restarts_from_redis(tiny_llama
         leftovers = [p for role in roles for p in role.tree()] + every_process
         if restarted_gcs is not None and restarted_gcs.poll() is None:
             leftovers.append(psutil.Process(restarted_gcs.pid))
-        _kill_all(leftovers)
+        kill_all(leftovers)
         redis_server.stop()
     assert not [p for p in psutil.process_iter(["cmdline"]) if ray_temp_dir in " ".join(p.info["cmdline"] or ())]
 
