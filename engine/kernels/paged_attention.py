@@ -67,7 +67,7 @@ stages; at 2-4 their single buffer is waited for right after it is issued (sm_90
 _COMBINE_SPLITS = 16
 
 if triton is not None:
-    from engine.kernels.paged_kv import load_kv_tile
+    from engine.kernels.paged_kv import attend_tile, load_kv_tile
 
     @triton.jit
     def _paged_decode_kernel(
@@ -113,15 +113,9 @@ if triton is not None:
                 kv_offset, v_offset, block_stride, scale_block_stride, scale_offset,
                 KV_KIND, NATIVE_FP8, DOT_DTYPE, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD,
             )
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * qk_scale)[None, :]
-            scores = tl.where(token_ok[None, :], scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: a tile holds >= 1 token
-            rescale = tl.exp2(running_max - new_max)
-            probs = tl.exp2(scores - new_max[:, None])
-            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-            weights = (probs * v_scale[None, :]).to(DOT_DTYPE)
-            acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision=DOT_PRECISION)
-            running_max = new_max
+            running_max, running_sum, acc = attend_tile(  # a tile holds >= 1 token
+                q, k, v, k_scale, v_scale, token_ok[None, :], qk_scale, running_max, running_sum, acc, DOT_DTYPE, DOT_PRECISION,
+            )
 
         if not SPLIT:
             out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]  # an empty row: 0 / 1

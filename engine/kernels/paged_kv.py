@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.triton_common import INTERPRETED
+from engine.kv_cache import STORAGE_DTYPES
 from kv_store.layout import KVBlockLayout
 
 try:
@@ -28,7 +29,6 @@ except ImportError:  # the serving image runs without Triton; only the kernels n
 
 KV_KINDS = {"fp32": 0, "bf16": 1, "fp8_e4m3": 2}
 """The pool's storage as the kernels' ``KV_KIND`` constant."""
-_STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 _KV_POINTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.uint8}
 MIN_DOT = 16
 """The smallest side of a ``tl.dot`` operand."""
@@ -86,6 +86,26 @@ if triton is not None:
             v_scale = k_scale
         return k, v, k_scale, v_scale
 
+    @triton.jit
+    def attend_tile(
+        q, k, v, k_scale, v_scale, seen, qk_scale, running_max, running_sum, acc,
+        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """One tile of keys (``load_kv_tile``'s) into a flash-attention accumulator, online softmax
+        in base 2: scores of ``q`` with each key's block scale folded in (``qk_scale`` carries
+        ``sm_scale * log2(e)``), keys not ``seen`` by a row masked out, V's scales folded into the
+        weights. The caller guarantees every row sees at least one key in its first tile, so the
+        running max is finite from then on. Returns ``(running_max, running_sum, acc)``."""
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * qk_scale)[None, :]
+        scores = tl.where(seen, scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+        weights = (probs * v_scale[None, :]).to(DOT_DTYPE)
+        acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision=DOT_PRECISION)
+        return new_max, running_sum, acc
+
 
 def pool_views(pool: torch.Tensor, layout: KVBlockLayout, layer: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """The pool as the kernels read it: ``(kv, scales, strides)``.
@@ -137,7 +157,7 @@ def dequantized_layer(blocks: torch.Tensor, layout: KVBlockLayout, layer: int) -
     Reference code (torch's casts), shared by the decode and prefill references, never by a kernel.
     """
     n = blocks.shape[0]
-    payload = blocks[:, : layout.payload_bytes].contiguous().view(_STORAGE_DTYPES[layout.kv_dtype])
+    payload = blocks[:, : layout.payload_bytes].contiguous().view(STORAGE_DTYPES[layout.kv_dtype])
     values = payload.view(n, *layout.payload_shape)[:, :, layer].float()  # [n, kv_heads, 2, block_size, head_dim]
     if layout.has_scales:
         trailer = blocks[:, layout.scales_offset : layout.scales_offset + layout.scale_bytes].contiguous()

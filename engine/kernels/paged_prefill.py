@@ -47,7 +47,7 @@ except ImportError:  # the serving image runs without Triton; only the kernel ne
     triton = None
 
 if triton is not None:
-    from engine.kernels.paged_kv import load_kv_tile
+    from engine.kernels.paged_kv import attend_tile, load_kv_tile
 
     @triton.jit
     def _paged_prefill_kernel(
@@ -95,16 +95,10 @@ if triton is not None:
                 kv_offset, v_offset, block_stride, scale_block_stride, scale_offset,
                 KV_KIND, NATIVE_FP8, DOT_DTYPE, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD,
             )
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * qk_scale)[None, :]
             seen = key_ok[None, :] & (keys[None, :] <= positions[:, None])
-            scores = tl.where(seen, scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: the first tile holds key 0
-            rescale = tl.exp2(running_max - new_max)
-            probs = tl.exp2(scores - new_max[:, None])
-            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-            weights = (probs * v_scale[None, :]).to(DOT_DTYPE)
-            acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision=DOT_PRECISION)
-            running_max = new_max
+            running_max, running_sum, acc = attend_tile(  # every row sees key 0 in the first tile
+                q, k, v, k_scale, v_scale, seen, qk_scale, running_max, running_sum, acc, DOT_DTYPE, DOT_PRECISION,
+            )
 
         out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask)

@@ -31,7 +31,9 @@ import torch
 
 from engine.kernels import launches
 from engine.kernels.kv_segments import KVSegments
+from engine.kernels.paged_kv import KV_KINDS
 from engine.kernels.triton_common import check_device
+from engine.kv_cache import STORAGE_DTYPES
 from kv_store.layout import KVBlockLayout
 
 try:
@@ -42,8 +44,6 @@ try:
 except ImportError:  # the serving image runs without Triton; only the kernel needs it
     triton = None
 
-_KV_KINDS = {"fp32": 0, "bf16": 1, "fp8_e4m3": 2}
-_STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 _SCALE_BYTES = 4
 _E4M3_MAX = tl.constexpr(448.0) if triton is not None else None
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
@@ -221,7 +221,7 @@ def rope_write_kv(
         layer * 2 * tile_bytes, tile_bytes, layout.scales_offset + layer * 2 * _SCALE_BYTES, layout.num_layers * 2 * _SCALE_BYTES,
         GROUP=num_heads // layout.num_kv_heads, HEAD_DIM=layout.head_dim, HEAD_DIM_PAD=triton.next_power_of_2(layout.head_dim),
         MAX_TOKENS=triton.next_power_of_2(segments.max_tokens), BLOCK_SIZE=layout.block_size,
-        BF16=qkv.dtype == torch.bfloat16, KV_KIND=_KV_KINDS[layout.kv_dtype], ELEMENT_BYTES=layout.element_bytes,
+        BF16=qkv.dtype == torch.bfloat16, KV_KIND=KV_KINDS[layout.kv_dtype], ELEMENT_BYTES=layout.element_bytes,
         **COMPILE_OPTIONS,
     )
 
@@ -244,7 +244,7 @@ def reference_rope_write_kv(
     num_kv_heads, head_dim, half = layout.num_kv_heads, layout.head_dim, layout.head_dim // 2
     qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(qkv.shape[0], num_heads + num_kv_heads, head_dim)
     v_all = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(qkv.shape[0], num_kv_heads, head_dim)
-    payload = pool[:, : layout.payload_bytes].view(_STORAGE_DTYPES[layout.kv_dtype]).view(pool.shape[0], *layout.payload_shape)
+    payload = pool[:, : layout.payload_bytes].view(STORAGE_DTYPES[layout.kv_dtype]).view(pool.shape[0], *layout.payload_shape)
     columns = (segments.block_ids, segments.token_starts, segments.offsets, segments.num_tokens)
     for block_id, start, offset, num_tokens in zip(*(column.tolist() for column in columns)):
         if block_id < 0:

@@ -232,7 +232,7 @@ def test_kernel_compiles_for_sm90_without_fused_multiply_adds():
     launches = []
     for kv_dtype, dtype in variants:
         constexprs = dict(GROUP=4, HEAD_DIM=128, HEAD_DIM_PAD=128, MAX_TOKENS=1, BLOCK_SIZE=16, BF16=dtype == "bf16",
-                          KV_KIND=rope_kv._KV_KINDS[kv_dtype], ELEMENT_BYTES={"fp32": 4, "bf16": 2, "fp8_e4m3": 1}[kv_dtype])
+                          KV_KIND=rope_kv.KV_KINDS[kv_dtype], ELEMENT_BYTES={"fp32": 4, "bf16": 2, "fp8_e4m3": 1}[kv_dtype])
         signature = {name: pointers.get(name, "i32") for name in kernel.arg_names if name not in constexprs}
         signature["qkv_ptr"] = "*" + dtype
         launches.append(Launch(rope_kv.__name__, "_rope_write_kv_kernel", signature, constexprs, options=rope_kv.COMPILE_OPTIONS))
