@@ -135,11 +135,10 @@ class DecodeGraphs:
     def _fill(self, decodes: list[tuple[int, int, tuple[int, ...]]]) -> None:
         n, block_size, width = len(decodes), self.kv_cache.layout.block_size, self.max_blocks_per_seq
         rows = torch.tensor([(token, pos, pos + 1, blocks[pos // block_size], pos % block_size) for token, pos, blocks in decodes], dtype=torch.int64)
-        tables = torch.zeros(n, width, dtype=torch.int32)
         for row, (_, _, blocks) in enumerate(decodes):
             if len(blocks) > width:
                 raise ValueError(f"block_ids: row {row} has {len(blocks)} blocks, the graphs' tables hold {width}")
-            tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        tables = torch.tensor([blocks + (0,) * (width - len(blocks)) for _, _, blocks in decodes], dtype=torch.int32)
         self.input_ids[:n].copy_(rows[:, 0], non_blocking=True)
         self.positions[:n].copy_(rows[:, 1], non_blocking=True)
         self.context_lens[:n].copy_(rows[:, 2], non_blocking=True)
