@@ -140,13 +140,21 @@ class WorkerNodeConfig:
 
     def command(self, node_ip: str, node_name: str) -> list[str]:
         """The ``ray start`` command line: join the head, offering one slot of the pool's resource."""
-        command = [*_RAY, "start", "--block", "--address", self.address, "--node-ip-address", node_ip, "--node-name", node_name]
-        command += ["--resources", json.dumps({pool_resource(self.pool): 1})]
-        if self.num_cpus is not None:
-            command += ["--num-cpus", str(self.num_cpus)]
-        if self.num_gpus is not None:
-            command += ["--num-gpus", str(self.num_gpus)]
-        return command + list(self.ray_start_args)
+        return join_command(self.address, node_ip, node_name, pool_resource(self.pool), self.num_cpus, self.num_gpus, self.ray_start_args)
+
+
+def join_command(
+    address: str, node_ip: str, node_name: str, resource: str, num_cpus: int | None, num_gpus: int | None, ray_start_args: tuple[str, ...]
+) -> list[str]:
+    """``ray start`` joining the head at ``address`` as a node offering one ``resource`` slot;
+    a count left None is what Ray detects."""
+    command = [*_RAY, "start", "--block", "--address", address, "--node-ip-address", node_ip, "--node-name", node_name]
+    command += ["--resources", json.dumps({resource: 1})]
+    if num_cpus is not None:
+        command += ["--num-cpus", str(num_cpus)]
+    if num_gpus is not None:
+        command += ["--num-gpus", str(num_gpus)]
+    return command + list(ray_start_args)
 
 
 _RAY = (sys.executable, "-m", "ray.scripts.scripts")

@@ -14,7 +14,6 @@ error so that its pod is restarted, rather than keeping a node that serves nothi
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -22,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from router.controller_config import CONTROLLER_NAME, NAMESPACE
-from router.ray_node import RayNode, RayNodeError, _check_extra_args, _RAY, node_id_named, parse_address, stop_on_signals, wait_reachable
+from router.ray_node import RayNode, RayNodeError, _check_extra_args, join_command, node_id_named, parse_address, stop_on_signals, wait_reachable
 
 ROUTER_RESOURCE = "splitserve_router"
 """The custom Ray resource a router node offers: no replica slot, so the controller places none here."""
@@ -79,11 +78,7 @@ class RouterNodeConfig:
 
     def command(self, node_ip: str, node_name: str) -> list[str]:
         """The ``ray start`` command line: join the head with one router slot and no GPU."""
-        command = [*_RAY, "start", "--block", "--address", self.address, "--node-ip-address", node_ip, "--node-name", node_name]
-        command += ["--resources", json.dumps({ROUTER_RESOURCE: 1}), "--num-gpus", "0"]
-        if self.num_cpus is not None:
-            command += ["--num-cpus", str(self.num_cpus)]
-        return command + list(self.ray_start_args)
+        return join_command(self.address, node_ip, node_name, ROUTER_RESOURCE, self.num_cpus, 0, self.ray_start_args)
 
 
 def wait_for_controller(timeout_s: float):
