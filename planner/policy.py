@@ -64,6 +64,10 @@ class Observation:
     """Prefill pool: prompt tokens waiting or being prefilled at the end of the interval."""
     kv_usage: float | None = None
     """Decode pool: share of its KV blocks in use at the end of the interval (None: unknown)."""
+    prompt_length_counts: tuple[tuple[float, int], ...] = ()
+    """Requests of the interval by prompt length: (upper bound in tokens, count) per histogram bucket,
+    bounds rising, the last one inf (router.metrics.PROMPT_LENGTH_BUCKETS; empty: unknown). The
+    planner counts the prompts no replica prefills within the TTFT SLO apart from the rest."""
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0 or min(self.num_requests, self.num_prompt_tokens, self.num_output_tokens, self.queued_prefill_tokens) < 0:
@@ -88,6 +92,9 @@ class Decision:
     """One sentence per pool saying why its target is what it is."""
     infeasible: tuple[str, ...] = ()
     """Pools whose SLO no allowed count meets: held at max and reported (an event per interval)."""
+    infeasible_requests: int = 0
+    """Requests of the interval whose prompt no replica prefills within the TTFT SLO (their prefill
+    alone takes longer): counted and reported apart, they never drive the prefill pool to max."""
 
 
 def _wait_tail(rho: float, service_s: float, slack_s: float) -> float:

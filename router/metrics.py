@@ -8,6 +8,10 @@ _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 """The same buckets as engine/metrics.py's, so router and worker series line up; a copy because the
 router may not import engine code beyond its config (tests/unit/test_layering.py)."""
 
+PROMPT_LENGTH_BUCKETS = tuple(float(2 ** (k / 2)) for k in range(14, 37)) + (float("inf"),)
+"""Upper bounds (tokens) of the prompt-length histogram, a factor of sqrt(2) apart from 128 to 256k:
+the planner counts apart the prompts too long for any replica to prefill within the TTFT SLO."""
+
 
 class RouterMetrics:
     """Requests by status, TTFT / inter-token / end-to-end latency, requests in flight."""

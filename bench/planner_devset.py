@@ -1,0 +1,86 @@
+"""The planner's development set replayed at once: every trace of bench/planner_traces.dev_set under every policy.
+
+    python -m bench.planner_devset [--traces NAME ...] [--policies ...] [--jobs N] --json OUT [--table]
+
+Prints one JSON report: per trace its stats (with the requests no replica count can serve within
+the TTFT SLO counted apart), each policy's attainment, replica-hours, direction changes per pool,
+and the issue's goals for ``splitserve`` against the static split; ``summary`` counts the traces
+that meet each goal. ``--table`` also writes the markdown table planner/README.md carries to stderr.
+Planner settings are the ones ``bench.planner`` takes (``--startup-s`` also sizes the bursts).
+"""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+from bench.planner import DEFAULT_PERF, describe, evaluate_goals, replay
+from bench.planner_traces import dev_set
+from bench.report import arg_parser, emit_report, machine, progress, run
+from planner.config import PlannerConfig
+from planner.perf_model import load_splitwise_csv
+from router.cli_args import add_dataclass_args, dataclass_from_args
+
+POLICIES = ("splitserve", "static", "hpa", "oracle", "hindsight")
+SUMMARY_FIELDS = ("slo_attainment", "replica_hours", "direction_changes_per_pool", "infeasible_intervals", "split", "attainment_bar", "target_reached", "reached_target")
+
+
+def replay_trace(name: str, config: PlannerConfig, policies: tuple[str, ...]) -> dict:
+    """One development trace under ``policies`` (static first: hindsight starts from it)."""
+    perf = load_splitwise_csv(DEFAULT_PERF, "llama2-70b", "h100-80gb", 4)
+    trace = dev_set(config.startup_s)[name]()
+    results = {}
+    for policy in sorted(policies, key=lambda p: (p != "static", p == "hindsight")):
+        result, _ = replay(trace, perf, config, policy, static=results.get("static"))
+        results[policy] = {k: v for k, v in result.items() if k in SUMMARY_FIELDS}
+    stats = describe(trace, perf, config)
+    return {"trace_stats": stats, "policies": {p: results[p] for p in policies if p in results}, "goals": evaluate_goals(results, stats["span_s"])}
+
+
+def table(report: dict) -> str:
+    """The markdown table: per trace and policy, attainment, replica-hours over static's, and direction changes per pool."""
+    lines = ["| trace | policy | SLO attainment | replica-hours (x static) | direction changes (prefill + decode) |", "|---|---|---|---|---|"]
+    for name, entry in report["traces"].items():
+        static = entry["policies"].get("static")
+        for policy, r in entry["policies"].items():
+            ratio = f" ({r['replica_hours'] / static['replica_hours']:.2f}x)" if static else ""
+            changes = r["direction_changes_per_pool"]
+            split = f" {r['split']['prefill']} + {r['split']['decode']}" if "split" in r else ""
+            lines.append(f"| {name} | {policy}{split} | {r['slo_attainment']:.4f} | {r['replica_hours']:.2f}{ratio} | {changes['prefill']} + {changes['decode']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arg_parser(__doc__, model=False)
+    names = list(dev_set())
+    parser.add_argument("--traces", nargs="+", choices=names, default=names, help="development traces to replay (default: all)")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=["splitserve", "static", "hpa"], help="(default: splitserve static hpa)")
+    parser.add_argument("--jobs", type=int, default=2, help="traces replayed at once, one process each (default: 2)")
+    parser.add_argument("--table", action="store_true", help="also write the markdown table to stderr")
+    add_dataclass_args(parser, PlannerConfig)
+    args = parser.parse_args(argv)
+    try:
+        config = dataclass_from_args(PlannerConfig, args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
+    policies = tuple(dict.fromkeys(args.policies + (["static"] if "hindsight" in args.policies else [])))
+    progress("planner_devset", f"{len(args.traces)} traces x {', '.join(policies)} on {args.jobs} processes")
+    with ProcessPoolExecutor(args.jobs) as pool:
+        futures = {name: pool.submit(replay_trace, name, config, policies) for name in args.traces}
+        traces = {}
+        for name, future in futures.items():
+            traces[name] = future.result()
+            goals = traces[name]["goals"]
+            progress("planner_devset", f"{name}: " + ", ".join(f"{k} {v['value']:.3f}{'' if v['met'] else ' (missed)'}" for k, v in goals.items()))
+    met = {goal: sum(t["goals"].get(goal, {}).get("met", False) for t in traces.values()) for goal in next(iter(traces.values()))["goals"]}
+    report = {"traces": traces, "summary": {"num_traces": len(traces), "goals_met": met}, "planner_config": vars(config), "machine": machine()}
+    emit_report(report, args.json)
+    if args.table:
+        print(table(report), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run("planner_devset", main))

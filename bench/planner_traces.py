@@ -1,0 +1,214 @@
+"""bench.planner's traces: reading Azure and Mooncake files, and the seeded generators of the development set.
+
+The development set (``DEV_SET``; ``python -m bench.planner_devset``) is what every planner change is
+judged on at once. Its traces are made by generators whose shapes are stated relative to the
+replica start-up time, so the set scales with ``--startup-s`` instead of being tuned to one value:
+
+- ``bursts_short`` / ``bursts_equal`` / ``bursts_long``: a quiet base rate with bursts of 4x its
+  rate lasting half, one and four start-up times, at random gaps;
+- ``spells``: bursts of 10-17 req/s lasting one to two minutes between quiet spells of about
+  1 req/s, prompts median 1.5k tokens (the shape of Azure's 2023 code service);
+- ``heavy_tail``: steady Poisson arrivals whose prompts are Pareto-distributed (a share of them
+  longer than any replica can prefill within the TTFT SLO);
+- ``diurnal``: a rate that ramps from a tenth of its peak to the peak and back over the trace;
+- ``flash_crowd``: a steady rate that jumps to 5x for ten minutes;
+- ``conv_x2`` / ``conv_half``: the Azure conv trace compressed into half its time and stretched to
+  twice it; ``conv``: as recorded;
+- ``mooncake_conv``: bench.traces' multi-turn conversations (long prompts, sessions in on/off bursts);
+- ``bursty``: the original generator (smooth bursts of long prompts, long outputs, both, quiet).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import gzip
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+from bench.report import BenchError
+from bench.traces import TraceConfig
+from bench.traces import generate as generate_mooncake
+from bench.traces import read_trace as read_mooncake
+
+CSV_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+CONV_TRACE = Path(__file__).resolve().parents[1] / "planner" / "data" / "azure_llm_2023_conv.csv.gz"
+
+
+class Arrival(NamedTuple):
+    time_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+def read_arrivals(path: Path) -> list[Arrival]:
+    """The trace at ``path`` (CSV, CSV.gz or Mooncake JSONL) from time 0, or a BenchError naming the first bad line."""
+    if not path.is_file():
+        raise BenchError(f"--trace {path}: no such file")
+    if path.suffix in (".jsonl", ".json"):
+        try:
+            rows = [(r.timestamp_ms / 1000, r.input_length, r.output_length) for r in read_mooncake(path)]
+        except ValueError as e:
+            raise BenchError(f"--trace {path}: {e}") from None
+    else:
+        rows = []
+        with (gzip.open(path, "rt", newline="") if path.suffix == ".gz" else open(path, newline="")) as f:
+            reader = csv.reader(f)
+            if next(reader, None) != CSV_HEADER:
+                raise BenchError(f"--trace {path}: line 1 is not the header {','.join(CSV_HEADER)}")
+            for row in reader:
+                try:
+                    if row:
+                        stamp, prompt, output = row
+                        rows.append((_seconds(stamp), int(prompt), int(output)))
+                        if rows[-1][1] < 1 or rows[-1][2] < 0:
+                            raise ValueError
+                except ValueError:
+                    raise BenchError(f"--trace {path}: line {reader.line_num} is not TIMESTAMP,ContextTokens,GeneratedTokens: {','.join(row)!r}") from None
+    if len(rows) < 2:
+        raise BenchError(f"--trace {path}: fewer than two requests")
+    rows.sort()
+    start = rows[0][0]
+    return [Arrival(t - start, p, max(1, o)) for t, p, o in rows]
+
+
+def _seconds(stamp: str) -> float:
+    try:
+        return float(stamp)
+    except ValueError:
+        return datetime.datetime.fromisoformat(stamp).timestamp()
+
+
+def write_csv(trace: list[Arrival], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    base = datetime.datetime(2024, 1, 1)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(CSV_HEADER)
+        for a in trace:
+            writer.writerow([(base + datetime.timedelta(seconds=a.time_s)).isoformat(sep=" "), a.prompt_tokens, a.output_tokens])
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, high: int) -> int:
+    return int(min(high, max(16, rng.lognormvariate(math.log(median), sigma))))
+
+
+def generate_bursty(seed: int, duration_s: float = 3600.0, base_rate: float = 10.0) -> list[Arrival]:
+    """Poisson arrivals at ``base_rate`` with Gaussian-shaped bursts (sigma 90-240 s) of long prompts
+    (x4), long outputs (x4), triple rate, or a quiet spell (5% of the rate), one kind at a time."""
+    rng = random.Random(seed)
+    bursts, t = [], 300.0
+    while t < duration_s - 300:
+        width = rng.uniform(90, 240)
+        bursts.append((t + 2 * width, width, rng.choice(("prompt", "output", "both", "quiet"))))
+        t += 4 * width + rng.uniform(60, 300)
+
+    def shape(now: float) -> tuple[float, float, float]:
+        rate, prompt, output = 1.0, 1.0, 1.0
+        for center, width, kind in bursts:
+            bump = math.exp(-(((now - center) / width) ** 2) / 2)
+            rate *= {"prompt": 1 + bump, "output": 1 + bump, "both": 1 + 2 * bump, "quiet": 1 - 0.95 * bump}[kind]
+            prompt += 3 * bump if kind == "prompt" else 0.0
+            output += 3 * bump if kind == "output" else 0.0
+        return rate, prompt, output
+
+    out, now = [], 0.0
+    while True:
+        now += rng.expovariate(3 * base_rate)
+        if now >= duration_s:
+            return out
+        rate, prompt, output = shape(now)
+        if rng.random() < rate / 3:
+            prompt_tokens = int(min(16000, max(16, rng.lognormvariate(math.log(700), 1.0) * prompt)))
+            out.append(Arrival(now, prompt_tokens, int(min(4000, max(1, rng.lognormvariate(math.log(150), 0.8) * output)))))
+
+
+def generate_poisson(seed: int, rate: Callable[[float], float], peak_rate: float, duration_s: float, prompt: Callable[[random.Random], int], output_median: float = 200.0) -> list[Arrival]:
+    """Arrivals of a Poisson process whose rate at time t is ``rate(t)`` (at most ``peak_rate``; thinned),
+    prompts drawn by ``prompt(rng)``, outputs lognormal around ``output_median``."""
+    rng, out, now = random.Random(seed), [], 0.0
+    while True:
+        now += rng.expovariate(peak_rate)
+        if now >= duration_s:
+            return out
+        if rng.random() * peak_rate < rate(now):
+            out.append(Arrival(now, prompt(rng), _lognormal(rng, output_median, 0.8, 4000)))
+
+
+def _spells(rng: random.Random, duration_s: float, length_s: tuple[float, float], gap_s: tuple[float, float]) -> list[tuple[float, float]]:
+    """(start, end) of spells of ``length_s`` between gaps of ``gap_s`` (uniform ranges), from one gap in."""
+    spells, t = [], rng.uniform(*gap_s)
+    while t < duration_s:
+        length = rng.uniform(*length_s)
+        spells.append((t, min(duration_s, t + length)))
+        t += length + rng.uniform(*gap_s)
+    return spells
+
+
+def generate_bursts(seed: int, burst_s: float, duration_s: float = 3600.0, base_rate: float = 2.0, factor: float = 4.0) -> list[Arrival]:
+    """A base rate with bursts of ``factor`` times it lasting ``burst_s`` (each 0.75-1.25x), 2-8 burst lengths
+    apart (at least two minutes), prompts lognormal around 1k tokens."""
+    rng = random.Random(seed)
+    spells = _spells(rng, duration_s, (0.75 * burst_s, 1.25 * burst_s), (max(120.0, 2 * burst_s), max(240.0, 8 * burst_s)))
+    rate = lambda t: base_rate * (factor if any(a <= t < b for a, b in spells) else 1.0)  # noqa: E731
+    return generate_poisson(seed + 1, rate, factor * base_rate, duration_s, lambda r: _lognormal(r, 1000, 0.9, 16000))
+
+
+def generate_code_spells(seed: int, duration_s: float = 3420.0) -> list[Arrival]:
+    """Bursts of 10-17 req/s lasting 60-120 s between quiet spells of about 1 req/s lasting 2-6 minutes;
+    prompts lognormal around 1.5k tokens, at most 7.4k; short outputs."""
+    rng = random.Random(seed)
+    spells = [(a, b, rng.uniform(10, 17)) for a, b in _spells(rng, duration_s, (60, 120), (120, 360))]
+    rate = lambda t: next((r for a, b, r in spells if a <= t < b), 1.0)  # noqa: E731
+    return generate_poisson(seed + 1, rate, 17.0, duration_s, lambda r: _lognormal(r, 1500, 0.7, 7400), output_median=30.0)
+
+
+def generate_heavy_tail(seed: int, duration_s: float = 3600.0, rate: float = 3.0, alpha: float = 1.3, low: int = 400) -> list[Arrival]:
+    """Steady Poisson arrivals with Pareto(``alpha``) prompts from ``low`` tokens up to 64k."""
+    return generate_poisson(seed, lambda t: rate, rate, duration_s, lambda r: int(min(65536, low * r.paretovariate(alpha))))
+
+
+def generate_diurnal(seed: int, duration_s: float = 7200.0, peak_rate: float = 8.0) -> list[Arrival]:
+    """A rate rising from a tenth of ``peak_rate`` to the peak at mid-trace and back (a raised cosine)."""
+    rate = lambda t: peak_rate * (0.1 + 0.9 * (1 - math.cos(2 * math.pi * t / duration_s)) / 2)  # noqa: E731
+    return generate_poisson(seed, rate, peak_rate, duration_s, lambda r: _lognormal(r, 900, 0.9, 16000))
+
+
+def generate_flash_crowd(seed: int, duration_s: float = 3600.0, rate: float = 2.0, factor: float = 5.0, crowd_s: float = 600.0) -> list[Arrival]:
+    """A steady ``rate`` that jumps to ``factor`` times it for ``crowd_s``, starting at a random time in the middle half."""
+    start = random.Random(seed).uniform(duration_s / 4, 3 * duration_s / 4 - crowd_s)
+    return generate_poisson(seed + 1, lambda t: rate * (factor if start <= t < start + crowd_s else 1.0), factor * rate, duration_s, lambda r: _lognormal(r, 1000, 0.9, 16000))
+
+
+def rescale(trace: list[Arrival], factor: float) -> list[Arrival]:
+    """``trace`` with its times multiplied by ``factor`` (below 1: compressed, the rate higher)."""
+    return [a._replace(time_s=a.time_s * factor) for a in trace]
+
+
+def mooncake_conversations(seed: int, rate: float = 1.5, duration_s: float = 3600.0) -> list[Arrival]:
+    """bench.traces' multi-turn conversations at ``rate`` req/s for ``duration_s``, as arrivals."""
+    requests = generate_mooncake("multiturn", int(rate * duration_s), seed, TraceConfig(request_rate=rate))
+    start = requests[0].timestamp_ms
+    return [Arrival((r.timestamp_ms - start) / 1000, r.input_length, max(1, r.output_length)) for r in requests]
+
+
+def dev_set(startup_s: float = 60.0) -> dict[str, Callable[[], list[Arrival]]]:
+    """The development traces by name, each a thunk (bursts are sized from ``startup_s``)."""
+    return {
+        "bursts_short": lambda: generate_bursts(11, startup_s / 2),
+        "bursts_equal": lambda: generate_bursts(12, startup_s),
+        "bursts_long": lambda: generate_bursts(13, 4 * startup_s),
+        "spells": lambda: generate_code_spells(14),
+        "heavy_tail": lambda: generate_heavy_tail(15),
+        "diurnal": lambda: generate_diurnal(16),
+        "flash_crowd": lambda: generate_flash_crowd(17),
+        "conv": lambda: read_arrivals(CONV_TRACE),
+        "conv_x2": lambda: rescale(read_arrivals(CONV_TRACE), 0.5),
+        "conv_half": lambda: rescale(read_arrivals(CONV_TRACE), 2.0),
+        "mooncake_conv": lambda: mooncake_conversations(18),
+        "bursty_0": lambda: generate_bursty(0),
+        "bursty_7": lambda: generate_bursty(7),
+    }
