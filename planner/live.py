@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -67,6 +68,7 @@ class ClusterSource:
             itl_s_p90=stats.itl_p90_s,
             queued_prefill_tokens=prefill_queue,
             kv_usage=kv_usage,
+            prompt_length_counts=stats.prompt_length_counts,
         )
 
 
@@ -82,6 +84,9 @@ class PlannerMetrics:
         self.correction = Gauge("splitserve_planner_correction_factor", "Observed over predicted latency, per pool.", ["pool"], registry=r)
         self.forecast = Gauge("splitserve_planner_predicted_load", "The load the targets are sized for.", ["quantity"], registry=r)
         self.infeasible = Counter("splitserve_planner_infeasible", "Intervals a pool's SLO could not be met by any allowed count.", ["pool"], registry=r)
+        self.infeasible_requests = Counter(
+            "splitserve_planner_infeasible_requests", "Requests whose prompt no replica prefills within the TTFT SLO, counted apart.", registry=r
+        )
         self.connector_errors = Counter("splitserve_planner_connector_errors", "Actions the cluster refused or failed.", registry=r)
         self.decisions = Counter("splitserve_planner_decisions", "Intervals decided.", registry=r)
 
@@ -167,10 +172,20 @@ class PlannerLoop:
         for pool in decision.infeasible:
             m.infeasible.labels(pool).inc()
             logger.warning("planner: no allowed %s count meets its SLO; holding at max (%s)", pool, decision.reasons.get(pool, ""))
+        m.infeasible_requests.inc(decision.infeasible_requests)
         logger.info("planner: %s", json.dumps({
-            "observation": dataclasses.asdict(observation),
+            "observation": _loggable(observation),
             "pools": {p: dataclasses.asdict(v) for p, v in pools.items()},
             "targets": dict(decision.targets), "needed": dict(decision.needed),
             "forecast": dataclasses.asdict(forecast), "corrections": dict(decision.corrections),
-            "reasons": dict(decision.reasons), "infeasible": list(decision.infeasible), "dry_run": self.dry_run,
+            "reasons": dict(decision.reasons), "infeasible": list(decision.infeasible),
+            "infeasible_requests": decision.infeasible_requests, "dry_run": self.dry_run,
         }))
+
+
+def _loggable(observation: Observation) -> dict:
+    """The observation as strict JSON: prompt lengths as {upper bound: count} of the buckets that
+    counted any, the last bound spelled "+Inf" as Prometheus does (JSON has no infinity)."""
+    out = dataclasses.asdict(observation)
+    out["prompt_length_counts"] = {("+Inf" if math.isinf(b) else f"{b:g}"): n for b, n in observation.prompt_length_counts if n}
+    return out

@@ -1,10 +1,10 @@
 """What the live planner reads each interval: the routers' Prometheus series, as interval deltas.
 
-Every router exports request counts, prompt and output tokens, and TTFT and inter-token latency
-histograms (router/metrics.py). The planner scrapes each router's ``/metrics`` (the URLs the
-controller's cluster status lists), sums the routers, and turns two scrapes into one interval:
-counts by difference, percentiles from the difference of the histogram buckets (as PromQL's
-``histogram_quantile`` does, linear within a bucket).
+Every router exports request counts, prompt and output tokens, and TTFT, inter-token latency and
+prompt-length histograms (router/metrics.py). The planner scrapes each router's ``/metrics`` (the
+URLs the controller's cluster status lists), sums the routers, and turns two scrapes into one
+interval: counts by difference, percentiles from the difference of the histogram buckets (as
+PromQL's ``histogram_quantile`` does, linear within a bucket), prompt lengths as per-bucket counts.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ _COUNTERS = {
 _HISTOGRAMS = {
     "splitserve_time_to_first_token_seconds": "ttft",
     "splitserve_inter_token_latency_seconds": "itl",
+    "splitserve_prompt_length_tokens": "prompt_length",
 }
 
 
@@ -48,6 +49,9 @@ class IntervalStats:
     itl_p90_s: float | None
     ttft_mean_s: float | None = None
     itl_mean_s: float | None = None
+    prompt_length_counts: tuple[tuple[float, int], ...] = ()
+    """Requests by prompt length: (upper bound in tokens, count) per bucket, bounds rising, the last
+    inf (router.metrics.PROMPT_LENGTH_BUCKETS); empty when no router exports the histogram."""
 
 
 def parse(text: str, at_s: float, into: Scrape | None = None) -> Scrape:
@@ -95,6 +99,7 @@ def interval(before: Scrape, after: Scrape) -> IntervalStats:
         itl_p90_s=quantile(0.9, before.buckets.get("itl", {}), after.buckets.get("itl", {})),
         ttft_mean_s=delta("ttft_sum") / delta("ttft_count") if delta("ttft_count") else None,
         itl_mean_s=delta("itl_sum") / delta("itl_count") if delta("itl_count") else None,
+        prompt_length_counts=bucket_counts(before.buckets.get("prompt_length", {}), after.buckets.get("prompt_length", {})),
     )
 
 
@@ -114,3 +119,15 @@ def quantile(q: float, before: dict[float, float], after: dict[float, float]) ->
             return lower_bound + (bound - lower_bound) * ((rank - lower_count) / width if width else 1.0)
         lower_bound, lower_count = bound, count
     return lower_bound
+
+
+def bucket_counts(before: dict[float, float], after: dict[float, float]) -> tuple[tuple[float, int], ...]:
+    """(upper bound, observations in that bucket alone) between two cumulative bucket snapshots,
+    bounds rising; empty when ``after`` has no buckets."""
+    counts = []
+    below = 0.0
+    for bound in sorted(after):
+        cumulative = max(0.0, after[bound] - before.get(bound, 0.0))
+        counts.append((bound, max(0, round(cumulative - below))))
+        below = max(below, cumulative)
+    return tuple(counts)

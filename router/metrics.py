@@ -50,6 +50,10 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             "splitserve_prompt_tokens", "Prompt tokens of finished Generate calls (what the planner sizes prefill by).", ["router"], registry=self.registry
         ).labels(router_id)
+        self.prompt_length = Histogram(
+            "splitserve_prompt_length_tokens", "Prompt tokens of each finished Generate call (the planner counts the prompts too long for the TTFT SLO).",
+            ["router"], buckets=PROMPT_LENGTH_BUCKETS[:-1], registry=self.registry,
+        ).labels(router_id)
         self.output_tokens = Counter(
             "splitserve_output_tokens", "Tokens streamed to clients (what the planner sizes decode by).", ["router"], registry=self.registry
         ).labels(router_id)

@@ -231,6 +231,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     self.metrics.output_tokens.inc(len(event.response.token_ids))
                     if event.response.HasField("usage"):
                         self.metrics.prompt_tokens.inc(event.response.usage.prompt_tokens)
+                        self.metrics.prompt_length.observe(event.response.usage.prompt_tokens)
                     if event.response.HasField("timings") and not stream.num_migrations and not stream.client_request_id:
                         self.metrics.path_first_token.observe(max(0.0, stream.ttft_s - event.response.timings.worker_first_token_s))
                     yield event.response

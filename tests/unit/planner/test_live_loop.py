@@ -1,12 +1,20 @@
 """The planner loop's own duties: act only on changes, dry runs, connector errors with backoff, events."""
 
 import asyncio
+import dataclasses
+import json
+import logging
+import math
+
+from prometheus_client import start_http_server
 
 from planner.config import PlannerConfig
 from planner.connector import ConnectorError, PoolReplicas
-from planner.live import PlannerLoop, PlannerMetrics
+from planner.live import ClusterSource, PlannerLoop, PlannerMetrics
 from planner.perf_model import PerfModel
 from planner.policy import Observation, SLAPlanner
+from proto import splitserve_pb2 as pb
+from router.metrics import PROMPT_LENGTH_BUCKETS, RouterMetrics
 
 PROFILE = PerfModel(prefill=[(1, 0.01), (1000, 1.0)], decode=[(1, 0.02), (64, 0.6)])
 
@@ -14,11 +22,24 @@ PROFILE = PerfModel(prefill=[(1, 0.01), (1000, 1.0)], decode=[(1, 0.02), (64, 0.
 class FakeSource:
     """Stands in for the cluster's metrics: a fixed load every interval."""
 
-    def __init__(self, prompt_tokens_per_s: float) -> None:
+    def __init__(self, prompt_tokens_per_s: float, prompt_length_counts: tuple[tuple[float, int], ...] = ()) -> None:
         self.rate = prompt_tokens_per_s
+        self.prompt_length_counts = prompt_length_counts
 
     async def observe(self, now_s: float) -> Observation:
-        return Observation(time_s=now_s, duration_s=10.0, num_requests=round(self.rate / 100), num_prompt_tokens=round(self.rate * 10), num_output_tokens=10)
+        return Observation(
+            time_s=now_s, duration_s=10.0, num_requests=round(self.rate / 100), num_prompt_tokens=round(self.rate * 10), num_output_tokens=10,
+            prompt_length_counts=self.prompt_length_counts,
+        )
+
+
+class FakeLongPromptPlanner(SLAPlanner):
+    """The real policy, with the prompts past the last finite bucket as its infeasible requests: the
+    loop's reporting of the count is tested here, the policy's own count in its tests."""
+
+    def decide(self, observation, pools):
+        decision = super().decide(observation, pools)
+        return dataclasses.replace(decision, infeasible_requests=sum(n for bound, n in observation.prompt_length_counts if math.isinf(bound)))
 
 
 class FakeConnector:
@@ -80,3 +101,39 @@ def test_an_slo_no_count_meets_is_an_event_per_interval_while_holding_at_max():
         asyncio.run(loop.step(t))
     assert connector.targets["prefill"] == 4
     assert loop.metrics.infeasible.labels("prefill")._value.get() == 3
+
+
+def test_infeasible_requests_are_counted_and_logged_as_strict_json(caplog):
+    counts = tuple((bound, {128.0: 5, float("inf"): 3}.get(bound, 0)) for bound in PROMPT_LENGTH_BUCKETS)
+    config = PlannerConfig(interval_s=10.0, max_prefill=4, startup_s=0.0)
+    loop = PlannerLoop(FakeLongPromptPlanner(config, PROFILE), FakeConnector(), FakeSource(2500, counts), metrics=PlannerMetrics())
+    with caplog.at_level(logging.INFO, logger="planner.live"):
+        for t in (0.0, 10.0):
+            assert asyncio.run(loop.step(t)).infeasible_requests == 3
+    assert loop.metrics.infeasible_requests._value.get() == 6
+
+    def no_constants(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planner: {")]
+    lines = [json.loads(m.removeprefix("planner: "), parse_constant=no_constants) for m in messages]
+    assert len(lines) == 2
+    assert lines[-1]["infeasible_requests"] == 3
+    assert lines[-1]["observation"]["prompt_length_counts"] == {"128": 5, "+Inf": 3}
+
+
+def test_the_cluster_source_reads_prompt_lengths_from_the_routers_metrics():
+    metrics = RouterMetrics("router-0")
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+    try:
+        status = pb.ClusterStatus(routers=[pb.RouterStatus(router_id="router-0", metrics_url=f"http://127.0.0.1:{server.server_port}/metrics")])
+        source = ClusterSource(lambda: status)
+        assert asyncio.run(source.observe(0.0)) is None
+        metrics.prompt_length.observe(1000)
+        metrics.prompt_length.observe(300_000)
+        observation = asyncio.run(source.observe(10.0))
+    finally:
+        server.shutdown()
+        thread.join()
+    assert {bound: n for bound, n in observation.prompt_length_counts if n} == {1024.0: 1, float("inf"): 1}
+    assert [bound for bound, _ in observation.prompt_length_counts] == list(PROMPT_LENGTH_BUCKETS)

@@ -4,7 +4,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from planner.scrape import Scrape, interval, parse, quantile
-from router.metrics import RouterMetrics
+from router.metrics import PROMPT_LENGTH_BUCKETS, RouterMetrics
 
 
 def _exposition(metrics: RouterMetrics) -> str:
@@ -47,3 +47,27 @@ def test_a_restarted_router_never_gives_negative_counts():
     before = Scrape(0.0, counters={"requests": 50.0})
     after = Scrape(10.0, counters={"requests": 3.0})
     assert interval(before, after).requests == 0.0
+
+
+def test_prompt_lengths_of_the_interval_are_counted_per_bucket():
+    a, b = RouterMetrics("router-0"), RouterMetrics("router-1")
+    a.prompt_length.observe(100)  # before the interval: not counted
+    before = parse(_exposition(b), 10.0, parse(_exposition(a), 10.0))
+    for length in (100, 128, 129, 300_000):
+        a.prompt_length.observe(length)
+    for length in (181, 200_000, 300_000):
+        b.prompt_length.observe(length)
+    after = parse(_exposition(b), 15.0, parse(_exposition(a), 15.0))
+
+    counts = interval(before, after).prompt_length_counts
+    assert [bound for bound, _ in counts] == list(PROMPT_LENGTH_BUCKETS)
+    assert {bound: n for bound, n in counts if n} == {
+        128.0: 2,  # 100 and 128: a bucket's bound is inclusive
+        2 ** 7.5: 2,  # 129 and 181
+        2.0 ** 18: 1,  # 200,000, in (185,364, 262,144]
+        float("inf"): 2,  # 300,000 twice: past the last finite bound
+    }
+
+
+def test_no_prompt_length_histogram_gives_no_counts():
+    assert interval(Scrape(0.0), Scrape(10.0)).prompt_length_counts == ()
