@@ -1,9 +1,6 @@
-"""bench.planner's two policies that know the trace: the oracle's predictor and the hindsight schedule.
+"""bench.planner's policy that knows the trace: the hindsight schedule.
 
-    python -m bench.planner --trace FILE --policies static oracle hindsight
-
-``oracle`` is the SLA planner whose predictor (``ArrivingLoad``) is told the load arriving when the
-replicas it asks for now are ready: its gap to ``splitserve`` is forecast error.
+    python -m bench.planner --trace FILE --policies static hindsight
 
 ``hindsight`` is the cheapest prefill schedule chosen knowing every arrival. The decode pool stays at
 the static split's count; the prefill pool follows one count per interval, static's among them. It
@@ -20,26 +17,9 @@ deciding without knowing what comes next.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 
-from planner.predictor import LoadForecast
-
-
-class ArrivingLoad:
-    """The oracle's predictor: the load of the interval that starts when a replica asked for now is ready."""
-
-    def __init__(self, trace: list, config) -> None:  # trace: bench.planner Arrivals; config: PlannerConfig
-        self.trace, self.times, self.config, self.now_s = trace, [a.time_s for a in trace], config, 0.0
-
-    def observe(self, *rates: float) -> None:
-        """It needs no history."""
-
-    def forecast(self) -> LoadForecast:
-        start_s, length_s = self.now_s + self.config.startup_s, self.config.interval_s
-        arriving = self.trace[bisect.bisect_left(self.times, start_s) : bisect.bisect_left(self.times, start_s + length_s)]
-        return LoadForecast(len(arriving) / length_s, sum(a.prompt_tokens for a in arriving) / length_s, sum(a.output_tokens for a in arriving) / length_s)
 
 
 BISECTIONS = 14

@@ -21,8 +21,8 @@ from planner.config import PlannerConfig
 from planner.perf_model import load_splitwise_csv
 from router.cli_args import add_dataclass_args, dataclass_from_args
 
-POLICIES = ("splitserve", "static", "hpa", "oracle", "hindsight")
-SUMMARY_FIELDS = ("slo_attainment", "replica_hours", "direction_changes_per_pool", "infeasible_intervals", "split", "attainment_bar", "target_reached", "reached_target")
+POLICIES = ("splitserve", "static", "hpa", "hindsight")
+SUMMARY_FIELDS = ("slo_attainment", "replica_hours", "direction_changes_per_pool", "infeasible_intervals", "split", "attainment_bar", "target_reached", "reached_target", "infeasible_requests")
 
 
 def replay_trace(name: str, config: PlannerConfig, policies: tuple[str, ...]) -> dict:
@@ -30,7 +30,7 @@ def replay_trace(name: str, config: PlannerConfig, policies: tuple[str, ...]) ->
     perf = load_splitwise_csv(DEFAULT_PERF, "llama2-70b", "h100-80gb", 4)
     trace = dev_set(config.startup_s)[name]()
     results = {}
-    for policy in sorted(policies, key=lambda p: (p != "static", p == "hindsight")):
+    for policy in sorted(policies, key=lambda p: p != "static"):
         result, _ = replay(trace, perf, config, policy, static=results.get("static"))
         results[policy] = {k: v for k, v in result.items() if k in SUMMARY_FIELDS}
     stats = describe(trace, perf, config)
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
-    policies = tuple(dict.fromkeys(args.policies + (["static"] if "hindsight" in args.policies else [])))
+    policies = tuple(dict.fromkeys(["static", *args.policies]))  # every other policy starts from static's split
     progress("planner_devset", f"{len(args.traces)} traces x {', '.join(policies)} on {args.jobs} processes")
     with ProcessPoolExecutor(args.jobs) as pool:
         futures = {name: pool.submit(replay_trace, name, config, policies) for name in args.traces}

@@ -14,6 +14,7 @@ A request meets the SLO when its TTFT and its mean ITL both do; KV transfer time
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import deque
@@ -23,6 +24,7 @@ from planner.config import PlannerConfig
 from planner.connector import POOLS, PoolReplicas
 from planner.perf_model import PerfModel
 from planner.policy import Observation
+from router.metrics import PROMPT_LENGTH_BUCKETS
 
 HPA_TARGET = 0.7
 """HPA's utilisation target: prefill busy share, decode batch as a share of the batch at the ITL SLO."""
@@ -60,7 +62,7 @@ class Simulation:
         for i, a in enumerate(self.trace):
             self._push(a.time_s, 3, i)
         self._push(self.config.interval_s, 4, None)
-        arrived = [0, 0, 0]
+        arrived, lengths = [0, 0, 0], []
         while self.events:
             now, _, kind, x = heapq.heappop(self.events)
             if kind == 0 and not x.removed and x.pool == "decode":
@@ -75,10 +77,11 @@ class Simulation:
             elif kind == 3:
                 a = self.trace[x]
                 arrived = [arrived[0] + 1, arrived[1] + a.prompt_tokens, arrived[2] + a.output_tokens]
+                lengths.append(a.prompt_tokens)
                 self._arrive(x, now)
             elif kind == 4:
-                self._tick(now, arrived)
-                arrived = [0, 0, 0]
+                self._tick(now, arrived, lengths)
+                arrived, lengths = [0, 0, 0], []
         return self._result()
 
     def _ready(self, pool, now):
@@ -145,7 +148,7 @@ class Simulation:
             out[pool] = PoolReplicas(pool, len(kept), ready, len(kept) - ready, sum(r.removed and (r.end_s is None or r.end_s > now) for r in replicas))
         return out
 
-    def _tick(self, now: float, arrived: list[int]) -> None:
+    def _tick(self, now: float, arrived: list[int], lengths: list[int]) -> None:
         interval = self.config.interval_s
         ttfts = []
         while self.first_tokens and self.first_tokens[0][0] <= now:
@@ -168,7 +171,11 @@ class Simulation:
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
         p90 = lambda xs: percentile(xs, 90) if xs else None  # noqa: E731
         kv = sum(r.kv for r in decode) / (len(decode) * self.kv_tokens) if decode else None
-        obs = Observation(now, interval, arrived[0], arrived[1], arrived[2], mean(ttfts), p90(ttfts), mean(itls), p90(itls), int(queued), kv)
+        histogram = [0] * len(PROMPT_LENGTH_BUCKETS)
+        for n in lengths:
+            histogram[bisect.bisect_left(PROMPT_LENGTH_BUCKETS, n)] += 1
+        obs = Observation(now, interval, arrived[0], arrived[1], arrived[2], mean(ttfts), p90(ttfts), mean(itls), p90(itls), int(queued), kv,
+                          tuple(zip(PROMPT_LENGTH_BUCKETS, histogram)))
         use = {"prefill": busy_s / (max(1, pools["prefill"].ready) * interval), "decode": batch / self.batch_at_slo}
         targets = self.controller(now, obs, pools, use)
         for pool, target in (targets or {}).items():

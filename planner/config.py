@@ -31,6 +31,12 @@ class PlannerConfig:
     """Stabilisation window (Kubernetes HPA's ``behavior.scaleDown.stabilizationWindowSeconds``): a
     pool shrinks only to the most it would have shrunk to in any interval of this many seconds. 0
     uses each interval alone. Longer windows flap less and cost more replica-hours (planner/README)."""
+    base_quantile: float | None = None
+    """The quantile of per-interval need (each interval weighted by its requests) the pools are sized
+    for; None: ``attainment_target``."""
+    base_window_s: float | None = None
+    """The span of intervals that quantile is taken over; None: ``startup_s / (1 - base_quantile)``
+    (at least four intervals), so that a rise enters it once it has lasted about one start-up."""
     scale_down_margin: float = 0.8
     """Hysteresis: a pool shrinks only to a count that would carry the load at this share of its capacity."""
     prefill_zero_load: float = 0.1
@@ -76,6 +82,10 @@ class PlannerConfig:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}.")
         if not 0 <= self.predictor_beta <= 1:
             raise ValueError(f"predictor_beta must be in [0, 1], got {self.predictor_beta}.")
+        if self.base_quantile is not None and not 0 < self.base_quantile <= 1:
+            raise ValueError(f"base_quantile must be in (0, 1], got {self.base_quantile}.")
+        if self.base_window_s is not None and self.base_window_s < self.interval_s:
+            raise ValueError(f"base_window_s must be at least interval_s ({self.interval_s}), got {self.base_window_s}.")
         if self.startup_s < 0:
             raise ValueError(f"startup_s must be 0 or more, got {self.startup_s}.")
         if not 0 <= self.prefill_zero_load < 1:

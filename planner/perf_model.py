@@ -85,6 +85,17 @@ class PerfModel:
                 high = mid - 1
         return low
 
+    def longest_prompt(self, seconds: float) -> float:
+        """The longest prompt (tokens) one replica prefills within ``seconds``; 0 when not even one
+        token, inf when any length (prefill time is taken to grow with length)."""
+        low, high = 0.0, 1e9
+        if self.prefill_s(high) <= seconds:
+            return math.inf
+        for _ in range(60):
+            mid = (low + high) / 2
+            low, high = (mid, high) if self.prefill_s(mid) <= seconds else (low, mid)
+        return low
+
     def to_profile(self) -> dict:
         """The JSON shape ``load_profile`` reads."""
         return {"source": self.source, "prefill": [list(p) for p in self.prefill], "decode": [list(p) for p in self.decode]}

@@ -108,6 +108,14 @@ def _pooled_wait_share(rho: float, num_replicas: int) -> float:
     return rho ** (math.sqrt(2 * (num_replicas + 1)) - 1) / (num_replicas * (1 - rho))
 
 
+def _erlang_c(servers: int, load: float) -> float:
+    """Probability that a request waits in an M/M/c queue of ``servers`` at offered ``load`` (< servers)."""
+    blocking = 1.0
+    for k in range(1, servers + 1):
+        blocking = load * blocking / (k + load * blocking)
+    return servers * blocking / (servers - load * (1 - blocking))
+
+
 class SLAPlanner:
     """Decides pool targets from observations; deterministic, no I/O, no clock of its own.
 
@@ -124,23 +132,45 @@ class SLAPlanner:
         self._recent_down: dict[str, deque[tuple[float, int]]] = {pool: deque() for pool in POOLS}
         self._last_ready: dict[str, int] = {}
         self._prompt_tokens = float(perf_model.prefill[0][0])
+        self._quantile = config.attainment_target if config.base_quantile is None else config.base_quantile
+        self._window_s = config.base_window_s if config.base_window_s is not None else max(4 * config.interval_s, config.startup_s / (1 - self._quantile))
+        self._window: deque[tuple[float, float, dict[str, int]]] = deque()
+        self._seconds_per_token = perf_model.prefill_s(self._prompt_tokens) / self._prompt_tokens
+        self._first_s: float | None = None
+        self._spread = 1.0
+        self._loads: deque[tuple[float, float]] = deque(maxlen=max(1, math.ceil(config.startup_s / config.interval_s - 1e-9)))
         self._z = NormalDist().inv_cdf(config.attainment_target)
 
     def decide(self, observation: Observation, pools: Mapping[str, PoolReplicas]) -> Decision:
         """Targets for every pool in ``POOLS`` (``pools`` must hold them all)."""
         obs, config = observation, self.config
-        self.predictor.observe(obs.num_requests / obs.duration_s, obs.num_prompt_tokens / obs.duration_s, obs.num_output_tokens / obs.duration_s)
+        if self._first_s is None:
+            self._first_s = obs.time_s - obs.duration_s
+        observed = LoadForecast(obs.num_requests / obs.duration_s, obs.num_prompt_tokens / obs.duration_s, obs.num_output_tokens / obs.duration_s)
+        self.predictor.observe(observed.request_rate, observed.prompt_tokens_per_s, observed.output_tokens_per_s)
         forecast = self.predictor.forecast()
-        if forecast.request_rate > 0:
-            self._prompt_tokens = max(1.0, forecast.mean_prompt_tokens)
         self._correct(obs, pools)
+        infeasible_requests = self._measure_prompts(obs)
 
-        prefill_load, prefill_cap, prefill_why = self._prefill_load(forecast, obs.queued_prefill_tokens)
-        prefill_need = self._prefill_count(prefill_load, prefill_cap)
-        prefill_need_down = self._prefill_count(prefill_load / config.scale_down_margin, prefill_cap)
-        decode_load, decode_why = self._decode_load(forecast)
-        decode_need = self._decode_count(decode_load + (prefill_load if prefill_need == 0 else 0.0))
-        decode_need_down = self._decode_count((decode_load + (prefill_load if prefill_need_down == 0 else 0.0)) / config.scale_down_margin)
+        # This interval's load, as counts, joins the window; the pools are sized for the window's quantile.
+        prefill_load, prefill_cap, prefill_why = self._prefill_load(observed)
+        decode_load, decode_why = self._decode_load(observed)
+        self._loads.append((prefill_load, decode_load))
+        smooth_prefill = sum(p for p, _ in self._loads) / len(self._loads)
+        smooth_decode = sum(d for _, d in self._loads) / len(self._loads)
+        counts = self._interval_counts(smooth_prefill, prefill_cap, smooth_decode, observed)
+        base = self._window_quantiles(obs.time_s, counts, obs.num_requests)
+        prefill_need, prefill_need_down, decode_need, decode_need_down = (base[k] for k in ("prefill", "prefill_down", "decode", "decode_down"))
+        if prefill_need > counts["prefill"]:
+            prefill_why = f"{prefill_why}; the window's {self._quantile:g} quantile needs {prefill_need}"
+        if decode_need > counts["decode"]:
+            decode_why = f"{decode_why}; the window's {self._quantile:g} quantile needs {decode_need}"
+        # Beyond the window: a backlog gets the replicas that clear it within a start-up and an interval.
+        if obs.queued_prefill_tokens and prefill_need > 0:
+            backlog = obs.queued_prefill_tokens * self._seconds_per_token / (config.startup_s + config.interval_s)
+            clearing = self._prefill_count(prefill_load + backlog, prefill_cap)
+            if clearing > prefill_need:
+                prefill_need, prefill_why = clearing, f"{prefill_why}; {obs.queued_prefill_tokens} tokens queued"
         aggregated = pools["prefill"].target == 0
         if config.aggregate_when_cheaper and config.min_prefill == 0 and prefill_need > 0:
             # Conditional disaggregation: the decode replicas alone, each prefilling its share of
@@ -148,14 +178,13 @@ class SLAPlanner:
             # the scale-down margin's headroom; an aggregated cluster stays so while its decode
             # replicas suffice, and a load that would need more of them brings the prefill pool
             # back instead (a growing prompt load is served best apart from the decode batches).
-            alone = self._aggregated_count(prefill_load, prefill_cap, forecast)
-            alone_down = self._aggregated_count(prefill_load / config.scale_down_margin, prefill_cap, forecast, config.scale_down_margin)
+            alone, alone_down = base["alone"], base["alone_down"]
             if alone_down < prefill_need + decode_need or (aggregated and alone <= min(prefill_need + decode_need, pools["decode"].target)):
                 decode_need, decode_need_down = alone, alone_down
                 if aggregated or (pools["decode"].ready >= max(alone, config.min_decode) and not pools["decode"].starting):
                     prefill_need = prefill_need_down = 0
                     prefill_why = f"{prefill_why}: the decode replicas prefill it themselves, {alone} of them instead of two pools"
-                    decode_why = f"{forecast.output_tokens_per_s:.0f} output tokens/s and every prompt, prefilled on the decode replicas"
+                    decode_why = f"{observed.output_tokens_per_s:.0f} output tokens/s and every prompt, prefilled on the decode replicas"
                 else:  # the prefill pool serves until every decode replica that takes its load over is ready
                     prefill_need = prefill_need_down = pools["prefill"].target
                     prefill_why = f"{prefill_why}: kept until {alone} decode replicas are ready to prefill it themselves"
@@ -169,7 +198,77 @@ class SLAPlanner:
             targets[pool], reasons[pool], flagged = self._settle(pool, need, need_down, pools[pool], obs.time_s, why, missing[pool])
             if flagged:
                 infeasible.append(pool)
-        return Decision(obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons, tuple(infeasible))
+        if infeasible_requests:
+            reasons["prefill"] += f" ({infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
+        return Decision(obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons, tuple(infeasible), infeasible_requests)
+
+    def _measure_prompts(self, obs: Observation) -> int:
+        """Learns from the interval's prompts and returns its infeasible requests: those whose prompt
+        alone takes one replica longer than the TTFT SLO (corrected), known per histogram bucket (one
+        whose lower bound is already too long). With the histogram it also tracks the prefill seconds a
+        prompt token costs (prefill is convex in length) and the spread of the feasible prompts'
+        prefill times, which lengthens queues: M/G/c waits are about (1 + cv^2) / 2 of M/M/c's."""
+        perf, alpha = self.perf_model, self.config.predictor_alpha
+        if not obs.num_requests:
+            return 0
+        longest = perf.longest_prompt(self.config.ttft_slo_s / self.corrections["prefill"])
+        infeasible, seconds, tokens, lower = 0, 0.0, 0.0, 0.0
+        feasible = [0, 0.0, 0.0, 0.0]  # requests, tokens, seconds, seconds squared
+        for upper, count in obs.prompt_length_counts:
+            if count:
+                middle = math.sqrt(max(1.0, lower) * upper) if math.isfinite(upper) else lower * math.sqrt(2)
+                service_s = perf.prefill_s(middle)
+                seconds, tokens = seconds + count * service_s, tokens + count * middle
+                if lower >= longest:
+                    infeasible += count
+                else:
+                    feasible = [feasible[0] + count, feasible[1] + count * middle, feasible[2] + count * service_s, feasible[3] + count * service_s**2]
+            lower = upper
+        if tokens:  # bucket middles, scaled to the interval's true token count
+            self._seconds_per_token += alpha * (seconds / tokens - self._seconds_per_token)
+            feasible_tokens = feasible[1] * obs.num_prompt_tokens / tokens
+        else:
+            feasible_tokens = obs.num_prompt_tokens
+        if feasible[0] and feasible[2]:
+            mean_s = feasible[2] / feasible[0]
+            self._spread += alpha * ((1 + max(0.0, feasible[3] / feasible[0] / mean_s**2 - 1)) / 2 - self._spread)
+        count = obs.num_requests - infeasible
+        if count:
+            self._prompt_tokens += alpha * (max(1.0, feasible_tokens / count) - self._prompt_tokens)
+        if not tokens:
+            self._seconds_per_token = perf.prefill_s(self._prompt_tokens) / self._prompt_tokens
+        return infeasible
+
+    def _interval_counts(self, prefill_load: float, prefill_cap: float, decode_load: float, observed: LoadForecast) -> dict[str, int]:
+        """Replicas one interval's load needs per pool, to grow and (at the scale-down margin) to shrink
+        to, the decode pool taking the prompts when the prefill pool would be empty; with
+        ``aggregate_when_cheaper``, also the decode replicas that would serve it all alone."""
+        margin = self.config.scale_down_margin
+        counts = {"prefill": self._prefill_count(prefill_load, prefill_cap), "prefill_down": self._prefill_count(prefill_load / margin, prefill_cap)}
+        counts["decode"] = self._decode_count(decode_load + (prefill_load if counts["prefill"] == 0 else 0.0))
+        counts["decode_down"] = self._decode_count((decode_load + (prefill_load if counts["prefill_down"] == 0 else 0.0)) / margin)
+        if self.config.aggregate_when_cheaper:
+            counts["alone"] = self._aggregated_count(prefill_load, prefill_cap, observed)
+            counts["alone_down"] = self._aggregated_count(prefill_load / margin, prefill_cap, observed, margin)
+        return counts
+
+    def _window_quantiles(self, now_s: float, counts: dict[str, int], weight: int) -> dict[str, int]:
+        """Each count's quantile over the intervals of the last ``window_s``, each weighted by its
+        requests (attainment is counted in requests, and a busy interval holds more of them)."""
+        window = self._window
+        window.append((now_s, max(weight, 1e-6), counts))
+        while window[0][0] <= now_s - self._window_s:
+            window.popleft()
+        total = sum(w for _, w, _ in window)
+        out = {}
+        for key in counts:
+            seen = 0.0
+            for count, w in sorted((c[key], w) for _, w, c in window):
+                seen += w
+                if seen >= self._quantile * total - 1e-9:
+                    out[key] = count
+                    break
+        return out
 
     def _correct(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> None:
         """Updates the correction factors from the interval's mean latencies, sized on ready replicas."""
@@ -198,28 +297,37 @@ class SLAPlanner:
             ratio = min(config.correction_max, max(config.correction_min, ratio))
             self.corrections[pool] += config.correction_smoothing * (ratio - self.corrections[pool])
 
-    def _prefill_load(self, forecast: LoadForecast, queued_tokens: int) -> tuple[float, float, str]:
-        """(load in prefill replicas, highest load per replica that meets the TTFT SLO or 0, why)."""
+    def _prefill_load(self, load: LoadForecast) -> tuple[float, float, str]:
+        """(load in prefill replicas, highest load per replica alone that meets the TTFT SLO or 0, why)."""
         config = self.config
         prompt_tokens = self._prompt_tokens
         service_s = self.perf_model.prefill_s(prompt_tokens)
         wait_scale_s = self.corrections["prefill"] * service_s
-        load = (forecast.prompt_tokens_per_s + queued_tokens / config.interval_s) * service_s / prompt_tokens
-        why = f"{forecast.prompt_tokens_per_s:.0f} prompt tokens/s (+{queued_tokens} queued) of {prompt_tokens:.0f} tokens at {service_s:.3f} s each"
+        replicas = load.prompt_tokens_per_s * self._seconds_per_token
+        why = f"{load.prompt_tokens_per_s:.0f} prompt tokens/s, {prompt_tokens:.0f} a prompt at {service_s:.3f} s each"
         if wait_scale_s >= config.ttft_slo_s:
-            return load, 0.0, why
+            return replicas, 0.0, why
         low, high, tail = 0.0, 1.0, 1 - config.attainment_target
         for _ in range(40):
             mid = (low + high) / 2
             low, high = (mid, high) if _wait_tail(mid, wait_scale_s, config.ttft_slo_s - wait_scale_s) <= tail else (low, mid)
-        return load, low, why
+        return replicas, low, why
 
     def _prefill_count(self, load: float, per_replica: float) -> int:
+        """Fewest prefill replicas sharing one queue (the router sends each prompt to the least queued)
+        whose Erlang-C wait tail keeps ``1 - attainment_target`` of the prompts over the TTFT SLO;
+        ``per_replica`` is 0 when the mean prompt alone is slower than the SLO."""
+        config = self.config
         if per_replica == 0:
-            return self.config.max_prefill + 1
-        if load < self.config.prefill_zero_load:
+            return config.max_prefill + 1
+        if load < config.prefill_zero_load:
             return 0
-        return max(1, math.ceil(load / per_replica - 1e-9))
+        service_s = self.corrections["prefill"] * self.perf_model.prefill_s(self._prompt_tokens)
+        slack = (config.ttft_slo_s - service_s) / service_s
+        for count in range(max(1, math.ceil(load - 1e-9)), config.max_prefill + 2):
+            if count > load and _erlang_c(count, load) * math.exp(-(count - load) * slack / self._spread) <= 1 - config.attainment_target:
+                return count
+        return config.max_prefill + 1
 
     def _aggregated_count(self, prefill_load: float, prefill_cap: float, forecast: LoadForecast, margin: float = 1.0) -> int:
         """Fewest decode replicas that also prefill every prompt: each spends ``prefill_load / n`` of
@@ -278,6 +386,8 @@ class SLAPlanner:
             reason = f"no count up to {high} meets the SLO for {why}: holding at max {high}"
         elif need > current:
             target, reason = need, f"up to {need} for {why}"
+        elif need_down < current and now_s - self._first_s < self._window_s:
+            reason = f"holding at {current}: {now_s - self._first_s:.0f} s of the {self._window_s:.0f} s window observed, too few to shrink on"
         elif need_down < current and replicas.starting:
             reason = f"holding at {current}: {replicas.starting} replicas still starting"
         elif need_down < current and missing_slo:
