@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -26,6 +27,17 @@ def test_largest_batch_within_an_itl():
     assert MODEL.largest_batch(0.0405, 256) == 16
     assert MODEL.largest_batch(0.05, 10) == 10
     assert MODEL.largest_batch(0.019, 256) == 0
+
+
+def test_longest_prompt_is_the_inverse_of_prefill_time():
+    assert MODEL.longest_prompt(0.1) == pytest.approx(1000)
+    assert MODEL.longest_prompt(0.2) == pytest.approx(1500)
+    assert MODEL.longest_prompt(0.5) == pytest.approx(3000)  # on the extended last segment
+    assert MODEL.prefill_s(MODEL.longest_prompt(0.055)) == pytest.approx(0.055)
+    assert MODEL.longest_prompt(0.005) == 0  # even one token takes the first point's 0.01 s
+    assert MODEL.longest_prompt(0.02) > 100  # lengths below the first point cost its 0.01 s
+    flat = PerfModel([(100, 0.01)], [(1, 0.02)])
+    assert flat.longest_prompt(0.01) == math.inf and flat.longest_prompt(0.009) == 0
 
 
 def test_splitwise_rows_of_one_model_hardware_and_tp(tmp_path):

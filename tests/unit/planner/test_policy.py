@@ -1,14 +1,22 @@
 """SLAPlanner's decisions on a perf model whose numbers are easy to follow by hand.
 
-Prefill takes 0.1 ms a token (10,000 tokens/s a replica; a 1000-token prompt is 0.1 s): with a
-2 s TTFT SLO and a 0.95 attainment target a replica may run at rho 0.851. Decode ITL is
-0.02 + 0.001 * (batch - 1) s: the largest batch under 0.1 s is 81, less 1.645 * sqrt(batch) for
-its fluctuation is 67.5, so a replica makes 67.5 / 0.0865 = 780 tokens/s. Steady loads are
-forecast exactly once the trend of a change has died away (``settle``), so every count below is
-the ceiling of load over capacity.
+Prefill takes 0.1 ms a token (10,000 tokens/s a replica; a 1000-token prompt is 0.1 s, and the
+longest prompt one replica prefills within the 2 s TTFT SLO is 20,000 tokens). The prefill pool is
+an Erlang-C queue whose waits, over a 1.9 s slack of 19 service times, leave at most 5% of prompts
+late: prompt loads of 0.3, 1.0, 1.75, 2.125, 2.5 and 3 replicas need 1, 2, 2, 3, 3 and 4 of them.
+Decode ITL is 0.02 + 0.001 * (batch - 1) s: the largest batch under 0.1 s is 81, less
+1.645 * sqrt(batch) for its fluctuation is 67.5, so a replica makes 67.5 / 0.0865 = 780 tokens/s.
+
+Each interval's observed load is averaged over the last startup_s / interval_s intervals (two
+here, with ``startup_s=60``), turned into counts, and the pools are sized for the request-weighted
+0.95 quantile of the counts of the last ``base_window_s`` (default 60 / 0.05 = 1200 s). Tests of
+the settling rules (hysteresis, cooldown, starting replicas) pass ``startup_s=30, base_window_s=30``
+so that each interval's count stands alone.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -19,11 +27,13 @@ from planner.policy import Observation, SLAPlanner
 
 PERF = PerfModel([(100, 0.01), (10000, 1.0)], [(1, 0.02), (101, 0.12)], "hand-made")
 INTERVAL_S = 30.0
+ALONE = {"startup_s": 30.0, "base_window_s": 30.0}
+"""No averaging over intervals and a window of one: each interval's count is what the pool needs."""
 
 
-def observe(t: float, rate: float, prompt_tokens: int = 1000, output_tokens: int = 50, **latencies) -> Observation:
+def observe(t: float, rate: float, prompt_tokens: int = 1000, output_tokens: int = 50, **fields) -> Observation:
     n = round(rate * INTERVAL_S)
-    return Observation(t, INTERVAL_S, n, n * prompt_tokens, n * output_tokens, **latencies)
+    return Observation(t, INTERVAL_S, n, n * prompt_tokens, n * output_tokens, **fields)
 
 
 def pools(prefill: int, decode: int, prefill_starting: int = 0, decode_starting: int = 0) -> dict[str, PoolReplicas]:
@@ -34,50 +44,79 @@ def pools(prefill: int, decode: int, prefill_starting: int = 0, decode_starting:
 
 
 def planner(**fields) -> SLAPlanner:
-    return SLAPlanner(PlannerConfig(interval_s=INTERVAL_S, **fields), PERF)
+    return SLAPlanner(PlannerConfig(**{"interval_s": INTERVAL_S, "startup_s": 60.0, **fields}), PERF)
 
 
-def settle(start_s: float) -> list[float]:
-    """Forty intervals from ``start_s``: long enough for the forecast's trend to die away."""
-    return [start_s + INTERVAL_S * i for i in range(40)]
-
-
-def steady(p: SLAPlanner, rate: float, now: tuple[int, int], times=settle(30), **kw):
-    """The last of the decisions over ``times`` at one load, applying each target as if ready at once."""
-    decision = None
-    for t in times:
-        decision = p.decide(observe(t, rate, **kw), pools(*now))
+def run(p: SLAPlanner, rates, now: tuple[int, int], start_s: float = 30.0, **kw) -> list:
+    """One decision per rate, an interval apart from ``start_s``, each target applied as if ready at once."""
+    decisions = []
+    for i, rate in enumerate(rates):
+        decision = p.decide(observe(start_s + INTERVAL_S * i, rate, **kw), pools(*now))
         now = (decision.targets["prefill"], decision.targets["decode"])
-    return decision
+        decisions.append(decision)
+    return decisions
 
 
-def test_a_burst_of_prompts_grows_prefill_only():
+def prefill_targets(decisions) -> list[int]:
+    return [d.targets["prefill"] for d in decisions]
+
+
+def test_a_sustained_burst_of_prompts_grows_prefill_only():
     p = planner()
-    assert dict(steady(p, 5, (1, 1)).targets) == {"prefill": 1, "decode": 1}  # 5,000 prompt tokens/s: rho 0.5
-    # 30 req/s of 1000 tokens: 3 prefill replicas of load, 3 / 0.851 -> 4; outputs 1,500 tokens/s -> 2 decode
-    first = p.decide(observe(1300, 30, output_tokens=10), pools(1, 1))
-    assert first.targets["prefill"] >= 4 and first.targets["decode"] == 1  # the first interval of the burst
-    decision = steady(p, 30, (first.targets["prefill"], 1), times=settle(1330), output_tokens=10)
-    assert decision.needed == {"prefill": 4, "decode": 1}
-    assert dict(decision.targets) == {"prefill": 5, "decode": 1}  # the burst's first forecast overshot; 3 / 0.8 / 0.851 keeps 5
-    assert decision.reasons["prefill"].startswith("holding at 5 for 30000 prompt tokens/s")
+    assert dict(run(p, [5] * 6, (1, 1))[-1].targets) == {"prefill": 1, "decode": 1}  # 5,000 prompt tokens/s: 0.5 replicas
+    # 30 req/s of 1000 tokens, 10 output tokens each: 3 replicas of prompt load, 300 output tokens/s.
+    # Averaged with the interval before, the first is (0.5 + 3) / 2 = 1.75 -> 2; the second, 3 -> 4.
+    burst = run(p, [30] * 4, (1, 1), start_s=210, output_tokens=10)
+    assert prefill_targets(burst) == [2, 4, 4, 4]
+    assert [d.targets["decode"] for d in burst] == [1, 1, 1, 1]
+    assert burst[0].reasons["prefill"].startswith("up to 2 for 30000 prompt tokens/s")
+    assert burst[-1].needed == {"prefill": 4, "decode": 1}
 
 
 def test_long_outputs_grow_decode_only():
     p = planner()
-    steady(p, 5, (1, 1))
-    first = p.decide(observe(1300, 5, output_tokens=1000), pools(1, 1))
-    # A 20x step reads as growth (capped at a doubling per interval): decode grows past the 7 it needs.
-    assert first.targets["prefill"] == 1 and first.targets["decode"] >= 7
-    decision = steady(p, 5, (1, first.targets["decode"]), times=settle(1330), output_tokens=1000)
-    assert decision.needed == {"prefill": 1, "decode": 7}  # 5,000 tokens/s over 780
-    # The margin keeps it above what it needs: shrinking to 7 needs 6.41 / 0.8 -> 9 (8 while the
-    # level was still rising toward 5,000 when the cooldown ended).
-    assert decision.targets["prefill"] == 1 and 7 < decision.targets["decode"] <= 9
+    run(p, [5] * 6, (1, 1))
+    # 5 req/s of 1000 output tokens: 5,000 tokens/s over 780 -> 7; the first interval, averaged with
+    # the 250 tokens/s before, is 2,625 / 780 -> 4.
+    longer = run(p, [5] * 3, (1, 1), start_s=210, output_tokens=1000)
+    assert [dict(d.targets) for d in longer] == [{"prefill": 1, "decode": 4}, {"prefill": 1, "decode": 7}, {"prefill": 1, "decode": 7}]
+    assert longer[1].reasons["decode"].startswith("up to 7 for 5000 output tokens/s at 780 per replica")
+
+
+def test_a_burst_shorter_than_a_start_up_is_averaged_down_and_not_chased():
+    p = planner()
+    run(p, [5] * 6, (1, 1))
+    # One interval at 30 req/s: averaged over a start-up (two intervals) it is 1.75 replicas -> 2,
+    # not the 4 that 3 replicas of load would need; the interval after it averages to 1.75 again.
+    spike = run(p, [30, 5, 5], (1, 1), start_s=210, output_tokens=10)
+    assert prefill_targets(spike) == [2, 2, 2]
+    assert spike[0].needed["prefill"] == 2
+    # The spike holds 900 of the window's 2,700 requests: its count is the window's 0.95 quantile.
+    assert spike[2].reasons["prefill"].endswith("the window's 0.95 quantile needs 2")
+
+
+def test_the_window_remembers_a_burst_and_shrinks_once_it_has_passed():
+    p = planner(base_window_s=150, scale_down_cooldown_s=0)  # five intervals
+    decisions = run(p, [30, 30] + [5] * 7, (1, 1))
+    # 4 while an interval at 30 req/s is in the window (to t=180; the one ending at 60 s leaves it at
+    # 210 s); then the 1.75 replicas averaged at 90 s need 3 at the 0.8 margin (2.19); then 1.
+    assert prefill_targets(decisions) == [4, 4, 4, 4, 4, 4, 3, 1, 1]
+    assert decisions[2].reasons["prefill"] == "holding at 4 for 5000 prompt tokens/s, 1000 a prompt at 0.100 s each; the window's 0.95 quantile needs 4"
+    assert decisions[6].needed["prefill"] == 2 and decisions[6].reasons["prefill"].startswith("down to 3 for 5000 prompt tokens/s")
+
+
+def test_no_pool_shrinks_before_a_full_window_has_been_observed():
+    p = planner(base_window_s=150, scale_down_cooldown_s=0)
+    decisions = run(p, [5] * 6, (4, 1))  # a planner restarted on a pool larger than the load needs
+    assert prefill_targets(decisions) == [4, 4, 4, 4, 1, 1]
+    assert [d.needed["prefill"] for d in decisions] == [1] * 6
+    assert decisions[0].reasons["prefill"] == "holding at 4: 30 s of the 150 s window observed, too few to shrink on"
+    assert decisions[3].reasons["prefill"] == "holding at 4: 120 s of the 150 s window observed, too few to shrink on"
+    assert decisions[4].reasons["prefill"].startswith("down to 1 for 5000 prompt tokens/s")
 
 
 def test_hysteresis_and_cooldown_hold_a_pool_until_the_lower_count_is_comfortably_enough():
-    p = planner(scale_down_cooldown_s=300, predictor_beta=0.0, predictor_alpha=1.0)  # forecast = last interval
+    p = planner(scale_down_cooldown_s=300, **ALONE)
     assert p.decide(observe(30, 30), pools(1, 1)).targets["prefill"] == 4
     # 17 req/s: 1.7 replicas of load -> 2 needed, but 1.7 / 0.8 margin -> 3 kept; not before the cooldown
     decision = p.decide(observe(60, 17), pools(4, 1))
@@ -90,28 +129,18 @@ def test_hysteresis_and_cooldown_hold_a_pool_until_the_lower_count_is_comfortabl
 
 
 def test_load_hovering_at_a_boundary_does_not_flap():
-    p = planner(scale_down_cooldown_s=0, predictor_beta=0.0, predictor_alpha=1.0)
-    targets = []
-    now = (1, 1)
-    for i, rate in enumerate([8.0, 9.0, 8.0, 9.0, 8.0, 9.0, 8.0]):  # 0.8 / 0.9 replicas of prompt load
-        decision = p.decide(observe(30 * (i + 1), rate), pools(*now))
-        now = (decision.targets["prefill"], decision.targets["decode"])
-        targets.append(now[0])
-    assert targets == [1, 2, 2, 2, 2, 2, 2]
+    p = planner(scale_down_cooldown_s=0, **ALONE)
+    # 0.8 / 0.9 replicas of prompt load need 1 / 2; shrinking to 1 needs 0.8 / 0.8 = 1.0 -> 2.
+    assert prefill_targets(run(p, [8, 9, 8, 9, 8, 9, 8], (1, 1))) == [1, 2, 2, 2, 2, 2, 2]
 
 
 def test_a_stabilisation_window_shrinks_only_to_the_most_any_interval_within_it_needed():
-    def run(window_s: float) -> list[tuple[int, str]]:
-        p = planner(scale_down_cooldown_s=0, predictor_beta=0.0, predictor_alpha=1.0, scale_down_window_s=window_s)
-        now, out = (1, 1), []
-        for i, rate in enumerate([30, 17, 30, 17, 5, 5, 5, 5]):  # 4 replicas, 3 kept at 17 req/s, 1 at 5
-            decision = p.decide(observe(30 * (i + 1), rate), pools(*now))
-            now = (decision.targets["prefill"], decision.targets["decode"])
-            out.append((now[0], decision.reasons["prefill"]))
-        return out
+    def targets_and_reasons(window_s: float) -> list[tuple[int, str]]:
+        p = planner(scale_down_cooldown_s=0, scale_down_window_s=window_s, **ALONE)
+        return [(d.targets["prefill"], d.reasons["prefill"]) for d in run(p, [30, 17, 30, 17, 5, 5, 5, 5], (1, 1))]
 
-    assert [t for t, _ in run(0)] == [4, 3, 4, 3, 1, 1, 1, 1]  # each dip taken at once: three direction changes
-    held = run(90)
+    assert [t for t, _ in targets_and_reasons(0)] == [4, 3, 4, 3, 1, 1, 1, 1]  # each dip taken at once: three direction changes
+    held = targets_and_reasons(90)
     assert [t for t, _ in held] == [4, 4, 4, 4, 4, 3, 1, 1]
     assert held[1][1] == held[4][1] == "holding at 4: needed within the last 90 s"
     assert held[5][1].startswith("down to 3, the most the last 90 s needed, for 5000 prompt tokens/s")
@@ -120,12 +149,126 @@ def test_a_stabilisation_window_shrinks_only_to_the_most_any_interval_within_it_
 
 
 def test_starting_replicas_are_not_capacity_and_are_not_asked_for_twice():
-    p = planner(scale_down_cooldown_s=0, predictor_beta=0.0, predictor_alpha=1.0)
+    p = planner(scale_down_cooldown_s=0, **ALONE)
     p.decide(observe(30, 30), pools(1, 1))
     decision = p.decide(observe(60, 30), pools(1, 1, prefill_starting=3))
     assert decision.targets["prefill"] == 4  # 1 ready + 3 starting cover the 4 needed: none added
     decision = p.decide(observe(90, 5), pools(1, 1, prefill_starting=3))
     assert decision.targets["prefill"] == 4 and decision.reasons["prefill"] == "holding at 4: 3 replicas still starting"
+
+
+def test_a_missed_slo_holds_a_pool_that_would_shrink():
+    p = planner(scale_down_cooldown_s=0, **ALONE)
+    p.decide(observe(30, 30), pools(1, 1))
+    decision = p.decide(observe(60, 5, ttft_s_p90=2.5), pools(4, 1))
+    assert decision.targets["prefill"] == 4 and decision.reasons["prefill"] == "holding at 4: the SLO was missed last interval"
+    assert p.decide(observe(90, 5, ttft_s_p90=1.0), pools(4, 1)).targets["prefill"] == 1
+
+
+def test_an_interval_with_more_requests_weighs_more_in_the_windows_quantile():
+    # A window of ten intervals and its 0.9 quantile: with every interval weighed alike, one busy
+    # interval in ten would be the 10% the quantile leaves out.
+    p = planner(base_quantile=0.9, base_window_s=300, scale_down_cooldown_s=0, startup_s=30.0)
+    decisions = run(p, [5] * 9 + [30] + [5] * 9, (1, 1), output_tokens=10)
+    # Its 900 requests are 40% of the window's 2,250: its 4 replicas are the quantile until it leaves.
+    assert prefill_targets(decisions) == [1] * 9 + [4] * 10
+    assert decisions[-1].needed["prefill"] == 4 and decisions[-1].reasons["prefill"].endswith("the window's 0.9 quantile needs 4")
+    # Two quiet intervals of long prompts (1 req/s of 15,000 tokens: 1.5 replicas of load at 0.8 s and
+    # 1.15 s a prompt) need 3 and 4 each; a fifth of the window's intervals, but 60 of its 1,260
+    # requests (4.8%), so the quantile leaves them out.
+    p = planner(base_quantile=0.9, base_window_s=300, scale_down_cooldown_s=0, startup_s=30.0)
+    run(p, [5] * 8, (1, 1), output_tokens=10)
+    quiet = run(p, [1, 1], (1, 1), start_s=270, prompt_tokens=15000, output_tokens=10)
+    assert [d.needed["prefill"] for d in quiet] == [1, 1] and prefill_targets(quiet) == [1, 1]
+
+
+def test_prompts_too_long_for_the_slo_are_counted_apart_and_do_not_drive_prefill_to_max():
+    p = planner(max_prefill=8)
+    # 900 requests: 895 of 512 to 1024 tokens and 5 past 20,000, the longest prompt within 2 s.
+    buckets = ((512.0, 0), (1024.0, 895), (20000.0, 0), (40000.0, 5), (math.inf, 0))
+    tokens = 895 * 1000 + 5 * 30000
+    for t in (30, 60, 90):
+        decision = p.decide(Observation(t, INTERVAL_S, 900, tokens, 900 * 10, prompt_length_counts=buckets), pools(1, 1))
+        assert decision.infeasible_requests == 5 and decision.infeasible == ()
+        assert 0 < decision.targets["prefill"] < 8
+        assert decision.reasons["prefill"].endswith("(5 requests had prompts no replica prefills within the TTFT SLO)")
+    quiet = p.decide(observe(120, 5), pools(1, 1))
+    assert quiet.infeasible_requests == 0 and "TTFT SLO" not in quiet.reasons["prefill"]
+
+
+def test_a_load_above_max_over_the_window_holds_at_max_and_is_flagged():
+    p = planner(max_prefill=2, min_decode=2)
+    for decision in run(p, [30] * 5, (1, 1)):  # 3 replicas of prompt load need 4
+        assert dict(decision.targets) == {"prefill": 2, "decode": 2}
+        assert decision.infeasible == ("prefill",) and decision.infeasible_requests == 0
+        assert decision.reasons["prefill"].startswith("no count up to 2 meets the SLO")
+
+
+def test_a_mean_prompt_slower_than_the_slo_holds_at_max_every_interval_and_says_so():
+    p = planner(ttft_slo_s=0.05, max_prefill=3)  # a 1000-token prompt alone takes 0.1 s; no histogram says which
+    for decision in run(p, [1] * 4, (1, 1)):
+        assert decision.targets["prefill"] == 3 and decision.infeasible == ("prefill",)
+
+
+def test_a_backlog_of_queued_prompt_tokens_grows_prefill():
+    p = planner()
+    assert p.decide(observe(30, 5), pools(1, 1)).targets["prefill"] == 1
+    # 1,800,000 tokens queued are 180 replica-seconds: 2 replicas clear them within a start-up and an
+    # interval (90 s); with the 0.5 of load, 2.5 replicas need 3.
+    decision = p.decide(observe(60, 5, queued_prefill_tokens=1_800_000), pools(1, 1))
+    assert decision.targets["prefill"] == 3 and decision.reasons["prefill"].endswith("1800000 tokens queued")
+
+
+def test_prompts_of_the_same_mean_with_a_heavier_tail_need_at_least_as_many_prefill_replicas():
+    def prefill_at_high_load(buckets) -> tuple[int, float]:
+        p = planner(**ALONE)
+        for t in (30, 60, 90, 120):
+            decision = p.decide(Observation(t, INTERVAL_S, 1800, 1800 * 1000, 1800 * 10, prompt_length_counts=buckets), pools(1, 1))
+        return decision.needed["prefill"], p._spread
+
+    uniform = prefill_at_high_load(((512.0, 0), (2048.0, 1800), (math.inf, 0)))
+    tailed = prefill_at_high_load(((128.0, 0), (512.0, 1620), (16384.0, 180), (math.inf, 0)))
+    assert uniform[1] < 1 < tailed[1]
+    assert tailed[0] >= uniform[0] and tailed[0] > 6  # 60 req/s of 1000 tokens: 6 replicas of load
+
+
+def test_prefill_goes_to_zero_when_prompts_are_few_and_comes_back_when_they_return():
+    p = planner(scale_down_cooldown_s=0, base_window_s=60)
+    decisions = run(p, [0.5] * 4, (1, 1), prompt_tokens=100)  # 50 prompt tokens/s: 0.005 replicas
+    assert prefill_targets(decisions) == [1, 0, 0, 0]
+    # 5 req/s: 0.5 replicas of load, averaged with the 0.005 before it, is over prefill_zero_load.
+    decision = p.decide(observe(150, 5), pools(0, 1))
+    assert decision.targets["prefill"] == 1 and decision.reasons["prefill"].startswith("up to 1")
+
+
+def test_aggregate_when_cheaper_lets_one_decode_replica_prefill_what_two_pools_would_split():
+    # 3 req/s of 1000 tokens: 0.3 prefill replicas of prompt load (over prefill_zero_load) and
+    # 150 output tokens/s. One decode replica prefilling them stalls 0.3 of its time (0.375 with
+    # the 0.8 margin): it keeps ITL under 0.0625 s, batch 43, 33.5 after the Poisson swing, and
+    # makes 0.625 * 33.5 / 0.0525 = 399 tokens/s, more than 150 / 0.8. Two pools would be 1 + 1.
+    fields = {"scale_down_cooldown_s": 0, "base_window_s": 60}
+    assert dict(run(planner(**fields), [3] * 6, (1, 1))[-1].targets) == {"prefill": 1, "decode": 1}
+    p = planner(aggregate_when_cheaper=True, **fields)
+    decision = run(p, [3] * 6, (1, 1))[-1]
+    assert dict(decision.targets) == {"prefill": 0, "decode": 1}
+    assert "the decode replicas prefill it themselves, 1 of them" in decision.reasons["prefill"]
+    # 5 req/s: 0.5 of the time prefilling leaves a batch of 23 at 0.05 s, 274 tokens/s for 250 asked,
+    # but not with the margin's headroom; the cluster is aggregated already, so it stays so.
+    assert dict(run(planner(aggregate_when_cheaper=True, **fields), [5] * 6, (0, 1))[-1].targets) == {"prefill": 0, "decode": 1}
+    # The same load met with two pools does not swap to one: entering needs the margin's headroom.
+    assert dict(run(planner(aggregate_when_cheaper=True, **fields), [5] * 6, (1, 1))[-1].targets) == {"prefill": 1, "decode": 1}
+    # Prompts return (30 req/s): the prefill pool comes back at once, at (0.3 + 3) / 2 -> 2, then 4.
+    assert prefill_targets(run(p, [30, 30], (0, 1), start_s=210, output_tokens=10)) == [2, 4]
+
+
+def test_aggregate_when_cheaper_keeps_the_prefill_pool_until_the_decode_replicas_taking_its_load_are_ready():
+    fields = {"scale_down_cooldown_s": 0, "aggregate_when_cheaper": True, "min_decode": 2, "base_window_s": 60}
+    assert dict(run(planner(**fields), [3] * 6, (1, 2))[-1].targets) == {"prefill": 0, "decode": 2}
+    p = planner(**fields)
+    for t in range(30, 210, 30):
+        decision = p.decide(observe(t, 3), pools(1, 1, decode_starting=1))
+    assert dict(decision.targets) == {"prefill": 1, "decode": 2}
+    assert "kept until" in decision.reasons["prefill"]
 
 
 def test_corrections_use_ready_replicas_and_skip_intervals_when_the_ready_count_changed():
@@ -138,59 +281,12 @@ def test_corrections_use_ready_replicas_and_skip_intervals_when_the_ready_count_
     assert decision.corrections["prefill"] == pytest.approx(1.25)
 
 
-def test_min_and_max_bound_every_pool_and_a_capped_pool_is_flagged():
-    p = planner(max_prefill=2, min_decode=2)
-    decision = steady(p, 30, (1, 1))
-    assert dict(decision.targets) == {"prefill": 2, "decode": 2}
-    assert decision.infeasible == ("prefill",)
-    assert decision.reasons["prefill"].startswith("no count up to 2 meets the SLO")
-
-
-def test_prefill_goes_to_zero_when_prompts_are_few_and_comes_back_when_they_return():
-    p = planner(scale_down_cooldown_s=0)
-    decision = steady(p, 0.5, (1, 1), prompt_tokens=100)  # 50 prompt tokens/s: 0.005 replicas
-    assert decision.targets["prefill"] == 0
-    decision = p.decide(observe(2000, 5), pools(0, 1))  # 0.5 replicas of prompt load
-    assert decision.targets["prefill"] == 1 and decision.reasons["prefill"].startswith("up to 1")
-
-
-def test_aggregate_when_cheaper_lets_one_decode_replica_prefill_what_two_pools_would_split():
-    # 3 req/s of 1000 tokens: 0.3 prefill replicas of prompt load (over prefill_zero_load) and
-    # 150 output tokens/s. One decode replica prefilling them stalls 0.3 of its time (0.375 with
-    # the 0.8 margin): it keeps ITL under 0.0625 s, batch 43, 33.5 after the Poisson swing, and
-    # makes 0.625 * 33.5 / 0.0525 = 399 tokens/s, more than 150 / 0.8. Two pools would be 1 + 1.
-    assert dict(steady(planner(scale_down_cooldown_s=0), 3, (1, 1)).targets) == {"prefill": 1, "decode": 1}
-    p = planner(scale_down_cooldown_s=0, aggregate_when_cheaper=True)
-    decision = steady(p, 3, (1, 1))
-    assert dict(decision.targets) == {"prefill": 0, "decode": 1}
-    assert "the decode replicas prefill it themselves, 1 of them" in decision.reasons["prefill"]
-    # 5 req/s: 0.5 of the time prefilling leaves a batch of 23 at 0.05 s, 274 tokens/s for 250 asked,
-    # but not with the margin's headroom; the cluster is aggregated already, so it stays so.
-    assert dict(steady(planner(scale_down_cooldown_s=0, aggregate_when_cheaper=True), 5, (0, 1)).targets) == {"prefill": 0, "decode": 1}
-    # The same load met with two pools does not swap to one: entering needs the margin's headroom.
-    assert dict(steady(planner(scale_down_cooldown_s=0, aggregate_when_cheaper=True), 5, (1, 1)).targets) == {"prefill": 1, "decode": 1}
-    # Prompts return (30 req/s): the prefill pool comes back at once.
-    assert p.decide(observe(1300, 30, output_tokens=10), pools(0, 1)).targets["prefill"] >= 4
-
-
-def test_aggregate_when_cheaper_keeps_the_prefill_pool_until_the_decode_replicas_taking_its_load_are_ready():
-    p = planner(scale_down_cooldown_s=0, aggregate_when_cheaper=True, min_decode=2)
-    decision = steady(p, 3, (1, 2))
-    assert dict(decision.targets) == {"prefill": 0, "decode": 2}
-    p = planner(scale_down_cooldown_s=0, aggregate_when_cheaper=True, min_decode=2)
-    for t in settle(30):
-        decision = p.decide(observe(t, 3), pools(1, 1, decode_starting=1))
-    assert dict(decision.targets) == {"prefill": 1, "decode": 2}
-    assert "kept until" in decision.reasons["prefill"]
-
-
-def test_an_slo_no_count_meets_holds_at_max_every_interval_and_says_so():
-    p = planner(ttft_slo_s=0.05, max_prefill=3)  # a 1000-token prompt alone takes 0.1 s
-    now = (1, 1)
-    for t in (30, 60, 90, 120):
-        decision = p.decide(observe(t, 1), pools(*now))
-        assert decision.targets["prefill"] == 3 and decision.infeasible == ("prefill",)
-        now = (3, decision.targets["decode"])
+def test_the_forecast_is_reported_but_does_not_size_the_pools():
+    p = planner(scale_down_cooldown_s=0, base_window_s=60)
+    rising = run(p, [5, 10, 20, 40], (1, 1), output_tokens=10)
+    # The trend forecasts more than 40 req/s; the pool is sized for 4 replicas of load averaged with 2.
+    assert rising[-1].forecast.prompt_tokens_per_s > 40_000
+    assert rising[-1].needed["prefill"] == p._prefill_count(3.0, 0.85)
 
 
 def test_the_same_inputs_give_the_same_decisions():
