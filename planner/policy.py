@@ -3,18 +3,22 @@
 Every interval the live loop (or bench.planner's replay) hands ``SLAPlanner.decide`` one
 ``Observation`` and the pools as the connector sees them, and applies the ``Decision``'s targets.
 
-    observation ──► LoadPredictor ──► forecast ─┐
-         │                                      ├─► need per pool ──► settle ──► targets
-         └──► observed/predicted latency ──► corrections (clamped, smoothed)  (hysteresis, cooldown,
-                                                                               min/max, warm-up)
+    observation ──► load averaged over a start-up ──► count per pool ──► window of counts ──► quantile ─┐
+         │                                            (Erlang C / ITL)  (startup / (1 - target))          ├─► settle ──► targets
+         ├──► prompt-length histogram: infeasible prompts apart, cost per token, spread                  │  (warm-up, hysteresis,
+         └──► observed/predicted latency ──► corrections (clamped, smoothed)          backlog ────────────┘   cooldown, min/max)
 
-Prefill: a replica serves prompts of the forecast mean length L in S = prefill_s(L) seconds.
-Treating each replica as an M/M/1 queue whose waits scale with S' = c_p * S, the share of
-requests whose TTFT passes the SLO is rho * exp(-(1 - rho) * (SLO - S') / S'); the planner keeps
-rho at most where that share is 1 - attainment_target, and counts the queued prompt tokens as load
-to clear within one interval. The correction c_p (observed mean TTFT over the model's, with
-Sakasegawa's pooled-queue wait) scales the waits, not the load: what the model misses is mostly
-the spread of prompt lengths, which lengthens queues without adding work.
+A replica asked for now is warm a start-up later, so the pools are sized for what they recently had
+to carry, not chased after each rise: each interval's observed load, averaged over the last start-up
+(a shorter burst counts at its share), becomes a count per pool, and the pools are sized for the
+request-weighted ``attainment_target`` quantile of the counts over a window of ``startup_s / (1 -
+attainment_target)``. A rise enters that quantile once it holds ``1 - attainment_target`` of the
+window's requests, about one start-up for a rise at the window's rate; a burst seen is remembered
+for the window.
+Prefill: the fewest replicas sharing one queue (the router picks the least queued) whose Erlang-C
+wait tail keeps ``1 - attainment_target`` of prompts over the TTFT SLO, waits scaled by (1 + cv^2) / 2
+of the prompts' prefill times and by the correction c_p (observed mean TTFT over the model's). A
+prompt whose prefill alone exceeds the SLO is counted apart and never drives the pool to max.
 Decode: the largest batch whose corrected ITL meets the SLO, less z * sqrt(batch) for the
 fluctuation of a Poisson batch (z at the attainment target), sets one replica's token rate.
 When the prompt load is under ``prefill_zero_load`` replicas the prefill pool may go to zero and
@@ -138,6 +142,7 @@ class SLAPlanner:
         self._seconds_per_token = perf_model.prefill_s(self._prompt_tokens) / self._prompt_tokens
         self._first_s: float | None = None
         self._spread = 1.0
+        self._measured = False
         self._loads: deque[tuple[float, float]] = deque(maxlen=max(1, math.ceil(config.startup_s / config.interval_s - 1e-9)))
         self._z = NormalDist().inv_cdf(config.attainment_target)
 
@@ -208,9 +213,10 @@ class SLAPlanner:
         whose lower bound is already too long). With the histogram it also tracks the prefill seconds a
         prompt token costs (prefill is convex in length) and the spread of the feasible prompts'
         prefill times, which lengthens queues: M/G/c waits are about (1 + cv^2) / 2 of M/M/c's."""
-        perf, alpha = self.perf_model, self.config.predictor_alpha
+        perf, alpha = self.perf_model, self.config.predictor_alpha if self._measured else 1.0  # the first interval sets them
         if not obs.num_requests:
             return 0
+        self._measured = True
         longest = perf.longest_prompt(self.config.ttft_slo_s / self.corrections["prefill"])
         infeasible, seconds, tokens, lower = 0, 0.0, 0.0, 0.0
         feasible = [0, 0.0, 0.0, 0.0]  # requests, tokens, seconds, seconds squared
