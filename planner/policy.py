@@ -137,7 +137,7 @@ class SLAPlanner:
         self._last_ready: dict[str, int] = {}
         self._prompt_tokens = float(perf_model.prefill[0][0])
         self._quantile = config.attainment_target if config.base_quantile is None else config.base_quantile
-        self._window_s = config.base_window_s if config.base_window_s is not None else max(4 * config.interval_s, config.startup_s / (1 - self._quantile))
+        self._window_s = config.base_window_s if config.base_window_s is not None else round(max(4 * config.interval_s, config.startup_s / (1 - self._quantile)), 6)
         self._window: deque[tuple[float, float, dict[str, int]]] = deque()
         self._seconds_per_token = perf_model.prefill_s(self._prompt_tokens) / self._prompt_tokens
         self._first_s: float | None = None
@@ -213,7 +213,7 @@ class SLAPlanner:
         whose lower bound is already too long). With the histogram it also tracks the prefill seconds a
         prompt token costs (prefill is convex in length) and the spread of the feasible prompts'
         prefill times, which lengthens queues: M/G/c waits are about (1 + cv^2) / 2 of M/M/c's."""
-        perf, alpha = self.perf_model, self.config.predictor_alpha if self._measured else 1.0  # the first interval sets them
+        perf, alpha = self.perf_model, (self.config.predictor_alpha if self._measured else 1.0)  # the first interval sets them
         if not obs.num_requests:
             return 0
         self._measured = True
@@ -222,7 +222,7 @@ class SLAPlanner:
         feasible = [0, 0.0, 0.0, 0.0]  # requests, tokens, seconds, seconds squared
         for upper, count in obs.prompt_length_counts:
             if count:
-                middle = math.sqrt(max(1.0, lower) * upper) if math.isfinite(upper) else lower * math.sqrt(2)
+                middle = math.sqrt(max(lower, upper / 2) * upper) if math.isfinite(upper) else lower * math.sqrt(2)
                 service_s = perf.prefill_s(middle)
                 seconds, tokens = seconds + count * service_s, tokens + count * middle
                 if lower >= longest:

@@ -1,0 +1,61 @@
+"""The planner's development set: the generators' shapes, and bench.planner_devset end to end on two traces."""
+
+from __future__ import annotations
+
+import json
+
+from bench import planner_devset, planner_traces
+
+
+def _rate(trace, start_s: float, end_s: float) -> float:
+    return sum(start_s <= a.time_s < end_s for a in trace) / (end_s - start_s)
+
+
+def test_the_flash_crowd_multiplies_the_rate_for_ten_minutes():
+    trace = planner_traces.generate_flash_crowd(5, rate=4.0)
+    per_minute = [_rate(trace, 60 * m, 60 * (m + 1)) for m in range(60)]
+    crowded = [m for m, r in enumerate(per_minute) if r > 12.0]
+    assert 9 <= len(crowded) <= 11 and crowded == list(range(crowded[0], crowded[0] + len(crowded)))
+    assert 15 <= crowded[0] <= 45
+    quiet = [r for m, r in enumerate(per_minute) if m not in crowded and m + 1 not in crowded and m - 1 not in crowded]
+    assert 3.0 < sum(quiet) / len(quiet) < 5.0
+
+
+def test_bursts_are_sized_from_the_start_up_time():
+    for burst_s in (30.0, 240.0):
+        trace = planner_traces.generate_bursts(3, burst_s, duration_s=3600.0, base_rate=2.0)
+        busy = [s for s in range(0, 3600, 10) if _rate(trace, s, s + 10) > 5.0]
+        spells, start = [], busy[0]
+        for a, b in zip(busy, busy[1:] + [None]):
+            if b != a + 10:
+                spells.append(a + 10 - start)
+                start = b
+        longest = max(spells)
+        assert 0.5 * burst_s <= longest <= 1.5 * burst_s + 20
+
+
+def test_the_generators_are_seeded_and_the_conv_trace_can_be_rescaled():
+    assert planner_traces.generate_code_spells(1, 600.0) == planner_traces.generate_code_spells(1, 600.0)
+    assert planner_traces.generate_heavy_tail(1, 600.0) != planner_traces.generate_heavy_tail(2, 600.0)
+    conv = planner_traces.read_arrivals(planner_traces.CONV_TRACE)
+    assert len(conv) == 19_366 and 3400 < conv[-1].time_s < 3600
+    squeezed = planner_traces.rescale(conv, 0.5)
+    assert squeezed[-1].time_s == conv[-1].time_s / 2 and [a.prompt_tokens for a in squeezed] == [a.prompt_tokens for a in conv]
+    tail = planner_traces.generate_heavy_tail(4)
+    assert max(a.prompt_tokens for a in tail) > 20 * sorted(a.prompt_tokens for a in tail)[len(tail) // 2]
+
+
+def test_the_devset_replays_every_trace_and_counts_the_goals(tmp_path, capsys):
+    out = tmp_path / "devset.json"
+    argv = ["--traces", "bursts_short", "heavy_tail", "--policies", "splitserve", "hpa", "--jobs", "1", "--max-prefill", "6", "--max-decode", "6", "--json", str(out), "--table"]
+    assert planner_devset.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert list(report["traces"]) == ["bursts_short", "heavy_tail"]
+    for entry in report["traces"].values():
+        assert list(entry["policies"]) == ["static", "splitserve", "hpa"]  # static always, first: the others start from it
+        assert set(entry["goals"]) == {"attainment_within_0.01_of_static", "replica_hours_over_static", "direction_changes_per_hour_per_pool"}
+    assert report["traces"]["heavy_tail"]["trace_stats"]["infeasible_requests"] > 0
+    met = report["summary"]["goals_met"]
+    assert met["direction_changes_per_hour_per_pool"] == sum(t["goals"]["direction_changes_per_hour_per_pool"]["met"] for t in report["traces"].values())
+    table = capsys.readouterr().err
+    assert "| bursts_short | static " in table and "| heavy_tail | splitserve |" in table
