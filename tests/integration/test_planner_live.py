@@ -95,10 +95,13 @@ def test_bursts_scale_each_pool_up_and_back_down(ray_session, tiny_llama_dir):
         prompts.finish()
         _step_until(loop, connector, lambda p: p["prefill"].target == 1 and p["prefill"].ready == 1 and not p["prefill"].draining, 90, timeline)
 
-        answers = Load(client, random_prompts([8] * 8, seed=12), max_tokens=100)
+        # Two clients: their chat-templated prompts (~150 tokens, 0.5 s each by the profile) stay under
+        # a third of one prefill replica, while their answers need more decode replicas than max.
+        answers = Load(client, random_prompts([8] * 2, seed=12), max_tokens=100)
         quiet = len(loop.decisions)
         _step_until(loop, connector, lambda p: p["decode"].ready == 2, 90, timeline)
-        assert all(d.targets["prefill"] == 1 for d in loop.decisions[quiet:])  # long answers alone never grew prefill
+        grew = [d.reasons["prefill"] for d in loop.decisions[quiet:] if d.targets["prefill"] != 1]
+        assert grew == []  # long answers alone never grew prefill
         answers.finish()
         _step_until(loop, connector, lambda p: p["decode"].target == 1 and p["decode"].ready == 1 and not p["decode"].draining, 90, timeline)
         status = client.cluster_status()
