@@ -134,6 +134,16 @@ def describe(trace, perf, config, cost_scale: float = 1.0) -> dict:
             "infeasible_requests": infeasible, "infeasible_share": infeasible / len(trace), "mostly_infeasible": infeasible > len(trace) / 2}
 
 
+def parse_with_planner_config(parser, argv: list[str] | None):
+    """(args, PlannerConfig) from ``parser`` with every PlannerConfig field added as an option; a bad value is a usage error."""
+    add_dataclass_args(parser, PlannerConfig)
+    args = parser.parse_args(argv)
+    try:
+        return args, dataclass_from_args(PlannerConfig, args)
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = arg_parser(__doc__, model=False, plot="arrival rate and each policy's replicas over time")
     parser.add_argument("--trace", type=Path, required=True, help="Azure LLM 2023 CSV or Mooncake JSONL (with --generate: written first, as CSV)")
@@ -144,12 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--perf-rows", nargs=3, default=["llama2-70b", "h100-80gb", "4"], metavar=("MODEL", "HARDWARE", "TP"), help="Splitwise row set (default: llama2-70b h100-80gb 4)")
     parser.add_argument("--cost-scale", type=float, default=1.0, help="simulated costs over the perf model's (the planner's correction must find it; default: 1)")
     parser.add_argument("--policies", nargs="+", choices=("splitserve", "static", "hpa", "hindsight"), default=["splitserve", "static", "hpa"], help="hindsight: the cheapest prefill schedule knowing the whole trace (default: the first three)")
-    add_dataclass_args(parser, PlannerConfig)
-    args = parser.parse_args(argv)
-    try:
-        config = dataclass_from_args(PlannerConfig, args)
-    except ValueError as e:
-        parser.error(str(e))
+    args, config = parse_with_planner_config(parser, argv)
     if args.cost_scale <= 0:
         parser.error("--cost-scale must be above 0")
     try:

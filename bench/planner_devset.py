@@ -14,12 +14,11 @@ from __future__ import annotations
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from bench.planner import DEFAULT_PERF, describe, evaluate_goals, replay
+from bench.planner import DEFAULT_PERF, describe, evaluate_goals, parse_with_planner_config, replay
 from bench.planner_traces import dev_set
 from bench.report import arg_parser, emit_report, machine, progress, run
 from planner.config import PlannerConfig
 from planner.perf_model import load_splitwise_csv
-from router.cli_args import add_dataclass_args, dataclass_from_args
 
 POLICIES = ("splitserve", "static", "hpa", "hindsight")
 SUMMARY_FIELDS = ("slo_attainment", "replica_hours", "direction_changes_per_pool", "infeasible_intervals", "split", "attainment_bar", "target_reached", "reached_target", "infeasible_requests")
@@ -57,12 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=["splitserve", "static", "hpa"], help="(default: splitserve static hpa)")
     parser.add_argument("--jobs", type=int, default=2, help="traces replayed at once, one process each (default: 2)")
     parser.add_argument("--table", action="store_true", help="also write the markdown table to stderr")
-    add_dataclass_args(parser, PlannerConfig)
-    args = parser.parse_args(argv)
-    try:
-        config = dataclass_from_args(PlannerConfig, args)
-    except ValueError as e:
-        parser.error(str(e))
+    args, config = parse_with_planner_config(parser, argv)
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
     policies = tuple(dict.fromkeys(["static", *args.policies]))  # every other policy starts from static's split
