@@ -21,7 +21,7 @@ from planner.config import PlannerConfig
 from planner.perf_model import load_splitwise_csv
 
 POLICIES = ("splitserve", "static", "hpa", "hindsight")
-SUMMARY_FIELDS = ("slo_attainment", "replica_hours", "direction_changes_per_pool", "infeasible_intervals", "split", "attainment_bar", "target_reached", "reached_target", "infeasible_requests")
+SUMMARY_FIELDS = ("slo_attainment", "replica_hours", "direction_changes_per_pool", "infeasible_intervals", "split", "attainment_bar", "target_reached", "best_attainment", "reached_target", "infeasible_requests")
 
 
 def replay_trace(name: str, config: PlannerConfig, policies: tuple[str, ...]) -> dict:
