@@ -154,8 +154,8 @@ class SLAPlanner:
         observed = LoadForecast(obs.num_requests / obs.duration_s, obs.num_prompt_tokens / obs.duration_s, obs.num_output_tokens / obs.duration_s)
         self.predictor.observe(observed.request_rate, observed.prompt_tokens_per_s, observed.output_tokens_per_s)
         forecast = self.predictor.forecast()
-        self._correct(obs, pools)
         infeasible_requests = self._measure_prompts(obs)
+        self._correct(obs, pools)
 
         # This interval's load, as counts, joins the window; the pools are sized for the window's quantile.
         prefill_load, prefill_cap, prefill_why = self._prefill_load(observed)
@@ -170,10 +170,13 @@ class SLAPlanner:
             prefill_why = f"{prefill_why}; the window's {self._quantile:g} quantile needs {prefill_need}"
         if decode_need > counts["decode"]:
             decode_why = f"{decode_why}; the window's {self._quantile:g} quantile needs {decode_need}"
-        # Beyond the window: a backlog gets the replicas that clear it within a start-up and an interval.
-        if obs.queued_prefill_tokens and prefill_need > 0:
-            backlog = obs.queued_prefill_tokens * self._seconds_per_token / (config.startup_s + config.interval_s)
-            clearing = self._prefill_count(prefill_load + backlog, prefill_cap)
+        # Beyond the window: a backlog that already makes a new prompt wait past the SLO means the
+        # load is over capacity now; the pool grows to this interval's load plus the replicas that
+        # clear the backlog within a start-up and an interval.
+        backlog_s = obs.queued_prefill_tokens * self._seconds_per_token
+        slack_s = config.ttft_slo_s - self.corrections["prefill"] * self._seconds_per_token * self._prompt_tokens
+        if prefill_need > 0 and backlog_s > slack_s * max(1, pools["prefill"].ready):
+            clearing = self._prefill_count(max(prefill_load, smooth_prefill) + backlog_s / (config.startup_s + config.interval_s), prefill_cap)
             if clearing > prefill_need:
                 prefill_need, prefill_why = clearing, f"{prefill_why}; {obs.queued_prefill_tokens} tokens queued"
         aggregated = pools["prefill"].target == 0
@@ -287,11 +290,11 @@ class SLAPlanner:
         prompted = bool(obs.num_requests and obs.num_prompt_tokens)
         if prompted:  # the interval's mean prompt and what one replica takes to prefill it
             prompt_tokens = obs.num_prompt_tokens / obs.num_requests
-            service_s = perf.prefill_s(prompt_tokens)
+            service_s = self._seconds_per_token * prompt_tokens  # the interval's mean prefill, convexity included
         if steady["prefill"] and obs.ttft_s_mean and prefill_ready and prompted:
             rho = obs.num_prompt_tokens / obs.duration_s * service_s / prompt_tokens / prefill_ready
             if rho < 0.7:  # beyond, the queueing term dominates and says little about the model
-                ratios["prefill"] = obs.ttft_s_mean / (service_s * (1 + _pooled_wait_share(rho, prefill_ready)))
+                ratios["prefill"] = obs.ttft_s_mean / (service_s * (1 + self._spread * _pooled_wait_share(rho, prefill_ready)))
         decode_ready = pools["decode"].ready
         if steady["decode"] and obs.itl_s_mean and decode_ready and obs.num_output_tokens:
             batch = obs.num_output_tokens / obs.duration_s * obs.itl_s_mean / decode_ready
@@ -307,7 +310,7 @@ class SLAPlanner:
         """(load in prefill replicas, highest load per replica alone that meets the TTFT SLO or 0, why)."""
         config = self.config
         prompt_tokens = self._prompt_tokens
-        service_s = self.perf_model.prefill_s(prompt_tokens)
+        service_s = self._seconds_per_token * prompt_tokens
         wait_scale_s = self.corrections["prefill"] * service_s
         replicas = load.prompt_tokens_per_s * self._seconds_per_token
         why = f"{load.prompt_tokens_per_s:.0f} prompt tokens/s, {prompt_tokens:.0f} a prompt at {service_s:.3f} s each"
@@ -328,7 +331,7 @@ class SLAPlanner:
             return config.max_prefill + 1
         if load < config.prefill_zero_load:
             return 0
-        service_s = self.corrections["prefill"] * self.perf_model.prefill_s(self._prompt_tokens)
+        service_s = self.corrections["prefill"] * self._seconds_per_token * self._prompt_tokens
         slack = (config.ttft_slo_s - service_s) / service_s
         for count in range(max(1, math.ceil(load - 1e-9)), config.max_prefill + 2):
             if count > load and _erlang_c(count, load) * math.exp(-(count - load) * slack / self._spread) <= 1 - config.attainment_target:
