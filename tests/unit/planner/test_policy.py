@@ -219,6 +219,19 @@ def test_a_backlog_of_queued_prompt_tokens_grows_prefill():
     assert decision.targets["prefill"] == 3 and decision.reasons["prefill"].endswith("1800000 tokens queued")
 
 
+def test_a_backlog_a_new_prompt_would_wait_less_than_the_slo_for_changes_nothing():
+    """10,000 queued tokens are 1 s of one replica's work, under the 1.9 s a 1000-token prompt may
+    wait (a 2 s SLO less its 0.1 s prefill): the pool stays. 30,000 (3 s) are over it, but one
+    replica at 0.5 of load clears them well within a start-up: it stays. 600,000 (60 s of work, 0.67
+    of a replica over 90 s) with the 0.5 of load need 2."""
+    p = planner()
+    assert p.decide(observe(30, 5), pools(1, 1)).targets["prefill"] == 1
+    assert p.decide(observe(60, 5, queued_prefill_tokens=10_000), pools(1, 1)).targets["prefill"] == 1
+    assert p.decide(observe(90, 5, queued_prefill_tokens=30_000), pools(1, 1)).targets["prefill"] == 1
+    decision = p.decide(observe(120, 5, queued_prefill_tokens=600_000), pools(1, 1))
+    assert decision.targets["prefill"] == 2 and decision.reasons["prefill"].endswith("600000 tokens queued")
+
+
 def test_prompts_of_the_same_mean_with_a_heavier_tail_need_at_least_as_many_prefill_replicas():
     def prefill_at_high_load(buckets) -> tuple[int, float]:
         p = planner(**ALONE)
