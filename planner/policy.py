@@ -179,6 +179,12 @@ class SLAPlanner:
             clearing = self._prefill_count(max(prefill_load, smooth_prefill) + backlog_s / (config.startup_s + config.interval_s), prefill_cap)
             if clearing > prefill_need:
                 prefill_need, prefill_why = clearing, f"{prefill_why}; {obs.queued_prefill_tokens} tokens queued"
+        # The decode pool's backlog is its batch: an ITL already over the SLO means it is over capacity
+        # now, and it grows to this interval's load rather than the start-up's average.
+        if obs.itl_s_p90 is not None and obs.itl_s_p90 > config.itl_slo_s:
+            now_need = self._decode_count(decode_load + (prefill_load if prefill_need == 0 else 0.0))
+            if now_need > decode_need:
+                decode_need, decode_why = now_need, f"{decode_why}; the ITL p90 {obs.itl_s_p90:.3f} s is over the SLO"
         aggregated = pools["prefill"].target == 0
         if config.aggregate_when_cheaper and config.min_prefill == 0 and prefill_need > 0:
             # Conditional disaggregation: the decode replicas alone, each prefilling its share of
