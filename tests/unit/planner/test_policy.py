@@ -83,6 +83,17 @@ def test_long_outputs_grow_decode_only():
     assert longer[1].reasons["decode"].startswith("up to 7 for 5000 output tokens/s at 780 per replica")
 
 
+def test_an_itl_over_the_slo_sizes_decode_for_the_interval_not_its_average():
+    """The first interval of long outputs averages to 4 decode replicas; the same interval with an
+    ITL p90 over the SLO (the batch is already over what it allows) gets the 7 its own load needs."""
+    calm, late = planner(), planner()
+    for p in (calm, late):
+        run(p, [5] * 6, (1, 1))
+    assert calm.decide(observe(210, 5, output_tokens=1000, itl_s_p90=0.09), pools(1, 1)).targets["decode"] == 4
+    decision = late.decide(observe(210, 5, output_tokens=1000, itl_s_p90=0.15), pools(1, 1))
+    assert decision.targets["decode"] == 7 and "the ITL p90 0.150 s is over the SLO" in decision.reasons["decode"]
+
+
 def test_a_burst_shorter_than_a_start_up_is_averaged_down_and_not_chased():
     p = planner()
     run(p, [5] * 6, (1, 1))
