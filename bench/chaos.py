@@ -55,8 +55,8 @@ from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.controller import ControllerConfig
-from router.launch import Cluster, ClusterConfig
+from router.control.controller import ControllerConfig
+from router.control.launch import Cluster, ClusterConfig
 
 EXPECTED = {"cancel": "CANCELLED", "deadline": "DEADLINE_EXCEEDED"}
 """The one status each kind of call may end with instead of completing."""

@@ -20,7 +20,7 @@ import grpc
 import ray
 
 from router.client import SplitServeClient
-from router.controller_config import POOLS
+from router.control.controller_config import POOLS
 
 FAULTS = ("kill_controller", "kill_prefill", "kill_decode", "kill_router", "restart_redis", "drop_transfer")
 """In the order they run: the controller first, so the replica kills after it show that a

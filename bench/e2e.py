@@ -42,7 +42,7 @@ from prefill_worker.config import PrefillWorkerConfig
 from proto import splitserve_pb2 as pb
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.launch import ClusterConfig
+from router.control.launch import ClusterConfig
 
 STAGES = ("hops", "request_plane", "pickup", "kv_handoff", "wait", "prefill", "handback")
 """Where a request's TTFT goes, in order; they add up to it:

@@ -26,18 +26,18 @@ from bench.hindsight import replay_hindsight
 from bench.planner_sim import HPA, Simulation
 from bench.planner_traces import Arrival, generate_bursty, read_arrivals, write_csv
 from bench.report import BenchError, arg_parser, emit_report, machine, progress, run
+from cli.args import add_dataclass_args, dataclass_from_args
 from planner.config import PlannerConfig
 from planner.connector import POOLS
-from planner.perf_model import load_profile, load_splitwise_csv
+from planner.perf_model import DEFAULT_PERF_MODEL, load_profile, load_splitwise_csv
 from planner.policy import SLAPlanner
-from router.cli_args import add_dataclass_args, dataclass_from_args
 
 __all__ = ["Arrival", "DEFAULT_PERF", "PlannerConfig", "Simulation", "generate_bursty", "load_splitwise_csv", "main", "read_arrivals", "replay", "write_csv"]
 
 STATIC_SLACK = 0.001
 """When no static split reaches the attainment target, the bar is the best attainment any split
 reaches less this much: past enough replicas, each added one buys only a straggler or two."""
-DEFAULT_PERF = Path(__file__).resolve().parents[1] / "planner" / "data" / "splitwise_perf_model.csv"
+DEFAULT_PERF = DEFAULT_PERF_MODEL
 
 
 def replay(trace, perf, config, policy, cost_scale=1.0, static=None) -> tuple[dict, list]:

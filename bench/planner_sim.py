@@ -24,7 +24,7 @@ from planner.config import PlannerConfig
 from planner.connector import POOLS, PoolReplicas
 from planner.perf_model import PerfModel
 from planner.policy import Observation
-from router.metrics import PROMPT_LENGTH_BUCKETS
+from router.frontend.metrics import PROMPT_LENGTH_BUCKETS
 
 HPA_TARGET = 0.7
 """HPA's utilisation target: prefill busy share, decode batch as a share of the batch at the ITL SLO."""

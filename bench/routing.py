@@ -25,16 +25,16 @@ from pathlib import Path
 from bench.report import BenchError, arg_parser, emit_report, machine, percentile, plot, positive, progress, run
 from bench.routing_sim import ClusterConfig, Replay, oracle_hit_ratio
 from bench.traces import KINDS, TraceConfig, TraceRequest, describe, generate, read_trace, write_trace
+from cli.args import add_dataclass_args, dataclass_from_args
 from kv_store.events import EventKind, KVEvent, KVEventBatch, Tier
 from kv_store.keys import NATIVE_CHAIN, KeyNamespace, block_keys
 from proto import splitserve_pb2 as pb
-from router.cli_args import add_dataclass_args, dataclass_from_args
 from router.config import RouterConfig
-from router.metrics import RouterMetrics
-from router.prefix_index import PrefixIndex
-from router.routing import POLICIES, PolicyConfig, make_policy
-from router.service import GenerationService
-from router.workers import Replica, WorkerDirectory, worker_load
+from router.frontend.metrics import RouterMetrics
+from router.frontend.service import GenerationService
+from router.routing.policy import POLICIES, PolicyConfig, make_policy
+from router.routing.prefix_index import PrefixIndex
+from router.routing.workers import Replica, WorkerDirectory, worker_load
 
 SHAPES = KINDS
 """The generated kinds ``--shapes`` replays."""
@@ -221,7 +221,7 @@ def live_decisions(num_workers: int = 8, block_size: int = 16, prompt_tokens: in
         "block_size": block_size,
         "num_decisions": len(lengths),
         "num_first_turns": len(wall_us["first"]),
-        "code_path": "router.service.GenerationService.route in process (the step Generate runs after tokenizing)",
+        "code_path": "router.frontend.service.GenerationService.route in process (the step Generate runs after tokenizing)",
         "native_chain": NATIVE_CHAIN,
     }
 

@@ -1,6 +1,6 @@
 """The simulated cluster behind bench.routing: prefill workers, their KV tiers, and the replay loop.
 
-Each request of a trace (bench/traces.py) is routed by the real policy (router/routing.py) over
+Each request of a trace (bench/traces.py) is routed by the real policy (router/routing/policy.py) over
 the real ``PrefixIndex``, fed only by the KV events the simulated workers publish through real
 ``KVEventLog`` objects (``event_delay_s`` late, each batch the net change since the last); loads
 reach the policy every ``report_interval_s``. Time is simulated, the policy's clock too; only
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from bench.report import percentile
 from bench.traces import BLOCK_TOKENS, TraceRequest
 from kv_store.events import EventKind, KVEventBatch, KVEventLog, Tier
-from router.prefix_index import CachedRun, PrefixIndex
-from router.routing import PolicyConfig, RouteRequest, WorkerLoad, make_policy
+from router.routing.policy import PolicyConfig, RouteRequest, WorkerLoad, make_policy
+from router.routing.prefix_index import CachedRun, PrefixIndex
 
 
 @dataclass(frozen=True)

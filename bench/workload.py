@@ -20,7 +20,7 @@ from engine.params import SamplingParams
 
 if TYPE_CHECKING:  # a cluster needs Ray; the engine benches (and a GPU host without Ray) do not
     from router.client import SplitServeClient
-    from router.launch import Cluster, ClusterConfig
+    from router.control.launch import Cluster, ClusterConfig
 
 NUM_SPECIAL_TOKENS = 32
 """Prompt token ids start above this, clear of SmolLM2's control tokens (ids 0-16)."""
@@ -95,7 +95,7 @@ def variant(workload: list[BenchRequest], tag: int) -> list[BenchRequest]:
 def local_cluster(config: ClusterConfig) -> Iterator[tuple[Cluster, SplitServeClient]]:
     """A local cluster started from ``config`` and a client of its router; both stopped after."""
     from router.client import SplitServeClient
-    from router.launch import Cluster
+    from router.control.launch import Cluster
 
     cluster = Cluster(config)
     try:
@@ -131,7 +131,7 @@ def ranked_engine(config: EngineConfig, num_threads: int, name: str):
     import ray
 
     from engine.parallel.ranks import TPEngineBuilder
-    from router.launch import init_ray
+    from router.control.launch import init_ray
 
     torch.set_num_threads(num_threads)
     followers = []

@@ -26,6 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+DEFAULT_PERF_MODEL = Path(__file__).resolve().parent / "data" / "splitwise_perf_model.csv"
+"""The bundled Splitwise perf model (planner/data/README.md): what `splitserve plan` and bench.planner load by default."""
+
 Points = tuple[tuple[float, float], ...]
 
 

@@ -70,7 +70,7 @@ class Observation:
     """Decode pool: share of its KV blocks in use at the end of the interval (None: unknown)."""
     prompt_length_counts: tuple[tuple[float, int], ...] = ()
     """Requests of the interval by prompt length: (upper bound in tokens, count) per histogram bucket,
-    bounds rising, the last one inf (router.metrics.PROMPT_LENGTH_BUCKETS; empty: unknown). The
+    bounds rising, the last one inf (router.frontend.metrics.PROMPT_LENGTH_BUCKETS; empty: unknown). The
     planner counts the prompts no replica prefills within the TTFT SLO apart from the rest."""
 
     def __post_init__(self) -> None:

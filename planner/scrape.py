@@ -1,7 +1,7 @@
 """What the live planner reads each interval: the routers' Prometheus series, as interval deltas.
 
 Every router exports request counts, prompt and output tokens, and TTFT, inter-token latency and
-prompt-length histograms (router/metrics.py). The planner scrapes each router's ``/metrics`` (the
+prompt-length histograms (router/frontend/metrics.py). The planner scrapes each router's ``/metrics`` (the
 URLs the controller's cluster status lists), sums the routers, and turns two scrapes into one
 interval: counts by difference, percentiles from the difference of the histogram buckets (as
 PromQL's ``histogram_quantile`` does, linear within a bucket), prompt lengths as per-bucket counts.
@@ -51,7 +51,7 @@ class IntervalStats:
     itl_mean_s: float | None = None
     prompt_length_counts: tuple[tuple[float, int], ...] = ()
     """Requests by prompt length: (upper bound in tokens, count) per bucket, bounds rising, the last
-    inf (router.metrics.PROMPT_LENGTH_BUCKETS); empty when no router exports the histogram."""
+    inf (router.frontend.metrics.PROMPT_LENGTH_BUCKETS); empty when no router exports the histogram."""
 
 
 def parse(text: str, at_s: float, into: Scrape | None = None) -> Scrape:

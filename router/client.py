@@ -40,7 +40,7 @@ channel's polling thread: one thread wake-up less per message. The first token o
 an idle local cluster arrived ~0.4 ms sooner (measured 2026-11-23 on the 2-core dev machine)."""
 
 ROUTER_ERROR_ORIGIN = ("splitserve-error-origin", "router")
-"""Trailing metadata a router puts on every status it answers itself (router.service): its own
+"""Trailing metadata a router puts on every status it answers itself (router.frontend.service): its own
 UNAVAILABLE (no live decode worker) is final, another router would say the same."""
 
 MAX_RESUMES = 16

@@ -7,6 +7,13 @@ from pathlib import Path
 
 from proto.tls import ClusterTLSConfig
 
+CONTROLLER_NAME = "splitserve-controller"
+"""The detached ClusterController's Ray actor name (in ``NAMESPACE``)."""
+NAMESPACE = "splitserve"
+"""The Ray namespace of every splitserve actor."""
+POLICIES = ("splitserve", "round_robin", "least_loaded", "sglang_cache_aware")
+"""The routing policies ``RouterConfig.routing_policy`` may name (router.routing.policy builds them)."""
+
 
 @dataclass(frozen=True)
 class TLSConfig:
@@ -70,8 +77,6 @@ class RouterConfig:
     """Threads that turn prompts into token ids in this router (off its event loop)."""
 
     def __post_init__(self) -> None:
-        from router.routing import POLICIES
-
         if self.routing_policy not in POLICIES:
             raise ValueError(f"routing_policy: {self.routing_policy!r} is not one of {POLICIES}")
         if self.kv_event_poll_interval_s <= 0:

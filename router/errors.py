@@ -44,3 +44,11 @@ def cause_line(error: BaseException) -> str:
     while getattr(cause, "cause", None) is not None:
         cause = cause.cause
     return str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+
+
+def quoted(value: str, max_chars: int = 64) -> str:
+    """``value`` as an error message quotes it: cut to ``max_chars``, so that a huge field cannot
+    push the status message past grpc's metadata limit (the client would get RESOURCE_EXHAUSTED)."""
+    if len(value) <= max_chars:
+        return repr(value)
+    return f"{value[:max_chars]!r}... ({len(value)} characters)"

@@ -18,17 +18,17 @@ from prometheus_client import start_http_server
 
 from kv_store.events import EventGap, Tier
 from proto import splitserve_pb2 as pb
-from router.auth import read_token
 from router.config import RouterConfig
-from router.controller import CONTROLLER_NAME, NAMESPACE
-from router.http.app import HttpServer, build_app
-from router.metrics import RouterMetrics
-from router.prefix_index import PrefixIndex
-from router.routing import PolicyConfig, make_policy
-from router.server import RunningServer, start_server
-from router.service import AdminService, GenerationService
-from router.worker_calls import ChannelStats, WorkerChannels
-from router.workers import Replica, WorkerDirectory, worker_load
+from router.config import CONTROLLER_NAME, NAMESPACE
+from router.frontend.apis.app import HttpServer, build_app
+from router.frontend.auth import read_token
+from router.frontend.metrics import RouterMetrics
+from router.frontend.server import RunningServer, start_server
+from router.frontend.service import AdminService, GenerationService
+from router.routing.policy import PolicyConfig, make_policy
+from router.routing.prefix_index import PrefixIndex
+from router.routing.worker_calls import ChannelStats, WorkerChannels
+from router.routing.workers import Replica, WorkerDirectory, worker_load
 
 logger = logging.getLogger(__name__)
 

@@ -101,7 +101,7 @@ def ray_session():
     and the benches run in-process (bench.parallel, bench.moe, bench.chaos) join it."""
     import ray
 
-    from router.launch import init_ray
+    from router.control.launch import init_ray
 
     init_ray(None)
     yield

@@ -1,7 +1,7 @@
 """Builds the Grafana dashboard the chart ships (splitserve/dashboards/splitserve.json).
 
 Every expression reads series the code exports (tests/unit/deploy/test_dashboard.py checks each
-metric name against the real collectors): the routers' (router/metrics.py), the workers'
+metric name against the real collectors): the routers' (router/frontend/metrics.py), the workers'
 (engine/metrics.py and the actors' collectors), the controller's and the planner's
 (planner/live.py). Run ``python deploy/helm/render.py`` (``make chart``) to rewrite the file.
 """

@@ -13,7 +13,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from planner.connector import POOLS, ConnectorError, PoolReplicas
-from router.controller import CONTROLLER_NAME, NAMESPACE
+from router.control.controller import CONTROLLER_NAME, NAMESPACE
 from router.errors import cause_line
 
 

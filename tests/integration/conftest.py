@@ -9,7 +9,7 @@ import time
 @contextlib.contextmanager
 def running_cluster(config):
     """A started Cluster (controller, replicas, router-0) that is stopped afterwards."""
-    from router.launch import Cluster
+    from router.control.launch import Cluster
 
     cluster = Cluster(config)
     try:

@@ -17,7 +17,7 @@ import pytest
 
 from tests.redis_server import free_port
 
-CLI = [sys.executable, "-m", "router.cli"]
+CLI = [sys.executable, "-m", "cli.main"]
 PORT_FLAGS = (
     "--node-manager-port", "--object-manager-port", "--dashboard-agent-grpc-port", "--dashboard-agent-listen-port",
     "--metrics-export-port", "--runtime-env-agent-port",

@@ -10,7 +10,7 @@ from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.launch import ClusterConfig
+from router.control.launch import ClusterConfig
 from tests.integration.conftest import running_cluster
 
 NUM_BLOCKS = 64

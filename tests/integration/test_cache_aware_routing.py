@@ -9,8 +9,8 @@ from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.controller import CONTROLLER_NAME, NAMESPACE
-from router.launch import ClusterConfig
+from router.control.controller import CONTROLLER_NAME, NAMESPACE
+from router.control.launch import ClusterConfig
 from tests.integration.conftest import running_cluster, wait_until
 from tests.unit.engine.helpers import random_prompts
 

@@ -16,7 +16,7 @@ from tests.redis_server import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-CLI = [sys.executable, "-m", "router.cli"]
+CLI = [sys.executable, "-m", "cli.main"]
 
 
 def _lines(stream) -> queue.Queue:

@@ -25,7 +25,7 @@ from proto.framing import frame
 from proto.tls import ClusterTLSConfig, client_context, ray_tls_env
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.launch import ClusterConfig
+from router.control.launch import ClusterConfig
 from tests.certs import make_pki
 from tests.integration.conftest import running_cluster
 from tests.integration.test_cli import CLI, _lines, _wait_for
@@ -96,7 +96,7 @@ def test_a_cluster_needs_tls_at_both_ends_of_the_request_plane(cluster_tls):
 
 def test_init_ray_refuses_to_start_ray_without_its_tls_environment(cluster_tls):
     code = (
-        "import sys; from pathlib import Path; from proto.tls import ClusterTLSConfig; from router.launch import init_ray;"
+        "import sys; from pathlib import Path; from proto.tls import ClusterTLSConfig; from router.control.launch import init_ray;"
         "init_ray(None, ClusterTLSConfig(*map(Path, sys.argv[1:])))"
     )
     files = [str(cluster_tls.cert_file), str(cluster_tls.key_file), str(cluster_tls.ca_file)]

@@ -22,10 +22,11 @@ from engine.config import EngineConfig
 from ray.experimental import internal_kv
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.controller import ControllerConfig, StaleGenerationError
-from router.controller_config import NAMESPACE, parse_replica_name
-from router.controller_store import ControllerStore
-from router.launch import ClusterConfig
+from router.config import NAMESPACE
+from router.control.controller import ControllerConfig, StaleGenerationError
+from router.control.controller_config import parse_replica_name
+from router.control.controller_store import ControllerStore
+from router.control.launch import ClusterConfig
 from tests.integration.conftest import running_cluster, wait_until
 from tests.integration.test_generate_api import collect
 
@@ -269,7 +270,7 @@ def test_acts_of_a_stale_generation_are_refused(cluster, clients):
 
 def test_the_store_keeps_what_a_restart_cannot_observe(ray_session):
     """Ray's internal KV, under a namespace of the test's own (the cluster's is in use)."""
-    from router.controller_store import ReplicaRecord
+    from router.control.controller_store import ReplicaRecord
 
     store = ControllerStore("splitserve-test-store")
     store.clear()

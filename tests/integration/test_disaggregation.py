@@ -27,8 +27,8 @@ from proto import worker_pb2 as wpb
 from proto.framing import frame, read_frame
 from router.client import SplitServeClient, build_generate_request
 from router.config import RouterConfig
-from router.controller import CONTROLLER_NAME, NAMESPACE
-from router.launch import ClusterConfig
+from router.control.controller import CONTROLLER_NAME, NAMESPACE
+from router.control.launch import ClusterConfig
 from tests.integration.conftest import running_cluster, wait_until
 from tests.unit.engine.helpers import PROMPT_LENGTHS, random_prompts
 

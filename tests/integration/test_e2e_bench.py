@@ -12,7 +12,7 @@ from bench.e2e import SERVING_PATH, STAGES
 from bench.report import run
 from engine.config import EngineConfig
 from router.config import RouterConfig
-from router.launch import ClusterConfig
+from router.control.launch import ClusterConfig
 from tests.integration.conftest import running_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

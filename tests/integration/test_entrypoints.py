@@ -145,7 +145,7 @@ def test_a_replica_of_several_ranks_is_placed_on_the_node_it_is_pinned_to(ray_se
     import ray
     from ray.util.placement_group import placement_group_table
 
-    from router import placement
+    from router.control import placement
     from router.errors import PlacementError
 
     node_id = ray.get_runtime_context().get_node_id()

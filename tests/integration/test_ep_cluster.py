@@ -20,8 +20,8 @@ from engine.params import SamplingParams
 from prefill_worker.config import PrefillWorkerConfig
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.controller import CONTROLLER_NAME, NAMESPACE
-from router.launch import Cluster, ClusterConfig
+from router.control.controller import CONTROLLER_NAME, NAMESPACE
+from router.control.launch import Cluster, ClusterConfig
 from tests.integration.conftest import running_cluster
 from tests.unit.engine.helpers import random_prompts
 

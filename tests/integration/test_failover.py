@@ -23,8 +23,8 @@ from engine.config import EngineConfig
 from proto import splitserve_pb2 as pb
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.controller import ControllerConfig, ReplicaSpec
-from router.launch import DECODE_WORKER_CLASS, Cluster, ClusterConfig
+from router.control.controller import ControllerConfig, ReplicaSpec
+from router.control.launch import DECODE_WORKER_CLASS, Cluster, ClusterConfig
 from tests.integration.conftest import running_cluster, wait_until
 from tests.integration.test_generate_api import collect
 from tests.unit.engine.helpers import random_prompts

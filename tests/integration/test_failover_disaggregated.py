@@ -15,7 +15,7 @@ import ray
 from decode_worker.config import WorkerConfig
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.launch import ClusterConfig
+from router.control.launch import ClusterConfig
 from tests.integration.conftest import running_cluster, wait_until
 from tests.integration.test_failover import FAST_HEALTH, GREEDY, collect, engine_config, handles, pool_status  # noqa: F401 (fixture)
 from tests.unit.engine.helpers import random_prompts

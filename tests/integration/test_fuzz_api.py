@@ -32,7 +32,7 @@ from engine.tokenizer import Tokenizer
 from proto import splitserve_pb2 as pb
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.launch import ClusterConfig
+from router.control.launch import ClusterConfig
 from tests.integration.conftest import running_cluster, wait_until
 from tests.integration.fuzz_requests import (
     MAX_MODEL_LEN,

@@ -24,7 +24,7 @@ from engine.tokenizer import Tokenizer
 from proto import splitserve_pb2 as pb
 from router.client import SplitServeClient, build_generate_request
 from router.config import RouterConfig
-from router.launch import ClusterConfig
+from router.control.launch import ClusterConfig
 from tests.integration.conftest import running_cluster, wait_until
 from tests.unit.engine.helpers import random_prompts
 
@@ -306,8 +306,8 @@ def _sample(text: str, name: str) -> float:
 
 
 def test_no_live_worker_is_unavailable(client, cluster, engine_config):
-    from router.controller import ReplicaSpec
-    from router.launch import DECODE_WORKER_CLASS
+    from router.control.controller import ReplicaSpec
+    from router.control.launch import DECODE_WORKER_CLASS
 
     [replica] = client.cluster_status().replicas
     assert ray.get(cluster.controller.remove_replica.remote(replica.replica_id))
@@ -359,8 +359,8 @@ def test_the_only_decode_replica_killed_mid_stream_is_replaced_and_the_stream_re
 
 
 def test_a_decode_replica_that_cannot_listen_fails_to_start_and_is_not_left_running(client, cluster, engine_config):
-    from router.controller import ReplicaSpec
-    from router.launch import DECODE_WORKER_CLASS
+    from router.control.controller import ReplicaSpec
+    from router.control.launch import DECODE_WORKER_CLASS
 
     [replica] = client.cluster_status().replicas
     with socket.socket() as taken:

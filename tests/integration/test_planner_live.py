@@ -24,7 +24,7 @@ from planner.policy import SLAPlanner
 from prefill_worker.config import PrefillWorkerConfig
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.launch import ClusterConfig
+from router.control.launch import ClusterConfig
 from tests.integration.conftest import running_cluster
 from tests.unit.engine.helpers import random_prompts
 

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from planner.connectors.ray import RayConnector
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.launch import ClusterConfig
+from router.control.launch import ClusterConfig
 from tests.integration.conftest import running_cluster, wait_until
 from tests.unit.engine.helpers import random_prompts
 

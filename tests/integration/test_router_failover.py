@@ -18,7 +18,7 @@ import requests
 from engine.config import EngineConfig
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.launch import ClusterConfig
+from router.control.launch import ClusterConfig
 from tests.integration.conftest import running_cluster, wait_until
 from tests.integration.test_generate_api import collect
 from tests.unit.engine.helpers import random_prompts

@@ -11,7 +11,7 @@ from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
 from router.client import SplitServeClient
 from router.config import RouterConfig, TLSConfig
-from router.launch import Cluster, ClusterConfig
+from router.control.launch import Cluster, ClusterConfig
 from tests.certs import make_pki
 from tests.integration.conftest import running_cluster
 

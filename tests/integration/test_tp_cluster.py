@@ -24,12 +24,12 @@ from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
-from router import placement
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.controller import ControllerConfig, pool_resource
+from router.control import placement
+from router.control.controller import ControllerConfig, pool_resource
+from router.control.launch import Cluster, ClusterConfig
 from router.errors import PlacementError
-from router.launch import Cluster, ClusterConfig
 from tests.integration.conftest import running_cluster, wait_until
 from tests.integration.test_generate_api import collect
 from tests.integration.test_tensor_parallel import expected_rank_bytes
@@ -37,7 +37,7 @@ from tests.unit.engine.helpers import random_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-CLI = [sys.executable, "-m", "router.cli"]
+CLI = [sys.executable, "-m", "cli.main"]
 PROMPT = "The three primary colors are"
 GREEDY = dict(max_tokens=16, temperature=0, ignore_eos=True)
 RANK_CPUS = 0.5

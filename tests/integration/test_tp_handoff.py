@@ -27,8 +27,8 @@ from engine.params import SamplingParams
 from prefill_worker.config import PrefillWorkerConfig
 from router.client import SplitServeClient
 from router.config import RouterConfig
-from router.controller import CONTROLLER_NAME, NAMESPACE
-from router.launch import ClusterConfig
+from router.control.controller import CONTROLLER_NAME, NAMESPACE
+from router.control.launch import ClusterConfig
 from tests.integration.conftest import running_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

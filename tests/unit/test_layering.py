@@ -1,4 +1,5 @@
-"""The arrows of DESIGN.md: which package may import which, checked on the source."""
+"""The arrows of DESIGN.md and README.md's layout: which package may import which, and which of
+router/'s rooms may import which, checked on the source. The layering is written once, here, as data."""
 
 import ast
 import subprocess
@@ -8,7 +9,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("proto", "kv_store", "kv_transfer", "engine", "prefill_worker", "decode_worker", "router", "planner")
+PACKAGES = ("proto", "kv_store", "kv_transfer", "engine", "prefill_worker", "decode_worker", "router", "planner", "cli")
+KNOWN = (*PACKAGES, "bench", "tests")
+"""Every first-party top-level name; bench/ and tests/ sit above everything and no package imports them."""
 ALLOWED = {
     "proto": {"proto"},
     "kv_store": {"kv_store"},
@@ -18,15 +21,25 @@ ALLOWED = {
     "decode_worker": {"decode_worker", "engine", "kv_transfer", "kv_store", "proto"},
     "router": {"router", "proto", "kv_store"},
     "planner": {"planner", "router", "proto", "kv_store"},
+    # The `splitserve` command sits above every room it drives, and no room imports it.
+    "cli": {"cli", "planner", "router", "proto", "kv_store", "engine", "prefill_worker", "decode_worker", "kv_transfer"},
 }
+ROUTER_LAYERS = (
+    ("router", "router.config", "router.errors", "router.client"),
+    ("router.routing",),
+    ("router.frontend",),
+    ("router.replica",),
+    ("router.control",),
+)
+"""router/'s rooms, lowest first: a module may import its own layer's modules and those below, never
+above (the control plane starts router actors, which serve a front end over a routing policy)."""
 COMPOSITION_ROOTS = {
-    # The launcher and the CLI build the workers' typed configs (no torch behind them) and name
+    # The launcher builds the workers' typed configs (no torch behind them) and name
     # the worker actor class by import path; nothing else in the router touches worker code.
-    "router/launch.py": {"engine.config", "decode_worker.config", "prefill_worker.config"},
-    "router/cli.py": {"engine.config", "decode_worker.config", "prefill_worker.config", "planner.cli"},
+    "router/control/launch.py": {"engine.config", "decode_worker.config", "prefill_worker.config"},
     # The router tokenizes with the workers' own Tokenizer (no torch behind it), built from files
     # a decode worker hands it, so the ids are the ones the engine would make.
-    "router/tokenization.py": {"engine.tokenizer", "engine.errors"},
+    "router/routing/tokenization.py": {"engine.tokenizer", "engine.errors"},
 }
 
 
@@ -37,7 +50,7 @@ def _imports(path: Path) -> set[str]:
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module)
-    return {n for n in names if n.split(".")[0] in PACKAGES}
+    return {n for n in names if n.split(".")[0] in KNOWN}
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -64,7 +77,30 @@ def test_key_spec_and_configs_stay_light():
 def test_the_worker_actor_modules_import_no_torch():
     """The controller imports the actor classes by path to create the replicas: torch there would
     cost every cluster start about 2.7 CPU-s. The engine loads in the replica's own process."""
-    code = "import sys, decode_worker.actor, prefill_worker.actor, router.controller; print(sorted(m for m in ('torch', 'nixl') if m in sys.modules))"
+    code = "import sys, decode_worker.actor, prefill_worker.actor, router.control.controller; print(sorted(m for m in ('torch', 'nixl') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def _router_layer(module: str) -> int:
+    """The index in ROUTER_LAYERS of the longest prefix of ``module`` it names."""
+    best = max(((len(prefix), layer) for layer, prefixes in enumerate(ROUTER_LAYERS) for prefix in prefixes if module == prefix or module.startswith(prefix + ".")), default=None)
+    assert best is not None, f"{module} is in no layer of ROUTER_LAYERS"
+    return best[1]
+
+
+def test_router_rooms_import_only_their_own_layer_and_below():
+    upward = []
+    for path in sorted((REPO / "router").rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        layer = _router_layer(module)
+        for name in _imports(path):
+            if name.split(".")[0] == "router" and _router_layer(name) > layer:
+                upward.append(f"{module} imports {name}")
+    assert upward == []
+
+
+def test_router_keeps_at_most_six_modules_at_its_top():
+    assert len(list((REPO / "router").glob("*.py"))) <= 6

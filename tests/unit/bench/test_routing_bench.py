@@ -10,7 +10,7 @@ import pytest
 from bench import routing as bench_routing
 from bench.report import run
 from bench.traces import TraceConfig, generate, write_trace
-from router.routing import POLICIES
+from router.routing.policy import POLICIES
 from tests.unit.bench import MACHINE_KEYS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

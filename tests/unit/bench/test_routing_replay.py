@@ -11,7 +11,7 @@ from bench.routing import evaluate_goals
 from bench.routing_sim import BLOCK_TOKENS, ClusterConfig, Replay, oracle_hit_ratio
 from bench.traces import TraceConfig, TraceGenerator, TraceRequest, describe, generate, read_trace, universal_ids, write_trace
 from kv_store.events import KeySets, Tier
-from router.prefix_index import PrefixIndex
+from router.routing.prefix_index import PrefixIndex
 
 B = BLOCK_TOKENS
 

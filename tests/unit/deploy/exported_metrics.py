@@ -22,13 +22,13 @@ import decode_worker.actor
 import engine.replica
 import prefill_worker.actor
 from decode_worker.request_plane import RequestPlaneStats
-from engine.outputs import EngineStats
 from engine.metrics import CountersCollector, EngineStatsCollector, RequestTimingHistograms, TierStatsCollector, TPRankCollector
+from engine.outputs import EngineStats
 from kv_store.redis_tier import RedisTierStats
 from kv_store.tiered import TieredStats
 from planner.live import PlannerMetrics
-from router.cluster_map import ClusterMap, ReplicaCollector
-from router.metrics import RouterMetrics
+from router.control.cluster_map import ClusterMap, ReplicaCollector
+from router.frontend.metrics import RouterMetrics
 
 LABELS = {"replica": "r0", "pool": "decode"}
 SNAPSHOTS = {

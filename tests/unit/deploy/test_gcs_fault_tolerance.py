@@ -12,9 +12,9 @@ import copy
 import pytest
 from helm_python.errors import HelmRenderError, HelmValuesError
 
-from router.cli import _add_router
-from router.ray_node import HeadNodeConfig
-from router.router_node import ROUTER_RESOURCE, RouterNodeConfig
+from cli.main import _add_router
+from router.control.ray_node import HeadNodeConfig
+from router.control.router_node import ROUTER_RESOURCE, RouterNodeConfig
 from tests.unit.deploy.chart import EXAMPLES, container, example_values, find, flag, render, worker_group
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli import add_plan
+from cli.args import dataclass_from_args
+from cli.plan import add_plan
 from planner.config import PlannerConfig
 from planner.connectors import kubernetes as connector
-from router.cli_args import dataclass_from_args
 from tests.unit.deploy.chart import EXAMPLES, container, example_values, find, render, render_example, worker_group
 
 PLANNED = [e for e in EXAMPLES if example_values(e).get("planner", {}).get("enabled", True)]

@@ -9,8 +9,8 @@ import argparse
 
 import pytest
 
-from router.cli import _add_node_cert, _add_router, _add_up, _add_worker
-from router.controller import pool_resource
+from cli.main import _add_node_cert, _add_router, _add_up, _add_worker
+from router.control.controller import pool_resource
 from tests.unit.deploy.chart import EXAMPLES, container, example_values, find, flag, render, render_example, worker_group
 
 HEAD_ONLY_FLAGS = {"--ray-port"}

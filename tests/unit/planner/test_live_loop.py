@@ -14,7 +14,7 @@ from planner.live import ClusterSource, PlannerLoop, PlannerMetrics
 from planner.perf_model import PerfModel
 from planner.policy import Observation, SLAPlanner
 from proto import splitserve_pb2 as pb
-from router.metrics import PROMPT_LENGTH_BUCKETS, RouterMetrics
+from router.frontend.metrics import PROMPT_LENGTH_BUCKETS, RouterMetrics
 
 PROFILE = PerfModel(prefill=[(1, 0.01), (1000, 1.0)], decode=[(1, 0.02), (64, 0.6)])
 

@@ -4,7 +4,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from planner.scrape import Scrape, interval, parse, quantile
-from router.metrics import PROMPT_LENGTH_BUCKETS, RouterMetrics
+from router.frontend.metrics import PROMPT_LENGTH_BUCKETS, RouterMetrics
 
 
 def _exposition(metrics: RouterMetrics) -> str:

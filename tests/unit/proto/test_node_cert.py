@@ -9,9 +9,9 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from cli.main import main
 from proto.node_cert import issue_node_cert
 from proto.tls import ClusterTLSConfig, client_context, server_context
-from router.cli import main
 from tests.certs import make_pki
 
 

@@ -6,7 +6,7 @@ at once instead (``os._exit``, nothing having been sent); -1 (the default): serv
 
 Its "model" answers token ``i`` of a prompt as a pure function of the prompt, the seed and ``i``,
 so a resumed answer can be compared with an undisturbed one. It checks resumes with the real
-router's tags (router.validation) and answers a resume it cannot verify as a router does. Every
+router's tags (router.frontend.validation) and answers a resume it cannot verify as a router does. Every
 call it took is printed as one JSON line on stderr (the test reads what the client sent).
 """
 
@@ -23,10 +23,10 @@ import grpc
 
 from proto import splitserve_pb2 as pb
 from proto import splitserve_pb2_grpc as pb_grpc
-from router.errors import CallRejected
 from router.client import ROUTER_ERROR_ORIGIN
-from router.validation import ResumeTagger, check_resume, is_greedy, resume_key
 from router.config import RouterConfig
+from router.errors import CallRejected
+from router.frontend.validation import ResumeTagger, check_resume, is_greedy, resume_key
 
 VOCAB_SIZE = 1000
 SEED_CHOSEN = 4242

@@ -15,7 +15,7 @@ import pytest
 
 from router import client as client_module
 from router.client import ROUTER_ERROR_ORIGIN, CallFailed, SplitServeClient, parse_addresses, router_went_away
-from router.service import ROUTER_ERROR_METADATA
+from router.frontend.service import ROUTER_ERROR_METADATA
 from tests.unit.router.dying_router import SEED_CHOSEN, token
 
 REPO = Path(__file__).resolve().parents[3]

@@ -5,15 +5,15 @@ import argparse
 import grpc
 import pytest
 
+from cli.args import add_dataclass_args, dataclass_from_args, field_docs
 from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
 from proto import splitserve_pb2 as pb
 from proto import worker_pb2 as wpb
-from router.cli_args import add_dataclass_args, dataclass_from_args, field_docs
 from router.config import RouterConfig
 from router.errors import CallRejected, from_worker
-from router.validation import check_generate
-from router.workers import WorkerDirectory
+from router.frontend.validation import check_generate
+from router.routing.workers import WorkerDirectory
 
 
 def _entry(replica_id, *, pool="decode", model="m", healthy=True, running=0, waiting=0, free=100):
@@ -154,8 +154,8 @@ def test_a_wildcard_bind_is_advertised_as_the_nodes_address():
 
 def test_router_i_listens_on_each_fixed_port_plus_i():
     from router.config import RouterConfig
-    from router.controller_config import ControllerConfig
-    from router.launch import ClusterConfig
+    from router.control.controller_config import ControllerConfig
+    from router.control.launch import ClusterConfig
 
     config = ClusterConfig(router=RouterConfig(port=50051, metrics_port=0, http_port=8000), num_routers=3)
     assert [(c.port, c.metrics_port, c.http_port) for c in map(config.router_config, range(3))] == [(50051, 0, 8000), (50052, 0, 8001), (50053, 0, 8002)]
@@ -167,7 +167,7 @@ def test_router_i_listens_on_each_fixed_port_plus_i():
 
 def test_status_says_how_often_the_controller_restarted():
     from proto import splitserve_pb2 as pb
-    from router.cli import controller_line
+    from cli.main import controller_line
 
     assert controller_line(pb.ControllerStatus(generation=1)) == "controller: generation 1, never restarted; 0 routers started again"
     restarted = pb.ControllerStatus(generation=4, num_restarts=2, last_restart_unix_s=1795000000.0, num_router_restarts=1)
@@ -175,7 +175,7 @@ def test_status_says_how_often_the_controller_restarted():
 
 
 def test_a_speculative_decode_pool_runs_beside_a_tensor_parallel_prefill_pool():
-    from router.launch import ClusterConfig
+    from router.control.launch import ClusterConfig
 
     config = ClusterConfig(engine=EngineConfig(speculative="ngram"), num_prefill=1, prefill_tp_size=2)
     assert (config.pool_engine("prefill").speculative, config.pool_engine("prefill").tp_size) == ("off", 2)
