@@ -1,10 +1,8 @@
 """The planner loop's own duties: act only on changes, dry runs, connector errors with backoff, events."""
 
 import asyncio
-import dataclasses
 import json
 import logging
-import math
 
 from prometheus_client import start_http_server
 
@@ -31,15 +29,6 @@ class FakeSource:
             time_s=now_s, duration_s=10.0, num_requests=round(self.rate / 100), num_prompt_tokens=round(self.rate * 10), num_output_tokens=10,
             prompt_length_counts=self.prompt_length_counts,
         )
-
-
-class FakeLongPromptPlanner(SLAPlanner):
-    """The real policy, with the prompts past the last finite bucket as its infeasible requests: the
-    loop's reporting of the count is tested here, the policy's own count in its tests."""
-
-    def decide(self, observation, pools):
-        decision = super().decide(observation, pools)
-        return dataclasses.replace(decision, infeasible_requests=sum(n for bound, n in observation.prompt_length_counts if math.isinf(bound)))
 
 
 class FakeConnector:
@@ -106,7 +95,7 @@ def test_an_slo_no_count_meets_is_an_event_per_interval_while_holding_at_max():
 def test_infeasible_requests_are_counted_and_logged_as_strict_json(caplog):
     counts = tuple((bound, {128.0: 5, float("inf"): 3}.get(bound, 0)) for bound in PROMPT_LENGTH_BUCKETS)
     config = PlannerConfig(interval_s=10.0, max_prefill=4, startup_s=0.0)
-    loop = PlannerLoop(FakeLongPromptPlanner(config, PROFILE), FakeConnector(), FakeSource(2500, counts), metrics=PlannerMetrics())
+    loop = PlannerLoop(SLAPlanner(config, PROFILE), FakeConnector(), FakeSource(2500, counts), metrics=PlannerMetrics())  # the 3 past 256k tokens: no replica prefills them in 2 s
     with caplog.at_level(logging.INFO, logger="planner.live"):
         for t in (0.0, 10.0):
             assert asyncio.run(loop.step(t)).infeasible_requests == 3
