@@ -1,11 +1,11 @@
 """Trace replay of the SLA planner: the real SLAPlanner against a static split and an HPA rule.
 
-    python -m bench.planner --trace FILE [--generate bursty] --json OUT --plot OUT.png
+    python -m bench.planner --trace FILE [--generate bursty|DEV_TRACE] --json OUT --plot OUT.png
 
 A trace is an Azure LLM 2023 CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``) or, ending in
 ``.jsonl``, a Mooncake trace. With ``--generate bursty`` a seeded trace is written to FILE first:
 Poisson arrivals on a base rate with smooth bursts of long prompts, of long outputs, of both, and
-quiet spells. The replay is a discrete-event simulation of the two pools whose costs come from
+quiet spells; ``--generate NAME`` writes the development set's trace NAME (bench/planner_traces.py). The replay is a discrete-event simulation of the two pools whose costs come from
 the perf model (planner/perf_model.py; default the Splitwise llama2-70b H100 TP 4 rows) in
 bench/planner_sim.py; the traces and the development set's generators are bench/planner_traces.py.
 The dynamic policies start from the static split, as a planner (or HPA) turned on over a running
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.hindsight import replay_hindsight
 from bench.planner_sim import HPA, Simulation
-from bench.planner_traces import Arrival, generate_bursty, read_arrivals, write_csv
+from bench.planner_traces import Arrival, dev_set, generate_bursty, read_arrivals, write_csv
 from bench.report import BenchError, arg_parser, emit_report, machine, progress, run
 from cli.args import add_dataclass_args, dataclass_from_args
 from planner.config import PlannerConfig
@@ -147,7 +147,7 @@ def parse_with_planner_config(parser, argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     parser = arg_parser(__doc__, model=False, plot="arrival rate and each policy's replicas over time")
     parser.add_argument("--trace", type=Path, required=True, help="Azure LLM 2023 CSV or Mooncake JSONL (with --generate: written first, as CSV)")
-    parser.add_argument("--generate", choices=("bursty",), help="write a seeded bursty trace to --trace, then replay it")
+    parser.add_argument("--generate", choices=("bursty", *dev_set()), help="write a generated trace to --trace, then replay it: bursty (seeded by --seed, --duration-s long) or a development-set trace (fixed)")
     parser.add_argument("--seed", type=int, default=0, help="seed of a generated trace (default: 0)")
     parser.add_argument("--duration-s", type=float, default=3600.0, help="length of a generated trace (default: 3600)")
     parser.add_argument("--perf-model", type=Path, default=DEFAULT_PERF, help="Splitwise CSV or profile JSON (default: planner/data/splitwise_perf_model.csv)")
@@ -161,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         perf = load_profile(args.perf_model) if args.perf_model.suffix == ".json" else load_splitwise_csv(args.perf_model, args.perf_rows[0], args.perf_rows[1], int(args.perf_rows[2]))
     except (OSError, ValueError) as e:
         raise BenchError(f"--perf-model {args.perf_model}: {e}") from None
-    if args.generate:
+    if args.generate == "bursty":
         progress("planner", f"generating a bursty trace of {args.duration_s:.0f} s (seed {args.seed}) into {args.trace}")
         write_csv(generate_bursty(args.seed, args.duration_s), args.trace)
+    elif args.generate:
+        progress("planner", f"writing the development set's {args.generate} trace into {args.trace}")
+        write_csv(dev_set(config.startup_s)[args.generate](), args.trace)
     trace = read_arrivals(args.trace)
     results, timelines = {}, {}
     for name in sorted(args.policies, key=lambda name: name != "static"):  # the others start from static's split

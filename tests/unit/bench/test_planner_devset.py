@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from bench import planner as planner_bench
 from bench import planner_devset, planner_traces
 
 
@@ -59,3 +60,13 @@ def test_the_devset_replays_every_trace_and_counts_the_goals(tmp_path, capsys):
     assert met["direction_changes_per_hour_per_pool"] == sum(t["goals"]["direction_changes_per_hour_per_pool"]["met"] for t in report["traces"].values())
     table = capsys.readouterr().err
     assert "| bursts_short | static " in table and "| heavy_tail | splitserve |" in table
+
+
+def test_bench_planner_writes_a_development_trace_and_replays_it(tmp_path):
+    path, out = tmp_path / "spells.csv", tmp_path / "planner.json"
+    argv = ["--trace", str(path), "--generate", "spells", "--policies", "static", "--max-prefill", "8", "--max-decode", "4", "--json", str(out)]
+    assert planner_bench.main(argv) == 0
+    expected = planner_traces.generate_code_spells(14)
+    written = planner_traces.read_arrivals(path)
+    assert [a.prompt_tokens for a in written] == [a.prompt_tokens for a in expected]
+    assert json.loads(out.read_text())["trace_stats"]["num_requests"] == len(expected)
