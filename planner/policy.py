@@ -137,7 +137,8 @@ class SLAPlanner:
         self._last_ready: dict[str, int] = {}
         self._prompt_tokens = float(perf_model.prefill[0][0])
         self._quantile = config.attainment_target if config.base_quantile is None else config.base_quantile
-        self._window_s = config.base_window_s if config.base_window_s is not None else round(max(4 * config.interval_s, config.startup_s / (1 - self._quantile)), 6)
+        self._warmup_s = round(max(4 * config.interval_s, config.startup_s / (1 - self._quantile)), 6)
+        self._window_s = config.base_window_s if config.base_window_s is not None else self._warmup_s
         self._window: deque[tuple[float, float, dict[str, int]]] = deque()
         self._seconds_per_token = perf_model.prefill_s(self._prompt_tokens) / self._prompt_tokens
         self._first_s: float | None = None
@@ -401,8 +402,8 @@ class SLAPlanner:
             reason = f"no count up to {high} meets the SLO for {why}: holding at max {high}"
         elif need > current:
             target, reason = need, f"up to {need} for {why}"
-        elif need_down < current and now_s - self._first_s < self._window_s:
-            reason = f"holding at {current}: {now_s - self._first_s:.0f} s of the {self._window_s:.0f} s window observed, too few to shrink on"
+        elif need_down < current and now_s - self._first_s < min(self._window_s, self._warmup_s):
+            reason = f"holding at {current}: {now_s - self._first_s:.0f} s of the {min(self._window_s, self._warmup_s):.0f} s window observed, too few to shrink on"
         elif need_down < current and replicas.starting:
             reason = f"holding at {current}: {replicas.starting} replicas still starting"
         elif need_down < current and missing_slo:

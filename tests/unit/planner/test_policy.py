@@ -319,3 +319,12 @@ def test_the_same_inputs_give_the_same_decisions():
         p = planner()
         runs.append([p.decide(observe(30 * i, r, ttft_s_mean=0.2, itl_s_mean=0.03), pools(2, 2)) for i, r in enumerate([5, 20, 12, 3], 1)])
     assert runs[0] == runs[1]
+
+
+def test_the_warm_up_is_a_start_up_over_the_miss_share_even_under_a_longer_window():
+    """With a 6 s start-up and a 0.95 target the warm-up is max(4 intervals, 6 / 0.05) = 120 s; a
+    600 s window remembers longer but does not hold a pool of 4 that 0.5 replicas of load fill
+    for all 600 s: it shrinks once 120 s have been observed."""
+    p = planner(startup_s=6.0, base_window_s=600.0)
+    targets = prefill_targets(run(p, [5] * 8, (4, 1)))
+    assert targets[:3] == [4, 4, 4] and targets[3:] == [1] * 5  # decided at 30, 60, 90 s; 120 s on shrinks
