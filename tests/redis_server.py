@@ -12,20 +12,29 @@ from pathlib import Path
 import redis
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports free_port returned in this process: a test often takes several before binding any (one
+Ray head's eight), and a random pick may repeat one still unbound (a head got the same port for
+its GCS and its dashboard agent, and Ray refused to start)."""
+
+
 def free_port() -> int:
     """A loopback port nothing listens on, between Ray's worker ports (10002-19999) and the
     kernel's ephemeral range: no outgoing connection (Ray, gRPC, Redis clients) can be given it
-    between now and the moment a test's server binds it."""
+    between now and the moment a test's server binds it. Never one this process was given before."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral_low = int(f.read().split()[0])
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(20_000, max(20_001, ephemeral_low))
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     raise RuntimeError("no free loopback port between 20000 and the ephemeral range")
 
