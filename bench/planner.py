@@ -128,7 +128,8 @@ def describe(trace, perf, config, cost_scale: float = 1.0) -> dict:
     """The trace in a few numbers, with the requests no replica count serves within the TTFT SLO (a
     prompt whose prefill alone takes longer) counted apart."""
     span_s = trace[-1].time_s
-    infeasible = sum(cost_scale * perf.prefill_s(a.prompt_tokens) > config.ttft_slo_s for a in trace)
+    longest = perf.longest_prompt(config.ttft_slo_s / cost_scale)  # the planner's own test of a prompt
+    infeasible = sum(a.prompt_tokens > longest for a in trace)
     return {"num_requests": len(trace), "span_s": span_s, "request_rate": len(trace) / span_s,
             "prompt_tokens_mean": sum(a.prompt_tokens for a in trace) / len(trace), "output_tokens_mean": sum(a.output_tokens for a in trace) / len(trace),
             "infeasible_requests": infeasible, "infeasible_share": infeasible / len(trace), "mostly_infeasible": infeasible > len(trace) / 2}

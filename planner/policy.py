@@ -137,8 +137,9 @@ class SLAPlanner:
         self._last_ready: dict[str, int] = {}
         self._prompt_tokens = float(perf_model.prefill[0][0])
         self._quantile = config.attainment_target if config.base_quantile is None else config.base_quantile
-        self._warmup_s = round(max(4 * config.interval_s, config.startup_s / (1 - self._quantile)), 6)
-        self._window_s = config.base_window_s if config.base_window_s is not None else self._warmup_s
+        derived_s = round(max(4 * config.interval_s, config.startup_s / (1 - self._quantile)), 6)
+        self._window_s = config.base_window_s if config.base_window_s is not None else derived_s
+        self._warmup_s = min(self._window_s, derived_s)  # no pool shrinks before this much is observed
         self._window: deque[tuple[float, float, dict[str, int]]] = deque()
         self._seconds_per_token = perf_model.prefill_s(self._prompt_tokens) / self._prompt_tokens
         self._first_s: float | None = None
@@ -175,7 +176,7 @@ class SLAPlanner:
         # load is over capacity now; the pool grows to this interval's load plus the replicas that
         # clear the backlog within a start-up and an interval.
         backlog_s = obs.queued_prefill_tokens * self._seconds_per_token
-        slack_s = config.ttft_slo_s - self.corrections["prefill"] * self._seconds_per_token * self._prompt_tokens
+        slack_s = config.ttft_slo_s - self._corrected_prefill_s()
         if prefill_need > 0 and backlog_s > slack_s * max(1, pools["prefill"].ready):
             clearing = self._prefill_count(max(prefill_load, smooth_prefill) + backlog_s / (config.startup_s + config.interval_s), prefill_cap)
             if clearing > prefill_need:
@@ -313,12 +314,16 @@ class SLAPlanner:
             ratio = min(config.correction_max, max(config.correction_min, ratio))
             self.corrections[pool] += config.correction_smoothing * (ratio - self.corrections[pool])
 
+    def _corrected_prefill_s(self) -> float:
+        """What one replica takes to prefill the mean feasible prompt, corrected by observed TTFT."""
+        return self.corrections["prefill"] * self._seconds_per_token * self._prompt_tokens
+
     def _prefill_load(self, load: LoadForecast) -> tuple[float, float, str]:
         """(load in prefill replicas, highest load per replica alone that meets the TTFT SLO or 0, why)."""
         config = self.config
         prompt_tokens = self._prompt_tokens
         service_s = self._seconds_per_token * prompt_tokens
-        wait_scale_s = self.corrections["prefill"] * service_s
+        wait_scale_s = self._corrected_prefill_s()
         replicas = load.prompt_tokens_per_s * self._seconds_per_token
         why = f"{load.prompt_tokens_per_s:.0f} prompt tokens/s, {prompt_tokens:.0f} a prompt at {service_s:.3f} s each"
         if wait_scale_s >= config.ttft_slo_s:
@@ -338,7 +343,7 @@ class SLAPlanner:
             return config.max_prefill + 1
         if load < config.prefill_zero_load:
             return 0
-        service_s = self.corrections["prefill"] * self._seconds_per_token * self._prompt_tokens
+        service_s = self._corrected_prefill_s()
         slack = (config.ttft_slo_s - service_s) / service_s
         for count in range(max(1, math.ceil(load - 1e-9)), config.max_prefill + 2):
             if count > load and _erlang_c(count, load) * math.exp(-(count - load) * slack / self._spread) <= 1 - config.attainment_target:
@@ -402,8 +407,8 @@ class SLAPlanner:
             reason = f"no count up to {high} meets the SLO for {why}: holding at max {high}"
         elif need > current:
             target, reason = need, f"up to {need} for {why}"
-        elif need_down < current and now_s - self._first_s < min(self._window_s, self._warmup_s):
-            reason = f"holding at {current}: {now_s - self._first_s:.0f} s of the {min(self._window_s, self._warmup_s):.0f} s window observed, too few to shrink on"
+        elif need_down < current and now_s - self._first_s < self._warmup_s:
+            reason = f"holding at {current}: {now_s - self._first_s:.0f} s of the {self._warmup_s:.0f} s window observed, too few to shrink on"
         elif need_down < current and replicas.starting:
             reason = f"holding at {current}: {replicas.starting} replicas still starting"
         elif need_down < current and missing_slo:

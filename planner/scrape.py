@@ -105,8 +105,7 @@ def interval(before: Scrape, after: Scrape) -> IntervalStats:
 
 def quantile(q: float, before: dict[float, float], after: dict[float, float]) -> float | None:
     """The q-quantile of the observations between two cumulative bucket snapshots; None if there were none."""
-    bounds = sorted(after)
-    counts = [max(0.0, after[b] - before.get(b, 0.0)) for b in bounds]
+    bounds, counts = _cumulative_deltas(before, after)
     if not counts or counts[-1] <= 0:
         return None
     rank = q * counts[-1]
@@ -126,8 +125,14 @@ def bucket_counts(before: dict[float, float], after: dict[float, float]) -> tupl
     bounds rising; empty when ``after`` has no buckets."""
     counts = []
     below = 0.0
-    for bound in sorted(after):
-        cumulative = max(0.0, after[bound] - before.get(bound, 0.0))
+    for bound, cumulative in zip(*_cumulative_deltas(before, after)):
         counts.append((bound, max(0, round(cumulative - below))))
         below = max(below, cumulative)
     return tuple(counts)
+
+
+def _cumulative_deltas(before: dict[float, float], after: dict[float, float]) -> tuple[list[float], list[float]]:
+    """(bounds rising, cumulative observations at or below each between the two snapshots); a
+    router that restarted counts from zero, so no delta is negative."""
+    bounds = sorted(after)
+    return bounds, [max(0.0, after[b] - before.get(b, 0.0)) for b in bounds]
