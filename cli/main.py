@@ -166,20 +166,25 @@ def _add_head(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_run_head)
 
 
-def _add_worker(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pool", required=True, help="the pool whose replica this node holds: prefill or decode")
+def _add_joining_node_options(parser: argparse.ArgumentParser, connect_timeout_s: float) -> None:
+    """The options of a node that joins the head's Ray cluster (`splitserve worker` and `splitserve router`)."""
     parser.add_argument("--address", required=True, help="the head's Ray GCS, HOST:PORT")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs this node offers Ray (default: what Ray detects)")
+    parser.add_argument(
+        "--connect-timeout-s", type=float, default=connect_timeout_s, help="how long to wait for the head to accept connections (default: %(default)s)"
+    )
+    parser.add_argument("--node-ip-address", default=None, help="IP address this Ray node advertises, e.g. the pod's (default: the one Ray picks)")
+    parser.add_argument("--ray-start-args", default="", help="further `ray start` options as one string")
+
+
+def _add_worker(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pool", required=True, help="the pool whose replica this node holds: prefill or decode")
+    _add_joining_node_options(parser, WorkerNodeConfig.connect_timeout_s)
     parser.add_argument("--num-gpus", type=int, default=None, help="GPUs this node offers Ray (default: what Ray detects)")
     parser.add_argument(
         "--drain-timeout-s", type=float, default=WorkerNodeConfig.drain_timeout_s,
         help="on SIGTERM, how long the node's replica may take to finish its running requests (default: %(default)s)",
     )
-    parser.add_argument(
-        "--connect-timeout-s", type=float, default=WorkerNodeConfig.connect_timeout_s, help="how long to wait for the head to accept connections (default: %(default)s)"
-    )
-    parser.add_argument("--node-ip-address", default=None, help="IP address this Ray node advertises, e.g. the pod's (default: the one Ray picks)")
-    parser.add_argument("--ray-start-args", default="", help="further `ray start` options as one string")
     _add_cluster_tls_options(parser)
     parser.set_defaults(run=_run_worker)
 
@@ -189,12 +194,8 @@ def _add_router(parser: argparse.ArgumentParser) -> None:
     from router.config import RouterConfig
     from router.control.router_node import RouterNodeConfig
 
-    parser.add_argument("--address", required=True, help="the head's Ray GCS, HOST:PORT")
+    _add_joining_node_options(parser, RouterNodeConfig.connect_timeout_s)
     parser.add_argument("--router-id", default="", help="the router's name in `splitserve status` (default: router-HOSTNAME)")
-    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs this node offers Ray (default: what Ray detects)")
-    parser.add_argument(
-        "--connect-timeout-s", type=float, default=RouterNodeConfig.connect_timeout_s, help="how long to wait for the head to accept connections (default: %(default)s)"
-    )
     parser.add_argument(
         "--controller-timeout-s", type=float, default=RouterNodeConfig.controller_timeout_s,
         help="how long to wait for the head's controller to exist (default: %(default)s)",
@@ -202,8 +203,6 @@ def _add_router(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stop-grace-s", type=float, default=RouterNodeConfig.stop_grace_s, help="on SIGTERM, how long in-flight calls may take to finish (default: %(default)s)"
     )
-    parser.add_argument("--node-ip-address", default=None, help="IP address this Ray node advertises, e.g. the pod's (default: the one Ray picks)")
-    parser.add_argument("--ray-start-args", default="", help="further `ray start` options as one string")
     parser.add_argument("--tls-cert", type=Path, help="server certificate (enables TLS)")
     parser.add_argument("--tls-key", type=Path, help="server private key")
     parser.add_argument("--tls-client-ca", type=Path, help="CA of client certificates (enables mutual TLS)")
