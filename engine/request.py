@@ -24,6 +24,18 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One token's log-probability where it was sampled (or, for a prompt token, where it
+    followed), and the ``top`` most likely tokens there as (token id, log-probability), most
+    likely first. Log-softmax of the logits the sampler drew from: after penalties, logit bias,
+    the constraint's mask and temperature (temperature 1 for a greedy request)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request."""
 
@@ -40,6 +52,10 @@ class RequestOutput:
     num_output_tokens: int
     trace: RequestTrace | None = None
     """On the last output: when the request passed each point on its way to its first token."""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """``params.logprobs`` set: one per ``new_token_ids`` entry."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    """``params.prompt_logprobs`` set, on the first output only: prompt tokens 1.. (token 0 has none)."""
 
     @property
     def queue_s(self) -> float | None:
