@@ -99,6 +99,11 @@ class EngineConfig:
     graph_max_batch: int | None = None
     """Largest decode batch replayed as a CUDA graph (buckets 1, 2, 4, 8, then every 8 up to it);
     None takes ``max_num_seqs``. A larger decode batch runs eagerly."""
+    grammar_compile_timeout_s: float = 10.0
+    """A request's constraint (JSON Schema, regex, grammar) that does not compile within this is
+    refused (INVALID_ARGUMENT naming the field); compiling never runs on the engine's step."""
+    grammar_cache_size: int = 256
+    """Compiled constraints kept for reuse, least recently used dropped first."""
 
     @property
     def num_ranks(self) -> int:
@@ -118,6 +123,10 @@ class EngineConfig:
             raise ValueError("draft_model: set it exactly when speculative is 'draft'")
         if not 1 <= self.ngram_min_match <= self.ngram_max_match:
             raise ValueError(f"ngram_min_match, ngram_max_match: need 1 <= min <= max, got {self.ngram_min_match} and {self.ngram_max_match}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s: must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.grammar_cache_size < 1:
+            raise ValueError(f"grammar_cache_size: must be >= 1, got {self.grammar_cache_size}")
         if not self.spec_token_cost >= 0:
             raise ValueError(f"spec_token_cost: must be >= 0, got {self.spec_token_cost}")
         if not self.spec_chunk_cost >= 0:

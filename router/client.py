@@ -203,6 +203,8 @@ class GenerateStream:
         self._num_responses = 0
         self._num_attempt_responses = 0
         self._finished = False
+        self._num_samples = request.sampling.n if request.sampling.HasField("n") else 1
+        self._num_finished_samples = 0
         self._cancelled = False
         self._failures: list[str] = []
         """Routers that failed since the answer last made progress, and why."""
@@ -226,8 +228,8 @@ class GenerateStream:
                 self._finished = True
                 raise
             except grpc.RpcError as e:
-                if self._cancelled or not router_went_away(e):
-                    raise
+                if self._cancelled or not router_went_away(e) or (self._num_samples > 1 and self._num_responses):
+                    raise  # n samples in one call resume only sample by sample (GenerateRequest.resume)
                 self._next_router(e)
                 continue
             return self._received(response)
@@ -264,7 +266,8 @@ class GenerateStream:
         self._token_ids += response.token_ids
         self._tag = response.resume_tag
         if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            self._finished = True  # the router may die before the call's status: the answer is whole
+            self._num_finished_samples += 1
+            self._finished = self._num_finished_samples == self._num_samples  # the router may die before the call's status: the answer is whole
         return response
 
     def _next_router(self, error: grpc.RpcError) -> None:
@@ -304,6 +307,15 @@ def build_generate_request(
     model: str = "",
     request_id: str = "",
     tenant_salt: str = "",
+    n: int | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    min_tokens: int | None = None,
+    logit_bias: dict[int, float] | None = None,
+    constraint: pb.Constraint | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from keyword arguments; None leaves a field unset (server default)."""
     request = pb.GenerateRequest(model=model, request_id=request_id, tenant_salt=tenant_salt)
@@ -313,9 +325,17 @@ def build_generate_request(
         request.prompt_token_ids.extend(prompt)
     for m in messages or ():
         request.messages.add(role=m["role"], content=m["content"])
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+    optional = {
+        "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "n": n, "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs, "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+        "repetition_penalty": repetition_penalty, "min_tokens": min_tokens,
+    }
+    for name, value in optional.items():
         if value is not None:
             setattr(request.sampling, name, value)
+    request.sampling.logit_bias.update(logit_bias or {})
+    if constraint is not None:
+        request.sampling.constraint.CopyFrom(constraint)
     if max_tokens is not None:
         request.stop.max_tokens = max_tokens
     request.stop.stop.extend(stop)

@@ -69,6 +69,8 @@ class RouterConfig:
     """Let the decode worker prefill a prompt when it lacks at most this many of its tokens (0: never)."""
     routing_memory_s: float = 2.0
     """How long the splitserve policy counts its own recent decisions as cached blocks (until KV events tell)."""
+    max_n: int = 16
+    """Most samples one request may ask for (``n``); each is an answer of its own on the decode replica of sample 0."""
     max_migrations: int = 3
     """Times one Generate call moves to another decode replica when the one serving it dies; 0 ends it with UNAVAILABLE."""
     migration_wait_s: float = 60.0
@@ -88,7 +90,7 @@ class RouterConfig:
         for name in ("port", "metrics_port", "http_port"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a port")
-        for name in ("max_inflight_requests", "max_prompt_chars", "max_prompt_token_ids", "tokenizer_threads"):
+        for name in ("max_inflight_requests", "max_prompt_chars", "max_prompt_token_ids", "tokenizer_threads", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_migrations < 0:

@@ -28,7 +28,6 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -39,6 +38,7 @@ from proto import worker_pb2 as wpb
 from router.config import RouterConfig
 from router.errors import CallRejected, from_worker, invalid
 from router.frontend.metrics import RouterMetrics
+from router.frontend.samples import AnswerStream, generate_samples
 from router.frontend.validation import ResumeTagger, check_generate, check_model, check_prompt_size, check_resume, is_greedy, resume_key
 from router.routing.block_hashing import BlockHasher
 from router.routing.policy import RouteRequest, RoutingPolicy
@@ -51,28 +51,6 @@ logger = logging.getLogger(__name__)
 
 _MIGRATION_POLL_S = 0.05
 """How often a migrating call looks for a live decode replica in the router's view."""
-
-
-@dataclass
-class _Stream:
-    """One Generate call's progress across the decode replicas that served it."""
-
-    start_s: float
-    """``time.perf_counter`` when the call started."""
-    token_ids: list[int] = field(default_factory=list)
-    """Token ids streamed to the client so far: a migrated call resumes after them."""
-    num_migrations: int = 0
-    ttft_s: float = 0.0
-    last_s: float | None = None
-    """When the last event reached the router; None before the first."""
-    died_s: float | None = None
-    """When the replica serving it was found dead, until another one answers."""
-    tagger: ResumeTagger | None = None
-    """Tags each response with the tokens streamed up to it (what a resume sends back)."""
-    client_request_id: str = ""
-    """The id the client's responses carry, when the workers know the call by another (a resume)."""
-    seed: int | None = None
-    """The seed reported in the first response (a sampled answer)."""
 
 
 ROUTER_ERROR_METADATA = (("splitserve-error-origin", "router"),)
@@ -136,31 +114,46 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.metrics.finished(status)
 
     async def _generate(self, request: pb.GenerateRequest, start: float) -> AsyncIterator[pb.GenerateResponse]:
-        """The call's responses. When the decode replica serving it dies, the call migrates: it is
-        submitted to another live replica (waiting up to ``migration_wait_s`` for one, e.g. the
-        dead one's replacement) with the token ids already streamed, and goes on from there, up
-        to ``max_migrations`` times."""
+        """The call's responses: one answer, or the n samples a request asks for, interleaved."""
         check_generate(request, self.config, self.directory.served_models())
+        num_samples = request.sampling.n if request.sampling.HasField("n") else 1
         forwarded = pb.GenerateRequest()
         forwarded.CopyFrom(request)
         forwarded.ClearField("resume")
-        stream = _Stream(start)
-        if not is_greedy(request.sampling):
-            if not forwarded.sampling.HasField("seed") and not request.resume.token_ids:
-                forwarded.sampling.seed = int.from_bytes(os.urandom(8), "little") >> 1
+        forwarded.sampling.ClearField("n")
+        if not is_greedy(request.sampling) and not forwarded.sampling.HasField("seed") and not request.resume.token_ids:
+            forwarded.sampling.seed = int.from_bytes(os.urandom(8), "little") >> 1
+        forwarded.request_id = request.request_id or uuid.uuid4().hex
+        if num_samples == 1:
+            async for response in self._generate_one(forwarded, request.resume, AnswerStream(start)):
+                yield response
+            return
+        async with contextlib.aclosing(generate_samples(self._generate_one, forwarded, num_samples, start)) as responses:
+            async for response in responses:
+                yield response
+
+    async def _generate_one(self, forwarded: pb.GenerateRequest, resume: pb.Resume, stream: AnswerStream, pinned: str | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        """One answer's responses. When the decode replica serving it dies, the call migrates: it
+        is submitted to another live replica (waiting up to ``migration_wait_s`` for one, e.g. the
+        dead one's replacement) with the token ids already streamed, and goes on from there, up
+        to ``max_migrations`` times. ``pinned``: start on this decode replica, prefilled there,
+        while it is live (a sample sharing the prompt blocks of sample 0)."""
+        if not is_greedy(forwarded.sampling):
             stream.seed = forwarded.sampling.seed if forwarded.sampling.HasField("seed") else None
         stream.tagger = ResumeTagger(self.resume_key, forwarded)
-        forwarded.request_id = request.request_id or uuid.uuid4().hex
-        if request.resume.token_ids:
-            check_resume(request, self._vocab_size(request.model), stream.tagger)
-            stream.token_ids = list(request.resume.token_ids)
+        if resume.token_ids:
+            check_resume(forwarded, resume, self._vocab_size(forwarded.model), stream.tagger)
+            stream.token_ids = list(resume.token_ids)
             stream.client_request_id = forwarded.request_id
             forwarded.request_id += f".resume-{uuid.uuid4().hex[:8]}"  # its cut predecessor may still be running on a worker under the client's id
         dead: set[str] = set()
         while True:
-            replica = await self._decode_replica(request.model, dead, stream.died_s is not None)
+            replica = self.directory.replicas.get(pinned) if pinned and not dead else None
+            if replica is None or not replica.status.healthy or replica.status.draining:
+                replica = await self._decode_replica(forwarded.model, dead, stream.died_s is not None)
+                pinned = None
             try:
-                async for response in self._stream_from(replica, forwarded, stream):
+                async for response in self._stream_from(replica, forwarded, stream, local_prefill=pinned is not None):
                     yield response
                 return
             except WorkerDied as e:
@@ -189,11 +182,12 @@ class GenerationService(pb_grpc.GenerationServicer):
                 raise CallRejected(grpc.StatusCode.UNAVAILABLE, f"no live decode worker{waited}")
             await asyncio.sleep(_MIGRATION_POLL_S)
 
-    async def _stream_from(self, replica: Replica, forwarded: pb.GenerateRequest, stream: _Stream) -> AsyncIterator[pb.GenerateResponse]:
+    async def _stream_from(self, replica: Replica, forwarded: pb.GenerateRequest, stream: AnswerStream, local_prefill: bool = False) -> AsyncIterator[pb.GenerateResponse]:
         """Run the call on ``replica`` from where ``stream`` stands. A fresh call may have its
-        prompt prefilled by a prefill replica; a migrated one is prefilled on ``replica``."""
-        prefill = None if stream.token_ids else await self._choose_prefill(forwarded, replica)
-        if stream.token_ids and not forwarded.prompt_token_ids:  # a resumed call: its prompt is still text
+        prompt prefilled by a prefill replica; a migrated one (or ``local_prefill``) is
+        prefilled on ``replica``."""
+        prefill = None if stream.token_ids or local_prefill else await self._choose_prefill(forwarded, replica)
+        if (stream.token_ids or local_prefill) and not forwarded.prompt_token_ids:  # its prompt is still text
             await self._tokenize_prompt(forwarded, replica)
         replica.num_inflight += 1
         if prefill is not None:
@@ -215,6 +209,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                         self.metrics.migration.observe(now - stream.died_s)
                         stream.died_s = None
                     if stream.last_s is None:
+                        if stream.on_first_response is not None:
+                            stream.on_first_response(replica.replica_id)
                         stream.ttft_s = now - stream.start_s
                         if stream.seed is not None:
                             event.response.seed = stream.seed
@@ -229,7 +225,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     if stream.client_request_id:
                         event.response.request_id = stream.client_request_id
                     self.metrics.output_tokens.inc(len(event.response.token_ids))
-                    if event.response.HasField("usage"):
+                    if event.response.HasField("usage") and stream.counts_prompt:
                         self.metrics.prompt_tokens.inc(event.response.usage.prompt_tokens)
                         self.metrics.prompt_length.observe(event.response.usage.prompt_tokens)
                     if event.response.HasField("timings") and not stream.num_migrations and not stream.client_request_id:

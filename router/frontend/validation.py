@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import struct
 from pathlib import Path
 
@@ -30,6 +31,9 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 """engine.params.GREEDY_BELOW_TEMPERATURE (the router does not import the engine)."""
 DEFAULT_MAX_TOKENS = 16
 """The engine's max_tokens when a request sets none."""
+MAX_LOGPROBS = 20
+"""engine.params.MAX_LOGPROBS: the most top alternatives per token (OpenAI's cap)."""
+_MASK64 = (1 << 64) - 1
 _TAG_VERSION = b"splitserve-resume-v1"
 _PUBLIC_KEY = hashlib.sha256(_TAG_VERSION + b" public key").digest()
 
@@ -54,6 +58,39 @@ def check_generate(request: pb.GenerateRequest, config: RouterConfig, served_mod
             raise invalid(f"messages[{i}].role", "must not be empty")
     if len(request.request_id) > 256:
         raise invalid("request_id", "longer than 256 characters")
+    check_sampling(request, config)
+
+
+def check_sampling(request: pb.GenerateRequest, config: RouterConfig) -> None:
+    """What the router itself needs right (n fans out here); the engine checks the ranges of the rest."""
+    sampling = request.sampling
+    if sampling.HasField("n"):
+        if not 1 <= sampling.n <= config.max_n:
+            raise invalid("sampling.n", f"must be in [1, {config.max_n}] (the router's --max-n), got {sampling.n}")
+        if sampling.n > 1 and request.resume.token_ids:
+            raise invalid("resume", "an answer of n > 1 samples resumes sample by sample: send each as n = 1 with the seed and resume_tag its responses carried")
+    for name in ("logprobs", "prompt_logprobs"):
+        if sampling.HasField(name) and not 0 <= getattr(sampling, name) <= MAX_LOGPROBS:
+            raise invalid(f"sampling.{name}", f"must be in [0, {MAX_LOGPROBS}], got {getattr(sampling, name)}")
+    if request.tools_json:
+        try:
+            tools = json.loads(request.tools_json)
+        except ValueError as e:
+            raise invalid("tools_json", f"is not JSON: {e}") from None
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise invalid("tools_json", "must be a JSON array of tool objects")
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of an answer of n samples seeded with ``seed`` (sample 0
+    keeps it): splitmix64 of the pair, so the samples draw unrelated streams, and a client that
+    knows the seed it sent knows every sample's."""
+    if index == 0:
+        return seed
+    z = (seed * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 def check_model(model: str, served_models: list[str]) -> None:
@@ -105,11 +142,11 @@ class ResumeTagger:
         return hmac.new(self._key, self._digest.copy().digest(), hashlib.sha256).digest()
 
 
-def check_resume(request: pb.GenerateRequest, vocab_size: int, tagger: ResumeTagger) -> None:
-    """Refuse by name a resume this router cannot verify; ``tagger`` has not seen its tokens yet
-    and has them added (it goes on tagging the answer from there). ``vocab_size``: the largest
-    vocabulary a live decode replica of the model has (0: none known, not checked)."""
-    resume = request.resume
+def check_resume(request: pb.GenerateRequest, resume: pb.Resume, vocab_size: int, tagger: ResumeTagger) -> None:
+    """Refuse by name a resume (of ``request``, as forwarded) this router cannot verify;
+    ``tagger`` has not seen its tokens yet and has them added (it goes on tagging the answer from
+    there). ``vocab_size``: the largest vocabulary a live decode replica of the model has (0:
+    none known, not checked)."""
     token_ids = resume.token_ids
     max_tokens = request.stop.max_tokens if request.stop.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     if len(token_ids) >= max_tokens:

@@ -65,7 +65,7 @@ class DyingGeneration(pb_grpc.GenerationServicer):
         start = len(request.resume.token_ids)
         if start:
             try:
-                check_resume(request, VOCAB_SIZE, tagger)
+                check_resume(request, request.resume, VOCAB_SIZE, tagger)
             except CallRejected as rejected:
                 context.set_trailing_metadata((ROUTER_ERROR_ORIGIN,))
                 context.abort(rejected.code, rejected.message)

@@ -32,7 +32,7 @@ def check(request: pb.GenerateRequest, key: bytes = KEY) -> None:
     forwarded = pb.GenerateRequest()
     forwarded.CopyFrom(request)
     forwarded.ClearField("resume")
-    check_resume(request, VOCAB, ResumeTagger(key, forwarded))
+    check_resume(request, request.resume, VOCAB, ResumeTagger(key, forwarded))
 
 
 def refusal(request: pb.GenerateRequest, key: bytes = KEY) -> str:
