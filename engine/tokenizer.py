@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -85,6 +86,8 @@ class Tokenizer:
         own_eos = () if eos_token_id is None else (eos_token_id,)
         self._eos_token_ids = frozenset(own_eos + config.generation_eos_token_ids)
         self._chat_template = None if config.chat_template is None else _compile_template(config.chat_template)
+        self._byte_level = "ByteLevel" in repr(backend.decoder)
+        """Byte-level BPE (GPT-2 style): each piece's characters stand for bytes."""
 
     @classmethod
     def from_dir(cls, checkpoint_dir: Path) -> Tokenizer:
@@ -129,19 +132,30 @@ class Tokenizer:
                 token_ids = [self._bos_token_id, *token_ids]
         return token_ids
 
-    def chat_prompt_ids(self, messages: Sequence[dict[str, str]], model_name: str) -> list[int]:
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's Jinja source (what a tool-call parser is chosen by), if any."""
+        return self._config.chat_template
+
+    def chat_prompt_ids(self, messages: Sequence[dict[str, Any]], model_name: str, tools: list[dict] | None = None) -> list[int]:
         """The prompt ids of a chat, as the engine and the router both make them: rendered with the
         generation prompt, then encoded without special tokens (the template wrote its own).
         ``InvalidRequestError`` (field ``messages``) naming ``model_name`` when it has no template."""
         if not self.has_chat_template:
             raise InvalidRequestError("messages", f"model {model_name!r} has no chat template")
-        return self.encode(self.apply_chat_template(list(messages), add_generation_prompt=True), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(list(messages), add_generation_prompt=True, tools=tools), add_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         """Render ``messages`` (each with a string ``role`` and ``content``) as the prompt text.
+
+        As transformers passes them: ``tools`` (OpenAI tool definitions, ``{"type": "function",
+        "function": {"name", "description", "parameters"}}``) as the template's ``tools``, and a
+        message's own keys beside role and content (an assistant turn's ``tool_calls`` as
+        ``[{"type": "function", "function": {"name", "arguments": dict}}]``, a tool turn's
+        ``tool_call_id`` and ``name``) as they are. A template that does not use them ignores them.
 
         ``InvalidRequestError`` (field ``messages``) when the model has no chat template, a
         message is malformed, or the template rejects the conversation.
@@ -156,6 +170,7 @@ class Tokenizer:
         try:
             return self._chat_template.render(
                 messages=messages,
+                tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._config.bos_token or "",
                 eos_token=self._config.eos_token or "",
@@ -164,6 +179,21 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise InvalidRequestError("messages", f"the chat template rejected the conversation: {e}") from e
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text alone, special tokens included (a piece of a character is U+FFFD)."""
+        return self._backend.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes: a byte-level BPE piece's raw bytes, a ``<0xNN>`` fallback piece's
+        byte, else the UTF-8 of its text (so a piece of a multi-byte character keeps its bytes)."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is not None:
+            if _BYTE_FALLBACK.fullmatch(piece):
+                return bytes([int(piece[3:5], 16)])
+            if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+                return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return self.token_text(token_id).encode("utf-8")
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
@@ -224,6 +254,24 @@ class IncrementalDetokenizer:
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest are shifted
+    past U+0100."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, shift = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            mapping[byte] = chr(byte)
+        else:
+            mapping[byte] = chr(256 + shift)
+            shift += 1
+    return mapping
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

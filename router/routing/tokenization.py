@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import shutil
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
@@ -49,17 +50,19 @@ class RouterTokenizers:
         self._cache_dir: Path | None = None
         """Made on the first load; removed by ``close``."""
 
-    async def encode(self, replica: Replica, prompt: str | None, messages: Sequence[pb.ChatMessage] = (), add_special_tokens: bool = True) -> pb.TokenizeResponse:
-        """``prompt``, or the chat ``messages`` as the model's template renders them, as the
-        token ids of the model ``replica`` (a decode worker) serves. Raises CallRejected:
+    async def encode(self, replica: Replica, prompt: str | None, messages: Sequence[pb.ChatMessage] = (), add_special_tokens: bool = True, tools_json: str = "") -> pb.TokenizeResponse:
+        """``prompt``, or the chat ``messages`` as the model's template renders them (with
+        ``tools_json``, ``GenerateRequest.tools_json``, as its ``tools``), as the token ids of
+        the model ``replica`` (a decode worker) serves. Raises CallRejected:
         INVALID_ARGUMENT naming ``messages`` when the model has no chat template or the
         template refuses them, FAILED_PRECONDITION when the model's tokenizer cannot be
         loaded; WorkerDied when the replica dies while its files are fetched."""
         model = replica.model.id
         tokenizer = await self.tokenizer(replica)
-        chat = [(m.role, m.content) for m in messages]
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, _encode, tokenizer, model, prompt, chat, add_special_tokens)
+            chat = [chat_message(m) for m in messages]
+            tools = _tools(tools_json)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, _encode, tokenizer, model, prompt, chat, add_special_tokens, tools)
         except InvalidRequestError as e:
             raise CallRejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
 
@@ -104,8 +107,44 @@ def _write_and_load(directory: Path, files: dict[str, bytes]) -> Tokenizer:
     return Tokenizer.from_dir(directory)
 
 
-def _encode(tokenizer: Tokenizer, model: str, prompt: str | None, chat: list[tuple[str, str]], add_special_tokens: bool) -> pb.TokenizeResponse:
+def chat_message(message: pb.ChatMessage) -> dict:
+    """A ChatMessage as transformers hands it to a chat template: tool calls as
+    ``[{"id", "type": "function", "function": {"name", "arguments": dict}}]``, a tool turn's
+    ``tool_call_id`` and ``name``; keys a message does not use are left out."""
+    out: dict = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments_json)}}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name:
+        out["name"] = message.name
+    return out
+
+
+def _arguments(arguments_json: str) -> object:
+    try:
+        return json.loads(arguments_json) if arguments_json else {}
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError("messages", f"tool call arguments are not valid JSON ({e})") from e
+
+
+def _tools(tools_json: str) -> list[dict] | None:
+    if not tools_json:
+        return None
+    try:
+        tools = json.loads(tools_json)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError("tools_json", f"not valid JSON ({e})") from e
+    if not isinstance(tools, list):
+        raise InvalidRequestError("tools_json", f"must be a JSON array of tool definitions, got {type(tools).__name__}")
+    return tools
+
+
+def _encode(tokenizer: Tokenizer, model: str, prompt: str | None, chat: list[dict], add_special_tokens: bool, tools: list[dict] | None = None) -> pb.TokenizeResponse:
     """Token ids as the decode worker's engine makes them (``Tokenizer.chat_prompt_ids`` for a chat)."""
     if chat:
-        return pb.TokenizeResponse(token_ids=tokenizer.chat_prompt_ids([{"role": role, "content": content} for role, content in chat], model))
+        return pb.TokenizeResponse(token_ids=tokenizer.chat_prompt_ids(chat, model, tools))
     return pb.TokenizeResponse(token_ids=tokenizer.encode(prompt or "", add_special_tokens=add_special_tokens))

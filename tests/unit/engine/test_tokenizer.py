@@ -230,3 +230,43 @@ def test_model_without_chat_template_rejects_messages(sentencepiece_style_dir: P
     assert tokenizer.bos_token_id is None and tokenizer.eos_token_ids == frozenset()
     with pytest.raises(InvalidRequestError, match="no chat template"):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}[{{ m['role'] }}]"
+    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<call>{{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}</call>{% endfor %}"
+    "{% elif m['role'] == 'tool' %}({{ m['tool_call_id'] }}) {{ m['content'] }}{% else %}{{ m['content'] }}{% endif %}{{ '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+
+def test_tools_and_tool_calls_reach_the_template_as_transformers_passes_them(sentencepiece_style_dir: Path, tmp_path: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((sentencepiece_style_dir / name).read_text())
+    (tmp_path / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    assert tokenizer.chat_template == TOOL_TEMPLATE
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "rain", "tool_call_id": "call_1", "name": "get"},
+    ]
+    tools = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
+    assert tokenizer.apply_chat_template(messages, tools=tools) == (
+        '<tools>get;</tools>\n[user]weather?\n[assistant]<call>get {"city": "Oslo"}</call>\n[tool](call_1) rain\n[assistant]'
+    )
+    assert tokenizer.apply_chat_template(messages[:1]) == "[user]weather?\n[assistant]"  # no tools: none rendered
+    assert tokenizer.chat_prompt_ids(messages[:1], "m", tools) == tokenizer.encode("<tools>get;</tools>\n[user]weather?\n[assistant]", add_special_tokens=False)
+
+
+def test_token_bytes_are_the_pieces_raw_bytes(tokenizer: Tokenizer, sentencepiece_style_dir: Path) -> None:
+    text = " héllo 日本"
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in token_ids) == text.encode()
+    assert any(tokenizer.token_text(i) == "\ufffd" for i in token_ids)  # 日 is split over three byte pieces
+    im_end = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    assert [tokenizer.token_text(i) for i in im_end] == ["<|im_end|>"]
+    metaspace = Tokenizer.from_dir(sentencepiece_style_dir)
+    [hello] = metaspace.encode("hello", add_special_tokens=False)
+    assert (metaspace.token_text(hello), metaspace.token_bytes(hello)) == ("hello", b"hello")
