@@ -6,17 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-import time
 from pathlib import Path
 
-import grpc
-
-from proto import splitserve_pb2 as pb
+from cli.client_commands import EXIT_UNAVAILABLE, EXIT_USAGE, add_generate, add_status
 from router.control.ray_node import HeadNodeConfig, WorkerNodeConfig, stop_on_signals
 
-EXIT_USAGE = 2
-EXIT_UNAVAILABLE = 3
-EXIT_REJECTED = 4
 GCS_REDIS_PASSWORD_ENV = "REDIS_PASSWORD"
 GCS_REDIS_USERNAME_ENV = "REDIS_USERNAME"
 """Where `splitserve head` finds the credentials of the Redis that Ray's GCS keeps its state in
@@ -37,112 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_head(commands.add_parser("head", help="start this host's Ray head, the controller and a router; pools follow the worker nodes"))
     _add_worker(commands.add_parser("worker", help="join a head as one replica slot of a pool; drain it on SIGTERM"))
     _add_router(commands.add_parser("router", help="join a head as a node of its own holding one router replica (off the head, as the chart runs routers)"))
-    _add_generate(commands.add_parser("generate", help="stream the answer to a prompt"))
-    _add_status(commands.add_parser("status", help="print the pools, replicas, their load and KV use"))
+    add_generate(commands.add_parser("generate", help="stream the answer to a prompt"))
+    add_status(commands.add_parser("status", help="print the pools, replicas, their load and KV use"))
     from cli.plan import add_plan  # the planner sits above the router; this is the one entry point
 
     add_plan(commands.add_parser("plan", help="scale the prefill and decode pools to meet TTFT/ITL targets"))
     _add_node_cert(commands.add_parser("node-cert", help="issue this node's cluster TLS certificate from the cluster CA (a pod's init container)"))
     return parser
-
-
-def _add_client_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--addr", default="localhost:50051", help="router address HOST:PORT (default: %(default)s)")
-    parser.add_argument("--tls-ca", type=Path, help="CA certificate to verify the router with (enables TLS)")
-    parser.add_argument("--tls-cert", type=Path, help="client certificate, for mutual TLS")
-    parser.add_argument("--tls-key", type=Path, help="client private key, for mutual TLS")
-    parser.add_argument("--token-file", type=Path, help="file holding the bearer token")
-    parser.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
-
-
-def _client(args: argparse.Namespace):
-    from router.client import SplitServeClient
-
-    token = args.token_file.read_text().strip() if args.token_file else None
-    return SplitServeClient(args.addr, tls_ca_file=args.tls_ca, client_cert_file=args.tls_cert, client_key_file=args.tls_key, token=token)
-
-
-def _add_generate(parser: argparse.ArgumentParser) -> None:
-    _add_client_options(parser)
-    parser.add_argument("prompt", help="the prompt (sent as one user chat message unless --raw)")
-    parser.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--model", default="")
-    parser.set_defaults(run=_run_generate)
-
-
-def _run_generate(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        kwargs = dict(prompt=args.prompt) if args.raw else dict(messages=[{"role": "user", "content": args.prompt}])
-        try:
-            for response in client.generate(
-                **kwargs, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, stop=args.stop, model=args.model, timeout_s=args.timeout,
-            ):
-                sys.stdout.write(response.text)
-                sys.stdout.flush()
-        except grpc.RpcError as e:
-            print(f"\nsplitserve: {e.code().name}: {e.details()}", file=sys.stderr)
-            return EXIT_UNAVAILABLE if e.code() == grpc.StatusCode.UNAVAILABLE else EXIT_REJECTED
-    sys.stdout.write("\n")
-    return 0
-
-
-def _add_status(parser: argparse.ArgumentParser) -> None:
-    _add_client_options(parser)
-    parser.set_defaults(run=_run_status)
-
-
-def _run_status(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        try:
-            status = client.cluster_status()
-        except grpc.RpcError as e:
-            print(f"splitserve: {e.code().name}: {e.details()}", file=sys.stderr)
-            return EXIT_UNAVAILABLE
-    print(f"{'POOL':8} {'REPLICA':12} {'MODEL':24} {'HEALTHY':8} {'RUNNING':>8} {'WAITING':>8} {'KV USED':>14}")
-    for r in sorted(status.replicas, key=lambda r: (r.pool, r.replica_id)):
-        used = r.num_kv_blocks - r.num_free_kv_blocks
-        kv = f"{used}/{r.num_kv_blocks} ({used / max(1, r.num_kv_blocks):.0%})"
-        print(f"{r.pool:8} {r.replica_id:12} {r.model:24} {str(r.healthy).lower():8} {r.num_running:>8} {r.num_waiting:>8} {kv:>14}")
-        if r.tp_size > 1:
-            ranks = ", ".join(f"{t.rank}: pid {t.pid} {'alive' if t.alive else 'DEAD'} heads {t.kv_head_start}-{t.kv_head_end}" for t in r.tp_ranks)
-            print(f"{'':8} {'':12} tp {r.tp_size} on {r.tp_ranks[0].node_ip or 'one node'} (ranks {ranks})")
-        if r.ep_size > 1:
-            ranks = ", ".join(f"{t.rank}: pid {t.pid} {'alive' if t.alive else 'DEAD'}" for t in r.tp_ranks)
-            print(f"{'':8} {'':12} ep {r.ep_size} on {r.tp_ranks[0].node_ip or 'one node'} (ranks {ranks})")
-        if r.hottest_experts:
-            hot = ", ".join(f"layer {e.layer} expert {e.expert}: {e.tokens}" for e in r.hottest_experts)
-            print(f"{'':8} {'':12} experts: busiest EP rank {r.ep_load_max_over_mean:.2f}x the mean; hottest {hot}")
-    for pool in status.pools:
-        if not (pool.target_replicas or pool.num_replicas or pool.num_restarts):
-            continue
-        backoff = f", next start in {pool.restart_backoff_s:.1f} s" if pool.restart_backoff_s else ""
-        last = f", last failure: {pool.last_failure}" if pool.last_failure else ""
-        print(
-            f"pool {pool.pool}: {pool.num_replicas}/{pool.target_replicas} replicas, {pool.num_starting} starting, {pool.num_draining} draining, "
-            f"{pool.num_restarts} restarts, {pool.num_failed_starts} failed starts{backoff}{last}"
-        )
-    for router in status.routers:
-        http = f", HTTP {router.http_url}" if router.http_url else ""
-        print(f"router {router.router_id} at {router.grpc_address}: {router.num_inflight} in flight, metrics {router.metrics_url}{http}")
-    print(controller_line(status.controller))
-    return 0
-
-
-def controller_line(controller: pb.ControllerStatus) -> str:
-    """``status``'s line about the controller itself: its generation and restarts."""
-    if not controller.num_restarts:
-        restarts = "never restarted"
-    else:
-        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(controller.last_restart_unix_s))
-        restarts = f"{controller.num_restarts} restart{'s' if controller.num_restarts != 1 else ''}, the last at {when}"
-    return f"controller: generation {controller.generation}, {restarts}; {controller.num_router_restarts} routers started again"
 
 
 def _add_up(parser: argparse.ArgumentParser) -> None:
