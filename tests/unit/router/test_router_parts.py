@@ -167,7 +167,7 @@ def test_router_i_listens_on_each_fixed_port_plus_i():
 
 def test_status_says_how_often_the_controller_restarted():
     from proto import splitserve_pb2 as pb
-    from cli.main import controller_line
+    from cli.client_commands import controller_line
 
     assert controller_line(pb.ControllerStatus(generation=1)) == "controller: generation 1, never restarted; 0 routers started again"
     restarted = pb.ControllerStatus(generation=4, num_restarts=2, last_restart_unix_s=1795000000.0, num_router_restarts=1)
