@@ -425,3 +425,39 @@ def test_fp8_disaggregated_agrees_with_fp8_aggregated(ray_session, request, mode
         assert ray.get(decode.transfer_stats.remote()).num_remote_prefills == len(prompts)
     finally:
         _shutdown(decode, prefill)
+
+
+def test_n_samples_share_the_prompt_blocks_and_each_draws_its_own_seed_stream(client):
+    """Sample 0 is prefilled remotely; samples 1..3 run on its decode replica, whose prefix cache
+    then holds the prompt's full blocks: each takes them by reference (cached_prompt_tokens) and
+    computes only the last block; each samples with its own seed, the same again for the same seed."""
+    [prompt] = random_prompts([70], seed=46)  # 4 full blocks + 6 tokens
+    decode0, prefill0 = _stats()
+
+    def answers(seed):
+        by_index = {}
+        usage = {}
+        for r in client.generate(prompt, max_tokens=10, temperature=1.0, seed=seed, ignore_eos=True, n=4):
+            by_index.setdefault(r.index, []).extend(r.token_ids)
+            if r.HasField("usage"):
+                usage[r.index] = r.usage
+        return {i: tuple(t) for i, t in by_index.items()}, usage
+
+    first, usage = answers(seed=123)
+    assert sorted(first) == [0, 1, 2, 3] and all(len(t) == 10 for t in first.values())
+    assert len(set(first.values())) == 4
+    assert [usage[i].prompt_tokens for i in range(4)] == [70] * 4
+    assert [usage[i].cached_prompt_tokens for i in (1, 2, 3)] == [64] * 3
+    decode1, prefill1 = _stats()
+    assert decode1.num_remote_prefills - decode0.num_remote_prefills == 1  # the prompt crossed once
+    assert prefill1.num_done - prefill0.num_done == 1
+    again, _ = answers(seed=123)
+    assert again == first
+    _assert_quiet(client)
+
+
+def test_n_above_max_n_is_refused_by_name(client):
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.generate([1, 2, 3], max_tokens=2, n=17))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("sampling.n")
