@@ -8,6 +8,10 @@ integer ops on the device: no generator state, so a seeded request draws the sam
 n-th output whatever else is in the batch, however the batch was padded, run after run and
 whether the step was replayed from a graph or run eagerly.
 
+Eager steps pass logits already processed by ``engine/logits.py`` (penalties, logit bias,
+min_tokens, a constraint's mask: banned tokens at -inf, whose probability is 0 in the race);
+a captured graph samples raw logits, so steps needing that processing never replay one.
+
 These draws are not the CPU sampler's (``engine/sampler.py`` uses ``torch.multinomial`` on a
 CPU generator seeded with ``step_seed``): on the device path a seeded request gets other tokens
 than on the CPU path, from the same distribution. Greedy rows are the same on both.

@@ -18,8 +18,9 @@ of the smallest bucket that holds it. The model does not know whether it is bein
 
 Where no graph was captured (a CPU pool, as the tests run it) the same step runs eagerly on the
 same buffers: the static inputs, the padding and the device sampler are exercised everywhere.
-Prefill, mixed and speculative verify steps, and a decode batch above the largest bucket, run
-eagerly through ``ModelRunner.run`` (the last is logged once).
+Prefill, mixed and speculative verify steps, steps with a row that processes its logits or asks
+for log-probabilities, and a decode batch above the largest bucket, run eagerly through
+``ModelRunner.run`` (the last is logged once).
 """
 
 from __future__ import annotations
@@ -77,9 +78,12 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def covers(self, num_decodes: int, num_prefills: int, num_sample_rows: int) -> bool:
-        """Whether a step of these chunks runs here: decodes only, each sampled, within the largest bucket."""
-        if num_prefills or not num_decodes or num_sample_rows != num_decodes:
+    def covers(self, num_decodes: int, num_prefills: int, num_sample_rows: int, plain: bool = True) -> bool:
+        """Whether a step of these chunks runs here: decodes only, each sampled, within the largest
+        bucket, and ``plain``: no row processes its logits (penalties, logit bias, min_tokens, a
+        constraint's bitmask) or asks for log-probabilities. The captured step samples the model's
+        raw logits and returns tokens only, so such steps run eagerly (``engine/logits.py``)."""
+        if not plain or num_prefills or not num_decodes or num_sample_rows != num_decodes:
             return False
         if num_decodes > self.max_batch:
             if not self._warned_too_large:

@@ -24,7 +24,7 @@ from engine.outputs import Completion, EngineStats, PrefilledKV, RemotePrefill
 from engine.parallel.group import TPGroup
 from engine.parallel.sharding import check_ep_size, check_tp_size
 from engine.params import SamplingParams
-from engine.request import Request, RequestOutput
+from engine.request import Request, RequestOutput, SampledTokens, TokenLogprobs
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -143,14 +143,15 @@ class LLMEngine:
         prompt and return where the KV must land, then ``join_remote`` or ``unpark_remote``.
 
         Returns None, and queues the request for a local prefill instead, when at most
-        ``max_local_prefill_tokens`` of the prompt are not cached here or too few blocks are free.
+        ``max_local_prefill_tokens`` of the prompt are not cached here, too few blocks are free, or
+        it asks for prompt log-probabilities (only the worker computing the prompt has its logits).
         Raises InvalidRequestError as ``add_request`` does; ``arrival_s`` as there.
         """
         request = self._new_request(request_id, prompt, params, messages, tenant_salt, arrival_s)
         self._requests[request_id] = request
         fresh = None
         uncached = request.num_prompt_tokens - len(self.scheduler.peek_prefix(request)) * self.config.block_size
-        if uncached > max_local_prefill_tokens:
+        if uncached > max_local_prefill_tokens and request.params.prompt_logprobs is None:
             fresh = self.scheduler.park_remote(request)
         if fresh is None:
             self.scheduler.add(request)
@@ -165,8 +166,9 @@ class LLMEngine:
             dp_rank=request.dp_rank,
         )
 
-    def join_remote(self, request_id: str, first_token: int) -> RequestOutput | None:
-        """The parked request's prompt KV is in its blocks: start decoding after ``first_token``.
+    def join_remote(self, request_id: str, first_token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput | None:
+        """The parked request's prompt KV is in its blocks: start decoding after ``first_token``
+        (its ``logprobs`` as the prefill worker read them, where the request asks).
 
         Returns the output carrying that token, or None if the request is no longer parked
         (aborted meanwhile). The transfer's lease is the caller's to release.
@@ -177,7 +179,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not 0 <= first_token < vocab:
             raise InvalidRequestError("first_token", f"token id {first_token} is outside the vocabulary [0, {vocab})")
-        self.scheduler.join_remote(request, first_token)
+        self.scheduler.join_remote(request, first_token, logprobs if request.params.logprobs is not None else None)
         if request.finished:
             del self._requests[request_id]
         return request.take_output()
@@ -278,7 +280,7 @@ class LLMEngine:
         self._last_failed_inputs = failed_inputs
         return step
 
-    def _update(self, chunks: list[ScheduledChunk], sampled: dict[Request, list[int]], failed: dict[Request, Exception]) -> list[Request]:
+    def _update(self, chunks: list[ScheduledChunk], sampled: dict[Request, SampledTokens], failed: dict[Request, Exception]) -> list[Request]:
         """``Scheduler.update`` one chunk at a time: a request whose update raises (its stop
         check or detokenizer, on its own tokens) joins ``failed``; the others' updates stand."""
         touched = []
@@ -394,6 +396,7 @@ class LLMEngine:
         prompt_token_ids = self.intake.prompt_token_ids(prompt, messages)
         resume_token_ids = self.intake.token_ids_in_vocab("resume_token_ids", resume_token_ids)
         self.intake.check_fits(prompt_token_ids, params)
+        self.intake.token_ids_in_vocab("logit_bias", [token_id for token_id, _ in params.logit_bias])
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(
             request_id=request_id,

@@ -36,6 +36,21 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class SampledTokens:
+    """What one step sampled for one request (``ModelRunner.execute``): a token, or one per row of
+    a verify chunk (row j is output token n + j, drawn after drafts 0..j-1)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    """One per token where the request asks for log-probabilities (``params.logprobs``), else None."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"logprobs: {len(self.logprobs)} for {len(self.token_ids)} tokens")
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request."""
 
@@ -158,6 +173,10 @@ class Request:
         self._stop_strings = StopStringMatcher(self.params.stop)
         self._pending_tokens: list[int] = []
         self._pending_text: list[str] = []
+        self._pending_logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        """Prompt tokens 1.. recorded so far (``params.prompt_logprobs``), across chunks; never twice."""
+        self._prompt_logprobs_sent = False
 
     @property
     def num_tokens(self) -> int:
@@ -179,6 +198,19 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """Asks for prompt log-probabilities and some prompt token's are not recorded yet."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def add_prompt_logprobs(self, first_token_index: int, logprobs: list[TokenLogprobs]) -> None:
+        """Record the log-probabilities of prompt tokens ``first_token_index, ...``; those already
+        recorded (a chunk computed again after a preemption) are skipped."""
+        skip = len(self.prompt_logprobs) + 1 - first_token_index
+        if skip < 0:
+            raise ValueError(f"prompt logprobs from token {first_token_index}: tokens 1..{len(self.prompt_logprobs)} are recorded")
+        self.prompt_logprobs += logprobs[skip:]
+
     def keys_of_full_blocks(self, block_size: int, num_blocks: int) -> list[int]:
         """The first ``num_blocks`` block keys, hashing only blocks not hashed before."""
         if len(self.block_keys) < num_blocks:
@@ -196,12 +228,15 @@ class Request:
             self.append_token(token_id)
             if self.finished:
                 raise ValueError(f"output token {index} ({token_id}) would have finished the request ({self.finish_reason.value})")
-        self._pending_tokens, self._pending_text = [], []
+        self._pending_tokens, self._pending_text, self._pending_logprobs = [], [], []
 
-    def append_token(self, token_id: int) -> None:
-        """Add a sampled token and decide whether the request is finished."""
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        """Add a sampled token (with its log-probabilities, where the request asks) and decide
+        whether the request is finished."""
         self.token_ids.append(token_id)
         self._pending_tokens.append(token_id)
+        if logprobs is not None:
+            self._pending_logprobs.append(logprobs)
         params = self.params
         if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
             self._finish(FinishReason.STOP, token_id)
@@ -231,9 +266,17 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             num_output_tokens=self.num_output_tokens,
             trace=self._trace() if self.finished else None,
+            logprobs=tuple(self._pending_logprobs),
+            prompt_logprobs=self._take_prompt_logprobs() if self._pending_tokens else (),
         )
-        self._pending_tokens, self._pending_text = [], []
+        self._pending_tokens, self._pending_text, self._pending_logprobs = [], [], []
         return out
+
+    def _take_prompt_logprobs(self) -> tuple[TokenLogprobs, ...]:
+        if self._prompt_logprobs_sent or self.params.prompt_logprobs is None:
+            return ()
+        self._prompt_logprobs_sent = True
+        return tuple(self.prompt_logprobs)
 
     def _trace(self) -> RequestTrace:
         return RequestTrace(self.arrival_s, self.admitted_s, self.first_scheduled_s, self.first_token_s, self.prefill_steps, self.prefill_step_tokens)

@@ -16,6 +16,7 @@ never wait on it), and each rank's sampled rows are gathered on the leader. A fo
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +25,10 @@ from engine.device_sampler import SamplingTensors, sample_on_device
 from engine.kernels.kv_segments import KVSegments
 from engine.kv_cache import PagedKVCache
 from engine.layers.attention import AttentionBatch, DecodeGroup, DevicePrefills, DeviceStep, PrefillChunk
+from engine.logits import PromptSpan, prompt_span, record_prompt_logprobs, process_logits, sample_rows, sampled_logprobs, stack_bitmasks
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
-from engine.request import Request
+from engine.request import Request, SampledTokens
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk
 
@@ -53,25 +55,37 @@ class StepPlan:
     prefills: tuple[PlannedChunk, ...]
     sample_rows: tuple[int, ...]
     """Rows of the flat batch whose logits are sampled."""
+    prompt_rows: tuple[int, ...] = ()
+    """Rows whose logits give prompt log-probabilities (``params.prompt_logprobs``); computed before the sample rows'."""
+
+    @property
+    def logit_rows(self) -> tuple[int, ...]:
+        return self.prompt_rows + self.sample_rows
 
     @classmethod
-    def of(cls, chunks: list[ScheduledChunk], block_size: int) -> tuple[StepPlan, list[tuple[Request, int]]]:
-        """The plan of the scheduler's ``chunks``, and the requests its sample rows belong to with
-        how many consecutive rows each has (one, or ``1 + k`` for a verify chunk of k drafts)."""
+    def of(cls, chunks: list[ScheduledChunk], block_size: int) -> tuple[StepPlan, list[tuple[Request, tuple[int, ...]]], list[PromptSpan]]:
+        """The plan of the scheduler's ``chunks``; the requests its sample rows belong to with the
+        drafts each verifies (one row each, or ``1 + k`` for a verify chunk of k drafts); and the
+        prompt positions whose log-probabilities its prompt rows give, in order."""
         decodes = sorted((c for c in chunks if c.num_new_tokens == 1), key=lambda c: c.start)
         prefills = [c for c in chunks if c.num_new_tokens > 1]
-        rows, sampled, num_tokens = [], [], 0
+        rows, prompt_rows, sampled, spans, num_tokens = [], [], [], [], 0
         for chunk in decodes + prefills:
+            span = prompt_span(chunk.request, chunk.start, chunk.num_new_tokens)
+            if span is not None:
+                prompt_rows += range(num_tokens + span.start - chunk.start, num_tokens + span.start - chunk.start + span.num_positions)
+                spans.append(span)
             num_tokens += chunk.num_new_tokens
             if chunk.num_sample_rows:
                 rows += range(num_tokens - chunk.num_sample_rows, num_tokens)
-                sampled.append((chunk.request, chunk.num_sample_rows))
+                sampled.append((chunk.request, chunk.draft_token_ids))
         plan = cls(
             decodes=tuple(_planned(c, block_size) for c in decodes),
             prefills=tuple(_planned(c, block_size) for c in prefills),
             sample_rows=tuple(rows),
+            prompt_rows=tuple(prompt_rows),
         )
-        return plan, sampled
+        return plan, sampled, spans
 
 
 def _planned(chunk: ScheduledChunk, block_size: int) -> PlannedChunk:
@@ -118,40 +132,52 @@ class ModelRunner:
             self.graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> dict[Request, list[int]]:
+    def execute(self, chunks: list[ScheduledChunk], bitmasks: Mapping[Request, torch.Tensor] | None = None) -> dict[Request, SampledTokens]:
         """Leader: run one step of ``chunks`` on every rank; the tokens sampled for each request
-        that samples (one, or one per row of a verify chunk: row j is its output token n + j)."""
-        plans, requests = [], []
+        that samples (one, or one per row of a verify chunk: row j is its output token n + j),
+        with their log-probabilities where asked. Prompt log-probabilities of the step's prompt
+        positions are recorded on their requests (``Request.add_prompt_logprobs``).
+
+        ``bitmasks``: a constraint's allowed tokens per constrained request, ``int32 [1 + drafts,
+        ceil(vocab / 32)]`` (row j after drafts 0..j-1; bit j of word w allows token 32 w + j).
+        Steps whose rows process logits or want log-probabilities run eagerly, never from a graph."""
+        plans, requests, spans = [], [], []
         for rank in range(self.dp.size):
-            plan, sampled = StepPlan.of([c for c in chunks if (c.request.dp_rank or 0) == rank], self.block_size)
+            plan, sampled, prompt = StepPlan.of([c for c in chunks if (c.request.dp_rank or 0) == rank], self.block_size)
             plans.append(plan)
             requests += sampled
-        params, seeds, positions = [], [], []
-        for request, num_rows in requests:
-            params += [request.params] * num_rows
-            seeds += [request.seed] * num_rows
-            positions += range(request.num_output_tokens, request.num_output_tokens + num_rows)
+            spans += prompt
+        rows = sample_rows(requests)
+        params, seeds, positions = [r.params for r in rows], [r.seed for r in rows], [r.position for r in rows]
         plan = plans[0]
-        if self.graphs is not None and self.graphs.covers(len(plan.decodes), len(plan.prefills), len(plan.sample_rows)):
+        plain = not bitmasks and not any(r.processes_logits or r.params.logprobs is not None for r in rows)
+        logprobs = [None] * len(rows)
+        if self.graphs is not None and self.graphs.covers(len(plan.decodes), len(plan.prefills), len(plan.sample_rows), plain):
             decodes = [(c.token_ids[0], c.start, c.block_ids) for c in plan.decodes]
             tokens = self.graphs.run(decodes, params, seeds, positions).tolist()
             self.num_runs += 1
             self.num_graph_steps += 1
         else:
             self.ranks.send_plan(plans)
-            logits = self._run_own(plans)
+            logits, prompt_logits = self._run_own(plans)
+            record_prompt_logprobs(prompt_logits, spans)
             if not requests:
                 return {}
+            bitmask, bitmask_rows = stack_bitmasks(requests, bitmasks or {}, logits.device)
+            logits = process_logits(logits, rows, bitmask, bitmask_rows)
             tokens = self._sample(logits, params, seeds, positions)
+            logprobs = sampled_logprobs(logits, rows, tokens)
         out, row = {}, 0
-        for request, num_rows in requests:
-            out[request] = tokens[row : row + num_rows]
-            row += num_rows
+        for request, drafts in requests:
+            end = row + len(drafts) + 1
+            out[request] = SampledTokens(tokens[row:end], tuple(logprobs[row:end]) if request.params.logprobs is not None else None)
+            row = end
         return out
 
     def _sample(self, logits: torch.Tensor, params: list, seeds: list[int], positions: list[int]) -> list[int]:
         """The device path samples with the graphs' sampler in every step, so that a request's
-        tokens do not depend on which of its steps were replayed; the CPU path with ``sample``."""
+        tokens do not depend on which of its steps were replayed; the CPU path with ``sample``.
+        ``logits`` are processed already (``engine/logits.py``)."""
         if self.kv_cache.triton_decode:
             return sample_on_device(logits, SamplingTensors.of(params, seeds, positions, logits.device)).tolist()
         return sample(logits, params, seeds, positions)
@@ -166,23 +192,32 @@ class ModelRunner:
         """Leader: tell the other ranks that no step follows."""
         self.ranks.send_plan(None)
 
-    def _run_own(self, plans: list[StepPlan]) -> torch.Tensor | None:
-        """Run this rank's plan; on the leader, every rank's sampled logits in rank order."""
+    def _run_own(self, plans: list[StepPlan]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run this rank's plan; on the leader, every rank's logits of its sample rows, and of its
+        prompt rows, each in rank order."""
         logits = self.run(plans[self.dp.rank])
-        if self.dp.size == 1:
-            return logits
-        counts = [len(p.sample_rows) for p in plans]
-        padded = logits.new_zeros((max(counts), logits.shape[1]))
-        padded[: len(logits)] = logits
-        gathered = self.dp.gather_to_leader(padded, dim=0)
-        if gathered is None:
-            return None
-        width = max(counts)
-        return torch.cat([gathered[r * width : r * width + n] for r, n in enumerate(counts)])
+        if self.dp.size > 1:
+            counts = [len(p.logit_rows) for p in plans]
+            padded = logits.new_zeros((max(counts), logits.shape[1]))
+            padded[: len(logits)] = logits
+            gathered = self.dp.gather_to_leader(padded, dim=0)
+            if gathered is None:
+                return None, None
+            width = max(counts)
+            logits = torch.cat([gathered[r * width : r * width + n] for r, n in enumerate(counts)])
+        if logits is None or not any(p.prompt_rows for p in plans):
+            return logits, None
+        own, start = ([], []), 0
+        for p in plans:
+            own[0].append(logits[start + len(p.prompt_rows) : start + len(p.logit_rows)])
+            own[1].append(logits[start : start + len(p.prompt_rows)])
+            start += len(p.logit_rows)
+        return torch.cat(own[0]), torch.cat(own[1])
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run ``plan`` on this rank's shard and write its K/V; logits of the sample rows on the leader."""
+        """Run ``plan`` on this rank's shard and write its K/V; logits of the prompt rows then the
+        sample rows (``plan.logit_rows``) on the leader."""
         slots = None
         if self.kv_cache.triton_decode:
             input_ids, batch = self._device_batch(plan)
@@ -192,7 +227,7 @@ class ModelRunner:
         if slots is not None and len(input_ids):  # an idle data-parallel rank runs the step for its collectives, with nothing to store
             self.kv_cache.write(batch.new_k, batch.new_v, *slots)
         # A data-parallel rank always computes (maybe zero rows of) logits: the leader gathers every rank's.
-        logits = self.model.compute_logits(hidden[list(plan.sample_rows)]) if plan.sample_rows or self.dp.size > 1 else None
+        logits = self.model.compute_logits(hidden[list(plan.logit_rows)]) if plan.logit_rows or self.dp.size > 1 else None
         self.num_runs += 1
         return logits
 

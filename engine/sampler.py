@@ -5,6 +5,10 @@ seeded with ``step_seed(seed, n)``, never from state carried between steps. So a
 samples the same tokens whatever else is in the batch, whichever worker samples which token (a
 prefill worker the first, a decode worker the rest), and after a restart from any point (a
 request migrated to another replica with the tokens streamed so far).
+
+The logits arrive processed (``engine/logits.py``: logit bias, min_tokens, penalties, a
+constraint's mask; banned tokens at -inf, which no filter below keeps), and the runner reads the
+rows' log-probabilities from the same tensor, so they describe what was drawn from.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.request import Request
+from engine.request import Request, SampledTokens, TokenLogprobs
 from engine.spec.speculator import Speculator
 from engine.spec.verify import accepted_prefix
 from kv_store.block_pool import BlockPool
@@ -188,20 +188,24 @@ class Scheduler:
         keys = self._prefix_keys(request)
         return max(range(len(self.pools)), key=lambda r: (len(self.pools[r].match_prefix(keys)), -seqs[r], -r))
 
-    def update(self, chunks: list[ScheduledChunk], sampled: dict[Request, list[int]]) -> list[Request]:
-        """Advance the scheduled requests, append sampled tokens (for a verify chunk, the accepted
-        drafts and one more); return the requests with new output."""
+    def update(self, chunks: list[ScheduledChunk], sampled: dict[Request, SampledTokens]) -> list[Request]:
+        """Advance the scheduled requests, append sampled tokens with their log-probabilities (for
+        a verify chunk, the accepted drafts and one more); return the requests with new output."""
         touched = []
         for chunk in chunks:
             request = chunk.request
-            tokens = sampled.get(request, ())
+            step = sampled.get(request)
+            tokens = step.token_ids if step is not None else ()
             if chunk.draft_token_ids and tokens:
                 num_accepted = accepted_prefix(chunk.draft_token_ids, tokens)
                 tokens = tokens[: num_accepted + 1]
                 self.speculator.observe(request, len(chunk.draft_token_ids), num_accepted)
             num_appended = 0
-            for token in tokens:
-                request.append_token(token)
+            for index, token in enumerate(tokens):
+                if step.logprobs is None:
+                    request.append_token(token)
+                else:
+                    request.append_token(token, step.logprobs[index])
                 num_appended += 1
                 if request.finished:
                     break
@@ -273,14 +277,18 @@ class Scheduler:
         self.lease(request.request_id, fresh, request.dp_rank)
         return fresh
 
-    def join_remote(self, request: Request, first_token: int) -> None:
+    def join_remote(self, request: Request, first_token: int, logprobs: TokenLogprobs | None = None) -> None:
         """The prompt's KV has landed: mark it computed, cache its full blocks, append the token
-        the prefill worker sampled and start decoding (or finish, if that token ends it)."""
+        the prefill worker sampled (with its log-probabilities, where asked) and start decoding
+        (or finish, if that token ends it)."""
         del self.parked[request.request_id]
         request.num_computed_tokens = request.num_prompt_tokens
         self.num_computed_prompt_tokens += request.num_prompt_tokens - request.num_cached_tokens
         self._register_full_blocks(request)
-        request.append_token(first_token)
+        if logprobs is None:
+            request.append_token(first_token)
+        else:
+            request.append_token(first_token, logprobs)
         request.first_scheduled_s = request.first_scheduled_s or time.monotonic()
         if request.finished:
             self._release(request)
@@ -326,7 +334,10 @@ class Scheduler:
 
     def _take_prefix(self, request: Request) -> list[int]:
         """Blocks of the longest cached prefix, each with a reference taken: the pool's own hits,
-        then blocks the lower tiers bring back into the pool."""
+        then blocks the lower tiers bring back into the pool. None for a request that still owes
+        prompt log-probabilities: a hit would skip the positions they are read from (as in vLLM)."""
+        if request.owes_prompt_logprobs:
+            return []
         keys = self._prefix_keys(request)
         pool = self.pools[request.dp_rank]
         hits = pool.match_prefix(keys)
