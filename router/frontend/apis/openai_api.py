@@ -6,6 +6,11 @@ response is in, so a refusal (unknown model, full queue, prompt too long) is an 
 OpenAI's error body, never a 200 stream that carries an error; an error after that is sent as
 one ``data: {"error": ...}`` event before ``[DONE]``, as vLLM does.
 
+With ``n`` > 1 every sample is a choice with its ``index``: a whole answer lists them in order,
+a stream interleaves their chunks (each finishes with its own ``finish_reason`` chunk), and the
+usage counts the prompt once and the completion tokens of all of them. How choices, their
+log-probabilities and tool calls are shaped: openai_choices.py.
+
 A router that dies cuts its HTTP streams (the connection drops without ``[DONE]``); a client
 that asked for ``return_resume`` sends the request again with ``resume`` (openai_schema.py) to
 any router, and the answer goes on where it stopped. Any other client sees a dropped connection
@@ -27,19 +32,25 @@ from fastapi.responses import JSONResponse, Response
 from proto import splitserve_pb2 as pb
 from router.errors import CallRejected
 from router.frontend.apis.errors import APIError, from_rejected, openai_body
+from router.frontend.apis.openai_choices import ChatChoice, CompletionChoice
+from router.frontend.apis.openai_sampling import DEFAULT_MAX_N
 from router.frontend.apis.openai_schema import OpenAIRequest, parse_chat, parse_completion
+from router.frontend.apis.openai_shapes import Sample, TokenStrings, summed_usage, usage_body
 from router.frontend.apis.streaming import SSE_DONE, EventStreamResponse, answered_unless_disconnected, sse_event
+from router.frontend.apis.tool_parsers import parser_for_template
 from router.frontend.service import GenerationService
+from router.routing.worker_calls import WorkerDied
 
 TENANT_SALT_HEADER = "x-splitserve-tenant-salt"
 """The HTTP form of GenerateRequest.tenant_salt: tenants with different salts never share cached blocks."""
 
-_FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+__all__ = ["openai_router", "read_json", "resume_body", "usage_body", "TENANT_SALT_HEADER"]
 
 
 def openai_router(service: GenerationService) -> APIRouter:
     """The /v1 routes over ``service``."""
     routes = APIRouter()
+    max_n = getattr(service.config, "max_n", DEFAULT_MAX_N)
 
     @routes.get("/v1/models")
     async def list_models() -> dict:
@@ -54,13 +65,13 @@ def openai_router(service: GenerationService) -> APIRouter:
 
     @routes.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        parsed = parse_completion(await read_json(request), _served(service))
-        return await _respond(service, request, parsed, _CompletionShape(parsed.model))
+        parsed = parse_completion(await read_json(request), _served(service), max_n)
+        return await _respond(service, request, parsed, chat=False)
 
     @routes.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        parsed = parse_chat(await read_json(request), _served(service))
-        return await _respond(service, request, parsed, _ChatShape(parsed.model))
+        parsed = parse_chat(await read_json(request), _served(service), max_n)
+        return await _respond(service, request, parsed, chat=True)
 
     return routes
 
@@ -81,79 +92,65 @@ def _model_card(info: pb.ModelInfo) -> dict:
     return {"id": info.id, "object": "model", "created": 0, "owned_by": "splitserve", "max_model_len": info.max_model_len}
 
 
-def usage_body(usage: pb.Usage) -> dict:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
-    }
+async def _model_tokenizer(service: GenerationService, model: str):
+    """The model's tokenizer in this router (fetched from a decode worker on first use)."""
+    replica = service.directory.pick("decode", model)
+    if replica is None:
+        raise APIError(503, "no live decode worker", code="unavailable")
+    try:
+        return await service.tokenizers.tokenizer(replica)
+    except CallRejected as rejected:
+        raise from_rejected(rejected) from rejected
+    except WorkerDied as e:
+        raise APIError(503, f"decode worker {replica.replica_id} died: {e}", code="unavailable") from e
 
 
-class _CompletionShape:
-    """How /v1/completions shapes its answers."""
-
-    object_name = "text_completion"
-    chunk_object_name = "text_completion"
-    id_prefix = "cmpl-"
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-
-    def choice(self, text: str, finish_reason: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-    def delta(self, text: str, finish_reason: str | None) -> dict:
-        return self.choice(text, finish_reason)
-
-    def opening(self) -> dict | None:
-        return None
+async def _choices(service: GenerationService, parsed: OpenAIRequest, chat: bool) -> list:
+    """One choice shaper per sample; the tokenizer is fetched only when token texts or the
+    template's tool-call format are needed."""
+    auto_tools = parsed.tools is not None and parsed.tools.choice == "auto"
+    tokenizer = await _model_tokenizer(service, parsed.model) if parsed.logprobs is not None or auto_tools else None
+    strings = TokenStrings(tokenizer)
+    logprobs = parsed.logprobs is not None
+    if not chat:
+        return [CompletionChoice(i, strings, logprobs) for i in range(parsed.num_choices)]
+    parser = parser_for_template(tokenizer.chat_template) if auto_tools else None
+    return [ChatChoice(i, strings, logprobs, parsed.tools, parser) for i in range(parsed.num_choices)]
 
 
-class _ChatShape:
-    """How /v1/chat/completions shapes its answers."""
-
-    object_name = "chat.completion"
-    chunk_object_name = "chat.completion.chunk"
-    id_prefix = "chatcmpl-"
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-
-    def choice(self, text: str, finish_reason: str | None) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
-
-    def delta(self, text: str, finish_reason: str | None) -> dict:
-        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish_reason}
-
-    def opening(self) -> dict | None:
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-
-
-async def _respond(service: GenerationService, request: Request, parsed: OpenAIRequest, shape) -> Response:
+async def _respond(service: GenerationService, request: Request, parsed: OpenAIRequest, chat: bool) -> Response:
+    choices = await _choices(service, parsed, chat)
     parsed.generate.request_id = uuid.uuid4().hex
     parsed.generate.tenant_salt = request.headers.get(TENANT_SALT_HEADER, "")
-    envelope = {"id": shape.id_prefix + parsed.generate.request_id, "created": int(time.time()), "model": shape.model}
+    envelope = {"id": choices[0].id_prefix + parsed.generate.request_id, "created": int(time.time()), "model": parsed.model}
     responses = service.generate(parsed.generate)
-    if parsed.stream:
-        return await _stream(request, responses, envelope, shape, parsed.include_usage, parsed.return_resume)
-    return await _complete(request, responses, envelope, shape)
+    try:
+        if parsed.stream:
+            return await _stream(request, responses, envelope, choices, parsed.include_usage, parsed.return_resume)
+        return await _complete(request, responses, envelope, choices)
+    except APIError as e:
+        raise _named_constraint(e, parsed.constraint_field) from e
 
 
-async def _complete(request: Request, responses: AsyncIterator[pb.GenerateResponse], envelope: dict, shape) -> Response:
-    async def collect() -> tuple[str, pb.GenerateResponse]:
-        texts, last = [], None
+def _named_constraint(error: APIError, field: str | None) -> APIError:
+    """The engine names a bad schema, regex or grammar ``constraint.*``; the client wrote it as ``field``."""
+    if field is None or not (error.param or "").startswith("constraint"):
+        return error
+    return APIError(error.status, f"{field}: {error.message}", param=field, code=error.code)
+
+
+async def _complete(request: Request, responses: AsyncIterator[pb.GenerateResponse], envelope: dict, choices: list) -> Response:
+    async def collect() -> list[Sample]:
+        samples = [Sample(i) for i in range(len(choices))]
         async with contextlib.aclosing(responses):
             async for response in responses:
-                texts.append(response.text)
-                last = response
-        return "".join(texts), last
+                samples[response.index].add(response)
+        return samples
 
-    collected = await answered_unless_disconnected(request.receive, collect())
-    if collected is None:
+    samples = await answered_unless_disconnected(request.receive, collect())
+    if samples is None:
         return Response(status_code=499)  # nobody is listening; the request was cancelled
-    text, last = collected
-    body = {**envelope, "object": shape.object_name, "choices": [shape.choice(text, _FINISH_REASONS.get(last.finish_reason))], "usage": usage_body(last.usage)}
+    body = {**envelope, "object": choices[0].object_name, "choices": [c.whole(s) for c, s in zip(choices, samples)], "usage": summed_usage(samples)}
     return JSONResponse(body)
 
 
@@ -165,18 +162,20 @@ def resume_body(response: pb.GenerateResponse) -> dict:
     return body
 
 
-async def _stream(request: Request, responses: AsyncIterator[pb.GenerateResponse], envelope: dict, shape, include_usage: bool, return_resume: bool = False) -> Response:
+async def _stream(request: Request, responses: AsyncIterator[pb.GenerateResponse], envelope: dict, choices: list, include_usage: bool, return_resume: bool = False) -> Response:
     first = await answered_unless_disconnected(request.receive, anext(responses))
     if first is None:
         return Response(status_code=499)
-    chunk = {**envelope, "object": shape.chunk_object_name}
+    chunk = {**envelope, "object": choices[0].chunk_object_name}
     if include_usage:
         chunk["usage"] = None
 
     async def events() -> AsyncIterator[bytes]:
         async with contextlib.aclosing(responses):
-            if shape.opening() is not None:
-                yield sse_event({**chunk, "choices": [shape.opening()]})
+            for choice in choices:
+                if choice.opening() is not None:
+                    yield sse_event({**chunk, "choices": [choice.opening()]})
+            usages: dict[int, pb.Usage] = {}
             response = first
             try:
                 while True:
@@ -184,23 +183,29 @@ async def _stream(request: Request, responses: AsyncIterator[pb.GenerateResponse
                     if framed:
                         yield framed
                     if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                        break
+                        usages[response.index] = response.usage
+                        if len(usages) == len(choices):
+                            break
                     response = await anext(responses)
+                if include_usage:
+                    yield sse_event({**chunk, "choices": [], "usage": usage_body([usages[i] for i in sorted(usages)])})
+            except StopAsyncIteration:
+                pass
             except CallRejected as rejected:
                 yield sse_event(openai_body(from_rejected(rejected)))
             yield SSE_DONE
 
     def from_response(response: pb.GenerateResponse) -> bytes:
-        finish_reason = _FINISH_REASONS.get(response.finish_reason)
+        choice = choices[response.index]
+        deltas = choice.feed(response)
+        resume = return_resume and response.token_ids  # every id, even one whose text is still incomplete
+        if resume and not deltas:
+            deltas = [choice.empty()]
         out = b""
-        if return_resume and response.token_ids:  # every id, even one whose text is still incomplete
-            out += sse_event({**chunk, "choices": [shape.delta(response.text, None)], "resume": resume_body(response)})
-        elif response.text:
-            out += sse_event({**chunk, "choices": [shape.delta(response.text, None)]})
-        if finish_reason is not None:
-            out += sse_event({**chunk, "choices": [shape.delta("", finish_reason)]})
-            if include_usage:
-                out += sse_event({**chunk, "choices": [], "usage": usage_body(response.usage)})
+        for k, delta in enumerate(deltas):
+            out += sse_event({**chunk, "choices": [delta], **({"resume": resume_body(response)} if resume and k == 0 else {})})
+        if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            out += b"".join(sse_event({**chunk, "choices": [delta]}) for delta in choice.finish(response))
         return out
 
     return EventStreamResponse(events())

@@ -3,7 +3,8 @@
 Each check raises APIError naming the field as the client wrote it. Fields are read, not
 declared: a field this module does not know is ignored (clients add vendor extensions), but a
 field of the OpenAI API that would change the output and that splitserve cannot honour
-(``logprobs``, ``n`` > 1, penalties, tools, ...) is refused rather than silently dropped.
+(``echo``, ``best_of`` > 1, ``suffix``, ...) is refused rather than silently dropped. Sampling
+features and structured outputs: openai_sampling.py; tools: openai_tools.py.
 Extensions that vLLM also accepts: ``top_k``, ``ignore_eos``, ``stop_token_ids``. splitserve's
 own, for resuming an answer whose router died (the gRPC API's ``GenerateRequest.resume``):
 ``return_resume: true`` makes every streamed chunk carry ``resume`` (the chunk's new token ids,
@@ -15,12 +16,17 @@ after them.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import binascii
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from proto import splitserve_pb2 as pb
 from router.frontend.apis.errors import APIError, invalid
+from router.frontend.apis.openai_sampling import (
+    DEFAULT_MAX_N, apply_sampling_fields, chat_logprobs, completion_logprobs, constraint_from,
+)
+from router.frontend.apis.openai_tools import ToolPlan, message_tool_calls, parse_tools
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's documented default for /v1/completions; chat defaults to the rest of the context."""
@@ -28,21 +34,14 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 _INT32_MAX = 2**31 - 1
 """Largest value of the proto's int32 fields (max_tokens, top_k, stop_token_ids)."""
 
-_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 """Roles a chat template renders; ``developer`` is OpenAI's newer name for ``system``."""
 
 _UNSUPPORTED = {
     # field: the value that means "not used" (anything else is refused)
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "tools": (None, []),
-    "functions": (None, []),
     "audio": (None,),
     "prediction": (None,),
 }
@@ -60,10 +59,19 @@ class OpenAIRequest:
     """``stream_options.include_usage``: a last chunk carries the usage."""
     return_resume: bool = False
     """Chunks carry what a resume needs (token ids, tag, seed)."""
+    num_choices: int = 1
+    """``n``: the samples, each a choice with its index."""
+    logprobs: int | None = None
+    """None: no log-probabilities; else the top alternatives each token carries."""
+    constraint_field: str | None = None
+    """The field that constrains the answer (``response_format``, ``structured_outputs.regex``,
+    ``tool_choice``), to name in the engine's refusal of a bad schema, regex or grammar."""
+    tools: ToolPlan | None = None
+    """How the answer's tool calls are read; None: no tools given."""
 
 
-def parse_completion(body: object, models: Mapping[str, pb.ModelInfo]) -> OpenAIRequest:
-    """A /v1/completions body; ``models``: the served models by id."""
+def parse_completion(body: object, models: Mapping[str, pb.ModelInfo], max_n: int = DEFAULT_MAX_N) -> OpenAIRequest:
+    """A /v1/completions body; ``models``: the served models by id; ``max_n``: the most samples."""
     body = _object(body)
     request = pb.GenerateRequest()
     prompt = _prompt(body.get("prompt"))
@@ -71,18 +79,25 @@ def parse_completion(body: object, models: Mapping[str, pb.ModelInfo]) -> OpenAI
         request.prompt = prompt
     else:
         request.prompt_token_ids.extend(prompt)
-    return _common(body, request, models, COMPLETION_DEFAULT_MAX_TOKENS)
+    parsed = _common(body, request, models, COMPLETION_DEFAULT_MAX_TOKENS, max_n)
+    return dataclasses.replace(parsed, logprobs=_set_logprobs(request, completion_logprobs(body)))
 
 
-def parse_chat(body: object, models: Mapping[str, pb.ModelInfo]) -> OpenAIRequest:
-    """A /v1/chat/completions body; ``models``: the served models by id."""
+def parse_chat(body: object, models: Mapping[str, pb.ModelInfo], max_n: int = DEFAULT_MAX_N) -> OpenAIRequest:
+    """A /v1/chat/completions body; ``models``: the served models by id; ``max_n``: the most samples."""
     body = _object(body)
     request = pb.GenerateRequest()
-    for i, message in enumerate(_messages(body.get("messages"))):
-        request.messages.add(role=message[0], content=message[1])
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise invalid("response_format", "only {'type': 'text'} is supported")
-    return _common(body, request, models, None)
+    request.messages.extend(_messages(body.get("messages")))
+    parsed = _common(body, request, models, None, max_n)
+    tools = parse_tools(body, request, parsed.constraint_field)
+    constraint_field = "tool_choice" if tools is not None and tools.constrained else parsed.constraint_field
+    return dataclasses.replace(parsed, logprobs=_set_logprobs(request, chat_logprobs(body)), tools=tools, constraint_field=constraint_field)
+
+
+def _set_logprobs(request: pb.GenerateRequest, logprobs: int | None) -> int | None:
+    if logprobs is not None:
+        request.sampling.logprobs = logprobs
+    return logprobs
 
 
 def _object(body: object) -> dict:
@@ -91,13 +106,10 @@ def _object(body: object) -> dict:
     return body
 
 
-def _common(body: dict, request: pb.GenerateRequest, models: Mapping[str, pb.ModelInfo], default_max_tokens: int | None) -> OpenAIRequest:
+def _common(body: dict, request: pb.GenerateRequest, models: Mapping[str, pb.ModelInfo], default_max_tokens: int | None, max_n: int) -> OpenAIRequest:
     model = _model(body.get("model"), models)
     request.model = model
     _refuse_unsupported(body)
-    n = _integer(body, "n", 1)
-    if n != 1:
-        raise invalid("n", f"only n=1 is supported, got {n}")
     for name in ("temperature", "top_p"):
         value = _number(body, name)
         if value is not None:
@@ -116,6 +128,8 @@ def _common(body: dict, request: pb.GenerateRequest, models: Mapping[str, pb.Mod
     request.stop.stop.extend(_stop(body.get("stop")))
     request.stop.stop_token_ids.extend(_int_list(body, "stop_token_ids"))
     request.stop.ignore_eos = _boolean(body, "ignore_eos", False)
+    apply_sampling_fields(body, request.sampling, request.stop.max_tokens, max_n)
+    constraint_field = constraint_from(body, request)
     stream = _boolean(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -124,7 +138,10 @@ def _common(body: dict, request: pb.GenerateRequest, models: Mapping[str, pb.Mod
         raise invalid("stream_options", "only allowed when stream is true")
     include_usage = _boolean(options or {}, "include_usage", False, "stream_options.include_usage")
     _resume(body.get("resume"), request)
-    return OpenAIRequest(request, model, stream, include_usage, _boolean(body, "return_resume", False))
+    return OpenAIRequest(
+        request, model, stream, include_usage, _boolean(body, "return_resume", False),
+        num_choices=request.sampling.n if request.sampling.HasField("n") else 1, constraint_field=constraint_field,
+    )
 
 
 def _resume(resume: object, request: pb.GenerateRequest) -> None:
@@ -194,7 +211,7 @@ def _prompt(prompt: object) -> str | list[int]:
     raise invalid("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
 
 
-def _messages(messages: object) -> list[tuple[str, str]]:
+def _messages(messages: object) -> list[pb.ChatMessage]:
     if messages is None:
         raise invalid("messages", "required")
     if not isinstance(messages, list) or not messages:
@@ -202,7 +219,9 @@ def _messages(messages: object) -> list[tuple[str, str]]:
     return [_message(i, m) for i, m in enumerate(messages)]
 
 
-def _message(i: int, message: object) -> tuple[str, str]:
+def _message(i: int, message: object) -> pb.ChatMessage:
+    """One message; an assistant turn may carry ``tool_calls``, a ``tool`` turn answers one
+    (``tool_call_id``, and optionally the function's ``name``)."""
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise invalid(where, f"must be an object, got {type(message).__name__}")
@@ -216,7 +235,17 @@ def _message(i: int, message: object) -> tuple[str, str]:
         content = "".join(_text_part(f"{where}.content[{j}]", part) for j, part in enumerate(content))
     if not isinstance(content, str):
         raise invalid(f"{where}.content", f"must be a string or a list of text parts, got {type(content).__name__}")
-    return _CHAT_ROLES[role], content
+    out = pb.ChatMessage(role=_CHAT_ROLES[role], content=content)
+    if role == "assistant" and message.get("tool_calls") is not None:
+        message_tool_calls(where, message["tool_calls"], out)
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise invalid(f"{where}.tool_call_id", "required: the id of the tool call this message answers")
+        out.tool_call_id = call_id
+        if isinstance(message.get("name"), str):
+            out.name = message["name"]
+    return out
 
 
 def _text_part(where: str, part: object) -> str:
