@@ -44,7 +44,7 @@ from engine.outputs import RemotePrefill
 from engine.metrics import CountersCollector, RequestTimingHistograms
 from engine.params import SamplingParams
 from engine.replica import EngineReplica
-from engine.request import EngineRequest, RequestTrace
+from engine.request import EngineRequest, RequestTrace, TokenLogprobs
 from engine.tokenizer import TOKENIZER_FILES
 from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult
 from kv_transfer.registry import open_endpoint
@@ -277,7 +277,7 @@ class DecodeWorker(EngineReplica):
         loop = self.loop
 
         def join(engine: LLMEngine) -> None:
-            output = engine.join_remote(slot.request_id, result.first_token_id)
+            output = engine.join_remote(slot.request_id, result.first_token_id, _first_token_logprobs(result))
             engine.release_lease(slot.request_id)
             if output is not None:
                 loop.deliver(output)
@@ -397,9 +397,19 @@ def _trace_timings(timings: pb.Timings, trace: RequestTrace | None, reached: flo
 
 
 def _first_token_params(params: SamplingParams) -> SamplingParams:
-    """What the prefill worker samples with: the request's sampling, one token, no stop rules
-    (the decode worker applies those to the first token as to every other)."""
-    return replace(params, max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True)
+    """What the prefill worker samples with: the request's sampling (penalties, logit bias and
+    log-probabilities included), one token. The decode worker applies the stop rules to the
+    first token as to every other; the prefill worker stops after one token whatever it is, so
+    its stop token ids and ``ignore_eos`` only say what min_tokens masks (``min_tokens`` 1 there
+    when the request's is 1 or more: EOS and stop tokens cannot be the first token)."""
+    return replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=(), prompt_logprobs=None)
+
+
+def _first_token_logprobs(result: TransferResult) -> TokenLogprobs | None:
+    """The first token's log-probabilities the prefill worker read, where the request asked."""
+    if result.first_token_logprob is None:
+        return None
+    return TokenLogprobs(result.first_token_id, result.first_token_logprob, tuple(result.first_token_top_logprobs))
 
 
 def _build_receiver(replica_id: str, engine: LLMEngine, transport_name: str) -> KVReceiver:

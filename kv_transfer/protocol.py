@@ -26,7 +26,7 @@ from kv_store.keys import KeyNamespace
 from kv_store.layout import KVBlockLayout
 from kv_transfer.errors import HandOffError, KVTransferError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped whenever a message below or the meaning of a notification changes."""
 
 _NOTIF_PREFIX = b"splitserve-kv/1/"
@@ -252,6 +252,10 @@ class TransferResult:
     """Decode block ids whose bytes are now valid (all of the request's when DONE)."""
     first_token_id: int | None = None
     """Token sampled after the prompt's last position; None when the prefill did not get that far."""
+    first_token_logprob: float | None = None
+    """The first token's log-probability where the request asks for them (``params.logprobs``), else None."""
+    first_token_top_logprobs: tuple[tuple[int, float], ...] = ()
+    """The most likely tokens there as (token id, log-probability), most likely first (``params.logprobs`` of them)."""
     num_cached_tokens: int = 0
     """Prompt tokens the prefill worker found cached instead of computing."""
     num_bytes: int = 0

@@ -141,8 +141,10 @@ class PrefillWorker(EngineReplica):
         def admit(engine: LLMEngine, r: EngineRequest) -> None:
             engine.add_request(r.request_id, r.prompt, r.params, tenant_salt=r.tenant_salt, hold_kv=True, arrival_s=r.arrival_s)
 
-        async for _ in self.loop.generate(EngineRequest(request_id, list(prompt_token_ids), None, params, tenant_salt), admit):
-            pass  # the admission, then the one output that finishes it
+        first_logprobs = None
+        async for output in self.loop.generate(EngineRequest(request_id, list(prompt_token_ids), None, params, tenant_salt), admit):
+            if output is not None and output.logprobs:  # the admission (None), then the one output that finishes it
+                first_logprobs = output.logprobs[0]
         done, num_runs = await self.loop.call(lambda engine: (engine.take_prefilled(request_id), engine.runner.num_runs))
         await self._apply_faults(request_id)
         if time.monotonic() > deadline:  # the decode worker has given up: write nothing into its pool
@@ -170,6 +172,8 @@ class PrefillWorker(EngineReplica):
             status=TransferStatus.DONE,
             block_ids=transfer.block_ids,
             first_token_id=done.first_token,
+            first_token_logprob=first_logprobs.logprob if first_logprobs is not None else None,
+            first_token_top_logprobs=first_logprobs.top if first_logprobs is not None else (),
             num_cached_tokens=done.num_cached_tokens,
             num_bytes=num_bytes,
             transfer_s=time.perf_counter() - started,
