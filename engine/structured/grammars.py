@@ -27,15 +27,14 @@ def grammar_from_constraint(constraint: Constraint) -> str:
     """The llguidance grammar of ``constraint``, not yet checked against the library.
 
     ``InvalidRequestError`` naming ``constraint.field`` for what can be refused before
-    llguidance sees it: a JSON schema that is not JSON, or a GBNF grammar the converter cannot
-    read. Everything else is checked when the matcher is built.
+    llguidance sees it: a JSON schema that is not JSON (or not an object, or false), or a GBNF
+    grammar the converter cannot read. Everything else is checked when the matcher is built.
     """
     kind = constraint.kind
     if kind is ConstraintKind.JSON_OBJECT:
         return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT_SCHEMA, overrides=JSON_OPTIONS)
     if kind is ConstraintKind.JSON_SCHEMA:
-        _check_json(constraint)
-        return llguidance.LLMatcher.grammar_from_json_schema(constraint.spec, overrides=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(_schema_object(constraint), overrides=JSON_OPTIONS)
     if kind is ConstraintKind.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(constraint.spec)
     if kind is ConstraintKind.CHOICE:
@@ -49,11 +48,18 @@ def grammar_from_constraint(constraint: Constraint) -> str:
     raise AssertionError(f"unhandled constraint kind {kind}")
 
 
-def _check_json(constraint: Constraint) -> None:
+def _schema_object(constraint: Constraint) -> dict:
     try:
-        json.loads(constraint.spec)
+        schema = json.loads(constraint.spec)
     except json.JSONDecodeError as e:
         raise InvalidRequestError(constraint.field, f"not valid JSON: {e}") from None
+    if schema is True:
+        return {}
+    if schema is False:
+        raise InvalidRequestError(constraint.field, "the schema false allows no value")
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(constraint.field, f"a JSON Schema is an object or a boolean, got {type(schema).__name__}")
+    return schema
 
 
 def _lark_from_gbnf(constraint: Constraint) -> str:
