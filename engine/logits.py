@@ -9,7 +9,12 @@ that use none are not touched, and a step with no such row costs one Python pass
 The sampler then draws from the processed logits, and ``token_logprobs`` reads the
 log-probabilities from the same ones, ``log_softmax(logits / T)`` (T = 1 for a greedy row): so a
 token's reported log-probability is that of the distribution it was drawn from (before top-k and
-top-p, as vLLM and OpenAI report it).
+top-p, as vLLM and OpenAI report it). ``record_prompt_logprobs`` reads prompt tokens' from the
+logits of the prompt positions a step computed (``StepPlan.prompt_rows``).
+
+A constraint's bitmask enters through ``ModelRunner.execute(chunks, bitmasks)``: per constrained
+request ``int32 [1 + drafts, ceil(vocab / 32)]``, stacked by ``stack_bitmasks`` and applied by
+``apply_bitmask`` (or the ``apply`` hook of ``process_logits``, e.g. a backend's own kernel).
 
 Rows of a verify chunk (speculative decoding: the sequence's last token and k drafts, 1 + k rows)
 count the drafts before them as output: row j is output token n + j, following drafts 0..j-1::

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.logits import SampleRow, apply_bitmask, process_logits, sampled_logprobs, token_logprobs
+from engine.logits import SampleRow, apply_bitmask, process_logits, sample_rows, sampled_logprobs, token_logprobs
 from engine.params import SamplingParams
 from engine.request import Request, TokenLogprobs
 
@@ -135,3 +135,14 @@ def test_prompt_logprobs_recorded_once_across_recomputed_chunks():
     assert request.prompt_logprobs == first + [TokenLogprobs(8, -3.0)] and not request.owes_prompt_logprobs
     with pytest.raises(ValueError):
         Request("s", [5, 6, 7], SamplingParams(prompt_logprobs=1), 0, EOS, 64, None, 0).add_prompt_logprobs(2, first)
+
+
+def test_sample_rows_of_a_verify_chunk_count_earlier_drafts_as_output():
+    params = SamplingParams(max_tokens=10, min_tokens=5, presence_penalty=1.0)
+    request = Request("r", [5, 6], params, 0, EOS, 64, None, 0)
+    request.token_ids += [8, 9]
+    rows = sample_rows([(request, (20, 21, 22))])
+    assert [(r.position, r.output_token_ids) for r in rows] == [(2, (8, 9)), (3, (8, 9, 20)), (4, (8, 9, 20, 21)), (5, (8, 9, 20, 21, 22))]
+    assert all(r.min_tokens_banned == EOS for r in rows) and [r.processes_logits for r in rows] == [True] * 4
+    plain = sample_rows([(Request("p", [5], SamplingParams(), 0, EOS, 64, None, 0), ())])
+    assert plain[0].output_token_ids == () and not plain[0].processes_logits

@@ -206,3 +206,20 @@ def test_graphed_decode_steps_run_eagerly_for_rows_that_process_logits_or_want_l
         assert graphed.runner.num_graph_steps == before and sum(len(o.new_token_ids) for o in outputs) == 4
     _run(graphed, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), "plain")
     assert graphed.runner.num_graph_steps > 0
+
+
+def test_verify_rows_count_the_drafts_before_them_as_output(tiny_llama_dir):
+    """Speculative decoding changes no token or log-probability under penalties: row j of a
+    verify chunk is penalized as if drafts 0..j-1 were already output (the model drafting for
+    itself without penalties, greedy: drafts are accepted where the penalties keep its argmax)."""
+    prompts = random_prompts((5, 16, 33), seed=3)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1, presence_penalty=0.02, frequency_penalty=0.01, repetition_penalty=1.01)
+    plain = make_engine(tiny_llama_dir)
+    speculating = make_engine(tiny_llama_dir, speculative="draft", draft_model=str(tiny_llama_dir), spec_token_cost=0.0, spec_chunk_cost=0.0)
+    for i, prompt in enumerate(prompts):
+        want, got = _run(plain, prompt, params, f"p{i}"), _run(speculating, prompt, params, f"s{i}")
+        assert [t for o in got for t in o.new_token_ids] == [t for o in want for t in o.new_token_ids]
+        for a, b in zip([lp for o in got for lp in o.logprobs], [lp for o in want for lp in o.logprobs]):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    stats = speculating.stats()
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
