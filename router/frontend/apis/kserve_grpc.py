@@ -3,7 +3,8 @@
 Served from tritonclient's compiled protos, so ``tritonclient.grpc`` works unchanged. The model
 is decoupled: ModelInfer answers a non-streaming request with one response, ModelStreamInfer
 answers each request on the stream with one response per new piece of text (``stream`` true)
-or one in all, the last flagged ``triton_final_response``. Requests on one stream run
+or one in all, the last flagged ``triton_final_response``. A request with the ``logprobs``
+parameter gets a ``logprobs`` output in each response with text (tensors.py). Requests on one stream run
 concurrently; a bad one gets an ``error_message`` response and the stream goes on. Ending the
 call (client cancel or disconnect) cancels every request still running on it.
 """
@@ -26,9 +27,10 @@ from proto import splitserve_pb2 as pb
 from router.errors import CallRejected
 from router.frontend.apis.errors import APIError, grpc_status, invalid
 from router.frontend.apis.tensors import (
-    INPUT_DATATYPES, TEXT_OUTPUT, LLMRequest, Tensor, deserialize_bool, deserialize_bytes, llm_request, model_metadata,
-    serialize_bytes, unknown_model,
+    INPUT_DATATYPES, LOGPROBS_OUTPUT, TEXT_OUTPUT, LLMRequest, Tensor, deserialize_bool, deserialize_bytes, llm_request,
+    logprobs_json, model_metadata, named_constraint, serialize_bytes, unknown_model,
 )
+from router.frontend.apis.token_texts import TokenStrings, model_tokenizer
 from router.frontend.service import GenerationService
 
 logger = logging.getLogger(__name__)
@@ -81,13 +83,19 @@ class KServeInferenceService(kpb_grpc.GRPCInferenceServiceServicer):
             llm = self._parse(request, context)
             if llm.stream:
                 raise invalid("stream", "a streamed (decoupled) request needs ModelStreamInfer")
+            strings = await self._strings(llm)
             async with contextlib.aclosing(self.generation.generate(llm.generate)) as responses:
-                text = "".join([r.text async for r in responses])
+                collected = [r async for r in responses]
         except APIError as e:
             await context.abort(grpc_status(e), e.message)
         except CallRejected as rejected:
-            await context.abort(rejected.code, rejected.message)
-        return infer_response(request, text if llm.exclude_input_in_output else llm.prompt + text, final=True)
+            await context.abort(rejected.code, named_constraint(rejected.message, llm.constraint_field))
+        text = "".join(r.text for r in collected)
+        logprobs = _logprobs(collected, strings)
+        return infer_response(request, text if llm.exclude_input_in_output else llm.prompt + text, final=True, logprobs=logprobs)
+
+    async def _strings(self, llm: LLMRequest) -> TokenStrings | None:
+        return TokenStrings(await model_tokenizer(self.generation, llm.generate.model)) if llm.logprobs else None
 
     async def ModelStreamInfer(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[kpb.ModelStreamInferResponse]:
         queue: asyncio.Queue = asyncio.Queue()
@@ -113,19 +121,24 @@ class KServeInferenceService(kpb_grpc.GRPCInferenceServiceServicer):
 
     async def _serve_streamed(self, request: kpb.ModelInferRequest, context, queue: asyncio.Queue) -> None:
         """Put the responses of one request on a stream into ``queue``; errors as error_message."""
+        llm = None
         try:
             llm = self._parse(request, context)
             empty_final = request.parameters[_EMPTY_FINAL].bool_param if _EMPTY_FINAL in request.parameters else False
+            strings = await self._strings(llm)
             async with contextlib.aclosing(self.generation.generate(llm.generate)) as responses:
                 if llm.stream:
-                    await _stream_pieces(request, responses, queue, empty_final)
+                    await _stream_pieces(request, responses, queue, empty_final, strings)
                 else:
-                    text = "".join([r.text async for r in responses])
-                    queue.put_nowait(_streamed(infer_response(request, text if llm.exclude_input_in_output else llm.prompt + text, final=True)))
+                    collected = [r async for r in responses]
+                    text = "".join(r.text for r in collected)
+                    final = infer_response(request, text if llm.exclude_input_in_output else llm.prompt + text, final=True, logprobs=_logprobs(collected, strings))
+                    queue.put_nowait(_streamed(final))
         except APIError as e:
             queue.put_nowait(kpb.ModelStreamInferResponse(error_message=e.message))
         except CallRejected as rejected:
-            queue.put_nowait(kpb.ModelStreamInferResponse(error_message=f"{rejected.code.name}: {rejected.message}"))
+            message = named_constraint(rejected.message, llm.constraint_field if llm else None)
+            queue.put_nowait(kpb.ModelStreamInferResponse(error_message=f"{rejected.code.name}: {message}"))
 
     def _parse(self, request: kpb.ModelInferRequest, context) -> LLMRequest:
         served = self._served()
@@ -134,8 +147,8 @@ class KServeInferenceService(kpb_grpc.GRPCInferenceServiceServicer):
         if request.model_name not in served:
             raise unknown_model(request.model_name, served)
         for output in request.outputs:
-            if output.name != TEXT_OUTPUT:
-                raise invalid("outputs", f"unknown output {output.name!r} (the model has {TEXT_OUTPUT})")
+            if output.name not in (TEXT_OUTPUT, LOGPROBS_OUTPUT):
+                raise invalid("outputs", f"unknown output {output.name!r} (the model has {TEXT_OUTPUT}, {LOGPROBS_OUTPUT})")
         parameters = {k: json_format.MessageToDict(v).popitem()[1] for k, v in request.parameters.items() if v.WhichOneof("parameter_choice")}
         llm = llm_request(request.model_name, grpc_inputs(request), parameters)
         llm.generate.request_id = uuid.uuid4().hex
@@ -148,29 +161,38 @@ class KServeInferenceService(kpb_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, unknown_model(model, served).message)
 
 
-async def _stream_pieces(request: kpb.ModelInferRequest, responses: AsyncIterator[pb.GenerateResponse], queue: asyncio.Queue, empty_final: bool) -> None:
+async def _stream_pieces(request: kpb.ModelInferRequest, responses: AsyncIterator[pb.GenerateResponse], queue: asyncio.Queue, empty_final: bool, strings: TokenStrings | None = None) -> None:
     """One response per piece of new text; the last one flagged final (or, when the client asked
     for it, an extra empty response flagged final, as Triton sends)."""
     async for response in responses:
         final = response.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-        if response.text and not (final and not empty_final):
-            queue.put_nowait(_streamed(infer_response(request, response.text, final=False)))
+        logprobs = _logprobs([response], strings)
+        if (response.text or (logprobs is not None and response.logprobs)) and not (final and not empty_final):
+            queue.put_nowait(_streamed(infer_response(request, response.text, final=False, logprobs=logprobs)))
         if final:
-            text = None if empty_final else response.text
-            queue.put_nowait(_streamed(infer_response(request, text, final=True)))
+            if empty_final:
+                queue.put_nowait(_streamed(infer_response(request, None, final=True)))
+            else:
+                queue.put_nowait(_streamed(infer_response(request, response.text, final=True, logprobs=logprobs)))
+
+
+def _logprobs(responses: list[pb.GenerateResponse], strings: TokenStrings | None) -> str | None:
+    return logprobs_json([e for r in responses for e in r.logprobs], strings) if strings is not None else None
 
 
 def _streamed(response: kpb.ModelInferResponse) -> kpb.ModelStreamInferResponse:
     return kpb.ModelStreamInferResponse(infer_response=response)
 
 
-def infer_response(request: kpb.ModelInferRequest, text: str | None, final: bool) -> kpb.ModelInferResponse:
-    """A response carrying ``text`` as ``text_output`` (None: no output, a bare final flag)."""
+def infer_response(request: kpb.ModelInferRequest, text: str | None, final: bool, logprobs: str | None = None) -> kpb.ModelInferResponse:
+    """A response carrying ``text`` as ``text_output`` (None: no output, a bare final flag) and
+    ``logprobs`` (its tokens' JSON) as the ``logprobs`` output."""
     response = kpb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version or "1", id=request.id)
     response.parameters[_FINAL].bool_param = final
-    if text is not None:
-        response.outputs.add(name=TEXT_OUTPUT, datatype="BYTES", shape=[1])
-        response.raw_output_contents.append(serialize_bytes([text.encode()]))
+    for name, value in ((TEXT_OUTPUT, text), (LOGPROBS_OUTPUT, None if text is None else logprobs)):
+        if value is not None:
+            response.outputs.add(name=name, datatype="BYTES", shape=[1])
+            response.raw_output_contents.append(serialize_bytes([value.encode()]))
     return response
 
 
@@ -211,4 +233,5 @@ def model_config(model: str) -> mc.ModelConfig:
     for name, datatype in INPUT_DATATYPES.items():
         config.input.add(name=name, data_type=types[datatype], dims=[1], optional=name != "text_input")
     config.output.add(name=TEXT_OUTPUT, data_type=mc.TYPE_STRING, dims=[-1])
+    config.output.add(name=LOGPROBS_OUTPUT, data_type=mc.TYPE_STRING, dims=[-1])
     return config

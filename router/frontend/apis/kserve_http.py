@@ -3,8 +3,10 @@ and plain HTTP clients.
 
 Infer bodies are JSON, or JSON followed by binary tensors (Triton's binary data extension: the
 ``Inference-Header-Content-Length`` header gives the JSON's size, each input's
-``parameters.binary_data_size`` its bytes). ``text_output`` comes back binary when the request
-asks for it (``binary_data`` on the output, or ``binary_data_output``), else as JSON data.
+``parameters.binary_data_size`` its bytes). ``text_output`` (and ``logprobs``, when asked for:
+tensors.py) come back binary when the request asks for it (``binary_data`` on the output, or
+``binary_data_output``), else as JSON data; /generate and /generate_stream carry ``logprobs``
+as a JSON array beside ``text_output``.
 Errors are ``{"error": "message"}`` with the same statuses as the OpenAI API's.
 """
 
@@ -25,9 +27,10 @@ from router.frontend.apis.errors import APIError, from_rejected, invalid
 from router.frontend.apis.kserve_grpc import SERVER_VERSION, TENANT_SALT_METADATA, model_config
 from router.frontend.apis.streaming import EventStreamResponse, answered_unless_disconnected, sse_event
 from router.frontend.apis.tensors import (
-    INPUT_DATATYPES, STREAM, TEXT_OUTPUT, LLMRequest, Tensor, deserialize_bool, deserialize_bytes, llm_request, model_metadata,
-    serialize_bytes, unknown_model,
+    INPUT_DATATYPES, LOGPROBS_OUTPUT, STREAM, TEXT_OUTPUT, LLMRequest, Tensor, deserialize_bool, deserialize_bytes, llm_request,
+    logprobs_json, model_metadata, named_constraint, serialize_bytes, unknown_model,
 )
+from router.frontend.apis.token_texts import TokenStrings, model_tokenizer
 from router.frontend.service import GenerationService
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -67,24 +70,32 @@ def kserve_router(service: GenerationService) -> APIRouter:
 
     @routes.post("/v2/models/{model:path}/infer")
     async def infer(model: str, request: Request) -> Response:
-        header, tensors, binary_output = await _infer_body(request)
+        header, tensors, binary_outputs = await _infer_body(request)
         llm = _llm(known(model), tensors, header.get("parameters") or {}, request)
         if llm.stream:
             raise invalid(STREAM, "a streamed (decoupled) request needs generate_stream or gRPC ModelStreamInfer")
-        text = await _generate_text(service, request, llm)
-        if text is None:
+        generated = await _generate_text(service, request, llm)
+        if generated is None:
             return Response(status_code=499)
-        return _infer_response(model, header.get("id"), text if llm.exclude_input_in_output else llm.prompt + text, binary_output)
+        text, logprobs = generated
+        outputs = {TEXT_OUTPUT: text if llm.exclude_input_in_output else llm.prompt + text}
+        if logprobs is not None:
+            outputs[LOGPROBS_OUTPUT] = logprobs
+        return _infer_response(model, header.get("id"), outputs, binary_outputs)
 
     @routes.post("/v2/models/{model:path}/generate")
     async def generate(model: str, request: Request) -> Response:
         llm = _llm(known(model), *_generate_body(await _json(request)), request)
         if llm.stream:
             raise invalid(STREAM, "a streamed request needs generate_stream")
-        text = await _generate_text(service, request, llm)
-        if text is None:
+        generated = await _generate_text(service, request, llm)
+        if generated is None:
             return Response(status_code=499)
-        return JSONResponse({"model_name": model, "model_version": "1", TEXT_OUTPUT: text if llm.exclude_input_in_output else llm.prompt + text})
+        text, logprobs = generated
+        body = {"model_name": model, "model_version": "1", TEXT_OUTPUT: text if llm.exclude_input_in_output else llm.prompt + text}
+        if logprobs is not None:
+            body[LOGPROBS_OUTPUT] = json.loads(logprobs)
+        return JSONResponse(body)
 
     @routes.post("/v2/models/{model:path}/generate_stream")
     async def generate_stream(model: str, request: Request) -> Response:
@@ -108,38 +119,66 @@ def _llm(model: str, tensors: dict[str, Tensor], parameters: dict, request: Requ
     return llm
 
 
-async def _generate_text(service: GenerationService, request: Request, llm: LLMRequest) -> str | None:
-    """The whole generated text; None when the client left first (the call is then cancelled)."""
+async def token_strings(service: GenerationService, llm: LLMRequest) -> TokenStrings | None:
+    """Token texts for the ``logprobs`` output, when the request asks for it."""
+    return TokenStrings(await model_tokenizer(service, llm.generate.model)) if llm.logprobs else None
 
-    async def collect() -> str:
+
+async def _generate_text(service: GenerationService, request: Request, llm: LLMRequest) -> tuple[str, str | None] | None:
+    """The whole generated text and its ``logprobs`` output (None: not asked for); None when the
+    client left first (the call is then cancelled)."""
+    strings = await token_strings(service, llm)
+
+    async def collect() -> tuple[str, str | None]:
+        texts, entries = [], []
         async with contextlib.aclosing(service.generate(llm.generate)) as responses:
-            return "".join([r.text async for r in responses])
+            async for response in responses:
+                texts.append(response.text)
+                entries.extend(response.logprobs)
+        return "".join(texts), logprobs_json(entries, strings) if strings is not None else None
 
-    return await answered_unless_disconnected(request.receive, collect())
+    try:
+        return await answered_unless_disconnected(request.receive, collect())
+    except APIError as e:
+        raise _named(e, llm) from e
+
+
+def _named(error: APIError, llm: LLMRequest) -> APIError:
+    message = named_constraint(error.message, llm.constraint_field)
+    return error if message == error.message else APIError(error.status, message, param=llm.constraint_field, code=error.code)
 
 
 async def _stream(service: GenerationService, request: Request, llm: LLMRequest, model: str) -> Response:
     """Triton's generate_stream: one ``data:`` event per piece of text (just one when stream is
     false); a refusal before the first piece is an HTTP error, a later one an ``error`` event."""
+    strings = await token_strings(service, llm)
     responses = service.generate(llm.generate)
-    first = await answered_unless_disconnected(request.receive, anext(responses))
+    try:
+        first = await answered_unless_disconnected(request.receive, anext(responses))
+    except APIError as e:
+        raise _named(e, llm) from e
     if first is None:
         return Response(status_code=499)
 
-    def event(text: str) -> bytes:
-        return sse_event({"model_name": model, "model_version": "1", TEXT_OUTPUT: text})
+    def event(text: str, entries) -> bytes:
+        body = {"model_name": model, "model_version": "1", TEXT_OUTPUT: text}
+        if strings is not None:
+            body[LOGPROBS_OUTPUT] = json.loads(logprobs_json(entries, strings))
+        return sse_event(body)
 
     async def events() -> AsyncIterator[bytes]:
         async with contextlib.aclosing(responses):
             try:
                 if not llm.stream:
-                    text = first.text + "".join([r.text async for r in responses])
-                    yield event(text if llm.exclude_input_in_output else llm.prompt + text)
+                    rest = [r async for r in responses]
+                    text = first.text + "".join(r.text for r in rest)
+                    entries = [e for r in (first, *rest) for e in r.logprobs]
+                    yield event(text if llm.exclude_input_in_output else llm.prompt + text, entries)
                     return
                 response = first
                 while True:
-                    if response.text:
-                        yield event(response.text)
+                    if response.text or (strings is not None and response.logprobs):
+                        yield event(response.text, response.logprobs)
                     if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                         return
                     response = await anext(responses)
@@ -178,8 +217,8 @@ def _generate_body(body: object) -> tuple[dict[str, Tensor], dict]:
     return tensors, parameters
 
 
-async def _infer_body(request: Request) -> tuple[dict, dict[str, Tensor], bool]:
-    """The JSON header, the input tensors, and whether text_output should come back binary."""
+async def _infer_body(request: Request) -> tuple[dict, dict[str, Tensor], set[str]]:
+    """The JSON header, the input tensors, and the outputs that should come back binary."""
     body = await request.body()
     header_length = request.headers.get(HEADER_LENGTH)
     if header_length is not None:
@@ -201,7 +240,7 @@ async def _infer_body(request: Request) -> tuple[dict, dict[str, Tensor], bool]:
             raise invalid(tensor.name, "given twice")
         tensors[tensor.name] = tensor
         offset += size
-    return header, tensors, _binary_output(header)
+    return header, tensors, _binary_outputs(header)
 
 
 def _input_tensor(i: int, entry: object, binary: bytes) -> tuple[Tensor, int]:
@@ -231,22 +270,28 @@ def _flatten(data: object) -> list:
     return [data]
 
 
-def _binary_output(header: dict) -> bool:
-    for output in header.get("outputs") or ():
-        if isinstance(output, dict) and output.get("name") == TEXT_OUTPUT:
-            return bool((output.get("parameters") or {}).get("binary_data", False))
-    return bool((header.get("parameters") or {}).get("binary_data_output", False))
+def _binary_outputs(header: dict) -> set[str]:
+    """Outputs asked for as binary: by name (``binary_data``), else all (``binary_data_output``)."""
+    every = bool((header.get("parameters") or {}).get("binary_data_output", False))
+    asked = {o.get("name"): bool((o.get("parameters") or {}).get("binary_data", every)) for o in header.get("outputs") or () if isinstance(o, dict)}
+    return {name for name in (TEXT_OUTPUT, LOGPROBS_OUTPUT) if asked.get(name, every)}
 
 
-def _infer_response(model: str, request_id: object, text: str, binary: bool) -> Response:
-    output: dict = {"name": TEXT_OUTPUT, "datatype": "BYTES", "shape": [1]}
-    body: dict = {"model_name": model, "model_version": "1", "outputs": [output]}
+def _infer_response(model: str, request_id: object, outputs: dict[str, str], binary: set[str]) -> Response:
+    body: dict = {"model_name": model, "model_version": "1", "outputs": []}
     if isinstance(request_id, str) and request_id:
         body["id"] = request_id
-    if not binary:
-        output["data"] = [text]
+    raw = b""
+    for name, text in outputs.items():
+        output: dict = {"name": name, "datatype": "BYTES", "shape": [1]}
+        body["outputs"].append(output)
+        if name in binary:
+            data = serialize_bytes([text.encode()])
+            output["parameters"] = {"binary_data_size": len(data)}
+            raw += data
+        else:
+            output["data"] = [text]
+    if not raw:
         return JSONResponse(body)
-    raw = serialize_bytes([text.encode()])
-    output["parameters"] = {"binary_data_size": len(raw)}
     header = json.dumps(body).encode()
     return Response(header + raw, media_type="application/octet-stream", headers={"Inference-Header-Content-Length": str(len(header))})

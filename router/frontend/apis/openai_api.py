@@ -35,11 +35,11 @@ from router.frontend.apis.errors import APIError, from_rejected, openai_body
 from router.frontend.apis.openai_choices import ChatChoice, CompletionChoice
 from router.frontend.apis.openai_sampling import DEFAULT_MAX_N
 from router.frontend.apis.openai_schema import OpenAIRequest, parse_chat, parse_completion
-from router.frontend.apis.openai_shapes import Sample, TokenStrings, summed_usage, usage_body
+from router.frontend.apis.openai_shapes import Sample, summed_usage, usage_body
 from router.frontend.apis.streaming import SSE_DONE, EventStreamResponse, answered_unless_disconnected, sse_event
+from router.frontend.apis.token_texts import TokenStrings, model_tokenizer
 from router.frontend.apis.tool_parsers import parser_for_template
 from router.frontend.service import GenerationService
-from router.routing.worker_calls import WorkerDied
 
 TENANT_SALT_HEADER = "x-splitserve-tenant-salt"
 """The HTTP form of GenerateRequest.tenant_salt: tenants with different salts never share cached blocks."""
@@ -92,24 +92,11 @@ def _model_card(info: pb.ModelInfo) -> dict:
     return {"id": info.id, "object": "model", "created": 0, "owned_by": "splitserve", "max_model_len": info.max_model_len}
 
 
-async def _model_tokenizer(service: GenerationService, model: str):
-    """The model's tokenizer in this router (fetched from a decode worker on first use)."""
-    replica = service.directory.pick("decode", model)
-    if replica is None:
-        raise APIError(503, "no live decode worker", code="unavailable")
-    try:
-        return await service.tokenizers.tokenizer(replica)
-    except CallRejected as rejected:
-        raise from_rejected(rejected) from rejected
-    except WorkerDied as e:
-        raise APIError(503, f"decode worker {replica.replica_id} died: {e}", code="unavailable") from e
-
-
 async def _choices(service: GenerationService, parsed: OpenAIRequest, chat: bool) -> list:
     """One choice shaper per sample; the tokenizer is fetched only when token texts or the
     template's tool-call format are needed."""
     auto_tools = parsed.tools is not None and parsed.tools.choice == "auto"
-    tokenizer = await _model_tokenizer(service, parsed.model) if parsed.logprobs is not None or auto_tools else None
+    tokenizer = await model_tokenizer(service, parsed.model) if parsed.logprobs is not None or auto_tools else None
     strings = TokenStrings(tokenizer)
     logprobs = parsed.logprobs is not None
     if not chat:

@@ -15,7 +15,8 @@ Log-probabilities travel with the delta of their tokens (held ones with the last
 from __future__ import annotations
 
 from proto import splitserve_pb2 as pb
-from router.frontend.apis.openai_shapes import FINISH_REASONS, Sample, TokenStrings, chat_logprobs, completion_logprobs
+from router.frontend.apis.openai_shapes import FINISH_REASONS, Sample, chat_logprobs, completion_logprobs
+from router.frontend.apis.token_texts import TokenStrings
 from router.frontend.apis.openai_tools import ToolPlan, finish_reason, read_calls, tool_call_bodies
 from router.frontend.apis.tool_parsers import ParsedOutput, ToolCallParser
 

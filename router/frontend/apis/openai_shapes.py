@@ -7,7 +7,7 @@ a piece of a multi-byte character is U+FFFD there, and ``bytes`` holds its real 
     chat         {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}
     completions  {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}
 
-A completions ``top_logprobs`` entry holds the alternatives and the sampled token (as vLLM's),
+(``TokenStrings``: token_texts.py). A completions ``top_logprobs`` entry holds the alternatives and the sampled token (as vLLM's),
 keyed by text: two ids with the same text keep the likelier.
 """
 
@@ -15,37 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from proto import splitserve_pb2 as pb
+from router.frontend.apis.token_texts import TokenStrings
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
-
-
-class TokenTexts(Protocol):
-    """What of the model's tokenizer (``engine.tokenizer.Tokenizer``) log-probabilities need."""
-
-    def token_text(self, token_id: int) -> str: ...
-
-    def token_bytes(self, token_id: int) -> bytes: ...
-
-
-class TokenStrings:
-    """Token ids to text and bytes, remembered for one answer."""
-
-    def __init__(self, tokenizer: TokenTexts | None) -> None:
-        self._tokenizer = tokenizer
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def __call__(self, token_id: int) -> tuple[str, list[int]]:
-        found = self._cache.get(token_id)
-        if found is None:
-            if self._tokenizer is None:
-                found = (f"token_id:{token_id}", [])
-            else:
-                found = (self._tokenizer.token_text(token_id), list(self._tokenizer.token_bytes(token_id)))
-            self._cache[token_id] = found
-        return found
 
 
 def chat_logprobs(entries: Iterable[pb.TokenLogprobs], strings: TokenStrings) -> list[dict]:

@@ -8,7 +8,14 @@ A generation is one inference request with these inputs (each one element; shape
     sampling_parameters      BYTES  JSON object of vLLM SamplingParams names default {}
     exclude_input_in_output  BOOL   leave the prompt out of text_output     default false
 
-and one output, ``text_output`` (BYTES). Streamed responses carry only the new text, so
+and the outputs ``text_output`` (BYTES) and, when the request sets the ``logprobs`` parameter
+(kserve_params.py), ``logprobs`` (BYTES): one JSON array per response, an entry for each of
+that response's tokens::
+
+    [{"token_id": 9906, "token": "Hello", "logprob": -0.31,
+      "top": [{"token_id": 9906, "token": "Hello", "logprob": -0.31}, ...]}, ...]
+
+Streamed responses carry only the new text (and its tokens' log-probabilities), so
 ``exclude_input_in_output`` matters to a non-streamed call only, as in the vLLM backend.
 BYTES elements travel as a 4-byte little-endian length and the bytes, back to back.
 """
@@ -18,29 +25,17 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from proto import splitserve_pb2 as pb
 from router.frontend.apis.errors import APIError, invalid
+from router.frontend.apis.kserve_params import KNOWN_KEYS, apply_parameters, constraint_field
 
 TEXT_INPUT, STREAM, SAMPLING_PARAMETERS, EXCLUDE_INPUT = "text_input", "stream", "sampling_parameters", "exclude_input_in_output"
-TEXT_OUTPUT = "text_output"
+TEXT_OUTPUT, LOGPROBS_OUTPUT = "text_output", "logprobs"
 INPUT_DATATYPES = {TEXT_INPUT: "BYTES", STREAM: "BOOL", SAMPLING_PARAMETERS: "BYTES", EXCLUDE_INPUT: "BOOL"}
 """Every input the model takes, and its datatype (as ModelMetadata lists them)."""
-
-_SAMPLING_KEYS = {
-    # name: (where it goes, type)
-    "temperature": ("sampling", float),
-    "top_p": ("sampling", float),
-    "top_k": ("sampling", int),
-    "seed": ("sampling", int),
-    "max_tokens": ("stop", int),
-    "ignore_eos": ("stop", bool),
-    "stop": ("stop", list),
-    "stop_token_ids": ("stop", list),
-}
-
 
 @dataclass(frozen=True)
 class Tensor:
@@ -60,6 +55,10 @@ class LLMRequest:
     stream: bool
     exclude_input_in_output: bool
     prompt: str
+    logprobs: bool = False
+    """The responses carry a ``logprobs`` output."""
+    constraint_field: str | None = None
+    """The parameter that constrains the answer, to name in the engine's refusal of it."""
 
 
 def deserialize_bytes(name: str, raw: bytes) -> list[bytes]:
@@ -100,14 +99,28 @@ def llm_request(model: str, inputs: Mapping[str, Tensor], parameters: Mapping[st
     prompt = _text(inputs[TEXT_INPUT])
     if not prompt:
         raise invalid(TEXT_INPUT, "must not be empty")
-    sampling = {k: v for k, v in parameters.items() if k in _SAMPLING_KEYS}
+    values = {k: (v, f"parameters.{k}") for k, v in parameters.items() if k in KNOWN_KEYS}
     if SAMPLING_PARAMETERS in inputs:
-        sampling.update(_sampling_json(_text(inputs[SAMPLING_PARAMETERS])))
+        values.update({k: (v, f"{SAMPLING_PARAMETERS}.{k}") for k, v in _sampling_json(_text(inputs[SAMPLING_PARAMETERS])).items()})
     request = pb.GenerateRequest(model=model, prompt=prompt)
-    apply_sampling(request, sampling)
+    apply_parameters(request, values)
     stream = bool(inputs[STREAM].values[0]) if STREAM in inputs else False
     exclude = bool(inputs[EXCLUDE_INPUT].values[0]) if EXCLUDE_INPUT in inputs else False
-    return LLMRequest(request, stream, exclude, prompt)
+    return LLMRequest(request, stream, exclude, prompt, request.sampling.HasField("logprobs"), constraint_field(values))
+
+
+def logprobs_json(entries: Sequence[pb.TokenLogprobs], strings: Callable[[int], tuple[str, list[int]]]) -> str:
+    """The ``logprobs`` output element of one response (see the module docstring)."""
+
+    def item(token_id: int, logprob: float) -> dict:
+        return {"token_id": token_id, "token": strings(token_id)[0], "logprob": logprob}
+
+    return json.dumps([{**item(e.token_id, e.logprob), "top": [item(t.token_id, t.logprob) for t in e.top]} for e in entries], ensure_ascii=False)
+
+
+def named_constraint(message: str, field: str | None) -> str:
+    """The engine names a bad schema, regex or grammar ``constraint.*``; the client sent it as ``field``."""
+    return f"{field}: {message}" if field and message.startswith("constraint") else message
 
 
 def _check_tensor(name: str, tensor: Tensor) -> None:
@@ -143,50 +156,6 @@ def _sampling_json(text: str) -> dict:
     return sampling
 
 
-def apply_sampling(request: pb.GenerateRequest, sampling: Mapping[str, object]) -> None:
-    """Set vLLM-named sampling parameters on ``request``. Numbers may come as strings (Triton's
-    parameters and the vLLM backend's JSON both allow it); an unknown name is refused."""
-    for key, value in sampling.items():
-        if key not in _SAMPLING_KEYS:
-            raise invalid(f"{SAMPLING_PARAMETERS}.{key}", f"unknown parameter (known: {', '.join(_SAMPLING_KEYS)})")
-        where, kind = _SAMPLING_KEYS[key]
-        if value is None:
-            continue
-        converted = _convert(f"{SAMPLING_PARAMETERS}.{key}", value, kind)
-        target = request.sampling if where == "sampling" else request.stop
-        if kind is list:
-            getattr(target, key).extend(converted)
-        else:
-            try:
-                setattr(target, key, converted)
-            except ValueError as e:
-                raise invalid(f"{SAMPLING_PARAMETERS}.{key}", f"{value!r} is out of range") from e
-
-
-def _convert(where: str, value: object, kind: type):
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-    elif kind is list:
-        items = [value] if isinstance(value, (str, int)) and not isinstance(value, bool) else value
-        if where.endswith("stop") and isinstance(items, list) and all(isinstance(s, str) and s for s in items):
-            return items
-        if where.endswith("stop_token_ids") and isinstance(items, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):
-            return items
-    elif not isinstance(value, bool):
-        try:
-            converted = kind(value)
-            if kind is int and isinstance(value, float) and value != converted:
-                raise ValueError
-            return converted
-        except (TypeError, ValueError):
-            pass
-    expected = {bool: "true or false", list: "a list", float: "a number", int: "an integer"}[kind]
-    raise invalid(where, f"must be {expected}, got {value!r}")
-
-
 def unknown_model(model: str, served: Sequence[str]) -> APIError:
     return APIError(404, f"model: {model[:64]!r} is not served here (served: {', '.join(served) or 'none'})", param="model", code="model_not_found")
 
@@ -198,5 +167,5 @@ def model_metadata(model: str) -> dict:
         "versions": ["1"],
         "platform": "splitserve",
         "inputs": [{"name": name, "datatype": datatype, "shape": [1]} for name, datatype in INPUT_DATATYPES.items()],
-        "outputs": [{"name": TEXT_OUTPUT, "datatype": "BYTES", "shape": [-1]}],
+        "outputs": [{"name": TEXT_OUTPUT, "datatype": "BYTES", "shape": [-1]}, {"name": LOGPROBS_OUTPUT, "datatype": "BYTES", "shape": [-1]}],
     }

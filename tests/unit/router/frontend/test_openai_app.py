@@ -110,7 +110,7 @@ def test_unknown_routes_and_models_are_404():
     ("/v2/models/m/infer", {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}]}, "text_input: data is required"),
     ("/v2/models/m/infer", {"outputs": []}, "inputs: required: a list of input tensors"),
     ("/v2/models/m/generate", {"text_input": "hi", "stream": True}, "stream: a streamed request needs generate_stream"),
-    ("/v2/models/m/generate", {"text_input": "hi", "parameters": {"max_tokens": "many"}}, "sampling_parameters.max_tokens: must be an integer, got 'many'"),
+    ("/v2/models/m/generate", {"text_input": "hi", "parameters": {"max_tokens": "many"}}, "parameters.max_tokens: must be an integer, got 'many'"),
     ("/v2/models/m/generate", {"text_input": "hi", "temperature": 0}, "temperature: unknown input"),
 ])
 def test_bad_kserve_requests_are_400_naming_the_field(path, body, message):

@@ -9,7 +9,8 @@ import pytest
 from engine.tokenizer import Tokenizer
 from proto import splitserve_pb2 as pb
 from router.frontend.apis.openai_choices import ChatChoice, CompletionChoice
-from router.frontend.apis.openai_shapes import Sample, TokenStrings, collect, summed_usage
+from router.frontend.apis.openai_shapes import Sample, collect, summed_usage
+from router.frontend.apis.token_texts import TokenStrings
 from router.frontend.apis.openai_tools import ToolPlan
 from router.frontend.apis.tool_parsers import HermesParser
 
