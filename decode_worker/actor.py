@@ -207,6 +207,8 @@ class DecodeWorker(EngineReplica):
         limit = self.config.max_local_prefill_tokens
 
         def admit(engine: LLMEngine, r: EngineRequest) -> RemotePrefill | None:
+            """Park for a remote prefill, or queue here: a prompt mostly cached here, too few free
+            blocks, or a request asking for prompt logprobs (only the prefilling engine sees them)."""
             return engine.add_remote_request(
                 r.request_id,
                 r.prompt,

@@ -150,7 +150,7 @@ class ModelRunner:
         rows = sample_rows(requests)
         params, seeds, positions = [r.params for r in rows], [r.seed for r in rows], [r.position for r in rows]
         plan = plans[0]
-        plain = not bitmasks and not any(r.processes_logits or r.params.logprobs is not None for r in rows)
+        plain = not bitmasks and not any(r.processes_logits or r.params.logprobs is not None or r.params.constraint is not None for r in rows)
         logprobs = [None] * len(rows)
         if self.graphs is not None and self.graphs.covers(len(plan.decodes), len(plan.prefills), len(plan.sample_rows), plain):
             decodes = [(c.token_ids[0], c.start, c.block_ids) for c in plan.decodes]
