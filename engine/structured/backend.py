@@ -92,11 +92,6 @@ class GrammarBackend:
         self._num_compiles = self._num_cache_hits = self._num_compile_errors = self._num_compile_timeouts = 0
         self._compile_s_total = 0.0
 
-    @property
-    def ll_tokenizer(self) -> llguidance.LLTokenizer:
-        """The llguidance tokenizer every grammar is compiled against."""
-        return self._ll_tokenizer
-
     def compile(self, constraint: Constraint) -> CompiledGrammar:
         """The compiled grammar of ``constraint``, from the cache or compiled now.
 
