@@ -96,3 +96,20 @@ def test_the_first_tokens_logprobs_cross_back_in_the_transfer_result():
     result = TransferResult("r", TransferStatus.DONE, first_token_id=7, first_token_logprob=-0.5, first_token_top_logprobs=((7, -0.5), (2, -1.0)))
     assert _first_token_logprobs(result) == TokenLogprobs(7, -0.5, ((7, -0.5), (2, -1.0)))
     assert _first_token_logprobs(TransferResult("r", TransferStatus.DONE, first_token_id=7)) is None
+
+
+def test_min_tokens_holds_for_the_first_token_a_prefill_worker_samples(tiny_llama_dir):
+    """EOS forced by logit bias: the prefill worker's engine samples it first only when the
+    request allows it (min_tokens 0); with min_tokens the first token is something else."""
+    from tests.unit.engine.helpers import make_engine
+
+    llm = make_engine(tiny_llama_dir)
+    to_eos = tuple((t, 100.0) for t in sorted(llm.eos_token_ids))
+    firsts = {}
+    for min_tokens in (0, 3):
+        params = _first_token_params(SamplingParams(max_tokens=8, min_tokens=min_tokens, temperature=0, logit_bias=to_eos))
+        llm.add_request(f"m{min_tokens}", [5, 6, 7], params, hold_kv=True)
+        llm.run_to_completion([f"m{min_tokens}"])
+        firsts[min_tokens] = llm.take_prefilled(f"m{min_tokens}").first_token
+        llm.release_lease(f"m{min_tokens}")
+    assert firsts[0] in llm.eos_token_ids and firsts[3] not in llm.eos_token_ids

@@ -200,10 +200,16 @@ def test_graphed_decode_steps_run_eagerly_for_rows_that_process_logits_or_want_l
 
     graphed = _triton_engine(tiny_llama_dir, graphs=True, graph_max_batch=4)
     assert not graphed.runner.graphs.covers(2, 0, 2, plain=False) and graphed.runner.graphs.covers(2, 0, 2)
-    for params in (SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1), SamplingParams(max_tokens=4, presence_penalty=1.0, **SEEDED)):
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1, repetition_penalty=1.5)
+    on_cpu = [lp for o in _run(make_engine(tiny_llama_dir), [5, 6, 7], greedy) for lp in o.logprobs]
+    for params in (greedy, SamplingParams(max_tokens=4, presence_penalty=1.0, **SEEDED)):
         before = graphed.runner.num_graph_steps
         outputs = _run(graphed, [5, 6, 7], params)
         assert graphed.runner.num_graph_steps == before and sum(len(o.new_token_ids) for o in outputs) == 4
+        if params is greedy:  # the device path processes the same logits the same way
+            got = [lp for o in outputs for lp in o.logprobs]
+            assert [lp.token_id for lp in got] == [lp.token_id for lp in on_cpu]
+            assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in on_cpu], abs=1e-4)
     _run(graphed, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), "plain")
     assert graphed.runner.num_graph_steps > 0
 
