@@ -104,7 +104,7 @@ def test_grpc_bad_tensors_are_invalid_argument(cluster, model):
 def test_http_client_and_generate_endpoints(http_address, model, want):
     client = httpclient.InferenceServerClient(http_address)
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(model)
-    assert client.get_model_metadata(model)["outputs"] == [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}]
+    assert client.get_model_metadata(model)["outputs"] == [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}, {"name": "logprobs", "datatype": "BYTES", "shape": [-1]}]
     inputs = llm_inputs(httpclient, PROMPT, False, SAMPLING, exclude_input=True)
     assert text_of(client.infer(model, inputs)) == want  # binary tensors both ways
     assert text_of(client.infer(model, inputs, outputs=[httpclient.InferRequestedOutput("text_output", binary_data=False)])) == want

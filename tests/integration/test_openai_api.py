@@ -113,7 +113,7 @@ def test_errors_have_the_openai_shape_and_the_server_keeps_serving(sdk, base_url
         (json.dumps({"model": model}).encode(), "messages: required"),
         (json.dumps({"model": model, "messages": "hi"}).encode(), "messages: must be a non-empty list"),
         (json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).encode(), "temperature: must be a number, got 'hot'"),
-        (json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}).encode(), "logprobs: not supported by splitserve"),
+        (json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}).encode(), "top_logprobs: must be in [0, 20], got 21"),
     ]:
         reply = requests.post(f"{base_url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
         assert reply.status_code == 400 and reply.json()["error"]["message"].startswith(message), reply.text
