@@ -108,3 +108,26 @@ def test_the_schemas_own_whitespace_option_does_not_loosen_the_layout(backend, t
 def test_logits_narrower_than_the_tokenizer_are_refused(tokenizer):
     with pytest.raises(ValueError, match="vocab_size 1000 is below the tokenizer's 49152 tokens"):
         GrammarBackend(tokenizer, 1000)
+
+
+def test_concurrent_compiles_of_one_constraint_share_one_compile(tokenizer):
+    release = threading.Event()
+    num_builds = []
+
+    def counting_builder(constraint: Constraint) -> str:
+        num_builds.append(1)
+        release.wait()
+        return grammar_from_constraint(constraint)
+
+    backend = GrammarBackend(tokenizer, 49152, grammar_builder=counting_builder)
+    constraint = Constraint(ConstraintKind.JSON_OBJECT)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(backend.compile(constraint))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    release.set()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 4 and all(compiled is results[0] for compiled in results)
+    assert len(num_builds) == 1
+    assert (backend.stats().num_compiles, backend.stats().num_cache_hits) == (1, 3)
