@@ -5,6 +5,9 @@ separators ``", "`` and ``": "`` (what ``json.dumps`` writes), whatever the sche
 ``x-guidance`` options say. A model cannot pad its answer with newlines until ``max_tokens``
 runs out, the text is one exact string per value, and llguidance can force (jump forward) the
 whole run between two values, e.g. ``", "age": `` after a string.
+
+REGEX is the Rust ``regex`` crate's syntax (no look-around, no back-references), matched against
+the whole answer; GRAMMAR's "ebnf" is llama.cpp's GBNF, converted to Lark by llguidance.
 """
 
 from __future__ import annotations

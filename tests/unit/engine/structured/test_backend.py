@@ -24,6 +24,7 @@ from engine.structured.grammars import grammar_from_constraint
         (Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "string", "minLength": 3, "maxLength": 2}'), "constraint.json_schema: Unsatisfiable schema: minLength (3) is greater than maxLength (2)"),
         (Constraint(ConstraintKind.JSON_SCHEMA, '{"not": {"type": "string"}}'), 'constraint.json_schema: Unimplemented keys: ["not"]'),
         (Constraint(ConstraintKind.REGEX, "[a-"), "constraint.regex: at 1(8): invalid regex"),
+        (Constraint(ConstraintKind.REGEX, "(?=a)b"), 'constraint.regex: at 1(8): invalid regex "(?=a)b" (in regex): regex parse error:\n    (?=a)b\n    ^^^\nerror: look-around'),
         (Constraint(ConstraintKind.GRAMMAR, "start: foo"), 'constraint.grammar: at 1(8): unknown name: "foo"'),
         (Constraint(ConstraintKind.GRAMMAR, "root ::= foo", syntax="ebnf"), "constraint.grammar: not a valid GBNF grammar: Rule 'foo' not found"),
         (Constraint(ConstraintKind.GRAMMAR, 'root = "a"', syntax="ebnf"), "constraint.grammar: not a valid GBNF grammar: Expected ::= at line 1"),
