@@ -7,7 +7,8 @@
     "auto" (with tools)    the answer is parsed in the format the chat template teaches
                            (tool_parsers.py); a template that teaches none: content
     "required"             the answer is constrained to a JSON array of one or more
-                           {"name": <a tool's name>, "arguments": <its parameters schema>};
+                           {"name": <a tool's name>, "arguments": <its parameters schema>}
+                           (exactly one with ``parallel_tool_calls: false``);
                            finish_reason "tool_calls"
     {"type": "function", "function": {"name": N}}
                            the answer is constrained to N's parameters schema: one call of N;
@@ -74,7 +75,10 @@ def parse_tools(body: Mapping, request: pb.GenerateRequest, constraint_field: st
     if plan.constrained:
         if constraint_field is not None:
             raise invalid("tool_choice", f"a required or named tool choice cannot be combined with {constraint_field}")
-        schema = schemas[plan.function] if plan.function else required_schema(schemas)
+        parallel = body.get("parallel_tool_calls")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise invalid("parallel_tool_calls", f"must be true or false, got {parallel!r}")
+        schema = schemas[plan.function] if plan.function else required_schema(schemas, max_calls=None if parallel is not False else 1)
         request.sampling.constraint.json_schema = json.dumps(schema, ensure_ascii=False)
     return plan
 
@@ -116,13 +120,14 @@ def _tool_choice(choice: object, schemas: Mapping[str, dict]) -> ToolPlan:
     raise invalid("tool_choice", f"must be none, auto, required or {{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}")
 
 
-def required_schema(schemas: Mapping[str, dict]) -> dict:
-    """One or more calls, each of a given tool with arguments of its schema."""
+def required_schema(schemas: Mapping[str, dict], max_calls: int | None = None) -> dict:
+    """One or more calls (up to ``max_calls``), each of a given tool with arguments of its schema."""
     calls = [
         {"type": "object", "properties": {"name": {"const": name}, "arguments": schema}, "required": ["name", "arguments"], "additionalProperties": False}
         for name, schema in schemas.items()
     ]
-    return {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    return schema if max_calls is None else {**schema, "maxItems": max_calls}
 
 
 def message_tool_calls(where: str, calls: object, message: pb.ChatMessage) -> None:

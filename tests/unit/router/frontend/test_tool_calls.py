@@ -40,6 +40,13 @@ def test_required_constrains_to_an_array_of_calls_of_the_given_tools():
     assert (parsed.tools, parsed.constraint_field) == (ToolPlan("required"), "tool_choice")
 
 
+def test_parallel_tool_calls_false_allows_one_required_call():
+    parsed = parse_chat({**CHAT, "tool_choice": "required", "parallel_tool_calls": False}, MODELS)
+    schema = json.loads(parsed.generate.sampling.constraint.json_schema)
+    assert (schema["minItems"], schema["maxItems"]) == (1, 1)
+    assert "maxItems" not in json.loads(parse_chat({**CHAT, "tool_choice": "required", "parallel_tool_calls": True}, MODELS).generate.sampling.constraint.json_schema)
+
+
 def test_a_named_function_constrains_to_its_parameters():
     parsed = parse_chat({**CHAT, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, MODELS)
     assert json.loads(parsed.generate.sampling.constraint.json_schema) == WEATHER
