@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from proto import splitserve_pb2 as pb
 from router.frontend.apis.errors import APIError, invalid
 from router.frontend.apis.openai_sampling import (
-    DEFAULT_MAX_N, apply_sampling_fields, chat_logprobs, completion_logprobs, constraint_from,
+    DEFAULT_MAX_N, apply_sampling_fields, chat_logprobs, completion_logprobs, constraint_from, integer, number,
 )
 from router.frontend.apis.openai_tools import ToolPlan, message_tool_calls, parse_tools
 
@@ -111,7 +111,7 @@ def _common(body: dict, request: pb.GenerateRequest, models: Mapping[str, pb.Mod
     request.model = model
     _refuse_unsupported(body)
     for name in ("temperature", "top_p"):
-        value = _number(body, name)
+        value = number(body, name)
         if value is not None:
             setattr(request.sampling, name, value)
     if request.sampling.HasField("temperature") and not 0 <= request.sampling.temperature <= 2:
@@ -119,7 +119,7 @@ def _common(body: dict, request: pb.GenerateRequest, models: Mapping[str, pb.Mod
     if request.sampling.HasField("top_p") and not 0 < request.sampling.top_p <= 1:
         raise invalid("top_p", f"must be in (0, 1], got {body['top_p']}")
     for name, low, high in (("top_k", 0, _INT32_MAX), ("seed", -(2**63), 2**63 - 1)):
-        value = _integer(body, name, None)
+        value = integer(body, name)
         if value is not None:
             if not low <= value <= high:
                 raise invalid(name, f"must be in [{low}, {high}], got {value}")
@@ -180,7 +180,7 @@ def _max_tokens(body: dict, default: int | None, max_model_len: int) -> int:
     """``max_completion_tokens`` (chat's newer name) wins over ``max_tokens``. None: as many as
     the context holds (the engine stops at ``max_model_len``)."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    value = _integer(body, name, None)
+    value = integer(body, name)
     if value is None:
         return default if default is not None else max(1, max_model_len)
     if not 1 <= value <= _INT32_MAX:
@@ -263,24 +263,6 @@ def _stop(stop: object) -> list[str]:
     if isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
         return stop
     raise invalid("stop", "must be a non-empty string or a list of them")
-
-
-def _number(body: Mapping, name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise invalid(name, f"must be a number, got {value!r}")
-    return float(value)
-
-
-def _integer(body: Mapping, name: str, default: int | None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(name, f"must be an integer, got {value!r}")
-    return value
 
 
 def _boolean(body: Mapping, name: str, default: bool, where: str | None = None) -> bool:
