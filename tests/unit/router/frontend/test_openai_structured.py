@@ -113,3 +113,13 @@ def test_completion_logprobs_out_of_range_and_n_past_the_router_max():
     with pytest.raises(APIError) as e:
         parse_completion({"model": "m", "prompt": "hi", "n": 5}, MODELS, max_n=4)
     assert (e.value.param, e.value.message) == ("n", "n: must be in [1, 4], got 5")
+
+
+def test_the_engines_refusal_of_a_constraint_names_the_clients_field():
+    from router.frontend.apis.openai_api import _named_constraint
+
+    engine = APIError(400, "constraint.json_schema: unknown type 'bogus'", param="constraint.json_schema", code="invalid_argument")
+    named = _named_constraint(engine, "response_format")
+    assert (named.status, named.param, named.message, named.code) == (400, "response_format", "response_format: constraint.json_schema: unknown type 'bogus'", "invalid_argument")
+    other = APIError(400, "max_tokens: too many", param="max_tokens")
+    assert _named_constraint(other, "response_format") is other and _named_constraint(engine, None) is engine
