@@ -130,6 +130,8 @@ class EngineLoop:
         if self._failure is not None:
             raise EngineLoopFailed(f"engine loop failed: {self._failure!r}")
         loop = asyncio.get_running_loop()
+        if request.params.constraint is not None:  # compiled here, off the engine thread: add_request finds it cached
+            await loop.run_in_executor(None, self.engine.grammars.compile, request.params.constraint)
         admitted: Future = Future()
         outputs: asyncio.Queue = asyncio.Queue()
         self._commands.put(_Add(request, admitted, outputs, loop, admit))

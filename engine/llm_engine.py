@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,8 @@ from engine.params import SamplingParams
 from engine.request import Request, RequestOutput, SampledTokens, TokenLogprobs
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledChunk, Scheduler
+from engine.structured.backend import GrammarBackend
+from engine.structured.step_masks import StepMasks
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kv_store.block_pool import BlockPool
 from kv_store.cpu_tier import CPUTier
@@ -97,6 +100,9 @@ class LLMEngine:
         self._prefilled: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self._failures: list[RequestFailedError] = []
+        self._grammars: GrammarBackend | None = None
+        self._grammars_lock = threading.Lock()
+        self._step_masks: StepMasks | None = None
         self._last_failed_inputs: frozenset[tuple[int, ...]] | None = None
         """The inputs of the last step that ran, when every request of it failed."""
         group.barrier()  # every follower has its shard loaded: the first step's collectives will not wait on a load
@@ -271,9 +277,10 @@ class LLMEngine:
         poison several times, or retrying it): they are one request's evidence, and fail alone."""
         if not chunks:
             return IsolatedStep({}, {})
+        masks = self._step_masks.start(chunks) if self._grammars is not None else None
         if self.group.size > 1:  # the other ranks may be stuck in a collective of the failed run
-            return IsolatedStep(self.runner.execute(chunks), {})
-        step = run_isolating(self.runner.execute, chunks)
+            return IsolatedStep(self.runner.execute(chunks, masks), {})
+        step = run_isolating(lambda part: self.runner.execute(part, masks), chunks)
         failed_inputs = inputs_of(chunks) if len(step.failed) == len(chunks) else None
         if failed_inputs and len(failed_inputs | (self._last_failed_inputs or frozenset())) > 1:
             raise next(iter(step.failed.values()))
@@ -314,9 +321,25 @@ class LLMEngine:
         do); returns how many left the pool."""
         return self.kv_store.evict_pool()
 
+    @property
+    def grammars(self) -> GrammarBackend:
+        """Compiles constraints for this model's tokenizer (built at the first constrained
+        request: llguidance's tokenizer takes ~0.3 s). Thread-safe: a worker compiles a
+        request's constraint from another thread before ``add_request`` (which then finds it
+        cached), so a slow compile never holds up a step."""
+        if self._grammars is None:
+            with self._grammars_lock:
+                if self._grammars is None:
+                    config = self.config
+                    self._step_masks = StepMasks(self.model_config.vocab_size)
+                    self._grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, config.grammar_compile_timeout_s, config.grammar_cache_size)
+        return self._grammars
+
     def close(self) -> None:
         """Stop background work (the Redis tier's writer) and the follower ranks' step loops."""
         self.kv_store.close()
+        if self._step_masks is not None:
+            self._step_masks.close()
         if self.group.size > 1:
             self.runner.stop_followers()
             self.group.close()
@@ -348,6 +371,9 @@ class LLMEngine:
             step_cpu_s=self._step_cpu_s,
             num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
             num_accepted_draft_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
+            num_forced_tokens=self.scheduler.num_forced_tokens,
+            num_grammar_compiles=self._grammars.stats().num_compiles if self._grammars else 0,
+            grammar_compile_s=self._grammars.stats().compile_s_total if self._grammars else 0.0,
             num_failed_requests=self.scheduler.num_failed,
         )
 
@@ -398,6 +424,7 @@ class LLMEngine:
         self.intake.check_fits(prompt_token_ids, params)
         self.intake.token_ids_in_vocab("logit_bias", [token_id for token_id, _ in params.logit_bias])
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        grammar = self.grammars.matcher(params.constraint) if params.constraint is not None else None
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -407,6 +434,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
             seed=seed,
+            grammar=grammar,
         )
         try:
             request.resume(resume_token_ids)

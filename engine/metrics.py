@@ -59,6 +59,9 @@ class EngineStatsCollector(Collector):
             ("splitserve_engine_step_cpu_seconds", "CPU time of the engine thread in engine steps.", s.step_cpu_s),
             ("splitserve_engine_spec_draft_tokens", "Speculative draft tokens verified by the model.", s.num_draft_tokens),
             ("splitserve_engine_spec_accepted_tokens", "Speculative draft tokens accepted.", s.num_accepted_draft_tokens),
+            ("splitserve_engine_forced_tokens", "Output tokens constraints forced, appended without a step each (jump-forward).", s.num_forced_tokens),
+            ("splitserve_engine_grammar_compiles", "Constraints compiled (grammar cache misses).", s.num_grammar_compiles),
+            ("splitserve_engine_grammar_compile_seconds", "Wall time spent compiling constraints.", s.grammar_compile_s),
         ):
             counter = CounterMetricFamily(name, doc, labels=names)
             counter.add_metric(values, value)

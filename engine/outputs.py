@@ -42,6 +42,12 @@ class EngineStats:
     """Of those, the ones accepted (each saved a decode step)."""
     num_failed_requests: int = 0
     """Requests dropped because a step raised for them alone (``LLMEngine.take_failures``)."""
+    num_forced_tokens: int = 0
+    """Output tokens a constraint forced, appended without a forward pass each (jump-forward)."""
+    num_grammar_compiles: int = 0
+    """Constraints compiled (cache misses), since start."""
+    grammar_compile_s: float = 0.0
+    """Wall seconds those compiles took."""
 
 
 @dataclass(frozen=True)

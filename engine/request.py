@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.params import SamplingParams
 from engine.stop import StopStringMatcher
+from engine.structured.matcher import GrammarMatcher
 from engine.tokenizer import IncrementalDetokenizer
 from kv_store.keys import block_keys
 
@@ -167,6 +168,10 @@ class Request:
     draft_token_ids: tuple[int, ...] = ()
     """Speculative drafts to verify this step after its last token (set by the speculator, never
     part of ``token_ids``: only the accepted ones are appended)."""
+    grammar: GrammarMatcher | None = None
+    """Its constraint's matcher (``params.constraint``), advanced with every output token."""
+    num_forced_tokens: int = 0
+    """Output tokens the constraint forced, appended without a forward pass each (jump-forward)."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -221,9 +226,10 @@ class Request:
 
     def resume(self, token_ids: list[int]) -> None:
         """Take ``token_ids`` as output already generated and streamed (by a replica that died
-        mid-request): the detokenizer and stop strings pick up after them, they count toward
-        ``max_tokens``, and nothing of them is emitted again. Their KV is computed with the
-        prompt's. Raises ValueError if one of them would have ended the request."""
+        mid-request): the detokenizer, stop strings and constraint pick up after them, they count
+        toward ``max_tokens``, and nothing of them is emitted again. Their KV is computed with the
+        prompt's. Raises ValueError if one of them would have ended the request, or breaks the
+        request's constraint."""
         for index, token_id in enumerate(token_ids):
             self.append_token(token_id)
             if self.finished:
@@ -233,11 +239,13 @@ class Request:
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         """Add a sampled token (with its log-probabilities, where the request asks) and decide
         whether the request is finished."""
+        params = self.params
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            raise ValueError(f"token {token_id} does not continue an answer its {params.constraint.field} allows")
         self.token_ids.append(token_id)
         self._pending_tokens.append(token_id)
         if logprobs is not None:
             self._pending_logprobs.append(logprobs)
-        params = self.params
         if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
             self._finish(FinishReason.STOP, token_id)
             return
@@ -245,8 +253,28 @@ class Request:
         self._pending_text.append(text)
         if matched is not None:
             self._finish(FinishReason.STOP, matched, flush=False)
+        elif self.grammar is not None and self.grammar.is_finished:
+            self._finish(FinishReason.STOP)
         elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
             self._finish(FinishReason.LENGTH)
+
+    def jump_forward(self) -> int:
+        """Append the tokens the constraint forces next (SGLang's jump-forward), as output, and
+        return how many: the next step computes their KV together with the last sampled token,
+        one forward pass for all of them instead of one each. Their log-probability is 0 (the
+        constrained distribution leaves nothing else), each its own only alternative."""
+        num_forced = 0
+        while self.grammar is not None and not self.finished and (forced := self.grammar.forced_tokens()):
+            for token_id in forced:
+                logprobs = None
+                if self.params.logprobs is not None:
+                    logprobs = TokenLogprobs(token_id, 0.0, ((token_id, 0.0),) if self.params.logprobs else ())
+                self.append_token(token_id, logprobs)
+                num_forced += 1
+                if self.finished:
+                    break
+        self.num_forced_tokens += num_forced
+        return num_forced
 
     def abort(self) -> None:
         self._finish(FinishReason.ABORT)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from engine.parallel.group import TPGroup
 from engine.request import Request, SampledTokens
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk
+from engine.structured.step_masks import masks_of
 
 _GROUP_GROWTH = 1.25
 """A decode group closes when the next sequence would need this many times its first one's blocks."""
@@ -132,14 +134,15 @@ class ModelRunner:
             self.graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], bitmasks: Mapping[Request, torch.Tensor] | None = None) -> dict[Request, SampledTokens]:
+    def execute(self, chunks: list[ScheduledChunk], bitmasks: Mapping[Request, torch.Tensor] | Future | None = None) -> dict[Request, SampledTokens]:
         """Leader: run one step of ``chunks`` on every rank; the tokens sampled for each request
         that samples (one, or one per row of a verify chunk: row j is its output token n + j),
         with their log-probabilities where asked. Prompt log-probabilities of the step's prompt
         positions are recorded on their requests (``Request.add_prompt_logprobs``).
 
         ``bitmasks``: a constraint's allowed tokens per constrained request, ``int32 [1 + drafts,
-        ceil(vocab / 32)]`` (row j after drafts 0..j-1; bit j of word w allows token 32 w + j).
+        ceil(vocab / 32)]`` (row j after drafts 0..j-1; bit j of word w allows token 32 w + j), or
+        a future of them being filled while the forward pass runs (``StepMasks.start``).
         Steps whose rows process logits or want log-probabilities run eagerly, never from a graph."""
         plans, requests, spans = [], [], []
         for rank in range(self.dp.size):
@@ -150,7 +153,7 @@ class ModelRunner:
         rows = sample_rows(requests)
         params, seeds, positions = [r.params for r in rows], [r.seed for r in rows], [r.position for r in rows]
         plan = plans[0]
-        plain = not bitmasks and not any(r.processes_logits or r.params.logprobs is not None or r.params.constraint is not None for r in rows)
+        plain = bitmasks is None and not any(r.processes_logits or r.params.logprobs is not None or r.params.constraint is not None for r in rows)
         logprobs = [None] * len(rows)
         if self.graphs is not None and self.graphs.covers(len(plan.decodes), len(plan.prefills), len(plan.sample_rows), plain):
             decodes = [(c.token_ids[0], c.start, c.block_ids) for c in plan.decodes]
@@ -163,7 +166,7 @@ class ModelRunner:
             record_prompt_logprobs(prompt_logits, spans)
             if not requests:
                 return {}
-            bitmask, bitmask_rows = stack_bitmasks(requests, bitmasks or {}, logits.device)
+            bitmask, bitmask_rows = stack_bitmasks(requests, masks_of(bitmasks), logits.device)
             logits = process_logits(logits, rows, bitmask, bitmask_rows)
             tokens = self._sample(logits, params, seeds, positions)
             logprobs = sampled_logprobs(logits, rows, tokens)

@@ -97,6 +97,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_aborted = 0
         self.num_failed = 0
+        self.num_forced_tokens = 0
+        """Output tokens constraints forced (jump-forward), appended without a step each."""
         self.num_computed_prompt_tokens = 0
         """Prompt tokens whose K/V the engine computed (cache hits excluded); grows with recompute."""
         self.speculator = speculator
@@ -209,6 +211,8 @@ class Scheduler:
                 num_appended += 1
                 if request.finished:
                     break
+            if tokens and not request.finished:
+                self.num_forced_tokens += request.jump_forward()
             # A verify chunk's KV is kept for its first token and the drafts that were appended.
             request.num_computed_tokens += chunk.num_new_tokens - len(chunk.draft_token_ids) + max(0, num_appended - 1)
             if chunk.draft_token_ids:
@@ -289,6 +293,8 @@ class Scheduler:
             request.append_token(first_token)
         else:
             request.append_token(first_token, logprobs)
+        if not request.finished:
+            self.num_forced_tokens += request.jump_forward()
         request.first_scheduled_s = request.first_scheduled_s or time.monotonic()
         if request.finished:
             self._release(request)

@@ -31,10 +31,10 @@ def test_time_a_step_spends_off_the_cpu_shows_as_its_stall(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, max_num_batched_tokens=256)
     execute, calls = engine.runner.execute, []
 
-    def execute_after_a_nap(chunks):
+    def execute_after_a_nap(chunks, bitmasks=None):
         calls.append(len(chunks))
         time.sleep(NAP_S)
-        return execute(chunks)
+        return execute(chunks, bitmasks)
 
     engine.runner.execute = execute_after_a_nap
     s0 = engine.stats()
