@@ -282,7 +282,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         empty text prompt goes on as it is, for the engine to refuse by its own rules."""
         if request.HasField("prompt") and not request.prompt:
             return
-        response = await self.tokenizers.encode(decode, request.prompt if request.HasField("prompt") else None, request.messages)
+        response = await self.tokenizers.encode(decode, request.prompt if request.HasField("prompt") else None, request.messages, tools_json=request.tools_json)
         request.ClearField("prompt")
         request.ClearField("messages")
         _set_prompt_token_ids(request, response)
