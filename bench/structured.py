@@ -11,9 +11,10 @@
   the fills' rate against theirs alone. The peer is a helper thread running Python, which holds
   the GIL: the matmuls then wait for it between ops. (A main thread running Python would
   say little: the helper gets the GIL back only every switch interval, whatever the fill does.)
-- ``engine``: ``LLMEngine`` on the model, the same chat requests unconstrained and constrained by a
-  schema, greedy, ``--max-tokens``, at each ``--concurrency``: output tok/s, answers that validate,
-  and tokens appended by jump-forward (``EngineStats.num_forced_tokens``, where the engine has it).
+- ``engine``: ``LLMEngine`` on the model, chat requests constrained by a schema (greedy, up to
+  ``--max-tokens``), then the same requests free, each making as many tokens as its constrained
+  answer, at each ``--concurrency``: output tok/s, answers that validate, and tokens appended by
+  jump-forward (``EngineStats.num_forced_tokens``, where the engine has it).
   An engine that refuses constraints ends the run with exit status 2 after the other parts print.
 """
 
@@ -152,16 +153,9 @@ def gil_report(backend: GrammarBackend, tokenizer: Tokenizer, vocab_size: int) -
     bitmask = allocate_bitmask(8, vocab_size)
     fill_us = [timed_s(lambda: fill_bitmasks(pairs, bitmask)) * 1e6 for _ in range(200)]
 
-    def python_work() -> None:
-        total = 0
-        for i in range(200_000):
-            total += i
-
+    python_work = lambda: sum(i for i in range(200_000))  # noqa: E731  (bytecode: holds the GIL)
     matrix = torch.randn(384, 384)
-
-    def matmul_work() -> None:
-        for _ in range(40):
-            matrix @ matrix
+    matmul_work = lambda: [matrix @ matrix for _ in range(40)]  # noqa: E731
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -198,46 +192,50 @@ def engine_report(backend: GrammarBackend, model: str, concurrencies: list[int],
 
     engine = LLMEngine(EngineConfig(model=model))
     constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(PERSON))
-    modes = {"unconstrained": SamplingParams(max_tokens=max_tokens, temperature=0), "json_schema": SamplingParams(max_tokens=max_tokens, temperature=0, constraint=constraint)}
+    constrained = SamplingParams(max_tokens=max_tokens, temperature=0, constraint=constraint)
     out = {"schema": "person", "max_tokens": max_tokens, "num_requests": num_requests}
+
+    def serve(mode: str, concurrency: int, params_of) -> tuple[dict, list[list[int]]]:
+        answers: list[list[int]] = [[] for _ in range(num_requests)]
+        reasons: list[str | None] = [None] * num_requests
+        add = lambda index: engine.add_request(f"{mode}-c{concurrency}-{index}", messages=chat(index), params=params_of(index)) or f"{mode}-c{concurrency}-{index}"  # noqa: E731
+
+        def on_output(output) -> None:
+            index = int(output.request_id.rsplit("-", 1)[1])
+            answers[index].extend(output.new_token_ids)
+            reasons[index] = output.finish_reason.value if output.finished else None
+
+        engine.reset_prefix_cache()  # every run computes its prompts
+        before = getattr(engine.stats(), "num_forced_tokens", None)
+        num_output, wall_s = closed_loop(engine, num_requests, concurrency, add, on_output)
+        after = getattr(engine.stats(), "num_forced_tokens", None)
+        row = {"tok_per_s": round(num_output / wall_s, 2), "num_output_tokens": num_output, "finished_stop": reasons.count("stop")}
+        if after is not None:
+            row["num_forced_tokens"] = after - before
+        progress("structured", f"engine {mode} c{concurrency}: {row}")
+        return row, answers
+
     try:
+        serve("warm-up", max(concurrencies), lambda index: constrained)  # the engine's grammar backend, the compile, first steps
         for concurrency in concurrencies:
-            for mode, params in modes.items():
-                texts: dict[str, list[int]] = {}
-                reasons: dict[str, str] = {}
-
-                def add(index: int, mode=mode, params=params, concurrency=concurrency, texts=texts) -> str:
-                    request_id = f"{mode}-c{concurrency}-{index}"
-                    texts[request_id] = []
-                    topic = TOPICS[index % len(TOPICS)]
-                    messages = [{"role": "user", "content": f"Describe {topic} as a JSON object with the keys name, age and city."}]
-                    engine.add_request(request_id, messages=messages, params=params)
-                    return request_id
-
-                def on_output(output, texts=texts, reasons=reasons) -> None:
-                    texts[output.request_id].extend(output.new_token_ids)
-                    if output.finished:
-                        reasons[output.request_id] = output.finish_reason.value
-
-                before = getattr(engine.stats(), "num_forced_tokens", None)
-                num_output, wall_s = closed_loop(engine, num_requests, concurrency, add, on_output)
-                after = getattr(engine.stats(), "num_forced_tokens", None)
-                row = {"tok_per_s": round(num_output / wall_s, 2), "num_output_tokens": num_output, "finished_stop": sum(r == "stop" for r in reasons.values())}
-                if mode == "json_schema":
-                    row["num_valid"] = sum(valid(engine.tokenizer.decode(ids), jsonschema) for ids in texts.values())
-                    row["num_forced_tokens"] = None if before is None else after - before
-                    num_off_grammar = sum(not follows(backend.matcher(constraint), ids) for ids in texts.values())
-                    if num_off_grammar:
-                        raise BenchError(f"the engine does not enforce constraints yet: {num_off_grammar} of {num_requests} answers leave the grammar")
-                out[f"{mode}_c{concurrency}"] = row
-                progress("structured", f"engine {mode} c{concurrency}: {row}")
+            row, answers = serve("json_schema", concurrency, lambda index: constrained)
+            row["num_valid"] = sum(valid(engine.tokenizer.decode(ids), jsonschema) for ids in answers)
+            num_off_grammar = sum(not follows(backend.matcher(constraint), ids) for ids in answers)
+            if num_off_grammar:
+                raise BenchError(f"the engine does not enforce constraints yet: {num_off_grammar} of {num_requests} answers leave the grammar")
+            # The peer: the same requests free, each making as many tokens as its constrained answer.
+            free, _ = serve("unconstrained", concurrency, lambda index: SamplingParams(max_tokens=len(answers[index]), temperature=0, ignore_eos=True))
+            out[f"json_schema_c{concurrency}"], out[f"unconstrained_c{concurrency}"] = row, free
+            out[f"constrained_over_unconstrained_c{concurrency}"] = round(row["tok_per_s"] / free["tok_per_s"], 3)
     except (EngineError, NotImplementedError) as e:
         raise BenchError(f"the engine refuses constraints: {e}") from None
     finally:
         engine.close()
-    for concurrency in concurrencies:
-        out[f"constrained_over_unconstrained_c{concurrency}"] = round(out[f"json_schema_c{concurrency}"]["tok_per_s"] / out[f"unconstrained_c{concurrency}"]["tok_per_s"], 3)
     return out
+
+
+def chat(index: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Describe {TOPICS[index % len(TOPICS)]} (character {index}) as a JSON object with the keys name, age and city."}]
 
 
 def follows(matcher, token_ids: list[int]) -> bool:
@@ -258,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", nargs="+", default=["compile", "mask", "gil", "engine"], choices=("compile", "mask", "gil", "engine"), help="what to measure (default: all)")
     parser.add_argument("--repeats", type=positive, default=5, help="cold and cached compiles per schema and library (default: 5)")
     parser.add_argument("--concurrency", type=positive, nargs="+", default=[1, 8], help="engine: requests in flight (default: 1 8)")
-    parser.add_argument("--num-requests", type=positive, default=8, help="engine: requests per mode and concurrency (default: 8)")
+    parser.add_argument("--num-requests", type=positive, default=32, help="engine: requests per mode and concurrency (default: 32)")
     parser.add_argument("--max-tokens", type=positive, default=48, help="engine: most output tokens per request (default: 48)")
     args = parser.parse_args(argv)
     with user_error(EngineError, prefix=f"model {args.model}: "):
