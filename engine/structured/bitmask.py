@@ -57,7 +57,7 @@ def fill_bitmasks(matchers_with_rows: Sequence[tuple[GrammarMatcher, int]], bitm
     overlaps the forward pass on the engine thread. Measured (``bench.structured``, its ``gil``
     part, 2-core CPU): torch matmuls beside a thread filling 8 masks back to back took 1.0-1.8x
     their time alone (the two threads share two cores) while the fills kept their own rate;
-    beside a thread running Python, 3.1-3.3x. Each matcher must not be used elsewhere until it
+    beside a thread running Python, 3.1-6.1x. Each matcher must not be used elsewhere until it
     returns.
     """
     if not matchers_with_rows:
