@@ -35,7 +35,8 @@ from bench.report import BenchError, arg_parser, emit_report, machine, percentil
 from engine.bundled import resolve_model
 from engine.errors import EngineError
 from engine.params import Constraint, ConstraintKind, SamplingParams
-from engine.structured import GrammarBackend, allocate_bitmask, fill_bitmasks
+from engine.structured.backend import GrammarBackend
+from engine.structured.bitmask import allocate_bitmask, fill_bitmasks
 from engine.tokenizer import Tokenizer
 
 PERSON = {

@@ -13,9 +13,12 @@ How the end works (llguidance's rules, which the engine follows):
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import llguidance
-import torch
+
+if TYPE_CHECKING:  # only a tensor's own methods are called here: the module stays torch-free
+    import torch
 
 
 class GrammarMatcher:
@@ -97,7 +100,7 @@ class GrammarMatcher:
 def check_bitmask(bitmask: torch.Tensor, num_words: int) -> None:
     """ValueError unless ``bitmask`` is what llguidance may write into: int32, 2-D, on the CPU,
     contiguous, ``num_words`` words per row."""
-    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+    if str(bitmask.dtype) != "torch.int32" or bitmask.dim() != 2 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
         raise ValueError(f"a bitmask is a contiguous 2-D int32 CPU tensor, got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
     if bitmask.shape[1] != num_words:
         raise ValueError(f"a bitmask row has {num_words} words for this vocabulary, got {bitmask.shape[1]}")

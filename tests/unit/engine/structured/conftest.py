@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.structured import GrammarBackend
+from engine.structured.backend import GrammarBackend
 from engine.tokenizer import Tokenizer
 
 VOCAB_SIZE = 49152

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.structured import GrammarMatcher, allocate_bitmask
+from engine.structured.bitmask import allocate_bitmask
+from engine.structured.matcher import GrammarMatcher
 from engine.tokenizer import Tokenizer
 
 EOS = 2

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from engine.errors import InvalidRequestError
 from engine.params import Constraint, ConstraintKind
-from engine.structured import GrammarBackend
+from engine.structured.backend import GrammarBackend
 from engine.structured.grammars import grammar_from_constraint
 
 
@@ -132,3 +135,12 @@ def test_concurrent_compiles_of_one_constraint_share_one_compile(tokenizer):
     assert len(results) == 4 and all(compiled is results[0] for compiled in results)
     assert len(num_builds) == 1
     assert (backend.stats().num_compiles, backend.stats().num_cache_hits) == (1, 3)
+
+
+def test_naming_a_matcher_loads_no_torch():
+    """engine.request names GrammarMatcher, and the worker actor modules import engine.request
+    without torch (tests/unit/test_layering.py)."""
+    code = "import sys, engine.structured.backend, engine.structured.matcher; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[4], timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine.params import Constraint, ConstraintKind
-from engine.structured import allocate_bitmask, apply_bitmask, fill_bitmasks, verify_drafts
+from engine.structured.bitmask import allocate_bitmask, apply_bitmask, fill_bitmasks
+from engine.structured.verify import verify_drafts
 from tests.unit.engine.structured.helpers import EOS, accept_text, allowed_ids, mask_of
 
 

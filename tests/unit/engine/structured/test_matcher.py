@@ -8,6 +8,8 @@ import random
 import numpy as np
 
 from engine.params import Constraint, ConstraintKind
+from engine.structured.backend import GrammarBackend
+from engine.structured.bitmask import allocate_bitmask
 from tests.unit.engine.structured.helpers import EOS, accept_text, allowed_ids, mask_of
 
 PERSON = {
@@ -170,8 +172,6 @@ def test_a_fresh_matcher_does_not_share_state(backend, tokenizer):
 
 def test_tokens_past_the_tokenizer_are_never_allowed(backend, tokenizer):
     # SmolLM2's logits are as wide as its tokenizer; a wider head pads with ids nothing decodes to
-    from engine.structured import GrammarBackend, allocate_bitmask
-
     wide = GrammarBackend(tokenizer, 49152 + 40)
     matcher = wide.matcher(Constraint(ConstraintKind.JSON_OBJECT))
     bitmask = allocate_bitmask(1, 49152 + 40)

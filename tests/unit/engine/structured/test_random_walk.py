@@ -12,7 +12,7 @@ import jsonschema
 import numpy as np
 
 from engine.params import Constraint, ConstraintKind
-from engine.structured import GrammarMatcher
+from engine.structured.matcher import GrammarMatcher
 from engine.tokenizer import Tokenizer
 from tests.unit.engine.structured.helpers import EOS, mask_of
 
