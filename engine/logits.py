@@ -34,6 +34,7 @@ import torch
 
 from engine.params import SamplingParams
 from engine.request import Request, TokenLogprobs
+from engine.structured.bitmask import apply_bitmask
 
 BitmaskHook = Callable[[torch.Tensor, torch.Tensor, Sequence[int]], None]
 """``apply_bitmask(logits, bitmask, rows)``: set to -inf, in place, the tokens the bitmask bans in ``rows``."""
@@ -104,22 +105,6 @@ def stack_bitmasks(
             rows += range(row, row + len(drafts) + 1)
         row += len(drafts) + 1
     return stacked, rows
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """Ban, in place, the tokens of ``rows`` whose bit is clear: bit j of word w (little-endian
-    within each int32, as llguidance and xgrammar lay it out) allows token ``32 w + j``.
-    ``bitmask`` has one row per row of ``logits``; rows not listed are left alone."""
-    if not rows:
-        return
-    vocab = logits.shape[-1]
-    index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    words = bitmask.to(logits.device)[index]
-    allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
 def process_logits(

@@ -123,6 +123,10 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what a grammar library builds its own from)."""
+        return self._backend.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch, not encode: it lets go of the GIL while it runs, so a long prompt
         # tokenized in a thread does not stall the caller's event loop (same ids)

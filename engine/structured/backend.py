@@ -82,7 +82,7 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.eos_token_ids = tokenizer.eos_token_ids
         self._num_tokenizer_tokens = tokenizer.vocab_size
-        self._ll_tokenizer = llguidance.LLTokenizer(_tokenizer_json(tokenizer), n_vocab=vocab_size, eos_token=sorted(self.eos_token_ids))
+        self._ll_tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=sorted(self.eos_token_ids))
         self._limits = llguidance.LLParserLimits(verbose_errors=False)
         self._compile_timeout_s = compile_timeout_s
         self._cache_size = cache_size
@@ -155,10 +155,5 @@ class GrammarBackend:
         if template.is_error():
             raise InvalidRequestError(constraint.field, template.get_error().strip())
         return CompiledGrammar(constraint, grammar, time.perf_counter() - start_s, template)
-
-
-def _tokenizer_json(tokenizer: Tokenizer) -> str:
-    # llguidance reads the tokenizers library's own JSON; Tokenizer keeps that backend private.
-    return tokenizer._backend.to_str()
 
 
