@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
+from engine.request import Request, SampledTokens
 from engine.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 
-RunChunks = Callable[[list[ScheduledChunk]], dict[Request, list[int]]]
+RunChunks = Callable[[list[ScheduledChunk]], dict[Request, SampledTokens]]
 """Run a group of a step's chunks; the tokens sampled per request (``ModelRunner.execute``)."""
 
 
@@ -37,7 +37,7 @@ RunChunks = Callable[[list[ScheduledChunk]], dict[Request, list[int]]]
 class IsolatedStep:
     """A step's result once its failing requests are set apart."""
 
-    sampled: dict[Request, list[int]]
+    sampled: dict[Request, SampledTokens]
     """Tokens sampled for the requests that ran through."""
     failed: dict[Request, Exception]
     """What each culprit raised when it ran alone."""
@@ -58,7 +58,7 @@ def run_isolating(run: RunChunks, chunks: list[ScheduledChunk]) -> IsolatedStep:
         if not blames_a_request(error):
             raise
         logger.warning("a step of %d requests raised %r; running it again in smaller groups to find the request", len(chunks), error)
-        sampled: dict[Request, list[int]] = {}
+        sampled: dict[Request, SampledTokens] = {}
         failed: dict[Request, Exception] = {}
         _split(run, chunks, error, sampled, failed)
         return IsolatedStep(sampled, failed)
