@@ -9,8 +9,11 @@
 
 H is XXH3-64 over little-endian bytes: the parent key as u64, then each token id as u32. The
 result depends only on those bytes, never on PYTHONHASHSEED or the process. Everything that
-changes what a block's bytes mean (model weights, KV dtype, block size, the tensor-parallel
-shard) is folded into the root, so two workers agree on a key only when they agree on the bytes.
+changes what a block's bytes mean (model weights, KV dtype, block size) is folded into the root,
+so two workers agree on a key only when they agree on the bytes of every KV head. The
+tensor-parallel shard is not: a key names a block's tokens, and which of its heads a shard holds
+is the business of the values (the Redis tier stores one value per KV head) and of the KV
+hand-off's head mapping, so replicas of any TP size share keys (and Redis values).
 
 This module must not import torch: the router imports it.
 """
@@ -25,11 +28,14 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-KEY_SPEC_VERSION = 1
-"""Bumped whenever the byte encoding below changes; part of every namespace."""
+KEY_SPEC_VERSION = 2
+"""Bumped whenever the byte encoding below changes; part of every namespace. 2: the TP shard
+(``tp_size``, ``tp_rank``) left the root."""
 
 KV_DTYPES = ("fp32", "bf16", "fp8_e4m3")
 
+_SHARD_FIELDS = ("tp_size", "tp_rank")
+"""KeyNamespace fields that name a shard and stay out of the root."""
 _MAX_TOKEN_ID = 2**32 - 1
 _U64_MAX = 2**64 - 1
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -55,7 +61,8 @@ class NamespaceMismatchError(ValueError):
 
 @dataclass(frozen=True)
 class KeyNamespace:
-    """Everything that must match for two blocks with the same tokens to hold the same bytes."""
+    """Everything that must match for two blocks with the same tokens to hold the same bytes, and
+    the shard (``tp_size``, ``tp_rank``) of the party that holds them, which keys leave out."""
 
     model_name: str
     """Model identity as served (the bundled name or the checkpoint's name)."""
@@ -66,9 +73,9 @@ class KeyNamespace:
     block_size: int
     """Tokens per block."""
     tp_size: int = 1
-    """Tensor-parallel degree of the shard that holds the block."""
+    """Tensor-parallel degree of the party's shard; names a shard (KV hand-off), not part of keys."""
     tp_rank: int = 0
-    """Which shard (range of KV heads) of that degree the block holds."""
+    """Which shard (range of KV heads) of that degree the party holds; not part of keys."""
     key_spec_version: int = KEY_SPEC_VERSION
     """Version of this module's encoding."""
 
@@ -83,11 +90,11 @@ class KeyNamespace:
             raise ValueError(f"tp_rank: {self.tp_rank} is not a rank of tp_size {self.tp_size}")
 
     def _canonical_bytes(self) -> bytes:
-        fields = dataclasses.astuple(self)
+        fields = (getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _SHARD_FIELDS)
         return b"splitserve-kv\x00" + "\x1f".join(str(f) for f in fields).encode()
 
     def root_key(self, tenant_salt: str | bytes | None = None) -> int:
-        """key_{-1} for this namespace; a tenant salt gives each tenant its own key space."""
+        """key_{-1} for this namespace (the TP shard aside); a tenant salt gives each tenant its own key space."""
         salt = tenant_salt.encode() if isinstance(tenant_salt, str) else (tenant_salt or b"")
         return xxhash.xxh3_64_intdigest(self._canonical_bytes() + b"\x00salt\x00" + salt)
 

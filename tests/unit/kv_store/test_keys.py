@@ -45,10 +45,26 @@ def test_namespace_fields_and_tenant_salt_change_the_root():
         KeyNamespace("m", "abd", "fp8_e4m3", 4).root_key(),
         KeyNamespace("m", "abc", "bf16", 4).root_key(),
         KeyNamespace("m", "abc", "fp8_e4m3", 8).root_key(),
-        KeyNamespace("m", "abc", "fp8_e4m3", 4, tp_size=2, tp_rank=1).root_key(),
+        KeyNamespace("m", "abc", "fp8_e4m3", 4, key_spec_version=1).root_key(),
     }
     assert len(roots) == 7
     assert NS.root_key("tenant-a") == NS.root_key(b"tenant-a")
+
+
+def test_the_root_is_the_spec_encoding_of_the_namespace_without_the_shard():
+    canonical = b"splitserve-kv\x00" + b"\x1f".join([b"m", b"abc", b"fp8_e4m3", b"4", b"2"])
+    assert keys_module.KEY_SPEC_VERSION == 2
+    assert NS.root_key() == xxhash.xxh3_64_intdigest(canonical + b"\x00salt\x00")
+    assert NS.root_key("t") == xxhash.xxh3_64_intdigest(canonical + b"\x00salt\x00t")
+
+
+def test_the_tp_shard_changes_neither_the_root_nor_the_fingerprint():
+    shard = KeyNamespace("m", "abc", "fp8_e4m3", 4, tp_size=4, tp_rank=3)
+    assert (shard.root_key(), shard.root_key("t"), shard.fingerprint) == (NS.root_key(), NS.root_key("t"), NS.fingerprint)
+    assert block_keys(list(range(8)), 4, shard.root_key()) == block_keys(list(range(8)), 4, NS.root_key())
+    assert set(shard.differences(NS)) == {"tp_size", "tp_rank"}  # still named: the hand-off maps shards
+    other_dtype = KeyNamespace("m", "abc", "bf16", 4, tp_size=4, tp_rank=3)
+    assert other_dtype.root_key() != NS.root_key() and other_dtype.fingerprint != NS.fingerprint
 
 
 def test_keys_are_stable_across_processes_and_hash_seeds():
