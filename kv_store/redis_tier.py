@@ -1,6 +1,19 @@
-"""The Redis tier: KV blocks shared by the whole cluster, one Redis string per block.
+"""The Redis tier: KV blocks shared by the whole cluster, one Redis string per (block, KV head).
 
-A value is a fixed header followed by the block's bytes, written with one ``SET ... EX`` (so a
+A tensor-parallel shard holds a contiguous range of the model's KV heads, so a block is stored
+head by head: any shard reads exactly its heads, whichever shards (of whatever TP size) wrote
+them, and a shard's block is its heads' values laid side by side (KVBlockLayout.head_ranges)::
+
+    this shard's block (layout: heads [head_start, head_start + n) of num_model_kv_heads)
+    +---------+---------+-----+----------------------------------+
+    | head h0 | head h1 | ... | scales h0 | scales h1 | ... (fp8)|
+    +---------+---------+-----+----------------------------------+
+         |         |               |           |
+         v         v               v           v
+    {prefix}{ns:016x}:{key:016x}:{h0} = header | payload h0 | scales h0
+    {prefix}{ns:016x}:{key:016x}:{h1} = header | payload h1 | scales h1
+
+A value is a fixed header followed by one head's bytes, written with one ``SET ... EX`` (so a
 reader sees all of it or nothing) and read back only if every header field matches what the
 reader expects; anything else is a miss, counted, never used::
 
@@ -12,19 +25,26 @@ reader expects; anything else is a miss, counted, never used::
     16      8     block key
     24      1     KV dtype (index into KV_DTYPES)
     25      1     reserved (0)
-    26      2     KV heads      28  2  layers      30  2  block size      32  2  head dim
-    34      2     reserved (0)
-    36      4     payload bytes
+    26      2     KV heads (1)  28  2  layers      30  2  block size      32  2  head dim
+    34      2     KV head: the head's index among all the model's KV heads
+    36      4     payload bytes (head_value_bytes: the head's payload, then its scales)
     40      8     XXH3-64 of the payload
-    48      ...   payload (KVBlockLayout.block_bytes)
+    48      ...   payload: [layers, 2, block_size, head_dim] elements, then f32 [layers, 2]
+                  scales (fp8 only)
 
-The Redis key is ``{prefix}{namespace fingerprint:016x}:{block key:016x}``. No pickle anywhere.
-Every call is bounded by a socket timeout; after a connection error or a timeout the tier is
-skipped (calls return at once, counted) for a backoff that doubles up to ``max_backoff_s``, then
-probed again: a Redis that is down or slow costs requests a recompute, never an error.
+The Redis key is ``{prefix}{namespace fingerprint:016x}:{block key:016x}:{head}``. No pickle
+anywhere. Heads that several ranks hold (fewer KV heads than ranks) are written by each: the
+same bytes under the same key. Every call is bounded by a socket timeout; after a connection
+error or a timeout the tier is skipped (calls return at once, counted) for a backoff that
+doubles up to ``max_backoff_s``, then probed again: a Redis that is down or slow costs requests
+a recompute, never an error.
 
 Writes are asynchronous: ``put_async`` queues a block for a writer thread that sends queued
-blocks in pipelined batches. Reads are synchronous, one pipelined round trip per lookup.
+blocks in pipelined batches. A block is reported to ``on_stored`` once every head of the model
+is in Redis: at once when this shard holds them all; otherwise when the other shards' values
+show up (the writer checks with EXISTS, then re-checks pending keys at most every
+``_CONFIRM_POLL_S`` until ``confirm_timeout_s``, then gives up on them, counted). Reads are
+synchronous, one round trip per lookup.
 """
 
 from __future__ import annotations
@@ -47,10 +67,14 @@ from kv_store.layout import KVBlockLayout
 logger = logging.getLogger(__name__)
 
 MAGIC = b"SSKV"
-VALUE_VERSION = 1
+VALUE_VERSION = 2
 _HEADER = struct.Struct("<4sHHQQBBHHHHHIQ")
 HEADER_BYTES = _HEADER.size
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
+_CONFIRM_POLL_S = 0.05
+"""Shortest pause between two checks of the keys waiting for other shards' heads."""
+_WAKE = object()
+"""Queued to make the writer look at new pending keys (put_many from another thread)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +99,9 @@ class RedisTierConfig:
     """Blocks waiting for the writer thread beyond which new ones are dropped (counted)."""
     put_batch: int = 64
     """Blocks per pipelined write."""
+    confirm_timeout_s: float = 10.0
+    """How long a written block waits for the other shards' heads before it is given up (never
+    reported to ``on_stored``); only shards that hold some of the model's heads wait."""
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
@@ -85,6 +112,8 @@ class RedisTierConfig:
             raise ValueError("socket_timeout_s: must be > 0; min_backoff_s: must be > 0 and <= max_backoff_s")
         if self.max_queued_puts < 1 or self.put_batch < 1:
             raise ValueError("max_queued_puts and put_batch: must be >= 1")
+        if not self.confirm_timeout_s > 0:
+            raise ValueError(f"confirm_timeout_s: must be > 0, got {self.confirm_timeout_s}")
 
 
 @dataclass
@@ -94,15 +123,18 @@ class RedisTierStats:
     num_hits: int = 0
     """Blocks found and valid."""
     num_misses: int = 0
-    """Lookups that ended at a block Redis did not have."""
+    """Lookups that ended at a block Redis did not have (all of this shard's heads)."""
     num_rejected: int = 0
-    """Values found but refused (corrupt, truncated, another namespace or shape): misses too."""
+    """Values found but refused (corrupt, truncated, another namespace, head or shape): misses too."""
     num_bytes_read: int = 0
     num_bytes_written: int = 0
     num_puts: int = 0
-    """Blocks written."""
+    """Blocks written (this shard's heads of each)."""
     num_dropped_puts: int = 0
     """Blocks not written: the write queue was full, or Redis was down."""
+    num_unconfirmed: int = 0
+    """Blocks written but never reported stored: the other shards' heads did not arrive within
+    ``confirm_timeout_s`` (or the tier closed first)."""
     num_errors: int = 0
     """Calls that failed (connection error, timeout) and started or extended a backoff."""
     num_skipped: int = 0
@@ -113,35 +145,34 @@ class ValueRejected(ValueError):
     """A Redis value that must not be used as a block; the message says why."""
 
 
-def encode_value(key: int, block: bytes | memoryview, namespace: KeyNamespace, layout: KVBlockLayout) -> bytes:
-    """Header + block bytes, ready for one SET."""
-    payload = memoryview(block).cast("B")
-    if payload.nbytes != layout.block_bytes:
-        raise ValueError(f"block: {payload.nbytes} bytes, the layout's blocks have {layout.block_bytes}")
-    header = _HEADER.pack(
-        MAGIC, VALUE_VERSION, KEY_SPEC_VERSION, namespace.fingerprint, key,
-        KV_DTYPES.index(layout.kv_dtype), 0,
-        layout.num_kv_heads, layout.num_layers, layout.block_size, layout.head_dim, 0,
-        payload.nbytes, xxhash.xxh3_64_intdigest(payload),
-    )
-    return b"".join((header, payload))
+def head_value_bytes(layout: KVBlockLayout) -> int:
+    """Payload bytes of one head's value: the head's payload, then its scales (fp8)."""
+    return layout.head_bytes + layout.scale_bytes // layout.num_kv_heads
 
 
-def decode_value(value: bytes, key: int, namespace: KeyNamespace, layout: KVBlockLayout) -> memoryview:
-    """The block bytes of ``value`` if it is exactly the block ``key`` of this namespace and
-    layout, intact; ValueRejected naming the first mismatch otherwise."""
+def encode_value(key: int, head: int, data: bytes | memoryview, namespace: KeyNamespace, layout: KVBlockLayout) -> bytes:
+    """Header + one head's bytes (``head_value_bytes(layout)``), ready for one SET; ``head`` is
+    the head's index among the model's KV heads."""
+    return _encode(key, head, (memoryview(data).cast("B"),), namespace, layout)
+
+
+def decode_value(value: bytes, key: int, head: int, namespace: KeyNamespace, layout: KVBlockLayout) -> memoryview:
+    """The head's bytes (payload, then scales) of ``value`` if it is exactly head ``head`` of
+    block ``key`` of this namespace, with ``layout``'s dtype and per-head shape, intact;
+    ValueRejected naming the first mismatch otherwise."""
     if len(value) < HEADER_BYTES:
         raise ValueRejected(f"truncated: {len(value)} bytes, shorter than the {HEADER_BYTES}-byte header")
-    (magic, version, spec, ns, stored_key, dtype, _, heads, layers, block_size, head_dim, _, length, checksum) = _HEADER.unpack_from(value)
+    (magic, version, spec, ns, stored_key, dtype, _, heads, layers, block_size, head_dim, stored_head, length, checksum) = _HEADER.unpack_from(value)
     expected = {
         "magic": (magic, MAGIC),
         "value version": (version, VALUE_VERSION),
         "key-spec version": (spec, KEY_SPEC_VERSION),
         "namespace": (ns, namespace.fingerprint),
         "block key": (stored_key, key),
+        "kv head": (stored_head, head),
         "kv dtype": (dtype, KV_DTYPES.index(layout.kv_dtype)),
-        "shape": ((heads, layers, block_size, head_dim), (layout.num_kv_heads, layout.num_layers, layout.block_size, layout.head_dim)),
-        "payload length": (length, layout.block_bytes),
+        "shape": ((heads, layers, block_size, head_dim), (1, layout.num_layers, layout.block_size, layout.head_dim)),
+        "payload length": (length, head_value_bytes(layout)),
     }
     for name, (got, want) in expected.items():
         if got != want:
@@ -154,8 +185,24 @@ def decode_value(value: bytes, key: int, namespace: KeyNamespace, layout: KVBloc
     return payload
 
 
+def _encode(key: int, head: int, parts: Sequence[memoryview], namespace: KeyNamespace, layout: KVBlockLayout) -> bytes:
+    length = sum(p.nbytes for p in parts)
+    if length != head_value_bytes(layout):
+        raise ValueError(f"head {head}: {length} bytes, the layout's heads have {head_value_bytes(layout)}")
+    checksum = xxhash.xxh3_64()
+    for part in parts:
+        checksum.update(part)
+    header = _HEADER.pack(
+        MAGIC, VALUE_VERSION, KEY_SPEC_VERSION, namespace.fingerprint, key,
+        KV_DTYPES.index(layout.kv_dtype), 0,
+        1, layout.num_layers, layout.block_size, layout.head_dim, head,
+        length, checksum.intdigest(),
+    )
+    return b"".join((header, *parts))
+
+
 class RedisTier:
-    """Blocks of one namespace and layout in Redis; safe to call from several threads."""
+    """Blocks of one namespace and shard layout in Redis; safe to call from several threads."""
 
     def __init__(
         self,
@@ -163,30 +210,50 @@ class RedisTier:
         namespace: KeyNamespace,
         layout: KVBlockLayout,
         on_stored: Callable[[list[int]], None] | None = None,
+        *,
+        head_start: int = 0,
+        num_model_kv_heads: int | None = None,
     ) -> None:
+        """``layout``: this shard's blocks, whose ``num_kv_heads`` heads are the model's heads
+        ``[head_start, head_start + layout.num_kv_heads)`` of ``num_model_kv_heads`` (by default
+        exactly those: a shard that holds every head)."""
+        num_model_kv_heads = head_start + layout.num_kv_heads if num_model_kv_heads is None else num_model_kv_heads
+        if head_start < 0 or head_start + layout.num_kv_heads > num_model_kv_heads:
+            raise ValueError(
+                f"head_start: heads [{head_start}, {head_start + layout.num_kv_heads}) are not heads of a model with {num_model_kv_heads}"
+            )
         self.config = config
         self.namespace = namespace
         self.layout = layout
+        self.heads = range(head_start, head_start + layout.num_kv_heads)
+        """The model's KV heads this shard holds, in the order of its blocks."""
+        self.num_model_kv_heads = num_model_kv_heads
         self.on_stored = on_stored
-        """Called (on the writer thread) with the keys of each batch that reached Redis."""
+        """Called with the keys of blocks once every head of the model is in Redis (on the thread
+        that wrote them, or on the writer thread once the other shards' heads arrived)."""
         self.stats = RedisTierStats()
         kwargs = dict(socket_timeout=config.socket_timeout_s, socket_connect_timeout=config.socket_timeout_s)
         if config.url.startswith("rediss://") and config.tls_ca_file is not None:
             kwargs["ssl_ca_certs"] = str(config.tls_ca_file)
         self._client = redis.Redis.from_url(config.url, **kwargs)
         self._prefix = f"{config.key_prefix}{namespace.fingerprint:016x}:"
+        self._other_heads = [h for h in range(num_model_kv_heads) if h not in self.heads]
+        self._head_layout = KVBlockLayout(layout.num_layers, 1, layout.head_dim, layout.block_size, layout.kv_dtype)
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._backoff_s = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queued_puts)
         self._idle = threading.Condition()
-        self._in_flight = 0
+        self._pending: dict[int, float] = {}
+        """Written keys waiting for the other shards' heads -> when to give up on them (guarded by _idle)."""
+        self._next_confirm_at = 0.0
         self._closed = False
         self._writer = threading.Thread(target=self._write_forever, name="redis-tier-writer", daemon=True)
         self._writer.start()
 
-    def redis_key(self, key: int) -> str:
-        return f"{self._prefix}{key:016x}"
+    def redis_key(self, key: int, head: int) -> str:
+        """Where head ``head`` (of the model's KV heads) of block ``key`` lives."""
+        return f"{self._prefix}{key:016x}:{head}"
 
     @property
     def available(self) -> bool:
@@ -194,39 +261,54 @@ class RedisTier:
         return time.monotonic() >= self._down_until
 
     def get_prefix(self, keys: Sequence[int]) -> list[memoryview]:
-        """Blocks of the longest run of ``keys`` from the first that Redis holds and that pass
-        validation, fetched in one pipelined round trip; [] while the tier is backing off."""
+        """This shard's blocks (``layout.block_bytes`` each) of the longest run of ``keys`` from
+        the first for which Redis holds a valid value of every local head, fetched in one round
+        trip; [] while the tier is backing off."""
         if not keys:
             return []
         if not self.available:
             self._count(num_skipped=1)
             return []
         try:
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(self.redis_key(key))
-            values = pipe.execute()
+            values = self._client.mget([self.redis_key(key, head) for key in keys for head in self.heads])
         except _REDIS_DOWN as e:
             self._failed("get", e)
             return []
         self._recovered()
         blocks: list[memoryview] = []
-        for key, value in zip(keys, values):
-            if value is None:
-                self._count(num_misses=1)
+        num_heads = len(self.heads)
+        for i, key in enumerate(keys):
+            block = self._assemble(key, values[i * num_heads : (i + 1) * num_heads])
+            if block is None:
                 break
-            try:
-                blocks.append(decode_value(value, key, self.namespace, self.layout))
-            except ValueRejected as e:
-                logger.warning("redis tier: value of block %016x rejected: %s", key, e)
-                self._count(num_rejected=1, num_misses=1)
-                break
+            blocks.append(block)
         self._count(num_hits=len(blocks), num_bytes_read=sum(b.nbytes for b in blocks))
         return blocks
 
+    def count_prefix(self, keys: Sequence[int], heads: range | None = None) -> int:
+        """Length of the longest run of ``keys`` from the first whose values of every head in
+        ``heads`` (default: all the model's heads) exist in Redis, by one pipelined round trip of
+        EXISTS (the values are not read, so not validated); 0 while the tier is backing off."""
+        heads = range(self.num_model_kv_heads) if heads is None else heads
+        if not heads or heads.start < 0 or heads.stop > self.num_model_kv_heads:
+            raise ValueError(f"heads: {heads} is not a non-empty range of the model's {self.num_model_kv_heads} KV heads")
+        if not keys:
+            return 0
+        if not self.available:
+            self._count(num_skipped=1)
+            return 0
+        try:
+            counts = self._count_heads(keys, heads)
+        except _REDIS_DOWN as e:
+            self._failed("count", e)
+            return 0
+        self._recovered()
+        return next((i for i, count in enumerate(counts) if count < len(heads)), len(keys))
+
     def put_async(self, key: int, block: bytes | memoryview) -> bool:
-        """Queue a block for the writer thread; False (counted) if the queue is full, the tier is
-        backing off or closed. ``block`` must not change afterwards (pass a copy)."""
+        """Queue this shard's block for the writer thread, which stores one value per local head;
+        False (counted) if the queue is full, the tier is backing off or closed. ``block`` must
+        not change afterwards (pass a copy)."""
         if self._closed or not self.available:
             self._count(num_dropped_puts=1)
             return False
@@ -238,27 +320,49 @@ class RedisTier:
         return True
 
     def put_many(self, blocks: Sequence[tuple[int, bytes | memoryview]]) -> list[int]:
-        """Write blocks now, in one pipeline; returns the keys written ([] on failure or backoff)."""
+        """Write this shard's ``blocks`` now (one value per local head), in one pipeline that also
+        asks whether the other shards' heads are there; returns the keys written ([] on failure
+        or backoff). Keys whose every head is in Redis go to ``on_stored`` now, the others wait
+        (see the module docstring)."""
         if not blocks:
             return []
         if not self.available:
             self._count(num_skipped=1, num_dropped_puts=len(blocks))
             return []
-        values = [(key, encode_value(key, block, self.namespace, self.layout)) for key, block in blocks]
+        values = [(key, self._encode_block(key, block)) for key, block in blocks]
         try:
             pipe = self._client.pipeline(transaction=False)
-            for key, value in values:
-                pipe.set(self.redis_key(key), value, ex=self.config.ttl_s)
-            pipe.execute()
+            for key, head_values in values:
+                for head, value in zip(self.heads, head_values):
+                    pipe.set(self.redis_key(key, head), value, ex=self.config.ttl_s)
+                if self._other_heads:
+                    pipe.exists(*(self.redis_key(key, head) for head in self._other_heads))
+            replies = pipe.execute()
         except _REDIS_DOWN as e:
             self._failed("put", e)
             self._count(num_dropped_puts=len(blocks))
             return []
         self._recovered()
-        self._count(num_puts=len(values), num_bytes_written=sum(len(v) for _, v in values))
+        self._count(num_puts=len(values), num_bytes_written=sum(len(v) for _, head_values in values for v in head_values))
         keys = [key for key, _ in values]
-        if self.on_stored is not None:
-            self.on_stored(keys)
+        if not self._other_heads:
+            self._stored(keys)
+            return keys
+        counts = replies[len(self.heads) :: len(self.heads) + 1]
+        confirmed = [key for key, count in zip(keys, counts) if count == len(self._other_heads)]
+        waiting = [key for key, count in zip(keys, counts) if count != len(self._other_heads)]
+        if waiting:
+            now = time.monotonic()
+            with self._idle:
+                if not self._pending:
+                    self._next_confirm_at = now + _CONFIRM_POLL_S  # just checked
+                self._pending.update((key, now + self.config.confirm_timeout_s) for key in waiting)
+            if threading.current_thread() is not self._writer:
+                try:
+                    self._queue.put_nowait(_WAKE)
+                except queue.Full:
+                    pass  # the writer is busy and looks at pending keys after its batch
+        self._stored(confirmed)
         return keys
 
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -272,29 +376,87 @@ class RedisTier:
                 self._idle.wait(remaining)
         return True
 
+    def wait_confirmed(self, timeout_s: float = 10.0) -> bool:
+        """Wait until no written block waits for other shards' heads (each was reported to
+        ``on_stored`` or given up); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._pending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._idle.wait(remaining)
+        return True
+
     def close(self) -> None:
-        """Stop the writer (blocks still queued are dropped) and close the connections."""
+        """Stop the writer (blocks still queued are dropped, pending ones given up) and close
+        the connections."""
         self._closed = True
         self._queue.put(None)
         self._writer.join(timeout=5)
+        with self._idle:
+            num_pending = len(self._pending)
+            self._pending.clear()
+            self._idle.notify_all()
+        self._count(num_unconfirmed=num_pending)
         self._client.close()
 
     def stats_snapshot(self) -> RedisTierStats:
         with self._lock:
             return RedisTierStats(**{f.name: getattr(self.stats, f.name) for f in fields(self.stats)})
 
+    def _encode_block(self, key: int, block: bytes | memoryview) -> list[bytes]:
+        """One value per local head of this shard's ``block``."""
+        data = memoryview(block).cast("B")
+        if data.nbytes != self.layout.block_bytes:
+            raise ValueError(f"block: {data.nbytes} bytes, the layout's blocks have {self.layout.block_bytes}")
+        values = []
+        for i, head in enumerate(self.heads):
+            payload, scales = self.layout.head_ranges(i, i + 1)
+            parts = [data[payload.start : payload.stop]] + ([data[scales.start : scales.stop]] if scales else [])
+            values.append(_encode(key, head, parts, self.namespace, self._head_layout))
+        return values
+
+    def _assemble(self, key: int, values: Sequence[bytes | None]) -> memoryview | None:
+        """This shard's block from its heads' values; None (counted) at a missing or refused one."""
+        heads = []
+        for head, value in zip(self.heads, values):
+            if value is None:
+                self._count(num_misses=1)
+                return None
+            try:
+                heads.append(decode_value(value, key, head, self.namespace, self._head_layout))
+            except ValueRejected as e:
+                logger.warning("redis tier: value of head %d of block %016x rejected: %s", head, key, e)
+                self._count(num_rejected=1, num_misses=1)
+                return None
+        if len(heads) == 1 and heads[0].nbytes == self.layout.block_bytes and self.layout.scales_offset == self.layout.head_bytes:
+            return heads[0]  # one head, no padding: the value is the block
+        block = bytearray(self.layout.block_bytes)
+        head_bytes = self.layout.head_bytes
+        for i, data in enumerate(heads):
+            payload, scales = self.layout.head_ranges(i, i + 1)
+            block[payload.start : payload.stop] = data[:head_bytes]
+            if scales:
+                block[scales.start : scales.stop] = data[head_bytes:]
+        return memoryview(block)
+
+    def _count_heads(self, keys: Sequence[int], heads: Sequence[int]) -> list[int]:
+        """How many of ``heads`` of each key exist, one pipelined EXISTS per key."""
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(*(self.redis_key(key, head) for head in heads))
+        return pipe.execute()
+
+    def _stored(self, keys: list[int]) -> None:
+        if keys and self.on_stored is not None:
+            self.on_stored(keys)
+
     def _write_forever(self) -> None:
         while True:
-            item = self._queue.get()
-            batch = [item]
-            while item is not None and len(batch) < self.config.put_batch:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                batch.append(item)
-            stop = batch[-1] is None
-            blocks = [b for b in batch if b is not None]
+            batch = self._next_batch()
+            stop = None in batch
+            blocks = [item for item in batch if item is not None and item is not _WAKE]
             try:
                 self.put_many(blocks)
             except Exception:  # never let the writer die: a bad block is dropped, the rest go on
@@ -307,6 +469,56 @@ class RedisTier:
                     self._idle.notify_all()
             if stop:
                 return
+            self._confirm_pending()
+
+    def _next_batch(self) -> list:
+        """Up to ``put_batch`` queued items; [] when it is time to look at pending keys first."""
+        with self._idle:
+            timeout_s = max(0.0, self._next_confirm_at - time.monotonic()) if self._pending else None
+        try:
+            item = self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return []
+        batch = [item]
+        while item is not None and len(batch) < self.config.put_batch:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            batch.append(item)
+        return batch
+
+    def _confirm_pending(self) -> None:
+        """Report pending keys whose other heads arrived, give up on those past their time; at
+        most once per ``_CONFIRM_POLL_S`` (writer thread)."""
+        now = time.monotonic()
+        with self._idle:
+            if not self._pending or now < self._next_confirm_at:
+                return
+            pending = dict(self._pending)
+            self._next_confirm_at = now + _CONFIRM_POLL_S
+        confirmed: list[int] = []
+        if self.available:
+            try:
+                counts = self._count_heads(list(pending), self._other_heads)
+            except _REDIS_DOWN as e:
+                self._failed("confirm", e)
+            else:
+                self._recovered()
+                confirmed = [key for key, count in zip(pending, counts) if count == len(self._other_heads)]
+        done = set(confirmed)
+        expired = [key for key, give_up_at in pending.items() if key not in done and give_up_at <= now]
+        with self._idle:
+            for key in confirmed:
+                self._pending.pop(key, None)
+            for key in expired:
+                if self._pending.get(key) == pending[key]:  # not written again meanwhile
+                    del self._pending[key]
+            self._idle.notify_all()
+        if expired:
+            self._count(num_unconfirmed=len(expired))
+            logger.info("redis tier: %d blocks given up: other shards' heads missing after %.1f s", len(expired), self.config.confirm_timeout_s)
+        self._stored(confirmed)
 
     def _failed(self, what: str, error: Exception) -> None:
         with self._lock:

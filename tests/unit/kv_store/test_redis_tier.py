@@ -1,4 +1,5 @@
-"""The Redis tier against a real redis-server on loopback: values, validation, backoff, auth, TLS."""
+"""The Redis tier against a real redis-server on loopback: values, validation, backoff, auth, TLS
+(one shard that holds every head; shards of a TP group: test_redis_tier_shards.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from kv_store.keys import KeyNamespace
 from kv_store.layout import KVBlockLayout
-from kv_store.redis_tier import HEADER_BYTES, RedisTier, RedisTierConfig, ValueRejected, decode_value, encode_value
+from kv_store.redis_tier import HEADER_BYTES, RedisTier, RedisTierConfig, ValueRejected, decode_value, encode_value, head_value_bytes
 from tests.certs import make_pki
 from tests.redis_server import RedisServer
 
@@ -34,24 +35,33 @@ def _tier(url, **kwargs):
 
 
 def test_value_round_trip_and_every_header_field_is_checked():
-    [block] = _blocks(1)
-    value = encode_value(7, block, NS, LAYOUT)
-    assert len(value) == HEADER_BYTES + LAYOUT.block_bytes
-    assert decode_value(value, 7, NS, LAYOUT).tobytes() == block
-    other_dtype = KVBlockLayout(2, 2, 8, 4, "bf16")
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, head_value_bytes(LAYOUT), dtype=np.uint8).tobytes()
+    assert head_value_bytes(LAYOUT) == 2 * 2 * 4 * 8 + 2 * 2 * 4  # one head's payload (fp8), then its f32 [layers, K/V] scales
+    value = encode_value(7, 1, data, NS, LAYOUT)
+    assert len(value) == HEADER_BYTES + 144
+    assert value[:4] == b"SSKV" and value[4:6] == (2).to_bytes(2, "little") and value[26:28] == (1).to_bytes(2, "little")
+    assert value[34:36] == (1).to_bytes(2, "little")  # the head's index among the model's heads
+    assert decode_value(value, 7, 1, NS, LAYOUT).tobytes() == data
     cases = {
         "truncated": value[:HEADER_BYTES - 1],
         "payload": value[:-1],
         "checksum": value[:-1] + bytes([value[-1] ^ 1]),
         "magic": b"XXXX" + value[4:],
-        "namespace": encode_value(7, block, KeyNamespace("tiny", "other-weights", "fp8_e4m3", 4), LAYOUT),
-        "block key": encode_value(8, block, NS, LAYOUT),
+        "value version": value[:4] + (1).to_bytes(2, "little") + value[6:],
+        "key-spec version": value[:6] + (1).to_bytes(2, "little") + value[8:],
+        "namespace": encode_value(7, 1, data, KeyNamespace("tiny", "other-weights", "fp8_e4m3", 4), LAYOUT),
+        "block key": encode_value(8, 1, data, NS, LAYOUT),
+        "kv head": encode_value(7, 0, data, NS, LAYOUT),
+        "shape": encode_value(7, 1, data[:72] + data[128:136], NS, KVBlockLayout(2, 1, 4, 4, "fp8_e4m3")),
     }
     for reason, bad in cases.items():
-        with pytest.raises(ValueRejected, match=reason if reason != "payload" else "truncated"):
-            decode_value(bad, 7, NS, LAYOUT)
-    with pytest.raises(ValueRejected, match="kv dtype"):
-        decode_value(value, 7, NS, other_dtype)
+        with pytest.raises(ValueRejected, match=f"^{reason if reason != 'payload' else 'truncated'}"):
+            decode_value(bad, 7, 1, NS, LAYOUT)
+    with pytest.raises(ValueRejected, match="^kv dtype"):
+        decode_value(value, 7, 1, NS, KVBlockLayout(2, 2, 8, 4, "bf16"))
+    with pytest.raises(ValueError, match="head 1: 143 bytes, the layout's heads have 144"):
+        encode_value(7, 1, data[:-1], NS, LAYOUT)
 
 
 def test_put_get_longest_run_with_ttl(server):
@@ -62,7 +72,9 @@ def test_put_get_longest_run_with_ttl(server):
     assert [b.tobytes() for b in got] == blocks[:3]  # the run stops at the first missing key
     stats = tier.stats_snapshot()
     assert (stats.num_hits, stats.num_misses, stats.num_puts) == (3, 1, 4)
-    assert 0 < server.client().ttl(tier.redis_key(1)) <= 60
+    raw = server.client()
+    assert all(0 < raw.ttl(tier.redis_key(key, head)) <= 60 for key in (1, 2, 3, 5) for head in (0, 1))
+    assert tier.redis_key(1, 1) == f"splitserve:kv:{NS.fingerprint:016x}:0000000000000001:1"
     tier.close()
 
 
@@ -84,11 +96,24 @@ def test_corrupt_truncated_and_foreign_values_are_counted_misses(server):
     [a, b, c] = _blocks(3, seed=2)
     tier.put_many([(11, a), (12, b), (13, c)])
     raw = server.client()
-    good = raw.get(tier.redis_key(12))
-    for bad in (good[:-10], good[:HEADER_BYTES + 5][:-1] + b"x", encode_value(12, b, KeyNamespace("tiny", "zzz", "fp8_e4m3", 4), LAYOUT)):
-        raw.set(tier.redis_key(12), bad)
+    good, head_0, block_11 = raw.get(tier.redis_key(12, 1)), raw.get(tier.redis_key(12, 0)), raw.get(tier.redis_key(11, 1))
+    bf16 = KVBlockLayout(2, 2, 8, 4, "bf16")
+    bad_values = {
+        "truncated": good[:-10],
+        "checksum": good[:-1] + bytes([good[-1] ^ 1]),
+        "namespace": encode_value(12, 1, good[HEADER_BYTES:], KeyNamespace("tiny", "zzz", "fp8_e4m3", 4), LAYOUT),
+        "kv head": head_0,
+        "block key": block_11,
+        "kv dtype": encode_value(12, 1, bytes(head_value_bytes(bf16)), NS, bf16),
+    }
+    for reason, bad in bad_values.items():
+        raw.set(tier.redis_key(12, 1), bad)
+        with pytest.raises(ValueRejected, match=f"^{reason}"):
+            decode_value(bad, 12, 1, NS, LAYOUT)
         assert [x.tobytes() for x in tier.get_prefix([11, 12, 13])] == [a]
-    assert tier.stats_snapshot().num_rejected == 3
+        assert tier.count_prefix([11, 12, 13]) == 3  # EXISTS: present, not validated
+    stats = tier.stats_snapshot()
+    assert (stats.num_rejected, stats.num_misses, stats.num_hits) == (6, 6, 6)
     tier.close()
 
 
@@ -100,9 +125,9 @@ def test_redis_down_is_skipped_for_the_backoff_after_one_failed_call(tmp_path):
     server.stop()
     assert tier.get_prefix([1]) == []  # fails, no exception
     assert not tier.available
-    assert tier.put_many([(2, a)]) == [] and tier.get_prefix([1]) == []  # not even tried
+    assert tier.put_many([(2, a)]) == [] and tier.get_prefix([1]) == [] and tier.count_prefix([1]) == 0  # not even tried
     stats = tier.stats_snapshot()
-    assert (stats.num_errors, stats.num_skipped, stats.num_dropped_puts) == (1, 2, 1)
+    assert (stats.num_errors, stats.num_skipped, stats.num_dropped_puts) == (1, 3, 1)
     tier.close()
 
 
