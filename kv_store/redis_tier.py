@@ -42,9 +42,9 @@ a recompute, never an error.
 Writes are asynchronous: ``put_async`` queues a block for a writer thread that sends queued
 blocks in pipelined batches. A block is reported to ``on_stored`` once every head of the model
 is in Redis: at once when this shard holds them all; otherwise when the other shards' values
-show up (the writer checks with EXISTS, then re-checks pending keys at most every
-``_CONFIRM_POLL_S`` until ``confirm_timeout_s``, then gives up on them, counted). Reads are
-synchronous, one round trip per lookup.
+show up (the write asks with EXISTS, then the writer re-checks pending keys at most every
+``_CONFIRM_POLL_S`` until ``confirm_timeout_s`` and gives up on them, counted; a shard without
+an ``on_stored`` asks nothing). Reads are synchronous, one round trip per lookup.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ class RedisTierConfig:
     """Blocks per pipelined write."""
     confirm_timeout_s: float = 10.0
     """How long a written block waits for the other shards' heads before it is given up (never
-    reported to ``on_stored``); only shards that hold some of the model's heads wait."""
+    reported to ``on_stored``); only a shard that holds some of the model's heads and has an
+    ``on_stored`` waits."""
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
@@ -321,21 +322,22 @@ class RedisTier:
 
     def put_many(self, blocks: Sequence[tuple[int, bytes | memoryview]]) -> list[int]:
         """Write this shard's ``blocks`` now (one value per local head), in one pipeline that also
-        asks whether the other shards' heads are there; returns the keys written ([] on failure
-        or backoff). Keys whose every head is in Redis go to ``on_stored`` now, the others wait
-        (see the module docstring)."""
+        asks whether the other shards' heads are there (when someone listens: ``on_stored``);
+        returns the keys written ([] on failure or backoff). Keys whose every head is in Redis go
+        to ``on_stored`` now, the others wait (see the module docstring)."""
         if not blocks:
             return []
         if not self.available:
             self._count(num_skipped=1, num_dropped_puts=len(blocks))
             return []
         values = [(key, self._encode_block(key, block)) for key, block in blocks]
+        confirm = bool(self._other_heads) and self.on_stored is not None
         try:
             pipe = self._client.pipeline(transaction=False)
             for key, head_values in values:
                 for head, value in zip(self.heads, head_values):
                     pipe.set(self.redis_key(key, head), value, ex=self.config.ttl_s)
-                if self._other_heads:
+                if confirm:
                     pipe.exists(*(self.redis_key(key, head) for head in self._other_heads))
             replies = pipe.execute()
         except _REDIS_DOWN as e:
@@ -347,22 +349,8 @@ class RedisTier:
         keys = [key for key, _ in values]
         if not self._other_heads:
             self._stored(keys)
-            return keys
-        counts = replies[len(self.heads) :: len(self.heads) + 1]
-        confirmed = [key for key, count in zip(keys, counts) if count == len(self._other_heads)]
-        waiting = [key for key, count in zip(keys, counts) if count != len(self._other_heads)]
-        if waiting:
-            now = time.monotonic()
-            with self._idle:
-                if not self._pending:
-                    self._next_confirm_at = now + _CONFIRM_POLL_S  # just checked
-                self._pending.update((key, now + self.config.confirm_timeout_s) for key in waiting)
-            if threading.current_thread() is not self._writer:
-                try:
-                    self._queue.put_nowait(_WAKE)
-                except queue.Full:
-                    pass  # the writer is busy and looks at pending keys after its batch
-        self._stored(confirmed)
+        elif confirm:
+            self._confirm_written(keys, replies[len(self.heads) :: len(self.heads) + 1])
         return keys
 
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -447,6 +435,26 @@ class RedisTier:
         for key in keys:
             pipe.exists(*(self.redis_key(key, head) for head in heads))
         return pipe.execute()
+
+    def _confirm_written(self, keys: list[int], counts: list[int]) -> None:
+        """Report the just written ``keys`` whose other heads all exist (``counts``); the others
+        wait for the writer's re-checks."""
+        confirmed = [key for key, count in zip(keys, counts) if count == len(self._other_heads)]
+        waiting = [key for key, count in zip(keys, counts) if count != len(self._other_heads)]
+        now = time.monotonic()
+        with self._idle:
+            for key in confirmed:
+                self._pending.pop(key, None)
+            if waiting and not self._pending:
+                self._next_confirm_at = now + _CONFIRM_POLL_S  # just checked
+            self._pending.update((key, now + self.config.confirm_timeout_s) for key in waiting)
+            self._idle.notify_all()
+        if waiting and threading.current_thread() is not self._writer:
+            try:
+                self._queue.put_nowait(_WAKE)
+            except queue.Full:
+                pass  # the writer is busy and looks at pending keys after its batch
+        self._stored(confirmed)
 
     def _stored(self, keys: list[int]) -> None:
         if keys and self.on_stored is not None:

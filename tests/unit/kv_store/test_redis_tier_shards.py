@@ -107,6 +107,7 @@ def test_a_tp3_group_and_a_single_shard_write_the_same_values_and_read_each_othe
 
     for rank, tier in enumerate(ranks):
         assert tier.put_many([(k, _shard(b, layout, rank, 1)) for k, b in zip(keys, blocks)]) == keys
+    assert all(tier.wait_confirmed(timeout_s=0) for tier in ranks)  # without an on_stored nothing waits
     by_ranks = raw.mget(names)
     assert [b.tobytes() for b in whole.get_prefix(keys)] == blocks
 
