@@ -477,7 +477,10 @@ class RedisTier:
                     self._idle.notify_all()
             if stop:
                 return
-            self._confirm_pending()
+            try:
+                self._confirm_pending()
+            except Exception:  # an on_stored that raised: the writer goes on
+                logger.exception("redis tier: reporting confirmed blocks failed")
 
     def _next_batch(self) -> list:
         """Up to ``put_batch`` queued items; [] when it is time to look at pending keys first."""
