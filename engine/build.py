@@ -15,7 +15,7 @@ from engine.bundled import resolve_model, source_gguf
 from engine.config import EngineConfig
 from engine.kv_cache import PagedKVCache
 from engine.loader.gguf_native import read_native_tensors
-from engine.loader.weights import load_weights
+from engine.loader.weights import load_weights, weights_fingerprint
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
@@ -23,6 +23,7 @@ from engine.quant.apply import apply_weights, check_weights_dtype, load_native, 
 from engine.spec.draft import DraftModelProposer
 from engine.spec.policy import SpecPolicy
 from engine.spec.speculator import NgramProposer, Speculator
+from kv_store.keys import KeyNamespace
 from kv_store.layout import KVBlockLayout
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -32,6 +33,18 @@ def model_len(config: EngineConfig, mc: ModelConfig) -> int:
     """Longest prompt plus output the engine serves: the configured length, capped by the model's context and sliding window."""
     limits = [config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings]
     return min(limits + ([mc.sliding_window] if mc.sliding_window else []))
+
+
+def key_namespace(config: EngineConfig, model_name: str, checkpoint_dir: Path, tp_size: int) -> KeyNamespace:
+    """The namespace a replica's blocks are keyed (and its Redis values checked) in; every rank
+    makes the same one."""
+    return KeyNamespace(
+        model_name=model_name,
+        weights_fingerprint=weights_fingerprint(checkpoint_dir, precision=f"dtype={config.dtype} weights={config.weights}"),
+        kv_dtype=config.kv_dtype,
+        block_size=config.block_size,
+        tp_size=tp_size,
+    )
 
 
 def split_group(config: EngineConfig, group: TPGroup) -> tuple[TPGroup, TPGroup]:

@@ -13,16 +13,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.build import build_shard, build_speculator, model_len, split_group
+from engine.build import build_shard, build_speculator, key_namespace, model_len, split_group
 from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, RequestFailedError
 from engine.intake import PromptIntake
 from engine.isolation import IsolatedStep, blames_a_request, inputs_of, run_isolating
-from engine.loader.weights import weights_fingerprint
 from engine.model_config import ModelConfig
 from engine.outputs import Completion, EngineStats, PrefilledKV, RemotePrefill
 from engine.parallel.group import TPGroup
+from engine.parallel.tier_mirror import FollowerMirror
 from engine.parallel.sharding import check_ep_size, check_tp_size
 from engine.params import SamplingParams
 from engine.request import Request, RequestOutput, SampledTokens, TokenLogprobs
@@ -34,7 +34,6 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kv_store.block_pool import BlockPool
 from kv_store.cpu_tier import CPUTier
 from kv_store.events import KVEventBatch, KVEventLog, KVSnapshot
-from kv_store.keys import KeyNamespace
 from kv_store.redis_tier import RedisTier, RedisTierConfig
 from kv_store.tiered import TieredKVStore
 
@@ -68,21 +67,19 @@ class LLMEngine:
         self.pools = [BlockPool(num_blocks, enable_caching=config.enable_prefix_caching) for _ in range(ep.size)]
         """One block pool per data-parallel rank; ``pools[r]``'s blocks are in rank r's KV cache."""
         self.pool = self.pools[0]
-        self.namespace = KeyNamespace(
-            model_name=self.model_name,
-            weights_fingerprint=weights_fingerprint(self.checkpoint_dir, precision=f"dtype={config.dtype} weights={config.weights}"),
-            kv_dtype=config.kv_dtype,
-            block_size=config.block_size,
-            tp_size=tp.size,
-        )
+        self.namespace = key_namespace(config, self.model_name, self.checkpoint_dir, tp.size)
         self.kv_events = KVEventLog(worker_id)
         cpu = None
         if config.cpu_kv_cache_bytes:  # pinned for a GPU pool: its blocks move on a side stream (kv_store/block_copier.py)
             cpu = CPUTier(config.cpu_kv_cache_bytes, layout.block_bytes, pin_memory=self.kv_cache.buffer.is_cuda)
         redis = None
         if config.redis_url is not None:
-            redis = RedisTier(RedisTierConfig(config.redis_url, config.redis_ttl_s, tls_ca_file=config.redis_tls_ca_file), self.namespace, layout)
-        self.kv_store = TieredKVStore(self.pool, self.kv_cache.buffer, self.kv_events, cpu, redis)
+            kv_heads = model.shard.kv_heads
+            redis_config = RedisTierConfig(config.redis_url, config.redis_ttl_s, tls_ca_file=config.redis_tls_ca_file)
+            redis = RedisTier(redis_config, self.namespace, layout, head_start=kv_heads.start, num_model_kv_heads=mc.num_kv_heads)
+        self.tier_mirror = FollowerMirror(tp) if tp.size > 1 and (cpu is not None or redis is not None) else None
+        """The other ranks' tier moves (engine/parallel/tier_mirror.py): each rank spills and loads its own slice."""
+        self.kv_store = TieredKVStore(self.pool, self.kv_cache.buffer, self.kv_events, cpu, redis, mirror=self.tier_mirror)
         self.speculator = (
             build_speculator(config, self.model_name, mc, self.max_model_len, num_blocks) if config.speculative != "off" else None
         )
@@ -278,6 +275,8 @@ class LLMEngine:
         if not chunks:
             return IsolatedStep({}, {})
         masks = self._step_masks.start(chunks) if self._grammars is not None else None
+        if self.tier_mirror is not None:
+            self.tier_mirror.flush(wait=False)  # the followers save what this step's blocks held before the step overwrites them
         if self.group.size > 1:  # the other ranks may be stuck in a collective of the failed run
             return IsolatedStep(self.runner.execute(chunks, masks), {})
         step = run_isolating(lambda part: self.runner.execute(part, masks), chunks)

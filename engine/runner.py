@@ -16,7 +16,7 @@ never wait on it), and each rank's sampled rows are gathered on the leader. A fo
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -185,10 +185,17 @@ class ModelRunner:
             return sample_on_device(logits, SamplingTensors.of(params, seeds, positions, logits.device)).tolist()
         return sample(logits, params, seeds, positions)
 
-    def follow(self) -> int:
-        """Follower: run the leader's plans until it sends None; returns the number of steps run."""
+    def follow(self, on_message: Callable[[object], None] | None = None) -> int:
+        """Follower: run the leader's plans until it sends None; returns the number of steps run.
+        Anything else the leader sends between plans (its KV tiers' block moves) goes to
+        ``on_message``, in order."""
         while (plans := self.ranks.receive_plan()) is not None:
-            self._run_own(plans)
+            if isinstance(plans, list):
+                self._run_own(plans)
+            elif on_message is not None:
+                on_message(plans)
+            else:
+                raise ValueError(f"a follower rank without KV tiers got {type(plans).__name__} from its leader")
         return self.num_runs
 
     def stop_followers(self) -> None:

@@ -35,6 +35,9 @@ class CPUTier:
             raise ValueError(f"capacity_bytes: {capacity_bytes} holds no block of {block_bytes} bytes")
         self.block_bytes = block_bytes
         self.on_evict = on_evict
+        self.on_evict_slot: Callable[[int, int], None] | None = None
+        """Called with (key, slot) of a victim before ``on_evict``: the slot's copies on the other
+        ranks of a multi-rank replica (which mirror this tier's slots) go down the same way."""
         self.before_reuse: Callable[[int], None] | None = None
         """Called with a slot before its bytes go to ``on_evict`` or it is given to another key:
         a copy into it still in flight must land first (``BlockCopier.wait_slot``)."""
@@ -66,6 +69,8 @@ class CPUTier:
         if self.before_reuse is not None:
             self.before_reuse(slot)
         if evicted is not None:
+            if self.on_evict_slot is not None:
+                self.on_evict_slot(evicted[0], slot)
             if self.on_evict is not None:
                 self.on_evict(evicted[0], self.buffer[slot])
             self.num_evictions += 1

@@ -14,6 +14,18 @@ Without a CPU tier, pool evictions go straight to Redis. Every change of a tier'
 KV event in ``events``; a snapshot pairs the three key sets with the last event batch. The
 engine thread calls everything here except the Redis writer's callback (events are thread-safe).
 
+A replica of several ranks (tensor-parallel: each rank holds some KV heads of every block) has
+one store, on its leader, that decides; each rank moves its own slice. The leader's ``mirror``
+(``RankMirror``) records every move for the other ranks, which make the same moves on their own
+slices, CPU tiers (the same slots) and Redis values (one per KV head, ``RedisTier``)::
+
+    leader:   evict ── save(block, slot) ──► mirror ─ sent before the next step ─► rank r: the same
+    leader:   load ─── load(slot, block) ──► mirror ─ sent now; every rank reports how many of the
+                                                      loads it completed; the blocks past the
+                                                      fewest are released, never used half-loaded
+
+A block is in Redis (its STORED event) only once every KV head's value is (``RedisTier``).
+
 The bytes move through a ``BlockCopier`` chosen by the pool's device (``kv_store/block_copier.py``):
 memcpys on this thread for a CPU pool, copies on a side stream for a GPU pool. The bookkeeping is
 the same for both: a slot is waited for before it is read or reused (``CPUTier.before_reuse``),
@@ -27,6 +39,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -56,6 +69,33 @@ class TieredStats:
     tiers: dict[Tier, TierStats] = field(default_factory=lambda: {t: TierStats() for t in Tier})
 
 
+class RankMirror(Protocol):
+    """The other ranks of a multi-rank replica, as the leader's store drives them: each call
+    records a move each rank makes on its own slice, in the order made here."""
+
+    def save(self, block_id: int, slot: int) -> None:
+        """Copy the pool block into the CPU tier's slot."""
+
+    def load(self, slot: int, block_id: int) -> None:
+        """Copy the CPU tier's slot into the pool block."""
+
+    def spill_block(self, key: int, block_id: int) -> None:
+        """Write the pool block's slice to Redis under ``key``."""
+
+    def spill_slot(self, key: int, slot: int) -> None:
+        """Write the CPU tier slot's slice to Redis under ``key`` (before the slot is reused)."""
+
+    def load_redis(self, key: int, block_id: int) -> None:
+        """Read ``key``'s slice from Redis into the pool block."""
+
+    def agree(self, num_loaded: int) -> int:
+        """Send the moves recorded; every rank makes them and reports how many of the loads among
+        them it completed, in order; returns the fewest (``num_loaded`` is the leader's)."""
+
+    def flush(self, wait: bool) -> None:
+        """Send the moves recorded; ``wait``: until every rank has made them."""
+
+
 class TieredKVStore:
     """Spills pool evictions down the tiers, loads prefix hits back up, and records KV events."""
 
@@ -67,10 +107,12 @@ class TieredKVStore:
         cpu: CPUTier | None = None,
         redis: RedisTier | None = None,
         copier: BlockCopier | None = None,
+        mirror: RankMirror | None = None,
     ) -> None:
         """``buffer``: the pool's bytes, ``uint8 [num_blocks, block_bytes]`` on any device;
         ``copier``: moves blocks between it and ``cpu``'s buffer (by default the one for
-        ``buffer``'s device, ``block_copier``)."""
+        ``buffer``'s device, ``block_copier``); ``mirror``: the replica's other ranks, each
+        holding its own slice of every block (None: one rank)."""
         if buffer.dim() != 2 or buffer.shape[0] != pool.num_blocks or buffer.dtype != torch.uint8:
             raise ValueError(f"buffer: expected uint8 [{pool.num_blocks}, block_bytes], got {buffer.dtype} {list(buffer.shape)}")
         self.pool = pool
@@ -79,11 +121,12 @@ class TieredKVStore:
         self.events = events
         self.cpu = cpu
         self.redis = redis
+        self.mirror = mirror
         self.stats = TieredStats()
         self._redis_keys: set[int] = set()
         self._redis_lock = threading.Lock()
         if cpu is not None:
-            cpu.on_evict = self._spill_from_cpu
+            cpu.on_evict_slot = self._spill_from_cpu
             cpu.before_reuse = self.copier.wait_slot
         if redis is not None:
             redis.on_stored = self._stored_in_redis
@@ -102,11 +145,14 @@ class TieredKVStore:
                 slot = self.cpu.claim(key)  # may spill the CPU tier's LRU block to Redis first
                 self.copier.save(block_id, slot)
                 self.copier.fence()  # the block is handed out next: the step that writes it waits for the copy
+                if self.mirror is not None:
+                    self.mirror.save(block_id, slot)
                 self.events.record(EventKind.STORED, Tier.CPU, (key,))
             else:
                 self.cpu.slot_of(key)  # refresh
         elif self.redis is not None:
-            self._spill_to_redis(key, lambda: self.copier.block_bytes(block_id))
+            mirror = self.mirror
+            self._spill_to_redis(key, lambda: self.copier.block_bytes(block_id), mirror and (lambda: mirror.spill_block(key, block_id)))
 
     def on_clear(self) -> None:
         self.events.record(EventKind.CLEARED, Tier.POOL)
@@ -121,7 +167,8 @@ class TieredKVStore:
 
     def load(self, keys: Sequence[int]) -> list[int]:
         """Bring the longest run of ``keys`` found in the CPU tier, then Redis, into fresh pool
-        blocks; returns their ids (ref count 1, cached under their keys), possibly []."""
+        blocks; returns their ids (ref count 1, cached under their keys), possibly []. On a
+        replica of several ranks, a block counts only when every rank loaded its slice."""
         if self.cpu is None and self.redis is None:
             return []
         cpu_keys: list[int] = []
@@ -134,10 +181,12 @@ class TieredKVStore:
         redis_blocks = []
         rest = keys[len(cpu_keys) :]
         if self.redis is not None and rest:
-            redis_blocks = self.redis.get_prefix(rest)
-            if len(redis_blocks) < len(rest):
+            if self.mirror is not None:  # only keys whose every KV head is there: another rank's slice may be gone
+                rest = rest[: self.redis.count_prefix(rest)]
+            redis_blocks = self.redis.get_prefix(rest) if rest else []
+            if len(redis_blocks) < len(keys) - len(cpu_keys):
                 self.stats.tiers[Tier.REDIS].num_misses += 1
-                self._forget_redis(rest[len(redis_blocks)])
+                self._forget_redis(keys[len(cpu_keys) + len(redis_blocks)])
         wanted = len(cpu_keys) + len(redis_blocks)
         if wanted == 0:
             return []
@@ -145,7 +194,7 @@ class TieredKVStore:
         block_ids = self.pool.allocate(wanted) if wanted else None
         if not block_ids:
             return []
-        loaded: list[int] = []
+        loaded: list[tuple[int, int, Tier]] = []
         for i, block_id in enumerate(block_ids):
             if i < len(cpu_keys):
                 key, tier = cpu_keys[i], Tier.CPU
@@ -153,35 +202,52 @@ class TieredKVStore:
                 if slot is None:  # spilled while allocating (a CPU tier smaller than the run)
                     break
                 self.copier.load(slot, block_id)
+                if self.mirror is not None:
+                    self.mirror.load(slot, block_id)
             else:
                 key, tier = keys[i], Tier.REDIS
                 self.copier.load_bytes(redis_blocks[i - len(cpu_keys)], block_id)
+                if self.mirror is not None:
+                    self.mirror.load_redis(key, block_id)
+            loaded.append((block_id, key, tier))
+        if self.mirror is not None:
+            num_agreed = self.mirror.agree(len(loaded))
+            if num_agreed < len(loaded):
+                self.stats.tiers[loaded[num_agreed][2]].num_misses += 1
+                if loaded[num_agreed][2] is Tier.REDIS:
+                    self._forget_redis(loaded[num_agreed][1])
+                loaded = loaded[:num_agreed]
+        for block_id, key, tier in loaded:
             self.pool.cache(block_id, key)
             stats = self.stats.tiers[tier]
             stats.num_hits += 1
             stats.num_bytes += self.buffer.shape[1]
-            loaded.append(block_id)
         if loaded:
             self.copier.fence()  # the step that reads them waits for the copies
         unused = block_ids[len(loaded) :]
         if unused:
             self.pool.release(reversed(unused))
-        return loaded
+        return [block_id for block_id, _, _ in loaded]
 
     # -- spills --------------------------------------------------------------------------------
 
-    def _spill_from_cpu(self, key: int, block: torch.Tensor) -> None:
+    def _spill_from_cpu(self, key: int, slot: int) -> None:
         self.events.record(EventKind.REMOVED, Tier.CPU, (key,))
         self.stats.tiers[Tier.CPU].num_evictions += 1
         if self.redis is not None:  # the slot's copy has landed (CPUTier.before_reuse)
-            self._spill_to_redis(key, lambda: block.numpy().tobytes())  # a copy: the slot is reused next
+            block = self.cpu.buffer[slot]
+            mirror = self.mirror
+            self._spill_to_redis(key, lambda: block.numpy().tobytes(), mirror and (lambda: mirror.spill_slot(key, slot)))  # a copy: the slot is reused next
 
-    def _spill_to_redis(self, key: int, read: Callable[[], bytes]) -> None:
-        """Queue the block's bytes, ``read()``, for Redis unless this worker has stored ``key`` there."""
+    def _spill_to_redis(self, key: int, read: Callable[[], bytes], mirrored: Callable[[], None] | None = None) -> None:
+        """Queue the block's bytes, ``read()``, for Redis unless this worker has stored ``key``
+        there; ``mirrored()`` has the other ranks queue their slices too."""
         with self._redis_lock:
             if key in self._redis_keys:
                 return
         self.redis.put_async(key, read())
+        if mirrored is not None:
+            mirrored()
 
     def _stored_in_redis(self, keys: list[int]) -> None:
         with self._redis_lock:
@@ -218,12 +284,18 @@ class TieredKVStore:
 
     def evict_pool(self) -> int:
         """Push every cached, unused pool block down to the lower tiers; returns how many."""
-        return self.pool.evict_cached()
+        num_evicted = self.pool.evict_cached()
+        if self.mirror is not None:
+            self.mirror.flush(wait=True)
+        return num_evicted
 
     def synchronize(self) -> None:
-        """Wait until every copy into or out of the pool has landed: call it before a writer that
-        is not the engine's stream (a NIXL peer) may write blocks allocated since the last call."""
+        """Wait until every copy into or out of the pool has landed, on every rank: call it
+        before a writer that is not the engine's stream (a NIXL peer) may write blocks
+        allocated since the last call."""
         self.copier.synchronize()
+        if self.mirror is not None:
+            self.mirror.flush(wait=True)
 
     def close(self) -> None:
         self.copier.synchronize()

@@ -13,12 +13,13 @@ import threading
 
 import torch
 
-from engine.bundled import resolve_model
+from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
-from engine.build import build_shard, model_len, split_group
+from engine.build import build_shard, key_namespace, model_len, split_group
 from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
 from engine.parallel.sharding import rank_fields
+from engine.parallel.tier_mirror import FollowerTiers
 from engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class TPFollower:
         self.rank = rank
         self.node_ip = address.rpartition(":")[0]
         self.runner: ModelRunner | None = None
+        self.tiers: FollowerTiers | None = None
+        """This rank's CPU tier and Redis values, when the replica has KV tiers (tensor-parallel)."""
         self.failure: BaseException | None = None
         self._built = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(address, num_threads), name=f"tp-rank-{rank}", daemon=True)
@@ -53,6 +56,9 @@ class TPFollower:
             model_config = ModelConfig.from_dir(checkpoint_dir)
             model, kv_cache = build_shard(self.config, model_config, checkpoint_dir, model_len(self.config, model_config), tp, ep)
             self.runner = ModelRunner(model, kv_cache, tp, ep)
+            if tp.size > 1 and (self.config.cpu_kv_cache_bytes or self.config.redis_url is not None):
+                namespace = key_namespace(self.config, served_model_name(self.config.model), checkpoint_dir, tp.size)
+                self.tiers = FollowerTiers(self.config, group, kv_cache.buffer, kv_cache.layout, namespace, model.shard.kv_heads, model_config.num_kv_heads)
             group.barrier()
         except BaseException as e:  # reported by __init__
             self.failure = e
@@ -60,11 +66,13 @@ class TPFollower:
         finally:
             self._built.set()
         try:
-            self.runner.follow()
+            self.runner.follow(self.tiers.apply if self.tiers is not None else None)
         except BaseException as e:  # the leader sees the broken collective; keep the reason for info()
             logger.exception("rank %d of a %d-rank replica: its step loop failed", self.rank, self.config.num_ranks)
             self.failure = e
         finally:
+            if self.tiers is not None:
+                self.tiers.close()
             group.close()
 
     def info(self) -> dict:
@@ -75,6 +83,7 @@ class TPFollower:
             failure=repr(self.failure) if self.failure else "",
             num_steps=self.runner.num_runs,
             num_kv_blocks=self.runner.kv_cache.num_blocks,
+            num_tier_moves=self.tiers.num_moves if self.tiers is not None else 0,
             expert_tokens=expert_tokens.tolist() if (expert_tokens := model.expert_tokens()) is not None else [],
         )
 

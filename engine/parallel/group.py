@@ -168,6 +168,15 @@ class TPGroup:
         dist.broadcast_object_list(box, src=0, group=self._plan)
         return box[0]
 
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` any rank passes (every rank calls it, in the same order as the
+        plans): how many of a batch of block loads every rank completed."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self._plan)
+        return int(tensor.item())
+
     def barrier(self) -> None:
         """Wait until every rank has come here (no timeout but the plan group's)."""
         if self.size > 1:

@@ -56,8 +56,8 @@ def test_num_ranks_is_the_tp_or_the_ep_size():
     [
         ({"ep_size": 0}, "ep_size: must be >= 1, got 0"),
         ({"tp_size": 2, "ep_size": 2}, "ep_size: a replica is tensor-parallel or expert-parallel, not both (tp_size 2, ep_size 2)"),
-        ({"ep_size": 2, "cpu_kv_cache_bytes": 1 << 20}, "tp_size, ep_size: the CPU and Redis KV tiers serve replicas of one rank only"),
-        ({"ep_size": 2, "redis_url": "redis://localhost:6379/0"}, "tp_size, ep_size: the CPU and Redis KV tiers serve replicas of one rank only"),
+        ({"ep_size": 2, "cpu_kv_cache_bytes": 1 << 20}, "ep_size: the CPU and Redis KV tiers serve one-rank and tensor-parallel replicas so far"),
+        ({"ep_size": 2, "redis_url": "redis://localhost:6379/0"}, "ep_size: the CPU and Redis KV tiers serve one-rank and tensor-parallel replicas so far"),
     ],
 )
 def test_engine_config_refuses_ep_with_tp_or_the_kv_tiers(overrides, message):

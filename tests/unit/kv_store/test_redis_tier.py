@@ -10,7 +10,8 @@ import pytest
 
 from kv_store.keys import KeyNamespace
 from kv_store.layout import KVBlockLayout
-from kv_store.redis_tier import HEADER_BYTES, RedisTier, RedisTierConfig, ValueRejected, decode_value, encode_value, head_value_bytes
+from kv_store.redis_tier import RedisTier, RedisTierConfig
+from kv_store.redis_value import HEADER_BYTES, ValueRejected, decode_value, encode_value, head_value_bytes
 from tests.certs import make_pki
 from tests.redis_server import RedisServer
 
