@@ -5,6 +5,12 @@ engine in-process. TTFT (median of ``--repeats``) with the prefix recomputed (``
 peer), in the KV pool (``gpu``), or offloaded to the CPU tier (``cpu``) or Redis (``redis``).
 Then the prefix's blocks go through the Redis tier beside raw pipelined redis-py SET/GET. Without
 ``--redis-url`` a throwaway redis-server is started.
+
+``--tp N``: the replica is this process as rank 0 plus N-1 Ray actor ranks (as bench.parallel
+builds it; threads per rank: the usable cores at TP 1, cores // N above). Each rank spills and
+reloads its own KV heads of every block to its own CPU tier and to Redis (one value per KV head);
+a Redis hit is measured once every rank's heads of the prefix are confirmed there. The GB/s
+figures move the leader's slice (its heads) of each block.
 """
 
 from __future__ import annotations
@@ -18,16 +24,22 @@ from dataclasses import replace
 
 import redis
 
-from bench.report import BenchError, arg_parser, emit_report, machine, progress, run, user_error
-from bench.workload import greedy, random_tokens, redis_server
+from bench.report import BenchError, arg_parser, emit_report, machine, positive, progress, run, user_error
+from bench.workload import greedy, random_tokens, ranked_engine, redis_server, threads_per_rank
+from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
+from engine.model_config import ModelConfig
+from engine.parallel.sharding import check_tp_size
+from kv_store.events import Tier
 from kv_store.keys import block_keys
 from kv_store.redis_tier import RedisTier
 
 TIERS = ("recompute", "gpu", "cpu", "redis")
 """Where the prefix is when a measured request arrives: nowhere (the peer), the KV pool, the CPU tier, Redis."""
+REDIS_CONFIRM_TIMEOUT_S = 30.0
+"""How long the offloaded prefix may take to be confirmed in Redis (every rank's KV heads written)."""
 
 
 def _ttft(engine: LLMEngine, prompt: list[int], request_id: str) -> tuple[float, int]:
@@ -39,22 +51,36 @@ def _ttft(engine: LLMEngine, prompt: list[int], request_id: str) -> tuple[float,
                 return time.perf_counter() - start, out.num_cached_tokens
 
 
-def _place(engine: LLMEngine, tier: str) -> None:
+def _place(engine: LLMEngine, tier: str, prefix: list[int]) -> None:
     """Put the cached prefix where ``tier`` says before a measured request."""
     if tier == "recompute":
         engine.reset_prefix_cache()
     elif tier in ("cpu", "redis"):
         engine.offload_prefix_cache()
         assert engine.pool.num_cached_blocks == 0
-        if tier == "redis" and not engine.kv_store.redis.flush():
-            raise RuntimeError("the Redis tier did not write the offloaded blocks within 10 s")
+        if tier == "redis":
+            _wait_in_redis(engine, prefix)
+
+
+def _wait_in_redis(engine: LLMEngine, prefix: list[int]) -> None:
+    """Until every block of ``prefix`` is confirmed in Redis: on a replica of several ranks the
+    leader's ``flush`` covers only its own writes, so wait for the store's Redis key set."""
+    if not engine.kv_store.redis.flush():
+        raise RuntimeError("the Redis tier did not write the offloaded blocks within 10 s")
+    keys = set(block_keys(prefix, engine.config.block_size, engine.namespace.root_key(None)))
+    deadline = time.monotonic() + REDIS_CONFIRM_TIMEOUT_S
+    while not keys <= engine.kv_store.key_sets()[Tier.REDIS]:
+        if time.monotonic() > deadline:
+            num_confirmed = len(keys & engine.kv_store.key_sets()[Tier.REDIS])
+            raise RuntimeError(f"{num_confirmed} of the prefix's {len(keys)} blocks confirmed in Redis after {REDIS_CONFIRM_TIMEOUT_S:.0f} s")
+        time.sleep(0.01)
 
 
 def _measure(engine: LLMEngine, tier: str, prefix: list[int], repeats: int, rng: random.Random) -> dict:
     """TTFT of ``prefix`` + a fresh 16-token suffix, the prefix placed in ``tier`` before each repetition."""
     times, cached = [], []
     for i in range(repeats):
-        _place(engine, tier)
+        _place(engine, tier, prefix)
         t, c = _ttft(engine, prefix + random_tokens(rng, 16, engine.model_config.vocab_size), f"{tier}-{i}")
         times.append(t)
         cached.append(c)
@@ -104,9 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tp", type=positive, default=1, help="tensor-parallel size of the replica (default: 1)")
     args = parser.parse_args(argv)
     if args.prefix_tokens < EngineConfig.block_size or args.repeats < 1:
         parser.error(f"--prefix-tokens: must be >= {EngineConfig.block_size} (one block); --repeats: must be >= 1")
+    with user_error(EngineError, ValueError):  # a model that is not there, or KV heads that do not split
+        check_tp_size(served_model_name(args.model), ModelConfig.from_dir(resolve_model(args.model, None)), args.tp)
     with contextlib.ExitStack() as stack:
         url = args.redis_url
         if url is None:
@@ -122,30 +151,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, url: str) -> dict:
-    base = EngineConfig(model=args.model, kv_cache_bytes=256 << 20, max_model_len=args.prefix_tokens + 64)
+    base = EngineConfig(model=args.model, kv_cache_bytes=256 << 20, max_model_len=args.prefix_tokens + 64, tp_size=args.tp)
     configs = {"recompute": base, "gpu": base, "cpu": replace(base, cpu_kv_cache_bytes=256 << 20), "redis": replace(base, redis_url=url)}
-    rng = random.Random(args.seed)
+    rng, num_threads = random.Random(args.seed), threads_per_rank(args.tp)
     results, redis_gbps, prefix = {}, {}, None
     for tier in TIERS:
-        progress("kv_store", f"{tier}: loading {args.model}")
-        with user_error(EngineError):
-            engine = LLMEngine(configs[tier])
-        if engine.max_model_len < args.prefix_tokens + 16:
-            raise BenchError(f"--prefix-tokens {args.prefix_tokens} + a 16-token suffix exceeds {args.model}'s {engine.max_model_len} tokens")
-        prefix = prefix or random_tokens(rng, args.prefix_tokens, engine.model_config.vocab_size)
-        _ttft(engine, list(range(100, 164)), f"warmup-{tier}")
-        if tier != "recompute":
-            _ttft(engine, prefix, f"fill-{tier}")  # the prefix's blocks now cached in the pool
-        results[tier] = _measure(engine, tier, prefix, args.repeats, rng)
-        progress("kv_store", f"{tier}: TTFT {results[tier]['ttft_s']:.4f} s, {results[tier]['cached_tokens']} tokens cached")
-        if tier == "redis":
-            progress("kv_store", f"redis: put and get {args.prefix_tokens // base.block_size} blocks x {args.repeats}")
-            redis_gbps = _redis_gbps(engine.kv_store.redis, url, engine, prefix, args.repeats)
-        engine.close()
-        del engine
+        progress("kv_store", f"{tier}: loading {args.model} over {args.tp} rank(s), {num_threads} torch thread(s) each")
+        with contextlib.ExitStack() as stack:
+            with user_error(EngineError):
+                engine, _ = stack.enter_context(ranked_engine(configs[tier], num_threads, f"kv-store-tp{args.tp}-{tier}"))
+            if engine.max_model_len < args.prefix_tokens + 16:
+                raise BenchError(f"--prefix-tokens {args.prefix_tokens} + a 16-token suffix exceeds {args.model}'s {engine.max_model_len} tokens")
+            prefix = prefix or random_tokens(rng, args.prefix_tokens, engine.model_config.vocab_size)
+            _ttft(engine, list(range(100, 164)), f"warmup-{tier}")
+            if tier != "recompute":
+                _ttft(engine, prefix, f"fill-{tier}")  # the prefix's blocks now cached in the pool
+            results[tier] = _measure(engine, tier, prefix, args.repeats, rng)
+            progress("kv_store", f"{tier}: TTFT {results[tier]['ttft_s']:.4f} s, {results[tier]['cached_tokens']} tokens cached")
+            if tier == "redis":
+                progress("kv_store", f"redis: put and get {args.prefix_tokens // base.block_size} blocks x {args.repeats}")
+                redis_gbps = _redis_gbps(engine.kv_store.redis, url, engine, prefix, args.repeats)
     recompute = results["recompute"]["ttft_s"]
     return {
         "model": args.model,
+        "tp_size": args.tp,
         "kv_dtype": base.kv_dtype,
         "prefix_tokens": args.prefix_tokens,
         "ttft_s": {k: round(v["ttft_s"], 4) for k, v in results.items()},

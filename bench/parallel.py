@@ -21,7 +21,7 @@ import sys
 import time
 
 from bench.report import BenchError, arg_parser, emit_report, machine, plot, positive, progress, run, user_error
-from bench.workload import greedy, random_tokens, ranked_engine, start_decoding
+from bench.workload import greedy, random_tokens, ranked_engine, start_decoding, threads_per_rank
 from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -103,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         raise BenchError(f"--prompt-lengths: {max(lengths)} tokens and the first output token do not fit {args.model}'s context of {max_len}")
     if sizes["decode_prompt_tokens"] + sizes["decode_tokens"] >= max_len:
         raise BenchError(f"--decode-tokens: {sizes['decode_tokens']} after a {sizes['decode_prompt_tokens']}-token prompt do not fit {args.model}'s context of {max_len}")
-    cores = len(os.sched_getaffinity(0))
-    threads = {tp: args.threads or max(1, cores // tp) for tp in args.tp}
+    threads = {tp: args.threads or threads_per_rank(tp) for tp in args.tp}
     budget = max(max(lengths), max(args.batches) * sizes["decode_prompt_tokens"])
     decode_seq_tokens, block_size = sizes["decode_prompt_tokens"] + sizes["decode_tokens"] + 1, EngineConfig.block_size
     num_blocks = 32 + max(math.ceil((max(lengths) + 1) / block_size), max(args.batches) * math.ceil(decode_seq_tokens / block_size))

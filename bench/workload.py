@@ -121,6 +121,14 @@ def redis_server(name: str):
             server.stop()
 
 
+def threads_per_rank(num_ranks: int) -> int:
+    """Torch threads for each rank of a replica of ``num_ranks`` on this machine: the usable cores
+    at one rank, cores // num_ranks (at least 1) above."""
+    import os
+
+    return max(1, len(os.sched_getaffinity(0)) // num_ranks)
+
+
 @contextlib.contextmanager
 def ranked_engine(config: EngineConfig, num_threads: int, name: str):
     """The leader's engine of a replica of ``config.num_ranks`` ranks (TP or EP), in this process,
