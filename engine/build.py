@@ -19,12 +19,18 @@ from engine.loader.weights import load_weights, weights_fingerprint
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
+from engine.parallel.tier_mirror import FollowerMirror
 from engine.quant.apply import apply_weights, check_weights_dtype, load_native, set_act_planes
 from engine.spec.draft import DraftModelProposer
 from engine.spec.policy import SpecPolicy
 from engine.spec.speculator import NgramProposer, Speculator
+from kv_store.block_pool import BlockPool
+from kv_store.cpu_tier import CPUTier
+from kv_store.events import KVEventLog
 from kv_store.keys import KeyNamespace
 from kv_store.layout import KVBlockLayout
+from kv_store.redis_tier import RedisTier, RedisTierConfig
+from kv_store.tiered import TieredKVStore
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -45,6 +51,24 @@ def key_namespace(config: EngineConfig, model_name: str, checkpoint_dir: Path, t
         block_size=config.block_size,
         tp_size=tp_size,
     )
+
+
+def build_kv_store(
+    config: EngineConfig, pool: BlockPool, kv_cache: PagedKVCache, kv_heads: range, num_model_kv_heads: int, namespace: KeyNamespace, events: KVEventLog, tp: TPGroup
+) -> TieredKVStore:
+    """The leader's KV tiers over ``pool``: the CPU tier and Redis (its heads' values, ``kv_heads``
+    of the model's ``num_model_kv_heads``) as configured, and on a tensor-parallel replica with
+    tiers the mirror that has every other rank move its own slice (engine/parallel/tier_mirror.py)."""
+    layout = kv_cache.layout
+    cpu = None
+    if config.cpu_kv_cache_bytes:  # pinned for a GPU pool: its blocks move on a side stream (kv_store/block_copier.py)
+        cpu = CPUTier(config.cpu_kv_cache_bytes, layout.block_bytes, pin_memory=kv_cache.buffer.is_cuda)
+    redis = None
+    if config.redis_url is not None:
+        redis_config = RedisTierConfig(config.redis_url, config.redis_ttl_s, tls_ca_file=config.redis_tls_ca_file)
+        redis = RedisTier(redis_config, namespace, layout, head_start=kv_heads.start, num_model_kv_heads=num_model_kv_heads)
+    mirror = FollowerMirror(tp) if tp.size > 1 and (cpu is not None or redis is not None) else None
+    return TieredKVStore(pool, kv_cache.buffer, events, cpu, redis, mirror=mirror)
 
 
 def split_group(config: EngineConfig, group: TPGroup) -> tuple[TPGroup, TPGroup]:

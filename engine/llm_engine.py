@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.build import build_shard, build_speculator, key_namespace, model_len, split_group
+from engine.build import build_kv_store, build_shard, build_speculator, key_namespace, model_len, split_group
 from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, RequestFailedError
@@ -22,7 +22,6 @@ from engine.isolation import IsolatedStep, blames_a_request, inputs_of, run_isol
 from engine.model_config import ModelConfig
 from engine.outputs import Completion, EngineStats, PrefilledKV, RemotePrefill
 from engine.parallel.group import TPGroup
-from engine.parallel.tier_mirror import FollowerMirror
 from engine.parallel.sharding import check_ep_size, check_tp_size
 from engine.params import SamplingParams
 from engine.request import Request, RequestOutput, SampledTokens, TokenLogprobs
@@ -32,10 +31,7 @@ from engine.structured.backend import GrammarBackend
 from engine.structured.step_masks import StepMasks
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kv_store.block_pool import BlockPool
-from kv_store.cpu_tier import CPUTier
 from kv_store.events import KVEventBatch, KVEventLog, KVSnapshot
-from kv_store.redis_tier import RedisTier, RedisTierConfig
-from kv_store.tiered import TieredKVStore
 
 logger = logging.getLogger(__name__)
 
@@ -63,23 +59,15 @@ class LLMEngine:
         mc = self.model_config
         self.max_model_len = model_len(config, mc)
         model, self.kv_cache = build_shard(config, mc, self.checkpoint_dir, self.max_model_len, tp, ep)
-        layout, num_blocks = self.kv_cache.layout, self.kv_cache.num_blocks
+        num_blocks = self.kv_cache.num_blocks
         self.pools = [BlockPool(num_blocks, enable_caching=config.enable_prefix_caching) for _ in range(ep.size)]
         """One block pool per data-parallel rank; ``pools[r]``'s blocks are in rank r's KV cache."""
         self.pool = self.pools[0]
         self.namespace = key_namespace(config, self.model_name, self.checkpoint_dir, tp.size)
         self.kv_events = KVEventLog(worker_id)
-        cpu = None
-        if config.cpu_kv_cache_bytes:  # pinned for a GPU pool: its blocks move on a side stream (kv_store/block_copier.py)
-            cpu = CPUTier(config.cpu_kv_cache_bytes, layout.block_bytes, pin_memory=self.kv_cache.buffer.is_cuda)
-        redis = None
-        if config.redis_url is not None:
-            kv_heads = model.shard.kv_heads
-            redis_config = RedisTierConfig(config.redis_url, config.redis_ttl_s, tls_ca_file=config.redis_tls_ca_file)
-            redis = RedisTier(redis_config, self.namespace, layout, head_start=kv_heads.start, num_model_kv_heads=mc.num_kv_heads)
-        self.tier_mirror = FollowerMirror(tp) if tp.size > 1 and (cpu is not None or redis is not None) else None
+        self.kv_store = build_kv_store(config, self.pool, self.kv_cache, model.shard.kv_heads, mc.num_kv_heads, self.namespace, self.kv_events, tp)
+        self.tier_mirror = self.kv_store.mirror
         """The other ranks' tier moves (engine/parallel/tier_mirror.py): each rank spills and loads its own slice."""
-        self.kv_store = TieredKVStore(self.pool, self.kv_cache.buffer, self.kv_events, cpu, redis, mirror=self.tier_mirror)
         self.speculator = (
             build_speculator(config, self.model_name, mc, self.max_model_len, num_blocks) if config.speculative != "off" else None
         )
