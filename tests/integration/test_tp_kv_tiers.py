@@ -14,6 +14,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.params import SamplingParams
 from kv_store.events import KeySets, Tier
+from kv_store.keys import block_keys
 from tests.integration.parallel_engines import parallel_engines
 from tests.redis_server import RedisServer
 from tests.unit.engine.helpers import random_prompts
@@ -56,11 +57,12 @@ def _run(engine, prompt):
     return out
 
 
-def _wait_in_redis(engine, num_keys: int, timeout_s: float = 20.0) -> None:
-    """Until the replica reports ``num_keys`` blocks in Redis: every KV head's value is there."""
+def _wait_in_redis(engine, prompt, timeout_s: float = 20.0) -> None:
+    """Until the replica reports the prompt's full blocks in Redis: every KV head's value is there."""
+    keys = set(block_keys(prompt, 16, engine.namespace.root_key(None))[:PROMPT_BLOCKS])
     deadline = time.monotonic() + timeout_s
-    while len(engine.kv_store.key_sets()[Tier.REDIS]) < num_keys:
-        assert time.monotonic() < deadline, f"{len(engine.kv_store.key_sets()[Tier.REDIS])} of {num_keys} blocks confirmed in Redis"
+    while missing := keys - engine.kv_store.key_sets()[Tier.REDIS]:
+        assert time.monotonic() < deadline, f"{len(missing)} of {len(keys)} blocks not confirmed in Redis"
         time.sleep(0.05)
 
 
@@ -85,7 +87,7 @@ def test_tp3_prefix_back_from_redis_equals_recompute_and_tp1_reads_its_slices(en
     tp3 = engines.get(kv3(tp_size=3, redis_url=server.url))
     first = _run(tp3, prompt)
     tp3.offload_prefix_cache()
-    _wait_in_redis(tp3, PROMPT_BLOCKS)
+    _wait_in_redis(tp3, prompt)
     heads = {key.rsplit(b":", 1)[1] for key in server.client().keys(b"*")}
     assert heads == {b"0", b"1", b"2"}  # one value per KV head, each written by the rank holding it
     again = _run(tp3, prompt)
@@ -105,7 +107,7 @@ def test_tp3_reads_what_tp1_spilled(engines, kv3, server, recomputed):
     tp1.reset_prefix_cache()
     _run(tp1, prompt)
     tp1.offload_prefix_cache()
-    _wait_in_redis(tp1, PROMPT_BLOCKS)
+    _wait_in_redis(tp1, prompt)
     tp3 = engines.get(kv3(tp_size=3, redis_url=server.url))
     tp3.reset_prefix_cache()
     out = _run(tp3, prompt)
@@ -120,7 +122,7 @@ def test_a_block_missing_one_head_is_a_miss_never_a_mixed_block(engines, kv3, se
     tp3.reset_prefix_cache()
     _run(tp3, prompt)
     tp3.offload_prefix_cache()
-    _wait_in_redis(tp3, PROMPT_BLOCKS)
+    _wait_in_redis(tp3, prompt)
     client = server.client()
     head_2 = [k for k in client.keys(b"*") if k.endswith(b":2")]
     assert len(head_2) == PROMPT_BLOCKS
@@ -140,8 +142,7 @@ def test_tp_replica_events_replay_to_its_tier_key_sets(engines, kv3, server):
     for prompt in random_prompts([40, 70, 90, 33], seed=65):
         _run(engine, prompt)
         engine.offload_prefix_cache()
-    _wait_in_redis(engine, 1)
-    time.sleep(0.2)  # confirmations still pending land as events too
+    assert engine.kv_store.redis.flush() and engine.kv_store.redis.wait_confirmed()  # every block written is confirmed or given up: its event is in
     for batch in engine.kv_events_since(follower.seq):
         follower.apply(batch)
     sets = engine.kv_store.key_sets()
