@@ -108,6 +108,16 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real redis-server on loopback for one test module (flush it where a test needs it empty)."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def keeps_torch_threads():
     """Restores torch's thread count after a test whose code sets it (a bench run in-process)."""

@@ -16,7 +16,6 @@ from engine.params import SamplingParams
 from kv_store.events import KeySets, Tier
 from kv_store.keys import block_keys
 from tests.integration.parallel_engines import parallel_engines
-from tests.redis_server import RedisServer
 from tests.unit.engine.helpers import random_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -30,13 +29,6 @@ PROMPT_BLOCKS = 4
 def engines(ray_session):
     with parallel_engines(FOLLOWER_CPUS, "test-tp-tiers") as e:
         yield e
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -81,49 +73,49 @@ def test_tp3_prefix_back_from_each_rank_cpu_tier_equals_recompute(engines, kv3, 
     assert all(after >= before + 2 * PROMPT_BLOCKS for before, after in zip(moves_before, moves_after))  # each saved and loaded its slices
 
 
-def test_tp3_prefix_back_from_redis_equals_recompute_and_tp1_reads_its_slices(engines, kv3, server, recomputed):
-    server.client().flushall()
+def test_tp3_prefix_back_from_redis_equals_recompute_and_tp1_reads_its_slices(engines, kv3, redis_server, recomputed):
+    redis_server.client().flushall()
     [prompt] = random_prompts([PROMPT_BLOCKS * 16 + 3], seed=62)
-    tp3 = engines.get(kv3(tp_size=3, redis_url=server.url))
+    tp3 = engines.get(kv3(tp_size=3, redis_url=redis_server.url))
     first = _run(tp3, prompt)
     tp3.offload_prefix_cache()
     _wait_in_redis(tp3, prompt)
-    heads = {key.rsplit(b":", 1)[1] for key in server.client().keys(b"*")}
+    heads = {key.rsplit(b":", 1)[1] for key in redis_server.client().keys(b"*")}
     assert heads == {b"0", b"1", b"2"}  # one value per KV head, each written by the rank holding it
     again = _run(tp3, prompt)
     assert again.num_cached_tokens == PROMPT_BLOCKS * 16
     assert again.output_token_ids == first.output_token_ids == recomputed(prompt)
-    tp1 = engines.get(kv3(redis_url=server.url))  # another TP size: the same keys, every head
+    tp1 = engines.get(kv3(redis_url=redis_server.url))  # another TP size: the same keys, every head
     tp1.reset_prefix_cache()
     from_tp3 = _run(tp1, prompt)
     assert from_tp3.num_cached_tokens == PROMPT_BLOCKS * 16
     assert from_tp3.output_token_ids == first.output_token_ids
 
 
-def test_tp3_reads_what_tp1_spilled(engines, kv3, server, recomputed):
-    server.client().flushall()
+def test_tp3_reads_what_tp1_spilled(engines, kv3, redis_server, recomputed):
+    redis_server.client().flushall()
     [prompt] = random_prompts([PROMPT_BLOCKS * 16 + 9], seed=63)
-    tp1 = engines.get(kv3(redis_url=server.url))
+    tp1 = engines.get(kv3(redis_url=redis_server.url))
     tp1.reset_prefix_cache()
     _run(tp1, prompt)
     tp1.offload_prefix_cache()
     _wait_in_redis(tp1, prompt)
-    tp3 = engines.get(kv3(tp_size=3, redis_url=server.url))
+    tp3 = engines.get(kv3(tp_size=3, redis_url=redis_server.url))
     tp3.reset_prefix_cache()
     out = _run(tp3, prompt)
     assert out.num_cached_tokens == PROMPT_BLOCKS * 16
     assert out.output_token_ids == recomputed(prompt)
 
 
-def test_a_block_missing_one_head_is_a_miss_never_a_mixed_block(engines, kv3, server, recomputed):
-    server.client().flushall()
+def test_a_block_missing_one_head_is_a_miss_never_a_mixed_block(engines, kv3, redis_server, recomputed):
+    redis_server.client().flushall()
     [prompt] = random_prompts([PROMPT_BLOCKS * 16 + 2], seed=64)
-    tp3 = engines.get(kv3(tp_size=3, redis_url=server.url))
+    tp3 = engines.get(kv3(tp_size=3, redis_url=redis_server.url))
     tp3.reset_prefix_cache()
     _run(tp3, prompt)
     tp3.offload_prefix_cache()
     _wait_in_redis(tp3, prompt)
-    client = server.client()
+    client = redis_server.client()
     head_2 = [k for k in client.keys(b"*") if k.endswith(b":2")]
     assert len(head_2) == PROMPT_BLOCKS
     client.delete(*head_2)  # rank 2's values gone (evicted, expired): no block is whole
@@ -133,10 +125,10 @@ def test_a_block_missing_one_head_is_a_miss_never_a_mixed_block(engines, kv3, se
     assert out.output_token_ids == recomputed(prompt)
 
 
-def test_tp_replica_events_replay_to_its_tier_key_sets(engines, kv3, server):
-    server.client().flushall()
+def test_tp_replica_events_replay_to_its_tier_key_sets(engines, kv3, redis_server):
+    redis_server.client().flushall()
     slice_bytes = engines.get(kv3()).kv_cache.layout.block_bytes // 3  # one KV head of three
-    engine = engines.get(kv3(tp_size=3, cpu_kv_cache_bytes=3 * slice_bytes, redis_url=server.url))  # 3 blocks: the rest go on to Redis
+    engine = engines.get(kv3(tp_size=3, cpu_kv_cache_bytes=3 * slice_bytes, redis_url=redis_server.url))  # 3 blocks: the rest go on to Redis
     engine.reset_prefix_cache()
     follower = KeySets.from_snapshot(engine.kv_snapshot())
     for prompt in random_prompts([40, 70, 90, 33], seed=65):

@@ -12,16 +12,8 @@ from kv_store.block_pool import BlockPool
 from kv_store.cpu_tier import CPUTier
 from kv_store.events import KVEventLog, Tier
 from kv_store.tiered import TieredKVStore
-from tests.redis_server import RedisServer
 from tests.unit.engine.helpers import GREEDY, make_engine, random_prompts
 from tests.unit.kv_store.fake_stream import FakeStreamCopier
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield s
-    s.stop()
 
 
 @pytest.fixture
@@ -44,13 +36,13 @@ def _run(engine, request_id, prompt):
 
 
 @pytest.mark.parametrize("tier", [Tier.CPU, Tier.REDIS])
-def test_an_engine_on_deferred_copies_serves_lower_tier_prefixes_as_recompute(tiny_llama_dir, server, fake_streams, tier):
+def test_an_engine_on_deferred_copies_serves_lower_tier_prefixes_as_recompute(tiny_llama_dir, redis_server, fake_streams, tier):
     [prompt] = random_prompts([70], seed=21)  # 4 full blocks reusable
     if tier is Tier.CPU:
         engine = make_engine(tiny_llama_dir, cpu_kv_cache_bytes=1 << 20)
     else:
-        server.client().flushall()
-        engine = make_engine(tiny_llama_dir, redis_url=server.url)
+        redis_server.client().flushall()
+        engine = make_engine(tiny_llama_dir, redis_url=redis_server.url)
     [copier] = fake_streams
     try:
         first = _run(engine, "a", prompt)

@@ -12,13 +12,6 @@ from tests.redis_server import RedisServer
 from tests.unit.engine.helpers import GREEDY, make_engine, random_prompts
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield s
-    s.stop()
-
-
 def _run(engine, request_id, prompt, **kwargs):
     engine.add_request(request_id, prompt, GREEDY, **kwargs)
     before = engine.stats().num_computed_prompt_tokens
@@ -27,13 +20,13 @@ def _run(engine, request_id, prompt, **kwargs):
 
 
 @pytest.mark.parametrize("tier", [Tier.CPU, Tier.REDIS])
-def test_prefix_from_a_lower_tier_equals_recompute_fp32(tiny_llama_dir, server, tier):
+def test_prefix_from_a_lower_tier_equals_recompute_fp32(tiny_llama_dir, redis_server, tier):
     [prompt] = random_prompts([70], seed=21)  # 4 full blocks reusable
     if tier is Tier.CPU:
         engine = make_engine(tiny_llama_dir, cpu_kv_cache_bytes=1 << 20)
     else:
-        server.client().flushall()
-        engine = make_engine(tiny_llama_dir, redis_url=server.url)
+        redis_server.client().flushall()
+        engine = make_engine(tiny_llama_dir, redis_url=redis_server.url)
     try:
         first, computed_first = _run(engine, "a", prompt)
         assert engine.offload_prefix_cache() > 0
@@ -51,10 +44,10 @@ def test_prefix_from_a_lower_tier_equals_recompute_fp32(tiny_llama_dir, server, 
         engine.close()
 
 
-def test_tenants_never_share_tier_blocks(tiny_llama_dir, server):
-    server.client().flushall()
+def test_tenants_never_share_tier_blocks(tiny_llama_dir, redis_server):
+    redis_server.client().flushall()
     [prompt] = random_prompts([40], seed=22)
-    engine = make_engine(tiny_llama_dir, cpu_kv_cache_bytes=1 << 20, redis_url=server.url)
+    engine = make_engine(tiny_llama_dir, cpu_kv_cache_bytes=1 << 20, redis_url=redis_server.url)
     try:
         _run(engine, "a", prompt, tenant_salt="tenant-a")
         engine.offload_prefix_cache()
@@ -65,9 +58,9 @@ def test_tenants_never_share_tier_blocks(tiny_llama_dir, server):
         engine.close()
 
 
-def test_engine_events_replay_to_its_key_sets(tiny_llama_dir, server):
-    server.client().flushall()
-    engine = make_engine(tiny_llama_dir, num_kv_blocks=12, cpu_kv_cache_bytes=3 * 16 * 4 * 2 * 16 * 2 * 4, redis_url=server.url)
+def test_engine_events_replay_to_its_key_sets(tiny_llama_dir, redis_server):
+    redis_server.client().flushall()
+    engine = make_engine(tiny_llama_dir, num_kv_blocks=12, cpu_kv_cache_bytes=3 * 16 * 4 * 2 * 16 * 2 * 4, redis_url=redis_server.url)
     replica = KeySets.from_snapshot(engine.kv_snapshot())
     try:
         for i, prompt in enumerate(random_prompts([40, 70, 33, 40, 90], seed=23)):
@@ -85,17 +78,17 @@ def test_engine_events_replay_to_its_key_sets(tiny_llama_dir, server):
 
 
 def test_redis_killed_mid_run_every_request_completes_and_the_tier_comes_back(tiny_llama_dir, tmp_path):
-    server = RedisServer(tmp_path).start()
-    engine = make_engine(tiny_llama_dir, num_kv_blocks=16, redis_url=server.url)
+    redis_server = RedisServer(tmp_path).start()
+    engine = make_engine(tiny_llama_dir, num_kv_blocks=16, redis_url=redis_server.url)
     shared = random_prompts([32], seed=24)[0]
     tails = random_prompts([8] * 100, seed=25)
     redis = engine.kv_store.redis
     try:
         for i, tail in enumerate(tails):
             if i == 30:
-                server.stop()
+                redis_server.stop()
             if i == 60:
-                server.start()
+                redis_server.start()
             out, _ = _run(engine, f"r{i}", shared + tail)
             assert len(out.output_token_ids) == GREEDY.max_tokens
             if i == 29:
@@ -109,8 +102,8 @@ def test_redis_killed_mid_run_every_request_completes_and_the_tier_comes_back(ti
         _run(engine, "last", random_prompts([40], seed=26)[0])
         engine.offload_prefix_cache()
         assert redis.flush()
-        assert server.client().dbsize() > 0  # ...and the tier writes again (the restarted Redis began empty)
+        assert redis_server.client().dbsize() > 0  # ...and the tier writes again (the restarted Redis began empty)
         assert engine.pool.num_free_blocks == engine.pool.num_blocks
     finally:
         engine.close()
-        server.stop()
+        redis_server.stop()

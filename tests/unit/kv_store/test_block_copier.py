@@ -16,7 +16,7 @@ from kv_store.keys import KeyNamespace
 from kv_store.redis_tier import RedisTier, RedisTierConfig
 from kv_store.tiered import TieredKVStore
 from tests.unit.kv_store.fake_stream import POISON, FakeStreamCopier
-from tests.unit.kv_store.test_tiers import BYTES, LAYOUT, _row, server  # noqa: F401  (server: a module fixture)
+from tests.unit.kv_store.test_tiers import BYTES, LAYOUT, _row
 
 
 def _store(pool_blocks: int, cpu_blocks: int, redis: RedisTier | None = None) -> tuple[TieredKVStore, FakeStreamCopier]:
@@ -37,9 +37,9 @@ def _fill(store: TieredKVStore, keys: list[int]) -> list[int]:
     return ids
 
 
-def _redis(server) -> RedisTier:
-    server.client().flushall()
-    return RedisTier(RedisTierConfig(server.url, ttl_s=60), KeyNamespace("t", "f", "fp32", 2), LAYOUT)
+def _redis(redis_server) -> RedisTier:
+    redis_server.client().flushall()
+    return RedisTier(RedisTierConfig(redis_server.url, ttl_s=60), KeyNamespace("t", "f", "fp32", 2), LAYOUT)
 
 
 def test_the_copier_follows_the_pool_device():
@@ -83,8 +83,8 @@ def test_the_fake_stream_shows_a_slot_only_once_waited_for_and_refuses_its_reuse
     assert int(slots[1][0]) == 5
 
 
-def test_a_spill_waits_for_the_slot_before_redis_reads_it_and_the_step_waits_for_every_copy(server):
-    redis = _redis(server)
+def test_a_spill_waits_for_the_slot_before_redis_reads_it_and_the_step_waits_for_every_copy(redis_server):
+    redis = _redis(redis_server)
     store, copier = _store(pool_blocks=4, cpu_blocks=2, redis=redis)
     try:
         assert _fill(store, [10, 11, 12, 13]) == [0, 1, 2, 3]
@@ -109,8 +109,8 @@ def test_a_spill_waits_for_the_slot_before_redis_reads_it_and_the_step_waits_for
         store.close()
 
 
-def test_without_a_cpu_tier_an_evicted_block_is_read_for_redis_after_every_copy_into_it(server):
-    redis = _redis(server)
+def test_without_a_cpu_tier_an_evicted_block_is_read_for_redis_after_every_copy_into_it(redis_server):
+    redis = _redis(redis_server)
     store, copier = _store(pool_blocks=2, cpu_blocks=0, redis=redis)
     try:
         [block_id] = _fill(store, [4])
@@ -135,12 +135,12 @@ OPS = st.lists(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS, with_redis=st.booleans())
-def test_deferred_copies_keep_every_byte_and_the_same_books_as_host_copies(server, ops, with_redis):
+def test_deferred_copies_keep_every_byte_and_the_same_books_as_host_copies(redis_server, ops, with_redis):
     """The same operations through the host copier and the fake stream: the same key sets, the
     same events, and every block that comes back up holds the bytes that went down."""
     stores = []
     for make_copier in (HostBlockCopier, FakeStreamCopier):
-        redis = _redis(server) if with_redis else None
+        redis = _redis(redis_server) if with_redis else None
         pool = BlockPool(5)
         buffer = torch.zeros((5, BYTES), dtype=torch.uint8)
         cpu = CPUTier(2 * BYTES, BYTES, pin_memory=False)

@@ -19,13 +19,6 @@ LAYOUT = KVBlockLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, k
 NS = KeyNamespace("tiny", "abc123", "fp8_e4m3", 4)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield s
-    s.stop()
-
-
 def _blocks(n, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8).tobytes() for _ in range(n)]
@@ -65,22 +58,22 @@ def test_value_round_trip_and_every_header_field_is_checked():
         encode_value(7, 1, data[:-1], NS, LAYOUT)
 
 
-def test_put_get_longest_run_with_ttl(server):
-    tier = _tier(server.url)
+def test_put_get_longest_run_with_ttl(redis_server):
+    tier = _tier(redis_server.url)
     blocks = _blocks(4)
     assert tier.put_many(list(zip([1, 2, 3, 5], blocks))) == [1, 2, 3, 5]
     got = tier.get_prefix([1, 2, 3, 4, 5])
     assert [b.tobytes() for b in got] == blocks[:3]  # the run stops at the first missing key
     stats = tier.stats_snapshot()
     assert (stats.num_hits, stats.num_misses, stats.num_puts) == (3, 1, 4)
-    raw = server.client()
+    raw = redis_server.client()
     assert all(0 < raw.ttl(tier.redis_key(key, head)) <= 60 for key in (1, 2, 3, 5) for head in (0, 1))
     assert tier.redis_key(1, 1) == f"splitserve:kv:{NS.fingerprint:016x}:0000000000000001:1"
     tier.close()
 
 
-def test_async_puts_land_and_report_their_keys(server):
-    tier = _tier(server.url)
+def test_async_puts_land_and_report_their_keys(redis_server):
+    tier = _tier(redis_server.url)
     stored = []
     tier.on_stored = stored.extend
     blocks = _blocks(10, seed=1)
@@ -92,11 +85,11 @@ def test_async_puts_land_and_report_their_keys(server):
     tier.close()
 
 
-def test_corrupt_truncated_and_foreign_values_are_counted_misses(server):
-    tier = _tier(server.url)
+def test_corrupt_truncated_and_foreign_values_are_counted_misses(redis_server):
+    tier = _tier(redis_server.url)
     [a, b, c] = _blocks(3, seed=2)
     tier.put_many([(11, a), (12, b), (13, c)])
-    raw = server.client()
+    raw = redis_server.client()
     good, head_0, block_11 = raw.get(tier.redis_key(12, 1)), raw.get(tier.redis_key(12, 0)), raw.get(tier.redis_key(11, 1))
     bf16 = KVBlockLayout(2, 2, 8, 4, "bf16")
     bad_values = {
@@ -119,11 +112,11 @@ def test_corrupt_truncated_and_foreign_values_are_counted_misses(server):
 
 
 def test_redis_down_is_skipped_for_the_backoff_after_one_failed_call(tmp_path):
-    server = RedisServer(tmp_path).start()
-    tier = _tier(server.url, min_backoff_s=60.0, max_backoff_s=60.0)
+    redis_server = RedisServer(tmp_path).start()
+    tier = _tier(redis_server.url, min_backoff_s=60.0, max_backoff_s=60.0)
     [a] = _blocks(1, seed=3)
     tier.put_many([(1, a)])
-    server.stop()
+    redis_server.stop()
     assert tier.get_prefix([1]) == []  # fails, no exception
     assert not tier.available
     assert tier.put_many([(2, a)]) == [] and tier.get_prefix([1]) == [] and tier.count_prefix([1]) == 0  # not even tried
@@ -133,47 +126,47 @@ def test_redis_down_is_skipped_for_the_backoff_after_one_failed_call(tmp_path):
 
 
 def test_a_redis_that_comes_back_is_used_again(tmp_path):
-    server = RedisServer(tmp_path).start()
-    tier = _tier(server.url)
+    redis_server = RedisServer(tmp_path).start()
+    tier = _tier(redis_server.url)
     [a] = _blocks(1, seed=3)
-    server.stop()
+    redis_server.stop()
     assert tier.get_prefix([1]) == [] and tier.stats_snapshot().num_errors == 1
-    server.start()  # same port, empty
+    redis_server.start()  # same port, empty
     deadline = time.monotonic() + 30  # a liveness bound: the backoff is at most 0.5 s
     while not tier.put_many([(3, a)]):
         assert time.monotonic() < deadline, "the tier never came back"
         time.sleep(0.05)
     assert [x.tobytes() for x in tier.get_prefix([3])] == [a]
     tier.close()
-    server.stop()
+    redis_server.stop()
 
 
 def test_password_is_required_and_used(tmp_path):
-    server = RedisServer(tmp_path, password="s3cret").start()
+    redis_server = RedisServer(tmp_path, password="s3cret").start()
     try:
         [a] = _blocks(1, seed=4)
-        wrong = _tier(server.url.replace("s3cret", "wrong"))
+        wrong = _tier(redis_server.url.replace("s3cret", "wrong"))
         assert wrong.put_many([(1, a)]) == []  # refused: skipped, not raised
         wrong.close()
-        right = _tier(server.url)
+        right = _tier(redis_server.url)
         assert right.put_many([(1, a)]) == [1]
         assert [x.tobytes() for x in right.get_prefix([1])] == [a]
         right.close()
     finally:
-        server.stop()
+        redis_server.stop()
 
 
 def test_rediss_tls(tmp_path):
     pki = make_pki(tmp_path / "pki")
-    server = RedisServer(tmp_path, tls=(pki.server_cert, pki.server_key, pki.ca_cert)).start()
+    redis_server = RedisServer(tmp_path, tls=(pki.server_cert, pki.server_key, pki.ca_cert)).start()
     try:
         [a] = _blocks(1, seed=5)
-        tier = _tier(server.url, tls_ca_file=pki.ca_cert)
+        tier = _tier(redis_server.url, tls_ca_file=pki.ca_cert)
         assert tier.put_many([(1, a)]) == [1]
         assert [x.tobytes() for x in tier.get_prefix([1])] == [a]
         tier.close()
-        untrusting = _tier(server.url, tls_ca_file=pki.other_ca_cert)
+        untrusting = _tier(redis_server.url, tls_ca_file=pki.other_ca_cert)
         assert untrusting.get_prefix([1]) == [] and untrusting.stats_snapshot().num_errors == 1
         untrusting.close()
     finally:
-        server.stop()
+        redis_server.stop()

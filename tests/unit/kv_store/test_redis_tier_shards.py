@@ -11,7 +11,6 @@ from kv_store.keys import KeyNamespace
 from kv_store.layout import KVBlockLayout
 from kv_store.redis_tier import RedisTier, RedisTierConfig
 from kv_store.redis_value import HEADER_BYTES, ValueRejected, decode_value, encode_value, head_value_bytes
-from tests.redis_server import RedisServer
 
 NUM_HEADS = 3
 # head_dim 3 and block_size 1: 6-byte fp8 heads, so the payload (18 bytes) is padded before the
@@ -24,16 +23,9 @@ LAYOUTS = {
 FP8 = LAYOUTS["fp8_e4m3"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield s
-    s.stop()
-
-
 @pytest.fixture
-def raw(server):
-    client = server.client()
+def raw(redis_server):
+    client = redis_server.client()
     client.flushall()
     return client
 
@@ -69,19 +61,19 @@ def _shard(block, layout, head_start, num_heads):
     return bytes(out)
 
 
-def _tier(server, layout, head_start=0, num_heads=None, stored=None, **config):
+def _tier(redis_server, layout, head_start=0, num_heads=None, stored=None, **config):
     num_heads = layout.num_kv_heads if num_heads is None else num_heads
     return RedisTier(
-        RedisTierConfig(server.url, **({"ttl_s": 60, "socket_timeout_s": 1.0} | config)), _namespace(layout),
+        RedisTierConfig(redis_server.url, **({"ttl_s": 60, "socket_timeout_s": 1.0} | config)), _namespace(layout),
         _sublayout(layout, num_heads), None if stored is None else stored.extend,
         head_start=head_start, num_model_kv_heads=layout.num_kv_heads,
     )
 
 
 @pytest.mark.parametrize("dtype", list(LAYOUTS))
-def test_each_head_is_one_value_and_the_scales_travel_with_their_head(server, raw, dtype):
+def test_each_head_is_one_value_and_the_scales_travel_with_their_head(redis_server, raw, dtype):
     layout = LAYOUTS[dtype]
-    tier = _tier(server, layout)
+    tier = _tier(redis_server, layout)
     blocks = _blocks(layout, 2, seed=1)
     assert tier.put_many([(1, blocks[0]), (2, blocks[1])]) == [1, 2]
     one_head = _sublayout(layout, 1)
@@ -98,12 +90,12 @@ def test_each_head_is_one_value_and_the_scales_travel_with_their_head(server, ra
 
 
 @pytest.mark.parametrize("dtype", list(LAYOUTS))
-def test_a_tp3_group_and_a_single_shard_write_the_same_values_and_read_each_others_blocks(server, raw, dtype):
+def test_a_tp3_group_and_a_single_shard_write_the_same_values_and_read_each_others_blocks(redis_server, raw, dtype):
     layout = LAYOUTS[dtype]
     blocks = _blocks(layout, 3, seed=2)
     keys = [10, 11, 12]
-    ranks = [_tier(server, layout, head_start=h, num_heads=1) for h in range(NUM_HEADS)]
-    whole = _tier(server, layout)
+    ranks = [_tier(redis_server, layout, head_start=h, num_heads=1) for h in range(NUM_HEADS)]
+    whole = _tier(redis_server, layout)
     names = [whole.redis_key(k, h) for k in keys for h in range(NUM_HEADS)]
 
     for rank, tier in enumerate(ranks):
@@ -117,15 +109,15 @@ def test_a_tp3_group_and_a_single_shard_write_the_same_values_and_read_each_othe
     assert raw.mget(names) == by_ranks  # byte for byte the same values
     for rank, tier in enumerate(ranks):
         assert [b.tobytes() for b in tier.get_prefix(keys)] == [_shard(b, layout, rank, 1) for b in blocks]
-    tp2_rank_1 = _tier(server, layout, head_start=1, num_heads=2)  # another split reads its heads too
+    tp2_rank_1 = _tier(redis_server, layout, head_start=1, num_heads=2)  # another split reads its heads too
     assert [b.tobytes() for b in tp2_rank_1.get_prefix(keys)] == [_shard(b, layout, 1, 2) for b in blocks]
     for tier in [*ranks, whole, tp2_rank_1]:
         tier.close()
 
 
-def test_a_block_is_reported_stored_only_once_every_head_is_in_redis(server, raw):
+def test_a_block_is_reported_stored_only_once_every_head_is_in_redis(redis_server, raw):
     stored = [[] for _ in range(NUM_HEADS)]
-    ranks = [_tier(server, FP8, head_start=h, num_heads=1, stored=stored[h]) for h in range(NUM_HEADS)]
+    ranks = [_tier(redis_server, FP8, head_start=h, num_heads=1, stored=stored[h]) for h in range(NUM_HEADS)]
     blocks = _blocks(FP8, 2, seed=3)
     keys = [20, 21]
     for rank in (0, 1):
@@ -142,9 +134,9 @@ def test_a_block_is_reported_stored_only_once_every_head_is_in_redis(server, raw
         tier.close()
 
 
-def test_async_writes_of_a_tp3_group_are_each_confirmed(server, raw):
+def test_async_writes_of_a_tp3_group_are_each_confirmed(redis_server, raw):
     stored = [[] for _ in range(NUM_HEADS)]
-    ranks = [_tier(server, FP8, head_start=h, num_heads=1, stored=stored[h]) for h in range(NUM_HEADS)]
+    ranks = [_tier(redis_server, FP8, head_start=h, num_heads=1, stored=stored[h]) for h in range(NUM_HEADS)]
     blocks = _blocks(FP8, 5, seed=4)
     keys = list(range(30, 35))
     for rank, tier in enumerate(ranks):
@@ -153,14 +145,14 @@ def test_async_writes_of_a_tp3_group_are_each_confirmed(server, raw):
     for tier in ranks:
         assert tier.flush() and tier.wait_confirmed()
     assert [sorted(s) for s in stored] == [keys, keys, keys]
-    whole = _tier(server, FP8)
+    whole = _tier(redis_server, FP8)
     assert [b.tobytes() for b in whole.get_prefix(keys)] == blocks
     for tier in [*ranks, whole]:
         tier.close()
 
 
-def test_a_missing_head_ends_the_run_at_its_block(server, raw):
-    tier = _tier(server, FP8)
+def test_a_missing_head_ends_the_run_at_its_block(redis_server, raw):
+    tier = _tier(redis_server, FP8)
     blocks = _blocks(FP8, 4, seed=5)
     keys = [40, 41, 42, 43]
     tier.put_many(list(zip(keys, blocks)))
@@ -168,7 +160,7 @@ def test_a_missing_head_ends_the_run_at_its_block(server, raw):
     assert [b.tobytes() for b in tier.get_prefix(keys)] == blocks[:2]
     assert tier.count_prefix(keys) == 2
     assert tier.count_prefix(keys, range(2, 3)) == 4  # head 1 aside, block 42 is whole
-    rank_2 = _tier(server, FP8, head_start=2, num_heads=1)
+    rank_2 = _tier(redis_server, FP8, head_start=2, num_heads=1)
     assert [b.tobytes() for b in rank_2.get_prefix(keys)] == [_shard(b, FP8, 2, 1) for b in blocks]
     stats = tier.stats_snapshot()
     assert (stats.num_hits, stats.num_misses, stats.num_rejected) == (2, 1, 0)
@@ -178,8 +170,8 @@ def test_a_missing_head_ends_the_run_at_its_block(server, raw):
     rank_2.close()
 
 
-def test_foreign_values_under_a_heads_key_are_rejected_and_counted(server, raw):
-    rank_1 = _tier(server, FP8, head_start=1, num_heads=1)
+def test_foreign_values_under_a_heads_key_are_rejected_and_counted(redis_server, raw):
+    rank_1 = _tier(redis_server, FP8, head_start=1, num_heads=1)
     blocks = _blocks(FP8, 2, seed=6)
     keys = [50, 51]
     rank_1.put_many([(k, _shard(b, FP8, 1, 1)) for k, b in zip(keys, blocks)])
@@ -202,9 +194,9 @@ def test_foreign_values_under_a_heads_key_are_rejected_and_counted(server, raw):
     rank_1.close()
 
 
-def test_blocks_whose_other_heads_never_arrive_are_given_up_and_counted(server, raw):
+def test_blocks_whose_other_heads_never_arrive_are_given_up_and_counted(redis_server, raw):
     stored = []
-    rank_0 = _tier(server, FP8, head_start=0, num_heads=1, stored=stored, confirm_timeout_s=0.2)
+    rank_0 = _tier(redis_server, FP8, head_start=0, num_heads=1, stored=stored, confirm_timeout_s=0.2)
     blocks = _blocks(FP8, 3, seed=7)
     assert rank_0.put_many([(60, _shard(blocks[0], FP8, 0, 1)), (61, _shard(blocks[1], FP8, 0, 1))]) == [60, 61]
     assert rank_0.put_async(62, _shard(blocks[2], FP8, 0, 1)) and rank_0.flush()
@@ -216,14 +208,14 @@ def test_blocks_whose_other_heads_never_arrive_are_given_up_and_counted(server, 
     rank_0.close()
 
 
-def test_closing_gives_up_pending_blocks(server, raw):
+def test_closing_gives_up_pending_blocks(redis_server, raw):
     stored = []
-    rank_0 = _tier(server, FP8, head_start=0, num_heads=1, stored=stored)
+    rank_0 = _tier(redis_server, FP8, head_start=0, num_heads=1, stored=stored)
     assert rank_0.put_many([(70, _shard(_blocks(FP8, 1)[0], FP8, 0, 1))]) == [70]
     rank_0.close()
     assert stored == [] and rank_0.stats_snapshot().num_unconfirmed == 1
 
 
-def test_a_shard_must_lie_within_the_models_heads(server):
+def test_a_shard_must_lie_within_the_models_heads(redis_server):
     with pytest.raises(ValueError, match=r"head_start: heads \[2, 4\) are not heads of a model with 3"):
-        _tier(server, FP8, head_start=2, num_heads=2)
+        _tier(redis_server, FP8, head_start=2, num_heads=2)

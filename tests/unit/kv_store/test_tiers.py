@@ -15,17 +15,9 @@ from kv_store.keys import KeyNamespace
 from kv_store.layout import KVBlockLayout
 from kv_store.redis_tier import RedisTier, RedisTierConfig
 from kv_store.tiered import TieredKVStore
-from tests.redis_server import RedisServer
 
 LAYOUT = KVBlockLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, kv_dtype="fp32")
 BYTES = LAYOUT.block_bytes
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield s
-    s.stop()
 
 
 def _row(value: int) -> torch.Tensor:
@@ -81,8 +73,8 @@ def _fill(store, keys):
     store.pool.release(reversed(ids))
 
 
-def test_evicted_blocks_spill_to_cpu_then_redis_and_load_back_up(server):
-    redis = RedisTier(RedisTierConfig(server.url, ttl_s=60), KeyNamespace("t", "f", "fp32", 2), LAYOUT)
+def test_evicted_blocks_spill_to_cpu_then_redis_and_load_back_up(redis_server):
+    redis = RedisTier(RedisTierConfig(redis_server.url, ttl_s=60), KeyNamespace("t", "f", "fp32", 2), LAYOUT)
     store = _store(pool_blocks=4, cpu_blocks=2, redis=redis)
     _fill(store, [10, 11, 12, 13])
     # tail first (the order a sequence releases its blocks): 13, 12 reach the CPU tier, then
@@ -120,11 +112,11 @@ OPS = st.lists(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS, with_redis=st.booleans())
-def test_event_replay_reproduces_every_tier_and_the_pool_never_leaks(server, ops, with_redis):
+def test_event_replay_reproduces_every_tier_and_the_pool_never_leaks(redis_server, ops, with_redis):
     redis = None
     if with_redis:
-        server.client().flushall()
-        redis = RedisTier(RedisTierConfig(server.url, ttl_s=60), KeyNamespace("t", "f", "fp32", 2), LAYOUT)
+        redis_server.client().flushall()
+        redis = RedisTier(RedisTierConfig(redis_server.url, ttl_s=60), KeyNamespace("t", "f", "fp32", 2), LAYOUT)
     store = _store(pool_blocks=5, cpu_blocks=2, redis=redis)
     replica = KeySets.from_snapshot(store.snapshot())  # a consumer that joined at the start
     try:
