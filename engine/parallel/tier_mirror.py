@@ -20,7 +20,6 @@ CPU tier and Redis.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +30,6 @@ from kv_store.block_copier import block_copier
 from kv_store.keys import KeyNamespace
 from kv_store.layout import KVBlockLayout
 from kv_store.redis_tier import RedisTier, RedisTierConfig
-
-logger = logging.getLogger(__name__)
 
 _NO_LOADS = 2**62
 """What a rank reports to ``agree_min`` for a batch of moves without loads (never the minimum)."""
