@@ -26,11 +26,12 @@ from engine.spec.policy import SpecPolicy
 from engine.spec.speculator import NgramProposer, Speculator
 from kv_store.block_pool import BlockPool
 from kv_store.cpu_tier import CPUTier
+from kv_store.data_parallel import DataParallelKVStore, EventUnion
 from kv_store.events import KVEventLog
 from kv_store.keys import KeyNamespace
 from kv_store.layout import KVBlockLayout
 from kv_store.redis_tier import RedisTier, RedisTierConfig
-from kv_store.tiered import TieredKVStore
+from kv_store.tiered import RedisKeys, TieredKVStore
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -54,21 +55,44 @@ def key_namespace(config: EngineConfig, model_name: str, checkpoint_dir: Path, t
 
 
 def build_kv_store(
-    config: EngineConfig, pool: BlockPool, kv_cache: PagedKVCache, kv_heads: range, num_model_kv_heads: int, namespace: KeyNamespace, events: KVEventLog, tp: TPGroup
-) -> TieredKVStore:
-    """The leader's KV tiers over ``pool``: the CPU tier and Redis (its heads' values, ``kv_heads``
-    of the model's ``num_model_kv_heads``) as configured, and on a tensor-parallel replica with
-    tiers the mirror that has every other rank move its own slice (engine/parallel/tier_mirror.py)."""
+    config: EngineConfig,
+    pools: list[BlockPool],
+    kv_cache: PagedKVCache,
+    kv_heads: range,
+    num_model_kv_heads: int,
+    namespace: KeyNamespace,
+    events: KVEventLog,
+    tp: TPGroup,
+    ep: TPGroup,
+) -> TieredKVStore | DataParallelKVStore:
+    """The leader's KV tiers: the CPU tier and Redis (its heads' values, ``kv_heads`` of the
+    model's ``num_model_kv_heads``) as configured, under ``pools`` (one per data-parallel rank).
+
+    A tensor-parallel replica with tiers has every other rank move its own slice of each block
+    (engine/parallel/tier_mirror.py); an expert-parallel one keeps a store per rank, each rank
+    moving its own blocks (kv_store/data_parallel.py)."""
     layout = kv_cache.layout
-    cpu = None
-    if config.cpu_kv_cache_bytes:  # pinned for a GPU pool: its blocks move on a side stream (kv_store/block_copier.py)
-        cpu = CPUTier(config.cpu_kv_cache_bytes, layout.block_bytes, pin_memory=kv_cache.buffer.is_cuda)
     redis = None
     if config.redis_url is not None:
         redis_config = RedisTierConfig(config.redis_url, config.redis_ttl_s, tls_ca_file=config.redis_tls_ca_file)
         redis = RedisTier(redis_config, namespace, layout, head_start=kv_heads.start, num_model_kv_heads=num_model_kv_heads)
-    mirror = FollowerMirror(tp) if tp.size > 1 and (cpu is not None or redis is not None) else None
-    return TieredKVStore(pool, kv_cache.buffer, events, cpu, redis, mirror=mirror)
+    tiered = config.cpu_kv_cache_bytes > 0 or redis is not None
+
+    def cpu_tier(bytes_elsewhere: bool = False) -> CPUTier | None:
+        if not config.cpu_kv_cache_bytes:
+            return None  # pinned for a GPU pool: its blocks move on a side stream (kv_store/block_copier.py)
+        return CPUTier(config.cpu_kv_cache_bytes, layout.block_bytes, pin_memory=kv_cache.buffer.is_cuda and not bytes_elsewhere, bytes_elsewhere=bytes_elsewhere)
+
+    if ep.size == 1:
+        mirror = FollowerMirror(tp) if tp.size > 1 and tiered else None
+        return TieredKVStore(pools[0], kv_cache.buffer, events, cpu_tier(), redis, mirror=mirror)
+    union, redis_keys = EventUnion(events, ep.size), RedisKeys(events)
+    stores = [TieredKVStore(pools[0], kv_cache.buffer, union.rank(0), cpu_tier(), redis, redis_keys=redis_keys)]
+    elsewhere = torch.empty(tuple(kv_cache.buffer.shape), dtype=torch.uint8, device="meta")  # rank r's pool: its bytes are on rank r
+    for rank in range(1, ep.size):
+        mirror = FollowerMirror(ep, rank) if tiered else None
+        stores.append(TieredKVStore(pools[rank], elsewhere, union.rank(rank), cpu_tier(bytes_elsewhere=True), redis, mirror=mirror, redis_keys=redis_keys))
+    return DataParallelKVStore(stores, events, redis_keys, redis)
 
 
 def split_group(config: EngineConfig, group: TPGroup) -> tuple[TPGroup, TPGroup]:

@@ -156,8 +156,6 @@ class EngineConfig:
             raise ValueError(f"ep_size: must be >= 1, got {self.ep_size}")
         if self.tp_size > 1 and self.ep_size > 1:
             raise ValueError(f"ep_size: a replica is tensor-parallel or expert-parallel, not both (tp_size {self.tp_size}, ep_size {self.ep_size})")
-        if self.ep_size > 1 and (self.cpu_kv_cache_bytes or self.redis_url is not None):
-            raise ValueError("ep_size: the CPU and Redis KV tiers serve one-rank and tensor-parallel replicas so far; set ep_size to 1 or disable the tiers")
         if self.device != "cpu":
             self._check_device()
         if not self.tp_collective_timeout_s > 0:

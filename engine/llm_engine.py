@@ -65,9 +65,9 @@ class LLMEngine:
         self.pool = self.pools[0]
         self.namespace = key_namespace(config, self.model_name, self.checkpoint_dir, tp.size)
         self.kv_events = KVEventLog(worker_id)
-        self.kv_store = build_kv_store(config, self.pool, self.kv_cache, model.shard.kv_heads, mc.num_kv_heads, self.namespace, self.kv_events, tp)
-        self.tier_mirror = self.kv_store.mirror
-        """The other ranks' tier moves (engine/parallel/tier_mirror.py): each rank spills and loads its own slice."""
+        self.kv_store = build_kv_store(config, self.pools, self.kv_cache, model.shard.kv_heads, mc.num_kv_heads, self.namespace, self.kv_events, tp, ep)
+        """The KV tiers under the pools; on a replica of several ranks, each rank moves its own
+        slice (tensor-parallel) or its own blocks (expert-parallel) as the leader decides."""
         self.speculator = (
             build_speculator(config, self.model_name, mc, self.max_model_len, num_blocks) if config.speculative != "off" else None
         )
@@ -263,8 +263,7 @@ class LLMEngine:
         if not chunks:
             return IsolatedStep({}, {})
         masks = self._step_masks.start(chunks) if self._grammars is not None else None
-        if self.tier_mirror is not None:
-            self.tier_mirror.flush(wait=False)  # the followers save what this step's blocks held before the step overwrites them
+        self.kv_store.flush_moves()  # the followers save what this step's blocks held before the step overwrites them
         if self.group.size > 1:  # the other ranks may be stuck in a collective of the failed run
             return IsolatedStep(self.runner.execute(chunks, masks), {})
         step = run_isolating(lambda part: self.runner.execute(part, masks), chunks)

@@ -37,6 +37,7 @@ from engine.request import Request, SampledTokens, TokenLogprobs
 from engine.spec.speculator import Speculator
 from engine.spec.verify import accepted_prefix
 from kv_store.block_pool import BlockPool
+from kv_store.data_parallel import DataParallelKVStore
 from kv_store.tiered import TieredKVStore
 
 
@@ -75,14 +76,15 @@ class Scheduler:
         block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        tiers: TieredKVStore | None = None,
+        tiers: TieredKVStore | DataParallelKVStore | None = None,
         speculator: Speculator | None = None,
     ) -> None:
         self.pools = pool if isinstance(pool, list) else [pool]
         """One block pool per data-parallel rank (one for any replica but an expert-parallel one)."""
         self.pool = self.pools[0]
         self.tiers = tiers
-        """Lower KV tiers that admission looks in after the pool (CPU, Redis)."""
+        """Lower KV tiers that admission looks in after the pool (CPU, Redis): ``for_rank(r)`` is
+        the store under ``pools[r]``."""
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -184,11 +186,18 @@ class Scheduler:
         return next(r for r in reversed(self.running) if r.dp_rank == rank)
 
     def _choose_rank(self, request: Request, seqs: list[int]) -> int:
-        """The rank with the longest cached prefix of ``request``, then the fewest running sequences."""
+        """The rank with the longest cached prefix of ``request`` (in its pool, then on in its CPU
+        tier: Redis serves every rank alike), then the fewest running sequences."""
         if len(self.pools) == 1:
             return 0
         keys = self._prefix_keys(request)
-        return max(range(len(self.pools)), key=lambda r: (len(self.pools[r].match_prefix(keys)), -seqs[r], -r))
+
+        def cached(rank: int) -> int:
+            hits = len(self.pools[rank].match_prefix(keys))
+            cpu = self.tiers.for_rank(rank).cpu if self.tiers is not None else None
+            return hits + (cpu.run_length(keys[hits:]) if cpu is not None else 0)
+
+        return max(range(len(self.pools)), key=lambda r: (cached(r), -seqs[r], -r))
 
     def update(self, chunks: list[ScheduledChunk], sampled: dict[Request, SampledTokens]) -> list[Request]:
         """Advance the scheduled requests, append sampled tokens with their log-probabilities (for
@@ -348,10 +357,11 @@ class Scheduler:
         pool = self.pools[request.dp_rank]
         hits = pool.match_prefix(keys)
         pool.acquire(hits)
-        if self.tiers is not None and len(self.pools) == 1:
-            self.tiers.count_pool_lookup(len(hits), len(keys))
+        if self.tiers is not None:
+            tiers = self.tiers.for_rank(request.dp_rank)
+            tiers.count_pool_lookup(len(hits), len(keys))
             if len(hits) < len(keys):
-                hits = hits + self.tiers.load(keys[len(hits) :])
+                hits = hits + tiers.load(keys[len(hits) :])
         return hits
 
     def _prefix_keys(self, request: Request) -> list[int]:

@@ -10,7 +10,7 @@ slot's bytes are read or replaced. Not thread-safe: the engine thread owns it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -26,8 +26,12 @@ class CPUTier:
         on_evict: Callable[[int, torch.Tensor], None] | None = None,
         *,
         pin_memory: bool | None = None,
+        bytes_elsewhere: bool = False,
     ) -> None:
-        """``pin_memory``: page-lock the buffer (for a GPU pool); None pins it when CUDA is present."""
+        """``pin_memory``: page-lock the buffer (for a GPU pool); None pins it when CUDA is present.
+        ``bytes_elsewhere``: keep only the bookkeeping, the slots' bytes live in another process
+        (a data-parallel replica's rank mirrors this tier's slots, engine/parallel/tier_mirror.py):
+        the buffer is a ``meta`` tensor, and ``put`` and ``get`` are refused."""
         if block_bytes < 1:
             raise ValueError(f"block_bytes: must be >= 1, got {block_bytes}")
         self.num_slots = capacity_bytes // block_bytes
@@ -41,11 +45,13 @@ class CPUTier:
         self.before_reuse: Callable[[int], None] | None = None
         """Called with a slot before its bytes go to ``on_evict`` or it is given to another key:
         a copy into it still in flight must land first (``BlockCopier.wait_slot``)."""
-        if torch.cuda.is_available() if pin_memory is None else pin_memory:
+        if bytes_elsewhere:
+            self.buffer = torch.empty((self.num_slots, block_bytes), dtype=torch.uint8, device="meta")
+        elif torch.cuda.is_available() if pin_memory is None else pin_memory:
             self.buffer = torch.empty((self.num_slots, block_bytes), dtype=torch.uint8, pin_memory=True)
         else:  # calloc'd: pages cost nothing until a block lands in them
             self.buffer = torch.from_numpy(np.zeros((self.num_slots, block_bytes), dtype=np.uint8))
-        self._rows = self.buffer.numpy()
+        self._rows = self.buffer.numpy() if not bytes_elsewhere else None
         self._slots: OrderedDict[int, int] = OrderedDict()
         self._free = list(range(self.num_slots - 1, -1, -1))
         self.num_evictions = 0
@@ -58,6 +64,10 @@ class CPUTier:
 
     def keys(self) -> list[int]:
         return list(self._slots)
+
+    def run_length(self, keys: Sequence[int]) -> int:
+        """How many of ``keys``, from the first, the tier holds (their order of use is kept)."""
+        return next((i for i, key in enumerate(keys) if key not in self._slots), len(keys))
 
     def claim(self, key: int) -> int:
         """A slot for ``key``, a key not held, now most recently used; the caller fills it. When
@@ -80,6 +90,8 @@ class CPUTier:
     def put(self, key: int, block: torch.Tensor) -> list[int]:
         """Store a copy of ``block`` (host ``uint8 [block_bytes]``) under ``key`` as most recently
         used; returns the keys evicted to make room. A key already held is only refreshed."""
+        if self._rows is None:
+            raise ValueError("put: this CPU tier keeps only bookkeeping; its bytes live on another rank")
         if block.numel() != self.block_bytes:
             raise ValueError(f"block: {block.numel()} bytes, the tier holds blocks of {self.block_bytes}")
         if key in self._slots:
@@ -99,6 +111,8 @@ class CPUTier:
     def get(self, key: int) -> torch.Tensor | None:
         """The block under ``key`` (a view into the tier; copy it before the next ``put``), now most recently used."""
         slot = self.slot_of(key)
+        if slot is not None and self._rows is None:
+            raise ValueError("get: this CPU tier keeps only bookkeeping; its bytes live on another rank")
         return None if slot is None else self.buffer[slot]
 
     def clear(self) -> None:

@@ -25,7 +25,8 @@ blocks in pipelined batches. A block is reported to ``on_stored`` once every hea
 is in Redis: at once when this shard holds them all; otherwise when the other shards' values
 show up (the write asks with EXISTS, then the writer re-checks pending keys at most every
 ``_CONFIRM_POLL_S`` until ``confirm_timeout_s`` and gives up on them, counted; a shard without
-an ``on_stored`` asks nothing). Reads are synchronous, one round trip per lookup.
+an ``on_stored`` asks nothing). Blocks another process writes whole (a rank of a data-parallel
+replica) are watched the same way (``expect``). Reads are synchronous, one round trip per lookup.
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ class RedisTier:
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queued_puts)
         self._idle = threading.Condition()
         self._pending: dict[int, float] = {}
-        """Written keys waiting for the other shards' heads -> when to give up on them (guarded by _idle)."""
+        """Keys waiting for heads other processes write (``put_many``'s other shards, ``expect``) -> when
+        to give up on them (guarded by _idle)."""
         self._next_confirm_at = 0.0
         self._closed = False
         self._writer = threading.Thread(target=self._write_forever, name="redis-tier-writer", daemon=True)
@@ -268,6 +270,24 @@ class RedisTier:
         elif confirm:
             self._confirm_written(keys, replies[len(self.heads) :: len(self.heads) + 1])
         return keys
+
+    def expect(self, keys: Sequence[int]) -> None:
+        """Report ``keys`` to ``on_stored`` once every head of the model is in Redis, written by
+        another process (a data-parallel replica's rank, which holds whole blocks of its own
+        requests, writes its spills itself); given up after ``confirm_timeout_s``, counted, as a
+        written block whose other heads never come. Nothing is asked without an ``on_stored``."""
+        if not keys or self._closed or self.on_stored is None:
+            return
+        now = time.monotonic()
+        with self._idle:
+            if not self._pending:
+                self._next_confirm_at = now + _CONFIRM_POLL_S  # the writer's spill is still in flight
+            self._pending.update((key, now + self.config.confirm_timeout_s) for key in keys)
+            self._idle.notify_all()
+        try:
+            self._queue.put_nowait(_WAKE)
+        except queue.Full:
+            pass  # the writer is busy and looks at pending keys after its batch
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued block was written or dropped; False on timeout."""
@@ -426,13 +446,13 @@ class RedisTier:
             self._next_confirm_at = now + _CONFIRM_POLL_S
         confirmed: list[int] = []
         if self.available:
-            try:
-                counts = self._count_heads(list(pending), self._other_heads)
+            try:  # every head: a key ``expect``ed was written by another process, this shard's heads too
+                counts = self._count_heads(list(pending), range(self.num_model_kv_heads))
             except _REDIS_DOWN as e:
                 self._failed("confirm", e)
             else:
                 self._recovered()
-                confirmed = [key for key, count in zip(pending, counts) if count == len(self._other_heads)]
+                confirmed = [key for key, count in zip(pending, counts) if count == self.num_model_kv_heads]
         done = set(confirmed)
         expired = [key for key, give_up_at in pending.items() if key not in done and give_up_at <= now]
         with self._idle:

@@ -36,7 +36,8 @@ class TPFollower:
         self.node_ip = address.rpartition(":")[0]
         self.runner: ModelRunner | None = None
         self.tiers: FollowerTiers | None = None
-        """This rank's CPU tier and Redis values, when the replica has KV tiers (tensor-parallel)."""
+        """This rank's CPU tier and Redis values, when the replica has KV tiers: its slice of every
+        block (tensor-parallel) or its own requests' blocks (expert-parallel)."""
         self.failure: BaseException | None = None
         self._built = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(address, num_threads), name=f"tp-rank-{rank}", daemon=True)
@@ -56,7 +57,7 @@ class TPFollower:
             model_config = ModelConfig.from_dir(checkpoint_dir)
             model, kv_cache = build_shard(self.config, model_config, checkpoint_dir, model_len(self.config, model_config), tp, ep)
             self.runner = ModelRunner(model, kv_cache, tp, ep)
-            if tp.size > 1 and (self.config.cpu_kv_cache_bytes or self.config.redis_url is not None):
+            if self.config.cpu_kv_cache_bytes or self.config.redis_url is not None:
                 namespace = key_namespace(self.config, served_model_name(self.config.model), checkpoint_dir, tp.size)
                 self.tiers = FollowerTiers(self.config, group, kv_cache.buffer, kv_cache.layout, namespace, model.shard.kv_heads, model_config.num_kv_heads)
             group.barrier()

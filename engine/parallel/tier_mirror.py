@@ -16,6 +16,11 @@ slots, holding its heads), its Redis values (one per KV head it holds)::
 
 Nothing is gathered on the leader: a follower's bytes never leave its process but to its own
 CPU tier and Redis.
+
+A data-parallel (expert-parallel) replica's ranks each hold whole blocks of their own requests:
+the leader keeps one store per rank (kv_store/data_parallel.py), and rank r's store's mirror
+addresses its moves to rank r alone (``TierMoves.rank``). The other followers receive them too
+(the plan channel is a broadcast), make none, and report no loads.
 """
 
 from __future__ import annotations
@@ -44,13 +49,20 @@ class TierMoves:
     """("save", block_id, slot) | ("load", slot, block_id) | ("spill_block", key, block_id) |
     ("spill_slot", key, slot) | ("load_redis", key, block_id)."""
     agree: bool
+    rank: int | None = None
+    """The one follower that makes the moves (a data-parallel rank's own blocks); None: every
+    follower, each on its slice (tensor-parallel)."""
 
 
 class FollowerMirror:
-    """The leader's ``RankMirror`` (kv_store.tiered): records moves and sends them to the followers."""
+    """The leader's ``RankMirror`` (kv_store.tiered): records moves and sends them to the followers
+    (to ``rank`` alone, when given: the store of data-parallel rank ``rank``'s pool)."""
 
-    def __init__(self, group: TPGroup) -> None:
+    def __init__(self, group: TPGroup, rank: int | None = None) -> None:
+        if rank is not None and not 0 < rank < group.size:
+            raise ValueError(f"rank: a mirror addresses a follower, rank in [1, {group.size}), got {rank}")
         self.group = group
+        self.rank = rank
         self._moves: list[tuple] = []
 
     def save(self, block_id: int, slot: int) -> None:
@@ -80,7 +92,7 @@ class FollowerMirror:
 
     def _send(self, agree: bool) -> None:
         moves, self._moves = tuple(self._moves), []
-        self.group.send_plan(TierMoves(moves, agree))
+        self.group.send_plan(TierMoves(moves, agree, self.rank))
 
 
 class FollowerTiers:
@@ -106,7 +118,7 @@ class FollowerTiers:
         if not isinstance(message, TierMoves):
             raise ValueError(f"a follower's tiers got {type(message).__name__} from its leader")
         num_loads = num_loaded = 0
-        moves = message.moves
+        moves = message.moves if message.rank in (None, self.group.rank) else ()
         i = 0
         while i < len(moves):
             kind = moves[i][0]

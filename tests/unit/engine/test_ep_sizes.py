@@ -56,16 +56,16 @@ def test_num_ranks_is_the_tp_or_the_ep_size():
     [
         ({"ep_size": 0}, "ep_size: must be >= 1, got 0"),
         ({"tp_size": 2, "ep_size": 2}, "ep_size: a replica is tensor-parallel or expert-parallel, not both (tp_size 2, ep_size 2)"),
-        ({"ep_size": 2, "cpu_kv_cache_bytes": 1 << 20}, "ep_size: the CPU and Redis KV tiers serve one-rank and tensor-parallel replicas so far"),
-        ({"ep_size": 2, "redis_url": "redis://localhost:6379/0"}, "ep_size: the CPU and Redis KV tiers serve one-rank and tensor-parallel replicas so far"),
     ],
 )
-def test_engine_config_refuses_ep_with_tp_or_the_kv_tiers(overrides, message):
+def test_engine_config_refuses_ep_with_tp(overrides, message):
     with pytest.raises(ValueError) as refused:
         EngineConfig(**overrides)
     assert str(refused.value).startswith(message)
 
 
-def test_ep_alone_and_tp_alone_with_ep_1_are_accepted():
+def test_ep_alone_and_tp_alone_with_ep_1_are_accepted_with_the_kv_tiers():
     assert EngineConfig(ep_size=2, tp_size=1).ep_size == 2
     assert EngineConfig(tp_size=2, ep_size=1).tp_size == 2
+    tiered = EngineConfig(ep_size=2, cpu_kv_cache_bytes=1 << 20, redis_url="redis://localhost:6379/0")  # each rank spills its own blocks
+    assert (tiered.cpu_kv_cache_bytes, tiered.redis_url) == (1 << 20, "redis://localhost:6379/0")
