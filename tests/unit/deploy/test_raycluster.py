@@ -179,6 +179,16 @@ def test_redis_in_the_release_is_a_statefulset_with_a_claim(example_objects):
     assert flag(head["args"], "--redis-url") == "redis://splitserve-redis:6379/0"
 
 
+@pytest.mark.parametrize("example, shape", [("values-gpu-70b-tp", "tp"), ("values-moe-ep", "ep")])
+def test_tensor_and_expert_parallel_examples_turn_both_kv_tiers_on(example_objects, example, shape):
+    assert example_values(example)["decode"][shape] > 1  # the multi-rank decode replicas the tiers serve
+    objects = example_objects[example]
+    head = container(find(objects, "RayCluster")["spec"]["headGroupSpec"]["template"])["args"]
+    assert int(flag(head, "--cpu-kv-cache-bytes")) > 0
+    assert flag(head, "--redis-url") == "redis://splitserve-redis:6379/0"
+    find(objects, "StatefulSet", "splitserve-redis")
+
+
 def test_external_redis_starts_no_statefulset(example_objects):
     objects = example_objects["values-gpu-llama-8b"]
     assert not [o for o in objects if o["kind"] == "StatefulSet"]

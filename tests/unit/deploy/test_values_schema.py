@@ -108,12 +108,6 @@ def test_replicas_outside_the_bounds_fail_with_a_sentence():
     assert "prefill.replicas (5) must lie within prefill.minReplicas (0) and prefill.maxReplicas (4)" in message
 
 
-@pytest.mark.parametrize("key, value", [("redis", {"enabled": True}), ("engine.cpuKvCacheBytes", 1 << 30)])
-def test_kv_tiers_with_expert_parallel_replicas_fail_with_a_sentence(key, value):
-    message = _refusal(_with("values-moe-ep", key, value), HelmRenderError)
-    assert "the CPU and Redis KV tiers serve one-rank and tensor-parallel replicas so far: with decode.ep above 1" in message
-
-
 @pytest.mark.parametrize("off", [None, "tls", "auth"])
 def test_planner_with_tls_or_token_is_no_longer_refused(off):
     values = _with("values-moe-ep", "planner.enabled", True)

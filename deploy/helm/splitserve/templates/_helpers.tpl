@@ -63,9 +63,6 @@ sentence naming the values involved.
 {{- fail (printf "%s.replicas (%d) must lie within %s.minReplicas (%d) and %s.maxReplicas (%d)" $pool (int $p.replicas) $pool (int $p.minReplicas) $pool (int $p.maxReplicas)) }}
 {{- end }}
 {{- end }}
-{{- if and (gt (int .Values.decode.ep) 1) (or .Values.redis.enabled .Values.redis.externalUrl (gt (int64 .Values.engine.cpuKvCacheBytes) 0)) }}
-{{- fail "the CPU and Redis KV tiers serve one-rank and tensor-parallel replicas so far: with decode.ep above 1, set redis.enabled false, redis.externalUrl \"\" and engine.cpuKvCacheBytes 0" }}
-{{- end }}
 {{- $ft := .Values.gcsFaultTolerance }}
 {{- if $ft.enabled }}
 {{- if and $ft.redis.enabled $ft.externalAddress }}
