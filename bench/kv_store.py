@@ -11,6 +11,13 @@ builds it; threads per rank: the usable cores at TP 1, cores // N above). Each r
 reloads its own KV heads of every block to its own CPU tier and to Redis (one value per KV head);
 a Redis hit is measured once every rank's heads of the prefix are confirmed there. The GB/s
 figures move the leader's slice (its heads) of each block.
+
+``--ep N``: an expert-parallel replica of a mixture-of-experts model (``--model``, by default
+bench.moe's random Mixtral with room for the prefix), attention data-parallel: each rank holds
+whole blocks of its own requests. The prefix is first computed on rank 1 (beside a filler on rank
+0), so the pool and CPU hits are rank 1's own blocks, moved by rank 1 (the request goes to the rank
+whose pool or CPU tier holds its prefix), and the Redis hit is rank 0 loading what rank 1 spilled.
+``measured_rank`` says where each tier's request ran.
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ import contextlib
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import redis
 
@@ -31,7 +40,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
-from engine.parallel.sharding import check_tp_size
+from engine.parallel.sharding import check_ep_size, check_tp_size
 from kv_store.events import Tier
 from kv_store.keys import block_keys
 from kv_store.redis_tier import RedisTier
@@ -49,6 +58,26 @@ def _ttft(engine: LLMEngine, prompt: list[int], request_id: str) -> tuple[float,
         for out in engine.step():
             if out.request_id == request_id and out.new_token_ids:
                 return time.perf_counter() - start, out.num_cached_tokens
+
+
+def _fill(engine: LLMEngine, prefix: list[int], tier: str) -> None:
+    """Compute ``prefix`` once so that its blocks are cached: on an expert-parallel replica on
+    rank 1, beside a filler that takes rank 0."""
+    if engine.config.ep_size == 1:
+        _ttft(engine, prefix, f"fill-{tier}")
+        return
+    filler = list(range(200, 200 + 2 * engine.config.block_size))
+    engine.add_request(f"filler-{tier}", filler, greedy(1))
+    engine.add_request(f"fill-{tier}", prefix, greedy(1))
+    engine.run_to_completion([f"filler-{tier}", f"fill-{tier}"])
+    if _rank_holding(engine, prefix) != 1:
+        raise RuntimeError("the prefix was not computed on rank 1 beside the filler on rank 0")
+
+
+def _rank_holding(engine: LLMEngine, prefix: list[int]) -> int | None:
+    """The data-parallel rank whose pool caches ``prefix``'s first block, None if none does."""
+    first = block_keys(prefix, engine.config.block_size, engine.namespace.root_key(None))[0]
+    return next((rank for rank, pool in enumerate(engine.pools) if first in pool.cached_keys()), None)
 
 
 def _place(engine: LLMEngine, tier: str, prefix: list[int]) -> None:
@@ -78,13 +107,14 @@ def _wait_in_redis(engine: LLMEngine, prefix: list[int]) -> None:
 
 def _measure(engine: LLMEngine, tier: str, prefix: list[int], repeats: int, rng: random.Random) -> dict:
     """TTFT of ``prefix`` + a fresh 16-token suffix, the prefix placed in ``tier`` before each repetition."""
-    times, cached = [], []
+    times, cached, ranks = [], [], []
     for i in range(repeats):
         _place(engine, tier, prefix)
         t, c = _ttft(engine, prefix + random_tokens(rng, 16, engine.model_config.vocab_size), f"{tier}-{i}")
         times.append(t)
         cached.append(c)
-    return {"ttft_s": statistics.median(times), "ttft_s_all": [round(t, 4) for t in times], "cached_tokens": cached}
+        ranks.append(_rank_holding(engine, prefix))
+    return {"ttft_s": statistics.median(times), "ttft_s_all": [round(t, 4) for t in times], "cached_tokens": cached, "ranks": ranks}
 
 
 def _redis_gbps(tier: RedisTier, url: str, engine: LLMEngine, prefix: list[int], repeats: int) -> dict:
@@ -131,12 +161,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tp", type=positive, default=1, help="tensor-parallel size of the replica (default: 1)")
+    parser.add_argument("--ep", type=positive, default=1, help="expert-parallel size of the replica, on a mixture-of-experts model (default: 1)")
+    parser.set_defaults(model=None)
     args = parser.parse_args(argv)
     if args.prefix_tokens < EngineConfig.block_size or args.repeats < 1:
         parser.error(f"--prefix-tokens: must be >= {EngineConfig.block_size} (one block); --repeats: must be >= 1")
-    with user_error(EngineError, ValueError):  # a model that is not there, or KV heads that do not split
-        check_tp_size(served_model_name(args.model), ModelConfig.from_dir(resolve_model(args.model, None)), args.tp)
+    if args.tp > 1 and args.ep > 1:
+        parser.error(f"--ep: a replica is tensor-parallel or expert-parallel, not both (--tp {args.tp}, --ep {args.ep})")
     with contextlib.ExitStack() as stack:
+        if args.model is None and args.ep > 1:
+            from bench.moe import make_model  # transformers and Ray: only for this case
+
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-kv-store-"))
+            args.model = str(make_model(Path(tmp) / "tiny-mixtral", max_position_embeddings=args.prefix_tokens + 128))
+            progress("kv_store", f"made a random Mixtral ({args.prefix_tokens + 128} positions) at {args.model}")
+        args.model = args.model or "smollm2-135m"
+        with user_error(EngineError, ValueError):  # a model that is not there, KV heads that do not split, no experts
+            model_config = ModelConfig.from_dir(resolve_model(args.model, None))
+            check_tp_size(served_model_name(args.model), model_config, args.tp)
+            check_ep_size(served_model_name(args.model), model_config, args.ep)
         url = args.redis_url
         if url is None:
             url = stack.enter_context(redis_server("kv_store")).url
@@ -151,21 +194,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, url: str) -> dict:
-    base = EngineConfig(model=args.model, kv_cache_bytes=256 << 20, max_model_len=args.prefix_tokens + 64, tp_size=args.tp)
+    base = EngineConfig(model=args.model, kv_cache_bytes=256 << 20, max_model_len=args.prefix_tokens + 64, tp_size=args.tp, ep_size=args.ep)
     configs = {"recompute": base, "gpu": base, "cpu": replace(base, cpu_kv_cache_bytes=256 << 20), "redis": replace(base, redis_url=url)}
-    rng, num_threads = random.Random(args.seed), threads_per_rank(args.tp)
+    rng, num_threads = random.Random(args.seed), threads_per_rank(base.num_ranks)
     results, redis_gbps, prefix = {}, {}, None
     for tier in TIERS:
-        progress("kv_store", f"{tier}: loading {args.model} over {args.tp} rank(s), {num_threads} torch thread(s) each")
+        progress("kv_store", f"{tier}: loading {args.model} over {base.num_ranks} rank(s), {num_threads} torch thread(s) each")
         with contextlib.ExitStack() as stack:
             with user_error(EngineError):
-                engine, _ = stack.enter_context(ranked_engine(configs[tier], num_threads, f"kv-store-tp{args.tp}-{tier}"))
+                engine, _ = stack.enter_context(ranked_engine(configs[tier], num_threads, f"kv-store-{'ep' if args.ep > 1 else 'tp'}{base.num_ranks}-{tier}"))
             if engine.max_model_len < args.prefix_tokens + 16:
                 raise BenchError(f"--prefix-tokens {args.prefix_tokens} + a 16-token suffix exceeds {args.model}'s {engine.max_model_len} tokens")
             prefix = prefix or random_tokens(rng, args.prefix_tokens, engine.model_config.vocab_size)
             _ttft(engine, list(range(100, 164)), f"warmup-{tier}")
             if tier != "recompute":
-                _ttft(engine, prefix, f"fill-{tier}")  # the prefix's blocks now cached in the pool
+                _fill(engine, prefix, tier)  # the prefix's blocks now cached in the pool
             results[tier] = _measure(engine, tier, prefix, args.repeats, rng)
             progress("kv_store", f"{tier}: TTFT {results[tier]['ttft_s']:.4f} s, {results[tier]['cached_tokens']} tokens cached")
             if tier == "redis":
@@ -175,12 +218,14 @@ def _run(args, url: str) -> dict:
     return {
         "model": args.model,
         "tp_size": args.tp,
+        "ep_size": args.ep,
         "kv_dtype": base.kv_dtype,
         "prefix_tokens": args.prefix_tokens,
         "ttft_s": {k: round(v["ttft_s"], 4) for k, v in results.items()},
         "ttft_over_recompute": {k: round(v["ttft_s"] / recompute, 3) for k, v in results.items()},
         "cached_tokens": {k: v["cached_tokens"] for k, v in results.items()},
         "ttft_s_all": {k: v["ttft_s_all"] for k, v in results.items()},
+        "measured_rank": {k: v["ranks"] for k, v in results.items()},
         **redis_gbps,
         "machine": machine(),
     }

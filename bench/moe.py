@@ -44,15 +44,15 @@ QUICK = {"prompt_tokens": 8, "decode_tokens": 4, "identity_tokens": 8}
 NUM_IDENTITY_PROMPTS = 8
 
 
-def make_model(out_dir: Path) -> Path:
-    """The random Mixtral checkpoint, with the tests' tiny tokenizer."""
+def make_model(out_dir: Path, **overrides) -> Path:
+    """The random Mixtral checkpoint (``MODEL``, with ``overrides``), with the tests' tiny tokenizer."""
     import transformers
 
     from tests.tiny_models import make_tiny_tokenizer  # dev tooling, as bench.workload's Redis server
 
     transformers.utils.logging.disable_progress_bar()  # stderr is one line per phase
     torch.manual_seed(0)
-    transformers.MixtralForCausalLM(transformers.MixtralConfig(**MODEL)).save_pretrained(out_dir)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(**(MODEL | overrides))).save_pretrained(out_dir)
     make_tiny_tokenizer(out_dir)
     return out_dir
 

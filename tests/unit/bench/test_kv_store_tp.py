@@ -1,6 +1,7 @@
-"""bench.kv_store --tp: a TP 3 replica (Ray actor ranks) of a tiny llama with 3 KV heads and a real
-redis-server: the report's structure, each tier's whole prefix, the leader's slice through Redis;
-TP sizes the model's heads do not allow."""
+"""bench.kv_store --tp / --ep: a TP 3 replica (Ray actor ranks) of a tiny llama with 3 KV heads and
+an EP 2 replica of a tiny Mixtral, with a real redis-server: the report's structure, each tier's
+whole prefix, the leader's slice through Redis, which rank served each tier at EP 2; TP sizes the
+model's heads do not allow, EP on a model without experts."""
 
 from __future__ import annotations
 
@@ -57,3 +58,37 @@ def test_a_tp_size_that_is_not_a_positive_number_is_refused(tp, capsys):
         bench_kv_store.main(["--tp", tp])
     assert exited.value.code == 2
     assert re.search(r"error: argument --tp", capsys.readouterr().err.splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_ep2_rank_1_serves_its_own_pool_and_cpu_blocks_and_rank_0_reads_its_redis_spills(ray_session, keeps_torch_threads, tiny_checkpoint, tmp_path, capsys):
+    model_dir = tiny_checkpoint("mixtral")
+    out = tmp_path / "kv_store_ep2.json"
+    argv = ["--model", str(model_dir), "--ep", "2", "--prefix-tokens", "64", "--repeats", "2", "--json", str(out)]
+    code = run("kv_store", bench_kv_store.main, argv)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+
+    report = json.loads(out.read_text())
+    assert (report["tp_size"], report["ep_size"]) == (1, 2)
+    assert report["cached_tokens"] == {"recompute": [0, 0], "gpu": [64, 64], "cpu": [64, 64], "redis": [64, 64]}
+    assert report["measured_rank"] == {"recompute": [0, 0], "gpu": [1, 1], "cpu": [1, 1], "redis": [0, 0]}
+    model = ModelConfig.from_dir(model_dir)
+    block_bytes = KVBlockLayout(model.num_layers, model.num_kv_heads, model.head_dim, 16, "fp8_e4m3").block_bytes  # every head: data-parallel attention
+    assert (report["redis_blocks"], report["redis_bytes"]) == (4, 4 * block_bytes)
+    assert re.search(r"^\[bench\.kv_store \d\d:\d\d:\d\d\] redis: loading .* over 2 rank\(s\)", captured.err, re.MULTILINE)
+
+
+def test_ep_on_a_model_without_experts_is_one_sentence(capsys):
+    assert run("kv_store", bench_kv_store.main, ["--model", "smollm2-135m", "--ep", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [err.strip()]
+    assert err.startswith("bench.kv_store: model 'smollm2-135m' (LlamaForCausalLM) has no experts")
+
+
+def test_ep_with_tp_is_refused(capsys):
+    with pytest.raises(SystemExit) as exited:
+        bench_kv_store.main(["--ep", "2", "--tp", "3"])
+    assert exited.value.code == 2
+    assert "error: --ep: a replica is tensor-parallel or expert-parallel, not both (--tp 3, --ep 2)" in capsys.readouterr().err
