@@ -35,8 +35,15 @@ class PlannerConfig:
     """The quantile of per-interval need (each interval weighted by its requests) the pools are sized
     for; None: ``attainment_target``."""
     base_window_s: float | None = None
-    """The span of intervals that quantile is taken over; None: ``startup_s / (1 - base_quantile)``
-    (at least four intervals), so that a rise enters it once it has lasted about one start-up."""
+    """The span of intervals that quantile is taken over; None: ``(startup_s + interval_s) / (1 -
+    base_quantile)`` (at least four intervals), so that a rise enters it once it has lasted about as
+    long as replicas asked for at its first decision take to be warm."""
+    rise_start_ups: int | None = None
+    """A load that has risen over each of this many consecutive start-ups is a trend: the pool grows at
+    once to the load projected a start-up and an interval ahead, and goes back when the load falls.
+    None: the fewest k whose (k + 1)! reaches both the window's intervals and 1 / (1 -
+    attainment_target) (noise alone rises so often at most about once a window and in at most the miss
+    share of the intervals; 4 with the defaults); 0: off."""
     scale_down_margin: float = 0.8
     """Hysteresis: a pool shrinks only to a count that would carry the load at this share of its capacity."""
     prefill_zero_load: float = 0.1
@@ -84,6 +91,8 @@ class PlannerConfig:
             raise ValueError(f"predictor_beta must be in [0, 1], got {self.predictor_beta}.")
         if self.base_quantile is not None and not 0 < self.base_quantile <= 1:
             raise ValueError(f"base_quantile must be in (0, 1], got {self.base_quantile}.")
+        if self.rise_start_ups is not None and self.rise_start_ups < 0:
+            raise ValueError(f"rise_start_ups must be 0 or more, got {self.rise_start_ups}.")
         if self.base_window_s is not None and self.base_window_s < self.interval_s:
             raise ValueError(f"base_window_s must be at least interval_s ({self.interval_s}), got {self.base_window_s}.")
         if self.startup_s < 0:

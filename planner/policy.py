@@ -11,10 +11,14 @@ Every interval the live loop (or bench.planner's replay) hands ``SLAPlanner.deci
 A replica asked for now is warm a start-up later, so the pools are sized for what they recently had
 to carry, not chased after each rise: each interval's observed load, averaged over the last start-up
 (a shorter burst counts at its share), becomes a count per pool, and the pools are sized for the
-request-weighted ``attainment_target`` quantile of the counts over a window of ``startup_s / (1 -
-attainment_target)``. A rise enters that quantile once it holds ``1 - attainment_target`` of the
-window's requests, about one start-up for a rise at the window's rate; a burst seen is remembered
-for the window.
+request-weighted ``attainment_target`` quantile of the counts over a window of ``(startup_s +
+interval_s) / (1 - attainment_target)``. A rise enters that quantile once it holds ``1 -
+attainment_target`` of the window's requests, about a start-up and an interval for a rise at the
+window's rate; a burst seen is remembered for the window.
+A load that has risen over each of the last k start-ups (k the fewest with (k + 1)! at least the
+window's intervals and 1 / (1 - attainment_target): noise alone rises so often at most about once a
+window and in at most the miss share of the intervals) is a trend the window cannot catch: the pool grows at once to the load projected a start-up and an interval ahead, and goes back
+to what it had (or what the window needs) once the load falls.
 Prefill: the fewest replicas sharing one queue (the router picks the least queued) whose Erlang-C
 wait tail keeps ``1 - attainment_target`` of prompts over the TTFT SLO, waits scaled by (1 + cv^2) / 2
 of the prompts' prefill times and by the correction c_p (observed mean TTFT over the model's). A
@@ -112,6 +116,15 @@ def _pooled_wait_share(rho: float, num_replicas: int) -> float:
     return rho ** (math.sqrt(2 * (num_replicas + 1)) - 1) / (num_replicas * (1 - rho))
 
 
+def _rise_start_ups(num_checks: float) -> int:
+    """The fewest k whose (k + 1)! reaches ``num_checks``: k + 1 start-ups of noise alone rise k times
+    in a row with chance 1 / (k + 1)!, so about once in that many intervals (each one tests it)."""
+    k = 1
+    while math.factorial(k + 1) < num_checks:
+        k += 1
+    return k
+
+
 def _erlang_c(servers: int, load: float) -> float:
     """Probability that a request waits in an M/M/c queue of ``servers`` at offered ``load`` (< servers)."""
     blocking = 1.0
@@ -137,7 +150,7 @@ class SLAPlanner:
         self._last_ready: dict[str, int] = {}
         self._prompt_tokens = float(perf_model.prefill[0][0])
         self._quantile = config.attainment_target if config.base_quantile is None else config.base_quantile
-        derived_s = round(max(4 * config.interval_s, config.startup_s / (1 - self._quantile)), 6)
+        derived_s = round(max(4 * config.interval_s, (config.startup_s + config.interval_s) / (1 - self._quantile)), 6)
         self._window_s = config.base_window_s if config.base_window_s is not None else derived_s
         self._warmup_s = min(self._window_s, derived_s)  # no pool shrinks before this much is observed
         self._window: deque[tuple[float, float, dict[str, int]]] = deque()
@@ -145,7 +158,11 @@ class SLAPlanner:
         self._first_s: float | None = None
         self._spread = 1.0
         self._measured = False
-        self._loads: deque[tuple[float, float]] = deque(maxlen=max(1, math.ceil(config.startup_s / config.interval_s - 1e-9)))
+        self._block = max(1, math.ceil(config.startup_s / config.interval_s - 1e-9))  # intervals in a start-up
+        self._loads: deque[tuple[float, float]] = deque(maxlen=self._block)
+        self._rise_start_ups = config.rise_start_ups if config.rise_start_ups is not None else _rise_start_ups(max(self._window_s / config.interval_s, 1 / (1 - config.attainment_target)))
+        self._observed: deque[tuple[float, float]] = deque(maxlen=self._block * (self._rise_start_ups + 1))
+        self._before_rise: dict[str, int] = {}
         self._z = NormalDist().inv_cdf(config.attainment_target)
 
     def decide(self, observation: Observation, pools: Mapping[str, PoolReplicas]) -> Decision:
@@ -172,6 +189,21 @@ class SLAPlanner:
             prefill_why = f"{prefill_why}; the window's {self._quantile:g} quantile needs {prefill_need}"
         if decode_need > counts["decode"]:
             decode_why = f"{decode_why}; the window's {self._quantile:g} quantile needs {decode_need}"
+        # Beyond the window: a load that has risen over each of the last k start-ups is a trend, and the
+        # pool grows now to the load projected to when replicas asked for now are warm.
+        self._observed.append((prefill_load, decode_load))
+        rising = {}
+        for pool, projected in self._rises().items():
+            if pool == "prefill":
+                count = min(self._prefill_count(projected, prefill_cap), config.max_prefill)
+                if count > prefill_need:
+                    rising[pool], prefill_need = prefill_need, count
+                    prefill_why = f"{prefill_why}; rising over each of the last {self._rise_start_ups} start-ups, {count} for the load a start-up and an interval ahead"
+            else:
+                count = min(self._decode_count(projected), config.max_decode)
+                if count > decode_need:
+                    rising[pool], decode_need = decode_need, count
+                    decode_why = f"{decode_why}; rising over each of the last {self._rise_start_ups} start-ups, {count} for the load a start-up and an interval ahead"
         # Beyond the window: a backlog that already makes a new prompt wait past the SLO means the
         # load is over capacity now; the pool grows to this interval's load plus the replicas that
         # clear the backlog within a start-up and an interval.
@@ -214,9 +246,43 @@ class SLAPlanner:
             targets[pool], reasons[pool], flagged = self._settle(pool, need, need_down, pools[pool], obs.time_s, why, missing[pool])
             if flagged:
                 infeasible.append(pool)
+            # Replicas grown on a trend go once the load falls: back to what the pool had before the
+            # rise or what the window needs now, whichever is more, with no cooldown (they were a bet).
+            if pool in rising:
+                if targets[pool] > pools[pool].target:
+                    self._before_rise.setdefault(pool, pools[pool].target)
+            elif pool in self._before_rise and self._falling(pool):
+                back = max(need, self._before_rise.pop(pool), config.min_prefill if pool == "prefill" else config.min_decode)
+                if back < targets[pool]:
+                    targets[pool], reasons[pool] = back, f"back to {back}: the rise is over ({why})"
+                    self._last_change_s[pool] = obs.time_s
         if infeasible_requests:
             reasons["prefill"] += f" ({infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
         return Decision(obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons, tuple(infeasible), infeasible_requests)
+
+    def _start_up_means(self, index: int) -> list[float]:
+        """Mean observed load (0: prefill, 1: decode, in replicas) of each start-up-long block of the
+        recent intervals, oldest first."""
+        loads, block = [x[index] for x in self._observed], self._block
+        return [sum(loads[i : i + block]) / block for i in range(len(loads) % block, len(loads), block)]
+
+    def _rises(self) -> dict[str, float]:
+        """Per pool whose observed load rose over each of the last ``rise_start_ups`` start-ups, that
+        load projected a start-up and an interval past the newest interval at the mean rise a start-up."""
+        out = {}
+        if not self._rise_start_ups or len(self._observed) < self._observed.maxlen:
+            return out
+        ahead = (self.config.startup_s + self.config.interval_s) / (self._block * self.config.interval_s) + (self._block - 1) / (2 * self._block)
+        for index, pool in enumerate(POOLS):
+            means = self._start_up_means(index)
+            if all(b > a for a, b in zip(means, means[1:])):
+                out[pool] = means[-1] + (means[-1] - means[0]) / (len(means) - 1) * ahead
+        return out
+
+    def _falling(self, pool: str) -> bool:
+        """Whether the pool's observed load of the last start-up is below that of the start-up before."""
+        means = self._start_up_means(POOLS.index(pool))
+        return len(means) >= 2 and means[-1] < means[-2]
 
     def _measure_prompts(self, obs: Observation) -> int:
         """Learns from the interval's prompts and returns its infeasible requests: those whose prompt

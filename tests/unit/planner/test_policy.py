@@ -9,9 +9,10 @@ Decode ITL is 0.02 + 0.001 * (batch - 1) s: the largest batch under 0.1 s is 81,
 
 Each interval's observed load is averaged over the last startup_s / interval_s intervals (two
 here, with ``startup_s=60``), turned into counts, and the pools are sized for the request-weighted
-0.95 quantile of the counts of the last ``base_window_s`` (default 60 / 0.05 = 1200 s). Tests of
-the settling rules (hysteresis, cooldown, starting replicas) pass ``startup_s=30, base_window_s=30``
-so that each interval's count stands alone.
+0.95 quantile of the counts of the last ``base_window_s`` (default (60 + 30) / 0.05 = 1800 s). A
+load that rose over each of the last four start-ups (the default here: 5! = 120 reaches the window's
+60 intervals, 4! does not) grows the pool to its projection. Tests of the settling rules
+(hysteresis, cooldown, starting replicas) pass ``ALONE`` so that each interval's count stands alone.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from planner.policy import Observation, SLAPlanner
 
 PERF = PerfModel([(100, 0.01), (10000, 1.0)], [(1, 0.02), (101, 0.12)], "hand-made")
 INTERVAL_S = 30.0
-ALONE = {"startup_s": 30.0, "base_window_s": 30.0}
-"""No averaging over intervals and a window of one: each interval's count is what the pool needs."""
+ALONE = {"startup_s": 30.0, "base_window_s": 30.0, "rise_start_ups": 0}
+"""No averaging over intervals, a window of one and no trend: each interval's count is what the pool needs."""
 
 
 def observe(t: float, rate: float, prompt_tokens: int = 1000, output_tokens: int = 50, **fields) -> Observation:
@@ -321,10 +322,57 @@ def test_the_same_inputs_give_the_same_decisions():
     assert runs[0] == runs[1]
 
 
-def test_the_warm_up_is_a_start_up_over_the_miss_share_even_under_a_longer_window():
-    """With a 6 s start-up and a 0.95 target the warm-up is max(4 intervals, 6 / 0.05) = 120 s; a
-    600 s window remembers longer but does not hold a pool of 4 that 0.5 replicas of load fill
-    for all 600 s: it shrinks once 120 s have been observed."""
-    p = planner(startup_s=6.0, base_window_s=600.0)
-    targets = prefill_targets(run(p, [5] * 8, (4, 1)))
-    assert targets[:3] == [4, 4, 4] and targets[3:] == [1] * 5  # decided at 30, 60, 90 s; 120 s on shrinks
+def test_the_warm_up_is_a_start_up_and_an_interval_over_the_miss_share_even_under_a_longer_window():
+    """With a 6 s start-up, 30 s intervals and a 0.95 target the warm-up is (6 + 30) / 0.05 = 720 s; a
+    1200 s window remembers longer but does not hold a pool of 4 that 0.5 replicas of load fill
+    for all 1200 s: it shrinks once 720 s have been observed."""
+    p = planner(startup_s=6.0, base_window_s=1200.0)
+    targets = prefill_targets(run(p, [5] * 26, (4, 1)))
+    assert targets[:23] == [4] * 23 and targets[23:] == [1] * 3  # decided at 30 ... 690 s; 720 s on shrinks
+
+
+RAMP = list(range(4, 44, 4))
+"""Ten intervals from 4 to 40 req/s of 1000-token prompts: start-up means (two intervals each) of
+0.6, 1.4, 2.2, 3.0 and 3.8 prefill replicas of load, each above the one before."""
+
+
+def test_a_load_rising_over_each_of_four_start_ups_grows_the_pool_to_its_projection_at_once():
+    p = planner()
+    assert p._window_s == 1800 and p._rise_start_ups == 4
+    decisions = run(p, RAMP, (1, 1), output_tokens=10)
+    # Until ten intervals are seen the window alone sizes the pool: 3.4 replicas averaged at 270 s -> 4.
+    assert prefill_targets(decisions)[:9] == [1, 1, 2, 2, 2, 3, 3, 4, 4]
+    assert all("rising" not in d.reasons["prefill"] for d in decisions[:9])
+    # At 300 s: 3.8 + 0.8 a start-up x (90 s / 60 s + 0.25 for the newest start-up's middle) = 5.2 replicas
+    # of load a start-up and an interval ahead; the window's 3.8 alone would need 4.
+    last = decisions[-1]
+    assert p._prefill_count(3.8, 0.85) == 4 and last.targets["prefill"] == p._prefill_count(5.2, 0.85) == 6
+    assert last.reasons["prefill"].endswith("rising over each of the last 4 start-ups, 6 for the load a start-up and an interval ahead")
+
+
+def test_a_pool_grown_on_a_rise_goes_back_once_the_load_falls_without_waiting_for_the_cooldown():
+    p = planner(scale_down_cooldown_s=300)
+    decisions = run(p, RAMP + [36, 36], (1, 1), output_tokens=10)
+    # At 330 s the newest start-up (40, 36 req/s) is still above the one before (32, 36): held at 6.
+    assert prefill_targets(decisions)[-3:] == [6, 6, 4]
+    # At 360 s (36, 36) is below (36, 40): back to 4, what the pool had before the rise and the
+    # window's quantile needs, 60 s after the change (the cooldown is 300 s).
+    assert decisions[-1].reasons["prefill"].startswith("back to 4: the rise is over")
+
+
+def test_a_step_up_is_left_to_the_window_and_not_projected():
+    p = planner()
+    # 5 then 30 req/s: the start-up means rise twice (the step's first interval, then its second), then stay.
+    decisions = run(p, [5] * 6 + [30] * 10, (1, 1), output_tokens=10)
+    assert prefill_targets(decisions)[6:] == [2] + [4] * 9
+    assert all("rising" not in d.reasons["prefill"] for d in decisions)
+
+
+def test_rise_start_ups_is_derived_from_the_window_and_the_miss_share_or_set():
+    assert planner()._rise_start_ups == 4  # 5! = 120 >= 60 intervals
+    assert planner(base_window_s=300)._rise_start_ups == 3  # 4! = 24 >= max(10 intervals, 1 / 0.05)
+    assert planner(attainment_target=0.99, base_window_s=300)._rise_start_ups == 4  # 5! >= 100
+    off = planner(rise_start_ups=0)
+    assert prefill_targets(run(off, RAMP, (1, 1), output_tokens=10))[-1] == 4  # the window alone
+    with pytest.raises(ValueError, match="rise_start_ups must be 0 or more"):
+        PlannerConfig(rise_start_ups=-1)
