@@ -19,6 +19,7 @@ from engine.loader.weights import load_weights, weights_fingerprint
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
+from engine.parallel.pipeline import PipelineGroup, Stage, stage_layers
 from engine.parallel.tier_mirror import FollowerMirror
 from engine.quant.apply import apply_weights, check_weights_dtype, load_native, set_act_planes
 from engine.spec.draft import DraftModelProposer
@@ -95,20 +96,25 @@ def build_kv_store(
     return DataParallelKVStore(stores, events, redis_keys, redis)
 
 
-def split_group(config: EngineConfig, group: TPGroup) -> tuple[TPGroup, TPGroup]:
-    """``(tp, ep)``: the group is the tensor-parallel one or the expert-parallel one (never both)."""
+def split_group(config: EngineConfig, group: TPGroup | PipelineGroup) -> tuple[TPGroup, TPGroup]:
+    """``(tp, ep)``: the group is the tensor-parallel one or the expert-parallel one (never both);
+    a pipelined replica's tensor-parallel group is its stage's."""
     single = TPGroup.single()
+    if isinstance(group, PipelineGroup):
+        return group.tp, single
     return (group, single) if config.tp_size > 1 else (single, group) if config.ep_size > 1 else (single, single)
 
 
 def build_shard(
-    config: EngineConfig, mc: ModelConfig, checkpoint_dir: Path, max_model_len: int, tp: TPGroup, ep: TPGroup | None = None
+    config: EngineConfig, mc: ModelConfig, checkpoint_dir: Path, max_model_len: int, tp: TPGroup, ep: TPGroup | None = None, stage: Stage | None = None
 ) -> tuple[DecoderModel, PagedKVCache]:
     """This rank's slice of the model, loaded, and its slice of the paged KV pool.
 
     Every rank sizes its pool alike. Tensor-parallel ranks hold their KV heads of the same
     blocks (one block id names the same tokens on every rank); expert-parallel ranks hold every
-    head for requests of their own. Each rank computes on its group's device (``shard_device``).
+    head for requests of their own; a pipeline ``stage`` holds its layers' weights and K/V only,
+    as many blocks as the largest stage's layers fit. Each rank computes on its group's device
+    (``shard_device``).
     """
     check_weights_dtype(config.weights, config.dtype)
     if config.device != "cpu" and not torch.cuda.is_available():
@@ -116,10 +122,11 @@ def build_shard(
     device = shard_device(config, tp, ep)
     if device != "cpu":
         check_cuda_device(device, torch.cuda.device_count())
-    model = DecoderModel.empty(mc, max_model_len, TORCH_DTYPES[config.dtype], tp, ep)
+    model = DecoderModel.empty(mc, max_model_len, TORCH_DTYPES[config.dtype], tp, ep, stage)
     gguf_path = source_gguf(checkpoint_dir) if config.weights == "native" else None
     if gguf_path is not None:
-        load_native(model, checkpoint_dir, read_native_tensors(gguf_path, mc))
+        native = read_native_tensors(gguf_path, mc)
+        load_native(model, checkpoint_dir, {name: tensor for name, tensor in native.items() if model.holds_tensor(name)})
     else:
         load_weights(model, checkpoint_dir)
         apply_weights(model, config.weights)
@@ -128,8 +135,10 @@ def build_shard(
         model.bind_fused_layers()
     else:
         model.to(device)
-    layout = KVBlockLayout(mc.num_layers, model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
-    num_blocks = config.num_kv_blocks or config.kv_cache_bytes // layout.block_bytes
+    layout = KVBlockLayout(len(model.stage.layers), model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)
+    largest = max(len(layers) for layers in stage_layers(mc, config.pp_size)) if config.pp_size > 1 else mc.num_layers
+    sizing = KVBlockLayout(largest, model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)  # every stage: the same block ids
+    num_blocks = config.num_kv_blocks or config.kv_cache_bytes // sizing.block_bytes
     if num_blocks < 1:
         raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} holds no block of {layout.block_bytes} bytes")
     if device != "cpu":

@@ -72,6 +72,10 @@ class EngineConfig:
     ep_size: int = 1
     """Expert-parallel ranks (MoE models): each holds 1/N of the experts and runs attention for
     requests of its own (data-parallel attention); exclusive with tp_size > 1."""
+    pp_size: int = 1
+    """Pipeline stages: each holds a contiguous run of the layers (``tp_size`` ranks each), passes
+    hidden states to the next, and keeps up to this many micro-batches in flight
+    (engine/parallel/pipeline.py); a replica is ``pp_size x tp_size`` ranks."""
     speculative: str = "off"
     """Speculative decoding: off, ngram (drafts copied from the sequence's own earlier tokens) or
     draft (a small draft model, ``draft_model``); drafts are verified in one batched forward pass."""
@@ -107,8 +111,8 @@ class EngineConfig:
 
     @property
     def num_ranks(self) -> int:
-        """Processes of one replica: its TP or EP size."""
-        return max(self.tp_size, self.ep_size)
+        """Processes of one replica: its PP x TP size, or its EP size."""
+        return self.pp_size * max(self.tp_size, self.ep_size)
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -131,8 +135,8 @@ class EngineConfig:
             raise ValueError(f"spec_token_cost: must be >= 0, got {self.spec_token_cost}")
         if not self.spec_chunk_cost >= 0:
             raise ValueError(f"spec_chunk_cost: must be >= 0, got {self.spec_chunk_cost}")
-        if self.speculative != "off" and max(self.tp_size, self.ep_size) > 1:
-            raise ValueError(f"speculative: {self.speculative!r} runs on replicas of one rank only; set tp_size and ep_size to 1 or speculative to 'off'")
+        if self.speculative != "off" and self.num_ranks > 1:
+            raise ValueError(f"speculative: {self.speculative!r} runs on replicas of one rank only; set tp_size, ep_size and pp_size to 1 or speculative to 'off'")
         if self.act_planes not in ACT_PLANES:
             raise ValueError(f"act_planes: {self.act_planes} activation planes; the quantized kernel runs 1 or 2")
         if self.kv_dtype not in KV_DTYPES:
@@ -156,6 +160,12 @@ class EngineConfig:
             raise ValueError(f"ep_size: must be >= 1, got {self.ep_size}")
         if self.tp_size > 1 and self.ep_size > 1:
             raise ValueError(f"ep_size: a replica is tensor-parallel or expert-parallel, not both (tp_size {self.tp_size}, ep_size {self.ep_size})")
+        if self.pp_size < 1:
+            raise ValueError(f"pp_size: must be >= 1, got {self.pp_size}")
+        if self.pp_size > 1 and self.ep_size > 1:
+            raise ValueError(f"pp_size: pipeline stages hold dense or tensor-parallel layers so far, not expert-parallel ones (ep_size {self.ep_size}); set one of them to 1")
+        if self.pp_size > 1 and (self.cpu_kv_cache_bytes or self.redis_url is not None):
+            raise ValueError("pp_size: the CPU and Redis KV tiers serve replicas of one stage so far; set pp_size to 1 or disable the tiers")
         if self.device != "cpu":
             self._check_device()
         if not self.tp_collective_timeout_s > 0:

@@ -10,6 +10,7 @@ import logging
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,10 +23,11 @@ from engine.isolation import IsolatedStep, blames_a_request, inputs_of, run_isol
 from engine.model_config import ModelConfig
 from engine.outputs import Completion, EngineStats, PrefilledKV, RemotePrefill
 from engine.parallel.group import TPGroup
+from engine.parallel.pipeline import PipelineGroup, check_pp_size
 from engine.parallel.sharding import check_ep_size, check_tp_size
 from engine.params import SamplingParams
 from engine.request import Request, RequestOutput, SampledTokens, TokenLogprobs
-from engine.runner import ModelRunner
+from engine.runner import Launched, ModelRunner
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.structured.backend import GrammarBackend
 from engine.structured.step_masks import StepMasks
@@ -39,10 +41,10 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """Loads one model, owns its KV pool, and runs continuous batching over submitted requests."""
 
-    def __init__(self, config: EngineConfig, worker_id: str = "local", group: TPGroup | None = None) -> None:
+    def __init__(self, config: EngineConfig, worker_id: str = "local", group: TPGroup | PipelineGroup | None = None) -> None:
         """``group``: the joined group of this engine's ranks, which it leads (rank 0), required
-        when ``config.num_ranks > 1`` (tensor- or expert-parallel); its other ranks run
-        ``engine.parallel.follower.TPFollower``."""
+        when ``config.num_ranks > 1`` (tensor- or expert-parallel; a ``PipelineGroup`` when the
+        replica has pipeline stages); its other ranks run ``engine.parallel.follower.TPFollower``."""
         group = group or TPGroup.single()
         if group.size != config.num_ranks or not group.is_leader:
             raise ValueError(f"group: an engine of {config.num_ranks} ranks needs rank 0 of a group of that size, got rank {group.rank} of {group.size}")
@@ -55,10 +57,13 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(self.checkpoint_dir)
         check_tp_size(self.model_name, self.model_config, config.tp_size)
         check_ep_size(self.model_name, self.model_config, config.ep_size)
+        check_pp_size(self.model_name, self.model_config, config.pp_size)
+        self.pipe = group if isinstance(group, PipelineGroup) else None
+        """This engine's pipeline (stage 0 of it), when the replica is split in stages."""
         self.tokenizer = Tokenizer.from_dir(self.checkpoint_dir)
         mc = self.model_config
         self.max_model_len = model_len(config, mc)
-        model, self.kv_cache = build_shard(config, mc, self.checkpoint_dir, self.max_model_len, tp, ep)
+        model, self.kv_cache = build_shard(config, mc, self.checkpoint_dir, self.max_model_len, tp, ep, self.pipe.stage if self.pipe else None)
         num_blocks = self.kv_cache.num_blocks
         self.pools = [BlockPool(num_blocks, enable_caching=config.enable_prefix_caching) for _ in range(ep.size)]
         """One block pool per data-parallel rank; ``pools[r]``'s blocks are in rank r's KV cache."""
@@ -74,8 +79,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.pools, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, self.kv_store, self.speculator
         )
-        self.runner = ModelRunner(model, self.kv_cache, tp, ep)
-        if self.kv_cache.device.type == "cuda" and not config.enforce_eager and self.runner.ranks.size == 1:
+        self.runner = ModelRunner(model, self.kv_cache, tp, ep, self.pipe)
+        if self.kv_cache.device.type == "cuda" and not config.enforce_eager and group.size == 1:
             self.runner.use_graphs(config.graph_max_batch or config.max_num_seqs, self.max_model_len, capture=True)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids)
         self.intake = PromptIntake(self.tokenizer, self.model_name, mc.vocab_size, self.max_model_len, config.block_size, num_blocks)
@@ -88,6 +93,8 @@ class LLMEngine:
         self._grammars: GrammarBackend | None = None
         self._grammars_lock = threading.Lock()
         self._step_masks: StepMasks | None = None
+        self._launched: deque[tuple[list[ScheduledChunk], Launched]] = deque()
+        """Pipelined steps launched and not landed, oldest first."""
         self._last_failed_inputs: frozenset[tuple[int, ...]] | None = None
         """The inputs of the last step that ran, when every request of it failed."""
         group.barrier()  # every follower has its shard loaded: the first step's collectives will not wait on a load
@@ -222,17 +229,21 @@ class LLMEngine:
         they would have had without it. A failure no request can be blamed for propagates.
         """
         started_s, started_cpu_s = time.perf_counter(), time.thread_time()
-        chunks = self.scheduler.schedule()
-        step = self._execute(chunks)
-        failed = dict(step.failed)
-        chunks = [chunk for chunk in chunks if chunk.request not in failed]
+        if self.pipe is not None:
+            chunks, sampled = self._pipeline_step()
+            failed = {}
+        else:
+            chunks = self.scheduler.schedule()
+            step = self._execute(chunks)
+            failed, sampled = dict(step.failed), step.sampled
+            chunks = [chunk for chunk in chunks if chunk.request not in failed]
         num_tokens = sum(chunk.num_new_tokens for chunk in chunks)
         for chunk in chunks:
             if chunk.request.first_token_s is None:  # a step on its way to the first token
                 chunk.request.prefill_steps += 1
                 chunk.request.prefill_step_tokens += num_tokens
         outputs = []
-        for request in self._update(chunks, step.sampled, failed):
+        for request in self._update(chunks, sampled, failed):
             outputs.append(request.take_output())
             if request.finished:
                 del self._requests[request.request_id]
@@ -247,6 +258,24 @@ class LLMEngine:
             self._step_cpu_s += time.thread_time() - started_cpu_s  # read inside the wall clock's interval
             self._step_s += time.perf_counter() - started_s
         return outputs
+
+    def _pipeline_step(self) -> tuple[list[ScheduledChunk], dict[Request, SampledTokens]]:
+        """Launch the next micro-batch into the pipeline (its share of the unfinished requests,
+        none of them in flight); land the oldest once ``pp_size`` are in flight, or when there is
+        nothing new to launch. Returns the landed step's chunks, less those of requests aborted
+        meanwhile, and their tokens; ``([], {})`` while the pipeline fills."""
+        scheduler = self.scheduler
+        chunks = scheduler.schedule(max_seqs=max(1, -(-scheduler.num_unfinished // self.config.pp_size)))
+        if chunks:
+            self._launched.append((chunks, self.runner.launch(chunks)))
+            scheduler.in_flight.update(chunk.request for chunk in chunks)
+        if not self._launched or (chunks and len(self._launched) < self.config.pp_size):
+            return [], {}
+        chunks, launched = self._launched.popleft()
+        masks = self._step_masks.start(chunks) if self._grammars is not None else None
+        sampled = self.runner.land(launched, masks)
+        scheduler.in_flight.difference_update(chunk.request for chunk in chunks)
+        return [chunk for chunk in chunks if self._requests.get(chunk.request.request_id) is chunk.request], sampled
 
     def take_failures(self) -> list[RequestFailedError]:
         """The requests failed alone by the steps since the last call (each already dropped,
@@ -327,6 +356,9 @@ class LLMEngine:
         if self._step_masks is not None:
             self._step_masks.close()
         if self.group.size > 1:
+            while self._launched:  # the last stage's logits of steps in flight: taken, so that its sends end
+                self._launched.popleft()
+                self.pipe.recv_logits()
             self.runner.stop_followers()
             self.group.close()
 

@@ -11,11 +11,17 @@ parallelism attention is data-parallel: the leader sends one plan per rank (each
 requests, an empty plan for an idle rank, which still steps so that the experts' all-to-alls
 never wait on it), and each rank's sampled rows are gathered on the leader. A follower rank runs
 ``ModelRunner.follow()``: receive the plans, run its own, until the leader sends ``None``.
+
+Under pipeline parallelism (engine/parallel/pipeline.py) a step is launched and landed apart:
+``launch`` runs stage 0 and hands the plan and hidden stream on, ``land`` takes the last stage's
+logits and samples, so that the leader can launch the next micro-batch meanwhile. Stages after
+the first run ``follow_pipeline()``: their plan comes with their input, from the stage before.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -29,6 +35,7 @@ from engine.layers.attention import AttentionBatch, DecodeGroup, DevicePrefills,
 from engine.logits import PromptSpan, prompt_span, record_prompt_logprobs, process_logits, sample_rows, sampled_logprobs, stack_bitmasks
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
+from engine.parallel.pipeline import PipelineGroup
 from engine.request import Request, SampledTokens
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk
@@ -104,8 +111,12 @@ def _planned(chunk: ScheduledChunk, block_size: int) -> PlannedChunk:
 class ModelRunner:
     """Owns the model and the KV tensors; turns scheduled chunks into sampled tokens."""
 
-    def __init__(self, model: DecoderModel, kv_cache: PagedKVCache, tp: TPGroup | None = None, dp: TPGroup | None = None) -> None:
+    def __init__(
+        self, model: DecoderModel, kv_cache: PagedKVCache, tp: TPGroup | None = None, dp: TPGroup | None = None, pipe: PipelineGroup | None = None
+    ) -> None:
+        """``pipe``: this rank's place in a pipelined replica (None: the model is not split in stages)."""
         self.model = model
+        self.pipe = pipe
         self.kv_cache = kv_cache
         self.tp = tp or TPGroup.single()
         self.dp = dp or TPGroup.single()
@@ -114,9 +125,11 @@ class ModelRunner:
         """The group that steps together, whose leader sends the plans."""
         self.block_size = kv_cache.layout.block_size
         self.device = kv_cache.device
-        self.dtype = model.embed_tokens.weight.dtype
+        self.dtype = model.held_layers[0].input_layernorm.weight.dtype
         self.num_runs = 0
         """Steps this rank has run to the end, K/V written: every rank of a group counts the same steps."""
+        self.busy_s = 0.0
+        """Seconds this rank spent running steps (its stage's share of a pipeline's time)."""
         self.graphs = None
         """``engine.graphs.DecodeGraphs`` where decode steps run from static buffers (``use_graphs``)."""
         self.num_graph_steps = 0
@@ -143,7 +156,11 @@ class ModelRunner:
         ``bitmasks``: a constraint's allowed tokens per constrained request, ``int32 [1 + drafts,
         ceil(vocab / 32)]`` (row j after drafts 0..j-1; bit j of word w allows token 32 w + j), or
         a future of them being filled while the forward pass runs (``StepMasks.start``).
-        Steps whose rows process logits or want log-probabilities run eagerly, never from a graph."""
+        Steps whose rows process logits or want log-probabilities run eagerly, never from a graph.
+        A pipelined replica's step runs through every stage before this returns (``launch`` and
+        ``land`` keep several in flight)."""
+        if self.pipe is not None:
+            return self.land(self.launch(chunks), bitmasks)
         plans, requests, spans = [], [], []
         for rank in range(self.dp.size):
             plan, sampled, prompt = StepPlan.of([c for c in chunks if (c.request.dp_rank or 0) == rank], self.block_size)
@@ -185,22 +202,73 @@ class ModelRunner:
             return sample_on_device(logits, SamplingTensors.of(params, seeds, positions, logits.device)).tolist()
         return sample(logits, params, seeds, positions)
 
+    def launch(self, chunks: list[ScheduledChunk]) -> Launched:
+        """Leader of a pipelined replica: run stage 0 of ``chunks`` and hand the plan and hidden
+        stream to stage 1; ``land`` the returned step, in launch order, for its tokens."""
+        plan, requests, spans = StepPlan.of(chunks, self.block_size)
+        self.tp.send_plan([plan])
+        self.pipe.send_forward(plan, self.run(plan))
+        return Launched(plan, requests, spans)
+
+    @torch.inference_mode()
+    def land(self, step: Launched, bitmasks: Mapping[Request, torch.Tensor] | Future | None = None) -> dict[Request, SampledTokens]:
+        """Leader: the last stage's logits of the oldest step launched, sampled (as ``execute``)."""
+        logits = self.pipe.recv_logits()
+        num_prompt = len(step.plan.prompt_rows)
+        record_prompt_logprobs(logits[:num_prompt] if num_prompt else None, step.spans)
+        if not step.requests:
+            return {}
+        rows = sample_rows(step.requests)
+        bitmask, bitmask_rows = stack_bitmasks(step.requests, masks_of(bitmasks), logits.device)
+        logits = process_logits(logits[num_prompt:], rows, bitmask, bitmask_rows)
+        tokens = self._sample(logits, [r.params for r in rows], [r.seed for r in rows], [r.position for r in rows])
+        logprobs = sampled_logprobs(logits, rows, tokens)
+        out, row = {}, 0
+        for request, drafts in step.requests:
+            end = row + len(drafts) + 1
+            out[request] = SampledTokens(tokens[row:end], tuple(logprobs[row:end]) if request.params.logprobs is not None else None)
+            row = end
+        return out
+
+    def follow_pipeline(self) -> int:
+        """A rank of a stage after the first: run each plan on the hidden stream that comes with
+        it, hand the result to the next stage (the last stage's TP leader: the logits, to the
+        replica's leader), until the stop comes; returns the number of steps run."""
+        pipe = self.pipe
+        while True:
+            plan, hidden = pipe.recv_forward(self.dtype)
+            if plan is None:
+                if not pipe.stage.is_last:
+                    pipe.send_forward(None, None)
+                return self.num_runs
+            out = self.run(plan, hidden)
+            if not pipe.stage.is_last:
+                pipe.send_forward(plan, out)
+            elif self.tp.is_leader:
+                pipe.send_logits(out)
+
     def follow(self, on_message: Callable[[object], None] | None = None) -> int:
         """Follower: run the leader's plans until it sends None; returns the number of steps run.
         Anything else the leader sends between plans (its KV tiers' block moves) goes to
         ``on_message``, in order."""
         while (plans := self.ranks.receive_plan()) is not None:
-            if isinstance(plans, list):
+            if isinstance(plans, list) and self.pipe is not None:  # a TP rank of stage 0: hand its stream on
+                self.pipe.send_forward(plans[0], self.run(plans[0]))
+            elif isinstance(plans, list):
                 self._run_own(plans)
             elif on_message is not None:
                 on_message(plans)
             else:
                 raise ValueError(f"a follower rank without KV tiers got {type(plans).__name__} from its leader")
+        if self.pipe is not None:
+            self.pipe.send_forward(None, None)
         return self.num_runs
 
     def stop_followers(self) -> None:
         """Leader: tell the other ranks that no step follows."""
         self.ranks.send_plan(None)
+        if self.pipe is not None:
+            self.pipe.send_forward(None, None)
 
     def _run_own(self, plans: list[StepPlan]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run this rank's plan; on the leader, every rank's logits of its sample rows, and of its
@@ -225,21 +293,30 @@ class ModelRunner:
         return torch.cat(own[0]), torch.cat(own[1])
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
+    def run(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run ``plan`` on this rank's shard and write its K/V; logits of the prompt rows then the
-        sample rows (``plan.logit_rows``) on the leader."""
+        sample rows (``plan.logit_rows``) on the leader. A pipeline stage before the last takes
+        ``inputs`` (the stage before's hidden stream; the first stage: the plan's tokens) and
+        returns its own stream."""
+        started = time.perf_counter()
         slots = None
         if self.kv_cache.triton_decode:
             input_ids, batch = self._device_batch(plan)
         else:
             input_ids, batch, slots = self._batch(plan)
-        hidden = self.model(input_ids, batch)
+        hidden = self.model(input_ids if inputs is None else inputs, batch)
         if slots is not None and len(input_ids):  # an idle data-parallel rank runs the step for its collectives, with nothing to store
             self.kv_cache.write(batch.new_k, batch.new_v, *slots)
+        if not self.model.stage.is_last:
+            out = hidden
         # A data-parallel rank always computes (maybe zero rows of) logits: the leader gathers every rank's.
-        logits = self.model.compute_logits(hidden[list(plan.logit_rows)]) if plan.logit_rows or self.dp.size > 1 else None
+        elif plan.logit_rows or self.dp.size > 1:
+            out = self.model.compute_logits(hidden[list(plan.logit_rows)])
+        else:
+            out = hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32) if self.pipe is not None and self.tp.is_leader else None
         self.num_runs += 1
-        return logits
+        self.busy_s += time.perf_counter() - started
+        return out
 
     def _batch(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionBatch, tuple[torch.Tensor, torch.Tensor]]:
         """The CPU path's step, and its slots (block ids, offsets): the runner writes every layer's
@@ -248,7 +325,7 @@ class ModelRunner:
         device = self.device
         position_t = torch.tensor(positions, dtype=torch.long, device=device)
         cos, sin = self.model.rotary.tables(position_t, self.dtype)
-        new_kv_shape = (len(positions), self.model.config.num_layers, self.model.num_kv_heads, self.model.config.head_dim)
+        new_kv_shape = (len(positions), len(self.model.held_layers), self.model.num_kv_heads, self.model.config.head_dim)
         batch = AttentionBatch(
             kv_cache=self.kv_cache,
             rope_cos=cos,
@@ -322,6 +399,16 @@ class ModelRunner:
             out.append(PrefillChunk(token_start, chunk.num_tokens, chunk.start, table, mask))
             token_start += chunk.num_tokens
         return tuple(out)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A pipelined step on its way through the stages: its plan, the requests its sample rows
+    belong to (with the drafts each verifies) and its prompt log-probability spans."""
+
+    plan: StepPlan
+    requests: list[tuple[Request, tuple[int, ...]]]
+    spans: list[PromptSpan]
 
 
 def _padded_tables(chunks: tuple[PlannedChunk, ...], device: torch.device) -> torch.Tensor:

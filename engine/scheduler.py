@@ -105,6 +105,9 @@ class Scheduler:
         """Prompt tokens whose K/V the engine computed (cache hits excluded); grows with recompute."""
         self.speculator = speculator
         """Proposes drafts for decoding sequences (speculative decoding); None decodes plainly."""
+        self.in_flight: set[Request] = set()
+        """Requests in a pipelined step not yet landed (``LLMEngine`` with pipeline stages): not
+        scheduled again, nor preempted, until their tokens are back."""
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -119,18 +122,22 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self, max_seqs: int | None = None) -> list[ScheduledChunk]:
+        """The next step's chunks: running requests first, then admissions while blocks, the token
+        budget and the batch slots last. ``max_seqs``: at most this many sequences in the step
+        (a pipeline's micro-batch takes its share of the running requests)."""
         budget = [self.max_num_batched_tokens] * len(self.pools)
+        cap = max_seqs if max_seqs is not None else len(self.running) + len(self.waiting)
         chunks: list[ScheduledChunk] = []
         preempted = False
         if self.speculator is not None:
             self.speculator.propose([r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens > 0])
         index = 0
-        while index < len(self.running) and any(budget):
+        while index < len(self.running) and any(budget) and len(chunks) < cap:
             request = self.running[index]
             rank = request.dp_rank
             num_new = min(request.num_tokens - request.num_computed_tokens, budget[rank])
-            if num_new == 0:
+            if num_new == 0 or request in self.in_flight:
                 index += 1
                 continue
             drafts = request.draft_token_ids[: budget[rank] - 1] if num_new == 1 else ()
@@ -139,6 +146,8 @@ class Scheduler:
             num_new += len(drafts)
             while not self._grow(request, num_new):
                 victim = self._newest_running(rank)
+                if victim is None:  # every other one is in flight: this one waits for their blocks
+                    break
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
@@ -148,6 +157,9 @@ class Scheduler:
                 chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new, drafts))
                 budget[rank] -= num_new
                 index += 1
+                continue
+            if victim is None:
+                index += 1
         if preempted:
             return chunks  # while a step preempts, it admits no new request
         seqs = [0] * len(self.pools)
@@ -155,7 +167,7 @@ class Scheduler:
             seqs[request.dp_rank] += 1
         full = [False] * len(self.pools)
         for request in list(self.waiting):
-            if all(full[r] or budget[r] == 0 or seqs[r] >= self.max_num_seqs for r in range(len(self.pools))):
+            if len(chunks) >= cap or all(full[r] or budget[r] == 0 or seqs[r] >= self.max_num_seqs for r in range(len(self.pools))):
                 break
             rank = request.dp_rank if request.dp_rank is not None else self._choose_rank(request, seqs)
             if full[rank] or budget[rank] == 0 or seqs[rank] >= self.max_num_seqs:
@@ -181,9 +193,10 @@ class Scheduler:
             budget[rank] -= num_new
         return chunks
 
-    def _newest_running(self, rank: int) -> Request:
-        """The most recently admitted running request of ``rank`` (the preemption victim)."""
-        return next(r for r in reversed(self.running) if r.dp_rank == rank)
+    def _newest_running(self, rank: int) -> Request | None:
+        """The most recently admitted running request of ``rank`` not in flight (the preemption
+        victim); None when every one is in flight."""
+        return next((r for r in reversed(self.running) if r.dp_rank == rank and r not in self.in_flight), None)
 
     def _choose_rank(self, request: Request, seqs: list[int]) -> int:
         """The rank with the longest cached prefix of ``request`` (in its pool, then on in its CPU

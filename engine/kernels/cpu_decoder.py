@@ -84,9 +84,9 @@ def unsupported(model) -> str | None:
         return "a mixture of experts"
     if config.qkv_bias or config.o_bias or config.qk_norm:
         return "QKV/O biases or q/k norms"
-    if model.layers[0].input_layernorm.weight.dtype != torch.float32:
+    if model.held_layers[0].input_layernorm.weight.dtype != torch.float32:
         return "activations are not float32"
-    for index, layer in enumerate(model.layers):
+    for index, layer in enumerate(model.held_layers, start=model.stage.layers.start):
         if not isinstance(layer.mlp, GatedMLP) or layer.mlp.gate_up_proj.bias is not None:
             return f"layer {index}'s MLP is not a dense gated SiLU without bias"
         for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
@@ -106,11 +106,11 @@ def plan_args(model) -> tuple[tuple, tuple[int, int, int, int, int, float]]:
             layer.post_attention_layernorm.weight.detach().numpy(),
             *(_linear(proj) for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)),
         )
-        for layer in model.layers
+        for layer in model.held_layers
     )
     config = model.config
-    intermediate = model.layers[0].mlp.gate_up_proj.quantized.shape[0] // 2  # the fused gate/up's rows
-    return layers, (model.layers[0].self_attn.num_heads, model.num_kv_heads, config.head_dim, config.hidden_size, intermediate, config.rms_norm_eps)
+    intermediate = model.held_layers[0].mlp.gate_up_proj.quantized.shape[0] // 2  # the fused gate/up's rows
+    return layers, (model.held_layers[0].self_attn.num_heads, model.num_kv_heads, config.head_dim, config.hidden_size, intermediate, config.rms_norm_eps)
 
 
 def _linear(proj) -> tuple[int, np.ndarray, int, int, int]:

@@ -95,7 +95,8 @@ def weights_fingerprint(checkpoint_dir: Path, precision: str = "") -> str:
 def load_weights(model: DecoderModel, checkpoint_dir: Path, skip: frozenset[str] = frozenset()) -> None:
     """Fill every parameter of ``model`` from the checkpoint (cast to the model's dtype).
 
-    A tensor-parallel rank's model reads only its slices of each tensor. ``skip`` names
+    A tensor-parallel rank's model reads only its slices of each tensor, a pipeline stage's only
+    the tensors of what it holds (``DecoderModel.holds_tensor``). ``skip`` names
     checkpoint tensors not to read at all: those whose layer already holds its weight in another
     form (native GGUF blocks, ``engine/quant/apply.py``) and no longer has the dense parameter.
     """
@@ -103,7 +104,7 @@ def load_weights(model: DecoderModel, checkpoint_dir: Path, skip: frozenset[str]
     filled = {name: 0 for name in params}
     unexpected: list[str] = []
     for name, source in iter_checkpoint(checkpoint_dir):
-        if _IGNORED.match(name) or name in skip:
+        if _IGNORED.match(name) or name in skip or not model.holds_tensor(name):
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
@@ -167,6 +168,8 @@ _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$
 def _target(name: str, model: DecoderModel) -> _Target | None:
     m = _LAYER.match(name)
     if m is None:
+        if name == "model.embed_tokens.weight" and model.embed_tokens is None:  # a later stage's tied LM head
+            return _Target("lm_head.weight")
         return _Target(name.removeprefix("model."))
     prefix, rest = f"layers.{m.group(1)}.", m.group(2)
     config = model.config

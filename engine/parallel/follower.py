@@ -17,7 +17,7 @@ from engine.bundled import resolve_model, served_model_name
 from engine.config import EngineConfig
 from engine.build import build_shard, key_namespace, model_len, split_group
 from engine.model_config import ModelConfig
-from engine.parallel.group import TPGroup
+from engine.parallel.pipeline import PipelineGroup, join_replica
 from engine.parallel.sharding import rank_fields
 from engine.parallel.tier_mirror import FollowerTiers
 from engine.runner import ModelRunner
@@ -49,14 +49,14 @@ class TPFollower:
     def _run(self, address: str, num_threads: int) -> None:
         try:
             torch.set_num_threads(num_threads)
-            group = TPGroup.join(
-                self.rank, self.config.num_ranks, address, device=self.config.device, gpu_ids=_assigned_gpu_ids(), collective_timeout_s=self.config.tp_collective_timeout_s
-            )
-            tp, ep = split_group(self.config, group)
             checkpoint_dir = resolve_model(self.config.model, self.config.cache_dir)
             model_config = ModelConfig.from_dir(checkpoint_dir)
-            model, kv_cache = build_shard(self.config, model_config, checkpoint_dir, model_len(self.config, model_config), tp, ep)
-            self.runner = ModelRunner(model, kv_cache, tp, ep)
+            group = join_replica(self.config, model_config, self.rank, address, _assigned_gpu_ids())
+            tp, ep = split_group(self.config, group)
+            pipe = group if isinstance(group, PipelineGroup) else None
+            stage = pipe.stage if pipe is not None else None
+            model, kv_cache = build_shard(self.config, model_config, checkpoint_dir, model_len(self.config, model_config), tp, ep, stage)
+            self.runner = ModelRunner(model, kv_cache, tp, ep, pipe)
             if self.config.cpu_kv_cache_bytes or self.config.redis_url is not None:
                 namespace = key_namespace(self.config, served_model_name(self.config.model), checkpoint_dir, tp.size)
                 self.tiers = FollowerTiers(self.config, group, kv_cache.buffer, kv_cache.layout, namespace, model.shard.kv_heads, model_config.num_kv_heads)
@@ -67,7 +67,10 @@ class TPFollower:
         finally:
             self._built.set()
         try:
-            self.runner.follow(self.tiers.apply if self.tiers is not None else None)
+            if self.runner.pipe is not None and not self.runner.pipe.stage.is_first:
+                self.runner.follow_pipeline()
+            else:
+                self.runner.follow(self.tiers.apply if self.tiers is not None else None)
         except BaseException as e:  # the leader sees the broken collective; keep the reason for info()
             logger.exception("rank %d of a %d-rank replica: its step loop failed", self.rank, self.config.num_ranks)
             self.failure = e
@@ -86,6 +89,11 @@ class TPFollower:
             num_kv_blocks=self.runner.kv_cache.num_blocks,
             num_tier_moves=self.tiers.num_moves if self.tiers is not None else 0,
             expert_tokens=expert_tokens.tolist() if (expert_tokens := model.expert_tokens()) is not None else [],
+            stage=model.stage.index,
+            layer_start=model.stage.layers.start,
+            layer_end=model.stage.layers.stop,
+            kv_bytes=self.runner.kv_cache.buffer.numel(),
+            busy_s=round(self.runner.busy_s, 4),
         )
 
     def alive(self) -> bool:

@@ -78,7 +78,8 @@ def rank_device(
 
 
 class TPGroup:
-    """Rank ``rank`` of ``size`` in one replica's tensor-parallel group."""
+    """Rank ``rank`` of ``size`` in one replica's tensor-parallel group (of one pipeline stage's
+    ranks, in a pipelined replica: ``engine/parallel/pipeline.py``; ranks here are the group's own)."""
 
     def __init__(self, rank: int, size: int, compute_group=None, plan_group=None, device: str | None = None) -> None:
         self.rank = rank
@@ -137,7 +138,7 @@ class TPGroup:
             return tensor
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.is_leader else None
-        dist.gather(tensor, parts, dst=0, group=self._compute)
+        dist.gather(tensor, parts, group_dst=0, group=self._compute)
         return torch.cat(parts, dim=dim) if self.is_leader else None
 
     def all_to_all(self, tensor: torch.Tensor, send_counts: list[int], receive_counts: list[int]) -> torch.Tensor:
@@ -160,12 +161,12 @@ class TPGroup:
     def send_plan(self, plan: object) -> None:
         """Leader: hand ``plan`` to every other rank (``None`` tells them to stop)."""
         if self.size > 1:
-            dist.broadcast_object_list([plan], src=0, group=self._plan)
+            dist.broadcast_object_list([plan], group_src=0, group=self._plan)
 
     def receive_plan(self) -> object:
         """Follower: the leader's next plan; blocks until it comes."""
         box = [None]
-        dist.broadcast_object_list(box, src=0, group=self._plan)
+        dist.broadcast_object_list(box, group_src=0, group=self._plan)
         return box[0]
 
     def agree_min(self, value: int) -> int:

@@ -19,7 +19,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
 from engine.parallel.follower import TPFollower
-from engine.parallel.group import TPGroup, free_address
+from engine.parallel.group import free_address
+from engine.parallel.pipeline import check_pp_size, join_replica
 from engine.parallel.sharding import check_ep_size, check_tp_size
 
 
@@ -85,9 +86,10 @@ class TPEngineBuilder:
         asking for ``num_gpus`` each (None: ``gpus_per_rank``)."""
         self.config = config
         self.replica_id = replica_id
-        model_config = ModelConfig.from_dir(resolve_model(config.model, config.cache_dir))
+        self.model_config = model_config = ModelConfig.from_dir(resolve_model(config.model, config.cache_dir))
         check_tp_size(served_model_name(config.model), model_config, config.tp_size)  # refuse before any follower starts
         check_ep_size(served_model_name(config.model), model_config, config.ep_size)
+        check_pp_size(served_model_name(config.model), model_config, config.pp_size)
         self.address = rendezvous_address()
         if start is None:
             num_gpus = gpus_per_rank(config) if num_gpus is None else num_gpus
@@ -98,14 +100,7 @@ class TPEngineBuilder:
             self.followers = start(self.address)
 
     def __call__(self) -> LLMEngine:
-        group = TPGroup.join(
-            0,
-            self.config.num_ranks,
-            self.address,
-            device=self.config.device,
-            gpu_ids=assigned_gpu_ids(),
-            collective_timeout_s=self.config.tp_collective_timeout_s,
-        )
+        group = join_replica(self.config, self.model_config, 0, self.address, assigned_gpu_ids())
         try:
             return LLMEngine(self.config, worker_id=self.replica_id, group=group)
         except BaseException:  # a failed load: leave no process group and no follower behind
