@@ -51,7 +51,8 @@ class PlannerConfig:
     aggregate_when_cheaper: bool = False
     """Empty the prefill pool whenever the decode replicas alone, each prefilling its share of the
     prompts, need fewer replicas than two pools do, not only below ``prefill_zero_load``. Cheaper
-    on steady traffic, slower to recover from prompt bursts (measured in planner/README)."""
+    on steady traffic, slower to recover from prompt bursts (measured in planner/README). Either
+    way a prefill pool already at zero stays there while the decode replicas carry it all."""
     max_decode_batch: int = 256
     """Most sequences one decode replica runs at once (its KV capacity), whatever the ITL allows."""
     kv_usage_high: float = 0.9

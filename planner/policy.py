@@ -26,7 +26,8 @@ prompt whose prefill alone exceeds the SLO is counted apart and never drives the
 Decode: the largest batch whose corrected ITL meets the SLO, less z * sqrt(batch) for the
 fluctuation of a Poisson batch (z at the attainment target), sets one replica's token rate.
 When the prompt load is under ``prefill_zero_load`` replicas the prefill pool may go to zero and
-that load is added to the decode pool's. With ``aggregate_when_cheaper`` it also goes to zero
+that load is added to the decode pool's; a pool at zero stays so while the decode replicas, each
+prefilling its share, carry it all. With ``aggregate_when_cheaper`` it also goes to zero
 whenever n decode replicas serving everything cost less than the two pools: each then spends
 s = prefill load / n of its time prefilling with its batch stalled, so it must keep ITL within
 (1 - s) of the SLO and makes (1 - s) of its tokens.
@@ -220,14 +221,15 @@ class SLAPlanner:
             if now_need > decode_need:
                 decode_need, decode_why = now_need, f"{decode_why}; the ITL p90 {obs.itl_s_p90:.3f} s is over the SLO"
         aggregated = pools["prefill"].target == 0
-        if config.aggregate_when_cheaper and config.min_prefill == 0 and prefill_need > 0:
+        if (config.aggregate_when_cheaper or aggregated) and config.min_prefill == 0 and prefill_need > 0:
             # Conditional disaggregation: the decode replicas alone, each prefilling its share of
-            # the prompts, may serve the load with fewer replicas than two pools. Entering needs
-            # the scale-down margin's headroom; an aggregated cluster stays so while its decode
-            # replicas suffice, and a load that would need more of them brings the prefill pool
-            # back instead (a growing prompt load is served best apart from the decode batches).
+            # the prompts, may serve the load with fewer replicas than two pools. An aggregated
+            # cluster stays so while its decode replicas suffice (a prefill pool added beside them
+            # would be a replica more), and a load that would need more of them brings the prefill
+            # pool back instead (a growing prompt load is served best apart from the decode batches).
+            # Entering, with aggregate_when_cheaper, needs the scale-down margin's headroom.
             alone, alone_down = base["alone"], base["alone_down"]
-            if alone_down < prefill_need + decode_need or (aggregated and alone <= min(prefill_need + decode_need, pools["decode"].target)):
+            if (config.aggregate_when_cheaper and alone_down < prefill_need + decode_need) or (aggregated and alone <= min(prefill_need + decode_need, pools["decode"].target)):
                 decode_need, decode_need_down = alone, alone_down
                 if aggregated or (pools["decode"].ready >= max(alone, config.min_decode) and not pools["decode"].starting):
                     prefill_need = prefill_need_down = 0
@@ -324,15 +326,14 @@ class SLAPlanner:
 
     def _interval_counts(self, prefill_load: float, prefill_cap: float, decode_load: float, observed: LoadForecast) -> dict[str, int]:
         """Replicas one interval's load needs per pool, to grow and (at the scale-down margin) to shrink
-        to, the decode pool taking the prompts when the prefill pool would be empty; with
-        ``aggregate_when_cheaper``, also the decode replicas that would serve it all alone."""
+        to, the decode pool taking the prompts when the prefill pool would be empty; and the decode
+        replicas that would serve it all alone (``alone``, ``alone_down``)."""
         margin = self.config.scale_down_margin
         counts = {"prefill": self._prefill_count(prefill_load, prefill_cap), "prefill_down": self._prefill_count(prefill_load / margin, prefill_cap)}
         counts["decode"] = self._decode_count(decode_load + (prefill_load if counts["prefill"] == 0 else 0.0))
         counts["decode_down"] = self._decode_count((decode_load + (prefill_load if counts["prefill_down"] == 0 else 0.0)) / margin)
-        if self.config.aggregate_when_cheaper:
-            counts["alone"] = self._aggregated_count(prefill_load, prefill_cap, observed)
-            counts["alone_down"] = self._aggregated_count(prefill_load / margin, prefill_cap, observed, margin)
+        counts["alone"] = self._aggregated_count(prefill_load, prefill_cap, observed)
+        counts["alone_down"] = self._aggregated_count(prefill_load / margin, prefill_cap, observed, margin)
         return counts
 
     def _window_quantiles(self, now_s: float, counts: dict[str, int], weight: int) -> dict[str, int]:

@@ -257,13 +257,20 @@ def test_prompts_of_the_same_mean_with_a_heavier_tail_need_at_least_as_many_pref
     assert tailed[0] >= uniform[0] and tailed[0] > 6  # 60 req/s of 1000 tokens: 6 replicas of load
 
 
-def test_prefill_goes_to_zero_when_prompts_are_few_and_comes_back_when_they_return():
+def test_prefill_goes_to_zero_when_prompts_are_few_and_comes_back_when_the_decode_replicas_cannot_carry_them():
     p = planner(scale_down_cooldown_s=0, base_window_s=60)
     decisions = run(p, [0.5] * 4, (1, 1), prompt_tokens=100)  # 50 prompt tokens/s: 0.005 replicas
     assert prefill_targets(decisions) == [1, 0, 0, 0]
-    # 5 req/s: 0.5 replicas of load, averaged with the 0.005 before it, is over prefill_zero_load.
+    # 5 req/s: 0.5 replicas of load, averaged with the 0.005 before it, is over prefill_zero_load, but
+    # the decode replica prefilling that quarter of its time still meets the ITL SLO for 250 tokens/s:
+    # a prefill pool beside it would be a replica more, so the cluster stays aggregated.
     decision = p.decide(observe(150, 5), pools(0, 1))
-    assert decision.targets["prefill"] == 1 and decision.reasons["prefill"].startswith("up to 1")
+    assert dict(decision.targets) == {"prefill": 0, "decode": 1}
+    assert decision.reasons["prefill"].endswith("the decode replicas prefill it themselves, 1 of them instead of two pools")
+    # 30 req/s: (0.5 + 3) / 2 = 1.75 replicas of prompt load; no decode replica prefills that and
+    # decodes too, so the prefill pool comes back at 2.
+    decision = p.decide(observe(180, 30), pools(0, 1))
+    assert decision.targets["prefill"] == 2 and decision.reasons["prefill"].startswith("up to 2")
 
 
 def test_aggregate_when_cheaper_lets_one_decode_replica_prefill_what_two_pools_would_split():
