@@ -20,6 +20,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # sleeping. Set before torch is imported: libgomp reads it once, when it loads. Ray clusters and
 # subprocesses the tests start inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch.compile is a no-op decorator. Nothing in this repo compiles with it, but llguidance.torch
+# (imported by engine/structured/bitmask.py) decorates a kernel that we never call with
+# ``@torch.compile`` when it is imported, and that decoration imports TorchInductor: 1.5 to 2.5
+# CPU-s in every process that imports the engine (each replica, TP rank, `splitserve` process
+# and bench the tests start inherit this). Should the engine ever use torch.compile, its tests
+# must unset this.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
