@@ -415,5 +415,8 @@ def _first_token_logprobs(result: TransferResult) -> TokenLogprobs | None:
 
 
 def _build_receiver(replica_id: str, engine: LLMEngine, transport_name: str) -> KVReceiver:
-    transport, endpoint = open_endpoint(transport_name, replica_id, engine.kv_cache, engine.runner.model.shard.kv_heads, engine.namespace)
+    transport, endpoint = open_endpoint(
+        transport_name, replica_id, engine.kv_cache, engine.runner.model.shard.kv_heads, engine.namespace,
+        layers=engine.runner.model.stage.layers, num_model_layers=engine.model_config.num_layers,
+    )
     return KVReceiver(transport, endpoint)

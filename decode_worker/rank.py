@@ -25,7 +25,10 @@ class DecodeRank(TPFollower):
     async def open_kv(self, transport_name: str, replica_id: str, namespace: KeyNamespace) -> KVEndpoint:
         """Register this rank's pool with a transport agent of its own; its endpoint (``namespace``
         is the leader's, given this rank)."""
-        transport, endpoint = open_endpoint(transport_name, replica_id, self.runner.kv_cache, self.runner.model.shard.kv_heads, namespace, self.rank)
+        transport, endpoint = open_endpoint(
+            transport_name, replica_id, self.runner.kv_cache, self.runner.model.shard.kv_heads, namespace, self.rank % max(1, namespace.tp_size),
+            self.runner.model.stage.layers, self.runner.model.config.num_layers,
+        )
         self.receiver = KVReceiver(transport, endpoint)
         return endpoint
 

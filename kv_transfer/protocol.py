@@ -56,8 +56,23 @@ class KVEndpoint:
     """One past the last KV head that the pool's blocks hold."""
     protocol_version: int = PROTOCOL_VERSION
     """Hand-off protocol spoken by the worker."""
+    layer_start: int = 0
+    """First layer of the model whose KV the pool's blocks hold (a pipeline stage's)."""
+    layer_end: int = 0
+    """One past the last such layer; 0: the layout's layers from ``layer_start``."""
+    num_model_layers: int = 0
+    """Layers of the model; 0: ``layer_end`` (the pool holds the last layers)."""
 
     def __post_init__(self) -> None:
+        if self.layer_end == 0:
+            object.__setattr__(self, "layer_end", self.layer_start + self.layout.num_layers)
+        if self.num_model_layers == 0:
+            object.__setattr__(self, "num_model_layers", self.layer_end)
+        if self.layer_end - self.layer_start != self.layout.num_layers or not 0 <= self.layer_start < self.layer_end <= self.num_model_layers:
+            raise ValueError(
+                f"layer_start, layer_end: [{self.layer_start}, {self.layer_end}) is not the layout's {self.layout.num_layers} layers "
+                f"of a model of {self.num_model_layers}"
+            )
         if not self.agent_name:
             raise ValueError("agent_name: must not be empty")
         if not isinstance(self.transport_metadata, bytes):
@@ -81,13 +96,24 @@ class KVEndpoint:
     def heads(self) -> range:
         return range(self.head_start, self.head_end)
 
+    @property
+    def layers(self) -> range:
+        return range(self.layer_start, self.layer_end)
+
+    @property
+    def shard(self) -> tuple[range | None, range]:
+        """``(layers, heads)`` for the hand-off plan (``kv_transfer.handoff.plan_writes``); layers
+        None when the pool holds every layer of the model."""
+        whole = self.layer_start == 0 and self.layer_end == self.num_model_layers
+        return (None if whole else self.layers), self.heads
+
 
 def check_compatible(local: KVEndpoint, remote: KVEndpoint) -> None:
     """Raise HandOffError naming every field that keeps ``local`` and ``remote`` from exchanging blocks.
 
     They must agree on the protocol version, the namespace (model, weights, KV dtype, block size;
-    not the TP shard fields), and the layers and head width of a block. Which heads go where is
-    the hand-off plan's business (kv_transfer/handoff.py), not a pairwise check.
+    not the TP shard fields), the model's layers and the head width of a block. Which heads and
+    layers go where is the hand-off plan's business (kv_transfer/handoff.py), not a pairwise check.
     """
     differing: dict[str, tuple[object, object]] = {}
     if local.protocol_version != remote.protocol_version:
@@ -95,9 +121,10 @@ def check_compatible(local: KVEndpoint, remote: KVEndpoint) -> None:
     for name, pair in local.namespace.differences(remote.namespace).items():
         if name not in _SHARD_FIELDS:
             differing[name] = pair
-    for name in ("num_layers", "head_dim"):
-        if getattr(local.layout, name) != getattr(remote.layout, name):
-            differing[name] = (getattr(local.layout, name), getattr(remote.layout, name))
+    if local.num_model_layers != remote.num_model_layers:
+        differing["num_layers"] = (local.num_model_layers, remote.num_model_layers)
+    if local.layout.head_dim != remote.layout.head_dim:
+        differing["head_dim"] = (local.layout.head_dim, remote.layout.head_dim)
     if differing:
         parts = ", ".join(f"{name}: local={a!r} vs remote={b!r}" for name, (a, b) in differing.items())
         raise HandOffError(

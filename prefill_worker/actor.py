@@ -34,7 +34,7 @@ from engine.params import SamplingParams
 from engine.replica import EngineReplica
 from engine.request import EngineRequest
 from kv_transfer.errors import HandOffError, KVTransferError
-from kv_transfer.handoff import plan_head_writes, write_rank
+from kv_transfer.handoff import plan_writes, write_rank
 from kv_transfer.protocol import KVEndpoint, TransferRequest, TransferResult, TransferStatus, check_compatible
 from kv_transfer.registry import open_endpoint
 from prefill_worker.config import PrefillWorkerConfig
@@ -89,7 +89,8 @@ class PrefillWorker(EngineReplica):
         super().__init__(replica_id, engine_config, config)
         self.config = config
         self.transport, self.endpoint = open_endpoint(
-            config.kv_transport, replica_id, self.engine.kv_cache, self.engine.runner.model.shard.kv_heads, self.engine.namespace
+            config.kv_transport, replica_id, self.engine.kv_cache, self.engine.runner.model.shard.kv_heads, self.engine.namespace,
+            layers=self.engine.runner.model.stage.layers, num_model_layers=self.engine.model_config.num_layers,
         )
         opened = [f.open_kv.remote(config.kv_transport, replica_id, self.engine.namespace) for f in self.tp_followers]
         self.rank_endpoints: tuple[KVEndpoint, ...] = (self.endpoint, *ray.get(opened))
@@ -115,7 +116,7 @@ class PrefillWorker(EngineReplica):
         try:
             for decode in transfer.decode_endpoints:
                 check_compatible(self.endpoint, decode)
-            plan = plan_head_writes([e.heads for e in self.rank_endpoints], [e.heads for e in transfer.decode_endpoints])
+            plan = plan_writes(tuple(e.shard for e in self.rank_endpoints), tuple(e.shard for e in transfer.decode_endpoints), self.endpoint.num_model_layers)
             if len(prompt_token_ids) != transfer.num_prompt_tokens:
                 raise KVTransferError(
                     f"prompt_token_ids: {len(prompt_token_ids)} tokens, the transfer request says {transfer.num_prompt_tokens}"

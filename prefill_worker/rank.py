@@ -29,7 +29,10 @@ class PrefillRank(TPFollower):
 
     async def open_kv(self, transport_name: str, replica_id: str, namespace: KeyNamespace) -> KVEndpoint:
         """Register this rank's pool with a transport agent of its own; its endpoint."""
-        self.transport, self.endpoint = open_endpoint(transport_name, replica_id, self.runner.kv_cache, self.runner.model.shard.kv_heads, namespace, self.rank)
+        self.transport, self.endpoint = open_endpoint(
+            transport_name, replica_id, self.runner.kv_cache, self.runner.model.shard.kv_heads, namespace, self.rank % max(1, namespace.tp_size),
+            self.runner.model.stage.layers, self.runner.model.config.num_layers,
+        )
         return self.endpoint
 
     async def add_kv_peers(self, endpoints: Sequence[KVEndpoint]) -> None:
