@@ -117,7 +117,10 @@ def _run_status(args: argparse.Namespace) -> int:
         used = r.num_kv_blocks - r.num_free_kv_blocks
         kv = f"{used}/{r.num_kv_blocks} ({used / max(1, r.num_kv_blocks):.0%})"
         print(f"{r.pool:8} {r.replica_id:12} {r.model:24} {str(r.healthy).lower():8} {r.num_running:>8} {r.num_waiting:>8} {kv:>14}")
-        if r.tp_size > 1:
+        if r.pp_size > 1:
+            for line in stage_lines(r):
+                print(f"{'':8} {'':12} {line}")
+        elif r.tp_size > 1:
             ranks = ", ".join(f"{t.rank}: pid {t.pid} {'alive' if t.alive else 'DEAD'} heads {t.kv_head_start}-{t.kv_head_end}" for t in r.tp_ranks)
             print(f"{'':8} {'':12} tp {r.tp_size} on {r.tp_ranks[0].node_ip or 'one node'} (ranks {ranks})")
         if r.ep_size > 1:
@@ -140,6 +143,27 @@ def _run_status(args: argparse.Namespace) -> int:
         print(f"router {router.router_id} at {router.grpc_address}: {router.num_inflight} in flight, metrics {router.metrics_url}{http}")
     print(controller_line(status.controller))
     return 0
+
+
+def stage_lines(replica: pb.ReplicaStatus) -> list[str]:
+    """``status``'s lines about a pipelined replica: its shape, then each stage's layers [start-end),
+    node, busy seconds and ranks (with their KV heads when the stage is tensor-parallel)."""
+    lines = [f"pp {replica.pp_size} x tp {replica.tp_size}"]
+    for stage in range(replica.pp_size):
+        ranks = [t for t in replica.tp_ranks if t.stage == stage]
+        if not ranks:
+            lines.append(f"  stage {stage}: no rank reported")
+            continue
+        heads = replica.tp_size > 1
+        listed = ", ".join(
+            f"{t.rank}: pid {t.pid} {'alive' if t.alive else 'DEAD'}" + (f" heads {t.kv_head_start}-{t.kv_head_end}" if heads else "") for t in ranks
+        )
+        first = ranks[0]
+        lines.append(
+            f"  stage {stage}: layers {first.layer_start}-{first.layer_end} on {first.node_ip or 'one node'}, "
+            f"busy {max(t.busy_s for t in ranks):.1f} s (ranks {listed})"
+        )
+    return lines
 
 
 def controller_line(controller: pb.ControllerStatus) -> str:

@@ -183,3 +183,33 @@ class TPRankCollector(Collector):
             params.add_metric(values + [str(rank["rank"])], rank.get("param_bytes", 0))
         yield up
         yield params
+
+
+class PipelineStageCollector(Collector):
+    """Per pipeline stage of a replica (one stage, 0, without pipeline parallelism), from its
+    ranks' fields as of the last status probe (``stage`` label): whether every rank of the stage
+    is up, the seconds its busiest rank spent stepping (the stage's share of the pipeline's
+    time: a stage busier than the others sets the pace), its layers, parameter and KV bytes."""
+
+    def __init__(self, ranks: Callable[[], list[dict]], labels: dict[str, str]) -> None:
+        self._ranks = ranks
+        self._labels = labels
+
+    def collect(self) -> Iterator:
+        names, values = list(self._labels) + ["stage"], list(self._labels.values())
+        up = GaugeMetricFamily("splitserve_pp_stage_up", "1 while every rank of the stage answers and its step loop runs.", labels=names)
+        busy = CounterMetricFamily("splitserve_pp_stage_busy_seconds", "Seconds the stage's busiest rank spent running steps.", labels=names)
+        layers = GaugeMetricFamily("splitserve_pp_stage_layers", "Decoder layers the stage holds.", labels=names)
+        params = GaugeMetricFamily("splitserve_pp_stage_parameter_bytes", "Bytes of model parameters the stage's ranks hold.", labels=names)
+        kv = GaugeMetricFamily("splitserve_pp_stage_kv_bytes", "Bytes of the KV pools of the stage's ranks.", labels=names)
+        stages: dict[int, list[dict]] = {}
+        for rank in self._ranks():
+            stages.setdefault(rank.get("stage", 0), []).append(rank)
+        for stage, ranks in sorted(stages.items()):
+            label = values + [str(stage)]
+            up.add_metric(label, 1.0 if all(r["alive"] for r in ranks) else 0.0)
+            busy.add_metric(label, max(r.get("busy_s", 0.0) for r in ranks))
+            layers.add_metric(label, max(r.get("layer_end", 0) - r.get("layer_start", 0) for r in ranks))
+            params.add_metric(label, sum(r.get("param_bytes", 0) for r in ranks))
+            kv.add_metric(label, sum(r.get("kv_bytes", 0) for r in ranks))
+        yield from (up, busy, layers, params, kv)

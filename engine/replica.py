@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from engine.config import EngineConfig, WorkerProcessConfig
 from engine.cpus import move_serving_threads
-from engine.metrics import EngineStatsCollector, KeyedCounterCollector, TierStatsCollector, TPRankCollector, serve_metrics
+from engine.metrics import EngineStatsCollector, KeyedCounterCollector, PipelineStageCollector, TierStatsCollector, TPRankCollector, serve_metrics
 from engine.parallel.sharding import rank_fields
 from kv_store.events import KVEventBatch, KVSnapshot
 from kv_store.keys import KeyNamespace
@@ -77,6 +77,7 @@ class EngineReplica:
         registry.register(EngineStatsCollector(lambda: self.loop.stats, self.metrics_labels))
         registry.register(TierStatsCollector(self.engine.kv_store, self.metrics_labels))
         registry.register(TPRankCollector(lambda: self._tp_ranks, self.metrics_labels))
+        registry.register(PipelineStageCollector(lambda: self._tp_ranks, self.metrics_labels))
         registry.register(
             KeyedCounterCollector(
                 "splitserve_moe_expert_tokens", "Tokens the expert of the layer computed (routed tokens, every rank's).",
@@ -113,8 +114,9 @@ class EngineReplica:
     async def tp_rank_fields(self, timeout_s: float = 5.0) -> list[dict]:
         """The fields of splitserve.v1.TPRank for each rank, the leader first. A follower that is
         gone, or does not answer within ``timeout_s``, is reported not alive."""
-        model = self.engine.runner.model
-        ranks = [rank_fields(0, model, self.tp_node_ip, self.loop.alive)]
+        runner = self.engine.runner
+        model = runner.model
+        ranks = [dict(rank_fields(0, model, self.tp_node_ip, self.loop.alive), **stage_fields(runner))]
         leader_tokens = model.expert_tokens()
         expert_tokens = [leader_tokens.tolist() if leader_tokens is not None else []]
         calls = [asyncio.ensure_future(f.info.remote()) for f in self.tp_followers]
@@ -127,11 +129,20 @@ class EngineReplica:
                 expert_tokens.append(info["expert_tokens"])
             else:
                 call.cancel()
-                ranks.append(dict(rank=rank, node_ip=self.tp_node_ip, alive=False))
+                ranks.append(self._lost_rank(rank))
         self._tp_ranks = ranks
         if len(expert_tokens) == len(ranks):  # keep the last complete picture otherwise
             self._rank_expert_tokens = expert_tokens
         return ranks
+
+    def _lost_rank(self, rank: int) -> dict:
+        """A rank that does not answer: not alive, where and what it was at the last probe that
+        reached it (its stage, at least, follows from its rank)."""
+        known = next((dict(r) for r in self._tp_ranks if r["rank"] == rank and r["alive"]), None)
+        if known is None:
+            known = dict(rank=rank, node_ip=self.tp_node_ip, stage=rank // (self.engine.config.num_ranks // self.engine.config.pp_size))
+        known["alive"] = False
+        return known
 
     def expert_load(self) -> dict[tuple[int, int], int]:
         """Tokens computed per (layer, expert) of a mixture-of-experts model, over every rank; empty for a dense one."""
@@ -164,6 +175,7 @@ class EngineReplica:
             model=self.engine.model_name,
             healthy=all(r["alive"] for r in ranks),
             tp_size=self.engine.config.tp_size,
+            pp_size=self.engine.config.pp_size,
             tp_ranks=ranks,
             **self.expert_status_fields(),
             num_running=s.num_running,
@@ -184,6 +196,16 @@ class EngineReplica:
             self.engine.close()
         else:
             self.engine.kv_store.close()
+
+
+def stage_fields(runner) -> dict:
+    """The pipeline fields of splitserve.v1.TPRank for the rank stepping ``runner`` (a ModelRunner):
+    its stage, the stage's layers, its KV pool's bytes and its busy seconds (as ``TPFollower.info``)."""
+    stage = runner.model.stage
+    return dict(
+        stage=stage.index, layer_start=stage.layers.start, layer_end=stage.layers.stop,
+        kv_bytes=runner.kv_cache.buffer.numel() * runner.kv_cache.buffer.element_size(), busy_s=round(runner.busy_s, 4),
+    )
 
 
 def _import_class(path: str) -> type:

@@ -277,7 +277,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "pool", "model", "healthy", "num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "metrics_url", "num_aborted_requests", "num_queued_prefill_tokens", "tp_size", "tp_ranks", "ep_size", "ep_load_max_over_mean", "hottest_experts", "draining")
+    __slots__ = ("replica_id", "pool", "model", "healthy", "num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "metrics_url", "num_aborted_requests", "num_queued_prefill_tokens", "tp_size", "tp_ranks", "ep_size", "ep_load_max_over_mean", "hottest_experts", "draining", "pp_size")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +295,7 @@ class ReplicaStatus(_message.Message):
     EP_LOAD_MAX_OVER_MEAN_FIELD_NUMBER: _ClassVar[int]
     HOTTEST_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     pool: str
     model: str
@@ -312,7 +313,8 @@ class ReplicaStatus(_message.Message):
     ep_load_max_over_mean: float
     hottest_experts: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
     draining: bool
-    def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., metrics_url: _Optional[str] = ..., num_aborted_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_ranks: _Optional[_Iterable[_Union[TPRank, _Mapping]]] = ..., ep_size: _Optional[int] = ..., ep_load_max_over_mean: _Optional[float] = ..., hottest_experts: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    pp_size: int
+    def __init__(self, replica_id: _Optional[str] = ..., pool: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., metrics_url: _Optional[str] = ..., num_aborted_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_ranks: _Optional[_Iterable[_Union[TPRank, _Mapping]]] = ..., ep_size: _Optional[int] = ..., ep_load_max_over_mean: _Optional[float] = ..., hottest_experts: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., draining: _Optional[bool] = ..., pp_size: _Optional[int] = ...) -> None: ...
 
 class ExpertLoad(_message.Message):
     __slots__ = ("layer", "expert", "tokens")
@@ -325,7 +327,7 @@ class ExpertLoad(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class TPRank(_message.Message):
-    __slots__ = ("rank", "node_ip", "pid", "alive", "param_bytes", "kv_head_start", "kv_head_end")
+    __slots__ = ("rank", "node_ip", "pid", "alive", "param_bytes", "kv_head_start", "kv_head_end", "stage", "layer_start", "layer_end", "kv_bytes", "busy_s")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_IP_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +335,11 @@ class TPRank(_message.Message):
     PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
     KV_HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node_ip: str
     pid: int
@@ -340,7 +347,12 @@ class TPRank(_message.Message):
     param_bytes: int
     kv_head_start: int
     kv_head_end: int
-    def __init__(self, rank: _Optional[int] = ..., node_ip: _Optional[str] = ..., pid: _Optional[int] = ..., alive: _Optional[bool] = ..., param_bytes: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ...) -> None: ...
+    stage: int
+    layer_start: int
+    layer_end: int
+    kv_bytes: int
+    busy_s: float
+    def __init__(self, rank: _Optional[int] = ..., node_ip: _Optional[str] = ..., pid: _Optional[int] = ..., alive: _Optional[bool] = ..., param_bytes: _Optional[int] = ..., kv_head_start: _Optional[int] = ..., kv_head_end: _Optional[int] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., busy_s: _Optional[float] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
     __slots__ = ("router_id", "grpc_address", "num_inflight", "metrics_url", "http_url")
