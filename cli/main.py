@@ -148,6 +148,14 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks of each prefill replica (default: %(default)s)")
     parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of each decode replica (default: %(default)s)")
     parser.add_argument(
+        "--prefill-pp", type=int, default=1,
+        help="pipeline stages of each prefill replica: its layers split into runs, each stage's --prefill-tp ranks on one node, the stages on one or several (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-pp", type=int, default=1,
+        help="pipeline stages of each decode replica: its layers split into runs, each stage's --decode-tp ranks on one node, the stages on one or several (default: %(default)s)",
+    )
+    parser.add_argument(
         "--decode-ep", type=int, default=1,
         help="expert-parallel ranks of each decode replica of a mixture-of-experts model: experts split, attention data-parallel (default: %(default)s)",
     )
@@ -155,7 +163,7 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", type=Path, help="server private key")
     parser.add_argument("--tls-client-ca", type=Path, help="CA of client certificates (enables mutual TLS)")
     _add_cluster_tls_options(parser)
-    add_dataclass_args(parser, EngineConfig, skip=("tp_size", "ep_size"))
+    add_dataclass_args(parser, EngineConfig, skip=("tp_size", "ep_size", "pp_size"))
     add_dataclass_args(parser, RouterConfig, skip=("tls", "cluster_tls"))
     add_dataclass_args(parser, WorkerConfig, prefix="worker", skip=("cluster_tls",))
     add_dataclass_args(parser, PrefillWorkerConfig, prefix="prefill")
@@ -222,8 +230,9 @@ def _cluster_config(args: argparse.Namespace, **fields):
         tls = TLSConfig(cert_file=args.tls_cert, key_file=args.tls_key, client_ca_file=args.tls_client_ca)
     cluster_tls = _cluster_tls(args)
     follow_nodes = fields.pop("follow_nodes", False)
+    engine = dataclass_from_args(EngineConfig, args)
     return ClusterConfig(
-        engine=dataclass_from_args(EngineConfig, args),
+        engine=engine,
         worker=dataclass_from_args(WorkerConfig, args, prefix="worker", cluster_tls=cluster_tls),
         prefill=dataclass_from_args(PrefillWorkerConfig, args, prefix="prefill"),
         router=dataclass_from_args(RouterConfig, args, tls=tls, cluster_tls=cluster_tls),
@@ -231,9 +240,35 @@ def _cluster_config(args: argparse.Namespace, **fields):
         prefill_tp_size=args.prefill_tp,
         decode_tp_size=args.decode_tp,
         decode_ep_size=args.decode_ep,
+        prefill_pp_size=args.prefill_pp,
+        decode_pp_size=args.decode_pp,
+        num_layers=_checked_num_layers(engine, {"--prefill-pp": args.prefill_pp, "--decode-pp": args.decode_pp}),
         num_routers=args.routers,
         **fields,
     )
+
+
+def _checked_num_layers(engine, pp_sizes: dict[str, int]) -> int:
+    """The model's decoder layers when a pool is pipelined (named if its replicas cannot be placed),
+    after refusing a PP size above them with the engine's sentence; 0 when no pool is pipelined or
+    the model is not readable here (a head whose workers hold the checkpoint: the leaders check)."""
+    if all(size == 1 for size in pp_sizes.values()):
+        return 0
+    from engine.bundled import resolve_model, served_model_name
+    from engine.errors import EngineError, UnsupportedModelError
+    from engine.model_config import ModelConfig
+    from engine.parallel.pipeline import check_pp_size
+
+    try:
+        config = ModelConfig.from_dir(resolve_model(engine.model, engine.cache_dir))
+    except EngineError:  # not here, or not a model the engine runs: each replica's leader says why
+        return 0
+    for flag, size in pp_sizes.items():
+        try:
+            check_pp_size(served_model_name(engine.model), config, size)
+        except UnsupportedModelError as e:
+            raise ValueError(f"{flag}: {e}") from None
+    return config.num_layers
 
 
 def _restart_with_ray_tls(command: str, cluster_tls) -> None:

@@ -1,7 +1,10 @@
 """Starting a tensor-parallel replica's follower ranks as Ray actors (the one Ray-aware module of the engine).
 
 The controller places a TP (or EP) replica in a placement group of one bundle per rank (STRICT_PACK:
-one node), the leader in bundle 0. The leader starts rank r in bundle r. The followers are
+one node), the leader in bundle 0. The leader starts rank r in bundle r. A pipelined replica has
+one such group per stage (router/control/placement.py): the leader's, holding stage 0, and for
+stage s the group named ``stage_group_name(<the leader's group's name>, s)``; rank
+``s * tp_size + t`` goes to bundle t of stage s's group. The followers are
 owned by the leader's actor, so Ray kills them when the leader dies or is killed: a replica
 lives and dies as a whole. On a CUDA replica each rank's actor asks Ray for a GPU of its own
 (``gpus_per_rank``), and ``TPGroup.join`` places the rank on the one Ray assigned it.
@@ -39,18 +42,35 @@ def gpus_per_rank(config: EngineConfig) -> float:
     return 0.0 if config.device == "cpu" else 1.0
 
 
+def stage_group_name(name: str, stage: int) -> str:
+    """The placement group of stage ``stage`` of the replica whose leader's group is named ``name``
+    (router/control/placement.py ``stage_group_name`` names them so)."""
+    return name if stage == 0 else f"{name}-stage-{stage}"
+
+
+def stage_groups(pp_size: int) -> list:
+    """The placement group of each stage, stage 0's (the caller's own) first; Nones outside one."""
+    group = ray.util.get_current_placement_group()
+    if group is None or pp_size == 1:
+        return [group] * pp_size
+    name = ray.util.placement_group_table(group)["name"]
+    return [group] + [ray.util.get_placement_group(stage_group_name(name, s)) for s in range(1, pp_size)]
+
+
 def start_followers(
     config: EngineConfig, address: str, *, num_cpus: float, num_gpus: float = 0.0, num_threads: int = 1, follower_class: type = TPFollower
 ) -> list:
-    """Ranks 1 .. num_ranks-1 of the replica whose leader listens at ``address``, in the leader's
-    placement group. ``follower_class`` is TPFollower or a worker role's subclass of it."""
-    group = ray.util.get_current_placement_group()
+    """Ranks 1 .. num_ranks-1 of the replica whose leader listens at ``address``, each in its
+    stage's placement group (``stage_groups``). ``follower_class`` is TPFollower or a worker role's subclass of it."""
+    groups = stage_groups(config.pp_size)
+    stage_ranks = config.num_ranks // config.pp_size
     actor = ray.remote(follower_class)
     followers = []
     for rank in range(1, config.num_ranks):
+        stage, bundle = divmod(rank, stage_ranks)
         strategy = None
-        if group is not None:
-            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False)
+        if groups[stage] is not None:
+            strategy = PlacementGroupSchedulingStrategy(groups[stage], placement_group_bundle_index=bundle, placement_group_capture_child_tasks=False)
         followers.append(
             actor.options(
                 num_cpus=num_cpus,

@@ -25,8 +25,9 @@ class MapReplica:
     started_s: float
     """``time.monotonic`` when it joined the map."""
     failed_checks: int = 0
-    placement_group: object = None
-    """The placement group of a tensor-parallel replica's ranks; removed with the replica."""
+    placement_groups: tuple = ()
+    """The placement groups of a multi-rank replica's ranks, one per pipeline stage (stage 0's
+    holds the leader); removed with the replica."""
     draining: bool = False
     """Being removed: it takes no new request (routers see ``status.draining``) and is removed when idle."""
     node_id: str = ""

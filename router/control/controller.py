@@ -285,12 +285,12 @@ class ClusterController(Recovery, RouterKeeping, NodeFollowing):
             await self._fence()
             replica_id = await self._new_replica_id(spec.pool)
             options = dict(num_cpus=spec.num_cpus, resources={pool_resource(spec.pool): 1})
-            if spec.tp_size > 1:
-                wanted = placement.bundles(spec.tp_size, spec.num_cpus, spec.tp_rank_cpus, pool_resource(spec.pool), spec.tp_rank_gpus)
-                group = await placement.reserve(
-                    f"a {spec.rank_kind} {spec.tp_size} {spec.pool} replica", wanted, spec.placement_timeout_s, node_id, name=replica_actor_name(replica_id)
+            if spec.num_ranks > 1:
+                stages = placement.stage_bundles(spec.pp_size, spec.tp_size, spec.num_cpus, spec.tp_rank_cpus, pool_resource(spec.pool), spec.tp_rank_gpus)
+                group = await placement.reserve_stages(
+                    f"a {spec.shape} {spec.pool} replica", stages, spec.placement_timeout_s, node_id, name=replica_actor_name(replica_id), num_layers=spec.num_layers
                 )
-                strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0, placement_group_capture_child_tasks=False)
+                strategy = PlacementGroupSchedulingStrategy(group[0], placement_group_bundle_index=0, placement_group_capture_child_tasks=False)
                 options.update(scheduling_strategy=strategy, num_gpus=spec.tp_rank_gpus)
             else:
                 if spec.tp_rank_gpus:  # a replica of one rank on a GPU: without a reservation Ray hides every GPU from it
@@ -306,7 +306,7 @@ class ClusterController(Recovery, RouterKeeping, NodeFollowing):
             async with self._introducing:  # one at a time: each sees every replica introduced before it
                 await self._fence()  # a newer controller may have taken over while this one loaded
                 await self._introduce(replica_id, spec.pool, handle)
-                replica = MapReplica(handle, model, status, time.monotonic(), placement_group=group, node_id=node_id)
+                replica = MapReplica(handle, model, status, time.monotonic(), placement_groups=tuple(group or ()), node_id=node_id)
                 await self._save("save_replica", self._record(replica_id, replica))  # joined: adopted after a restart
                 self._state.replicas[replica_id] = replica  # routers may pick it from now on
         except BaseException:
@@ -369,7 +369,7 @@ class ClusterController(Recovery, RouterKeeping, NodeFollowing):
         except (RayActorError, ActorUnavailableError, asyncio.TimeoutError):
             pass  # already gone or stuck; killed below either way
         ray.kill(replica.handle)  # its follower ranks die with it (it owns them)
-        placement.release(replica.placement_group)
+        placement.release(replica.placement_groups)
         return True
 
     async def _replica_died(self, replica_id: str, reason: str) -> None:

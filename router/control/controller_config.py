@@ -84,8 +84,13 @@ class ReplicaSpec:
     num_cpus: float = 1.0
     """Logical CPUs the actor reserves."""
     tp_size: int = 1
-    """Processes of each replica (its tensor- or expert-parallel ranks): above 1, the replica is
-    placed as a placement group of that many bundles on one node (router/control/placement.py)."""
+    """Processes of each pipeline stage of a replica (its tensor- or expert-parallel ranks): above 1,
+    the stage is placed as a placement group of that many bundles on one node (router/control/placement.py)."""
+    pp_size: int = 1
+    """Pipeline stages of each replica: a replica is ``pp_size x tp_size`` ranks, one placement
+    group per stage, the stages on one node or several."""
+    num_layers: int = 0
+    """The model's decoder layers, named when a pipelined replica cannot be placed; 0: not known."""
     rank_kind: str = "TP"
     """What the ranks split, for messages: "TP" (the model) or "EP" (its experts)."""
     tp_rank_cpus: float = 1.0
@@ -95,9 +100,21 @@ class ReplicaSpec:
     placement_timeout_s: float = 120.0
     """How long a replica's placement group may wait for resources before its start fails."""
 
+    @property
+    def num_ranks(self) -> int:
+        """Processes of one replica."""
+        return self.pp_size * self.tp_size
+
+    @property
+    def shape(self) -> str:
+        """The replica's shape for messages: "TP 3", "EP 2", "PP 2 x TP 3"."""
+        return f"PP {self.pp_size} x {self.rank_kind} {self.tp_size}" if self.pp_size > 1 else f"{self.rank_kind} {self.tp_size}"
+
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
+        if self.pp_size < 1:
+            raise ValueError(f"pp_size: must be >= 1, got {self.pp_size}")
         if self.pool not in POOLS:
             raise ValueError(f"pool: {self.pool!r} is not one of {POOLS}")
         if ":" not in self.actor_class:

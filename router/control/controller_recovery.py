@@ -145,11 +145,13 @@ class Recovery:
             await asyncio.to_thread(self.store.forget_replica, replica_id)
             if handle is not None:
                 ray.kill(handle)
-            placement.release(await asyncio.to_thread(placement.find, replica_actor_name(replica_id)))
+            placement.release(await asyncio.to_thread(placement.find_replica_groups, replica_actor_name(replica_id)))
             return
-        group = await asyncio.to_thread(placement.find, replica_actor_name(replica_id))
+        groups = await asyncio.to_thread(placement.find_replica_groups, replica_actor_name(replica_id))
         lived_s = max(0.0, time.time() - record.started_unix_s)
-        replica = MapReplica(handle, model, status, time.monotonic() - lived_s, placement_group=group, node_id=record.node_id, draining=record.draining)
+        replica = MapReplica(
+            handle, model, status, time.monotonic() - lived_s, placement_groups=tuple(groups), node_id=record.node_id, draining=record.draining
+        )
         replica.status.draining = record.draining
         if endpoints:
             self._state.kv_endpoints[replica_id] = endpoints
@@ -177,13 +179,14 @@ class Recovery:
             decode = [r.handle for r in self._state.replicas.values() if r.status.pool == "decode"]
             await asyncio.gather(*(d.remove_prefill_peer.remote(replica_id) for d in decode), return_exceptions=True)
         ray.kill(handle)
-        placement.release(await asyncio.to_thread(placement.find, replica_actor_name(replica_id)))
+        placement.release(await asyncio.to_thread(placement.find_replica_groups, replica_actor_name(replica_id)))
 
     async def _remove_orphan_groups(self) -> None:
-        """Remove the placement groups of replicas that are not in the map (their start was cut short)."""
+        """Remove the placement groups (every stage's) of replicas that are not in the map (their start was cut short)."""
         groups = await asyncio.to_thread(placement.live_group_names)
         for name, group in groups.items():
-            if parse_replica_name(name) is not None and name.removeprefix("splitserve-") not in self._state.replicas:
+            owner = placement.replica_of_group(name)
+            if parse_replica_name(owner) is not None and owner.removeprefix("splitserve-") not in self._state.replicas:
                 logger.warning("controller: removing placement group %s of a replica that never joined", name)
                 placement.release(group)
 

@@ -65,16 +65,29 @@ class ClusterConfig:
     decode_ep_size: int | None = None
     """Expert-parallel ranks of each decode replica (MoE models); None takes ``engine.ep_size``.
     Prefill replicas never run expert-parallel."""
+    prefill_pp_size: int | None = None
+    """Pipeline stages of each prefill replica (TP inside each stage); None takes ``engine.pp_size``."""
+    decode_pp_size: int | None = None
+    """Pipeline stages of each decode replica (TP inside each stage); None takes ``engine.pp_size``."""
+    num_layers: int = 0
+    """The model's decoder layers, named when a pipelined replica cannot be placed (the CLI reads
+    them at start-up); 0: not known, not named."""
 
     def pool_engine(self, pool: str) -> EngineConfig:
-        """The engine config of ``pool``'s replicas: ``engine`` with the pool's TP (and, for decode, EP) size.
+        """The engine config of ``pool``'s replicas: ``engine`` with the pool's TP and PP (and, for decode, EP) size.
 
         Prefill replicas never speculate: they compute a prompt's KV and its first token, and the
         decode replica that takes the hand-off drafts and verifies. So a speculative decode pool
         runs beside a tensor-parallel prefill pool (speculation itself needs one-rank replicas)."""
         if pool == "prefill":
-            return replace(self.engine, tp_size=self.prefill_tp_size or self.engine.tp_size, ep_size=1, speculative="off", draft_model=None)
-        return replace(self.engine, tp_size=self.decode_tp_size or self.engine.tp_size, ep_size=self.decode_ep_size or self.engine.ep_size)
+            return replace(
+                self.engine, tp_size=self.prefill_tp_size or self.engine.tp_size, pp_size=self.prefill_pp_size or self.engine.pp_size,
+                ep_size=1, speculative="off", draft_model=None,
+            )
+        return replace(
+            self.engine, tp_size=self.decode_tp_size or self.engine.tp_size, pp_size=self.decode_pp_size or self.engine.pp_size,
+            ep_size=self.decode_ep_size or self.engine.ep_size,
+        )
 
     def router_config(self, index: int) -> RouterConfig:
         """Router ``index``'s config: ``router`` with each fixed port moved up by ``index``."""
@@ -89,11 +102,12 @@ class ClusterConfig:
         kind = "EP" if engine.ep_size > 1 else "TP"
         rank_gpus = 0.0 if engine.device == "cpu" else 1.0  # one GPU per rank on CUDA
         return ReplicaSpec(
-            pool, actor_class, (engine, worker), tp_size=engine.num_ranks, rank_kind=kind, tp_rank_cpus=worker.tp_rank_cpus, tp_rank_gpus=rank_gpus
+            pool, actor_class, (engine, worker), tp_size=engine.num_ranks // engine.pp_size, pp_size=engine.pp_size, num_layers=self.num_layers,
+            rank_kind=kind, tp_rank_cpus=worker.tp_rank_cpus, tp_rank_gpus=rank_gpus,
         )
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tp_size", "decode_tp_size", "decode_ep_size"):
+        for name in ("prefill_tp_size", "decode_tp_size", "decode_ep_size", "prefill_pp_size", "decode_pp_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for pool in POOLS:
@@ -260,6 +274,6 @@ class Cluster:
                     except ValueError:
                         pass  # gone meanwhile
             for name, group in placement.live_group_names().items():
-                if parse_replica_name(name) is not None:
+                if parse_replica_name(placement.replica_of_group(name)) is not None:
                     logger.warning("cluster: placement group %s outlived its controller; removing it", name)
                     placement.release(group)
