@@ -123,3 +123,22 @@ def test_each_stage_holds_only_its_layers_weights_and_kv(engines, kv3, pp2):
         lm_head = parameter_bytes(pp1.lm_head) if not pp1.config.tie_word_embeddings else parameter_bytes(pp1.embed_tokens)
         assert parameter_bytes(engine.runner.model) == parameter_bytes(pp1.embed_tokens) + parameter_bytes(pp1.layers[0])
         assert stage_1["param_bytes"] == parameter_bytes(pp1.layers[1]) + parameter_bytes(pp1.norm) + lm_head
+
+
+def test_smollm2_pp2_tp3_matches_pp1_through_chunks_prefix_hits_and_preemption(engines, smollm2_dir):
+    base = EngineConfig(model=str(smollm2_dir), weights="fp32", kv_dtype="fp32", num_kv_blocks=20, max_num_batched_tokens=32)
+    passage = engines.get(base).tokenizer.encode(PASSAGE)
+    prompts = [passage[:100], passage[:64] + passage[150:170], passage[40:110], passage[120:190]]
+    assert sum(-(-(len(p) + GREEDY_16.max_tokens) // 16) for p in prompts) > base.num_kv_blocks and len(prompts[0]) > 2 * 32
+    hit = passage[:64] + passage[200:210]
+    outputs = {}
+    for config in (base, replace(base, pp_size=2, tp_size=3)):
+        engine = engines.get(config)
+        before = engine.stats().num_preemptions
+        outputs[config.num_ranks] = _staggered(engines, config, prompts)
+        assert engine.stats().num_preemptions > before
+        [first] = engine.generate([hit], GREEDY_16)
+        [again] = engine.generate([passage[:64] + passage[210:222]], GREEDY_16)
+        assert again.num_cached_tokens == 64
+        outputs[config.num_ranks] += [first.output_token_ids, again.output_token_ids]
+    assert outputs[6] == outputs[1]
