@@ -295,9 +295,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run ``plan`` on this rank's shard and write its K/V; logits of the prompt rows then the
-        sample rows (``plan.logit_rows``) on the leader. A pipeline stage before the last takes
-        ``inputs`` (the stage before's hidden stream; the first stage: the plan's tokens) and
-        returns its own stream."""
+        sample rows (``plan.logit_rows``) on the leader. In a pipeline, a stage after the first
+        takes ``inputs`` (the stage before's hidden stream; the first embeds the plan's tokens), a
+        stage before the last returns its own stream, and the last stage's TP leader the logits
+        it sends the replica's leader (none is a message too)."""
         started = time.perf_counter()
         slots = None
         if self.kv_cache.triton_decode:
@@ -309,11 +310,12 @@ class ModelRunner:
             self.kv_cache.write(batch.new_k, batch.new_v, *slots)
         if not self.model.stage.is_last:
             out = hidden
-        # A data-parallel rank always computes (maybe zero rows of) logits: the leader gathers every rank's.
-        elif plan.logit_rows or self.dp.size > 1:
+        elif plan.logit_rows or self.dp.size > 1:  # a data-parallel rank always computes (maybe zero rows of) logits: the leader gathers every rank's
             out = self.model.compute_logits(hidden[list(plan.logit_rows)])
+        elif self.pipe is not None and self.tp.is_leader:
+            out = hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         else:
-            out = hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32) if self.pipe is not None and self.tp.is_leader else None
+            out = None
         self.num_runs += 1
         self.busy_s += time.perf_counter() - started
         return out
