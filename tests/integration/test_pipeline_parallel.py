@@ -2,8 +2,9 @@
 process (the leader: stage 0's TP rank 0) by real gloo process groups, each loading only its
 stage's layers of a real checkpoint and holding only those layers' KV.
 
-float32 greedy decoding is compared token for token: SmolLM2-135M at PP 2 with several
-micro-batches in flight; a tiny random llama with 3 KV heads at PP 2 and at PP 2 x TP 3 (six
+Greedy decoding is compared token for token: SmolLM2-135M at PP 2 (its native Q4_1 weights) with
+several micro-batches in flight, and at PP 2 x TP 3 (float32) through chunked prefill, preemption
+and a prefix hit; a tiny random llama with 3 KV heads at PP 2 and at PP 2 x TP 3 (six
 ranks: one KV head per rank in each stage) through chunked prefill, a prefix-cache hit and
 preemption. Each stage holds its layers' parameters and KV bytes, no more.
 """
@@ -55,7 +56,9 @@ def _staggered(engines, config: EngineConfig, prompts) -> list[tuple[int, ...]]:
 
 
 def test_smollm2_pp2_matches_pp1_with_micro_batches_in_flight(engines, smollm2_dir):
-    base = EngineConfig(model=str(smollm2_dir), weights="fp32", kv_dtype="fp32", num_kv_blocks=96, max_num_batched_tokens=256)
+    """Native Q4_1 weights: each stage builds its own layers' kernels from the GGUF's blocks (and
+    runs small steps' layers in C), and the last stage its own copy of the tied LM head."""
+    base = EngineConfig(model=str(smollm2_dir), kv_dtype="fp32", num_kv_blocks=96, max_num_batched_tokens=256)
     prompts = random_prompts([9, 40, 23, 70, 5, 31], vocab=49152, seed=81)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     expected = [out.output_token_ids for out in engines.get(base).generate(prompts, params)]
@@ -67,7 +70,7 @@ def test_smollm2_pp2_matches_pp1_with_micro_batches_in_flight(engines, smollm2_d
     assert engine.stats().num_steps - steps >= 2 * params.max_tokens
     [stage_1] = engines.follower_infos()
     assert (stage_1["stage"], stage_1["layer_start"], stage_1["layer_end"]) == (1, 15, 30)
-    assert engine.runner.model.stage.layers == range(0, 15)
+    assert engine.runner.model.stage.layers == range(0, 15) and engine.runner.model.fused_layers is not None
 
 
 @pytest.fixture(scope="module", params=[1, 3], ids=["pp2", "pp2-tp3"])
