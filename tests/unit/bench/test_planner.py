@@ -174,3 +174,27 @@ def test_hindsight_has_its_prefill_replicas_ready_for_a_spell_of_load_and_costs_
     ask_s = 900 - round(config.startup_s)
     assert prefill[ask_s] > prefill[ask_s - 60] and prefill[1500] < prefill[1050]
     assert result["direction_changes"] == 1
+
+
+def test_a_ramp_is_met_by_the_trend_rule_before_the_window_alone_would_meet_it():
+    """1 request a second of 2000-token prompts for 40 minutes (the pools settle at the base after
+    the warm-up), then a ramp to 16 a second over ten minutes: the trend rule grows the prefill pool
+    to each count past 2 sooner than the window alone does, and misses fewer requests."""
+    trace, t = [], 0.0
+    while t < 3600:
+        trace.append(bench_planner.Arrival(t, 2000, 50))
+        t += 1 / (1.0 if t < 2400 else min(16.0, 1.0 + 15.0 * (t - 2400) / 600))
+    perf = bench_planner.load_splitwise_csv(bench_planner.DEFAULT_PERF, "llama2-70b", "h100-80gb", 4)
+    replays = {}
+    for rise_start_ups in (None, 0):
+        config = bench_planner.PlannerConfig(max_prefill=8, max_decode=8, rise_start_ups=rise_start_ups)
+        replays[rise_start_ups] = bench_planner.replay(trace, perf, config, "splitserve", static={"split": {"prefill": 4, "decode": 2}})
+    (trend, trend_timeline), (window, window_timeline) = replays[None], replays[0]
+
+    def first_at(timeline, count: int) -> float:
+        return next(row[0] for row in timeline if row[0] >= 2400 and row[2] >= count)
+
+    assert [row[2] for row in trend_timeline if 2370 <= row[0] <= 2400] == [1, 1]  # shrunk to the base before the ramp
+    for count in (3, 4):
+        assert first_at(trend_timeline, count) < first_at(window_timeline, count)
+    assert trend["slo_attainment"] > window["slo_attainment"]
