@@ -109,3 +109,14 @@ def parallel_engines(follower_cpus: float, replica_id: str):
     finally:
         engines.close()
         torch.set_num_threads(num_threads)
+
+
+def wait_in_redis(engine: LLMEngine, keys: set[int], timeout_s: float = 20.0) -> None:
+    """Until the replica reports every block of ``keys`` in Redis: each KV head's value written,
+    by whichever rank holds it (``RedisTier`` confirms what other ranks write)."""
+    from kv_store.events import Tier
+
+    deadline = time.monotonic() + timeout_s
+    while missing := keys - engine.kv_store.key_sets()[Tier.REDIS]:
+        assert time.monotonic() < deadline, f"{len(missing)} of {len(keys)} blocks not confirmed in Redis"
+        time.sleep(0.05)

@@ -11,7 +11,6 @@ the lower rank); a prompt alone with nothing cached goes to rank 0.
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -20,7 +19,7 @@ from engine.config import EngineConfig
 from engine.params import SamplingParams
 from kv_store.events import KeySets, Tier
 from kv_store.keys import block_keys
-from tests.integration.parallel_engines import parallel_engines
+from tests.integration.parallel_engines import parallel_engines, wait_in_redis
 from tests.unit.engine.helpers import random_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -53,13 +52,8 @@ def _keys(engine, prompt: list[int]) -> set[int]:
     return set(block_keys(prompt, 16, engine.namespace.root_key(None))[:PROMPT_BLOCKS])
 
 
-def _wait_in_redis(engine, prompt, timeout_s: float = 20.0) -> None:
-    """Until the replica reports the prompt's full blocks in Redis (written by whichever rank)."""
-    keys = _keys(engine, prompt)
-    deadline = time.monotonic() + timeout_s
-    while missing := keys - engine.kv_store.key_sets()[Tier.REDIS]:
-        assert time.monotonic() < deadline, f"{len(missing)} of {len(keys)} blocks not confirmed in Redis"
-        time.sleep(0.05)
+def _wait_in_redis(engine, prompt) -> None:
+    wait_in_redis(engine, _keys(engine, prompt))
 
 
 def _rank_moves(engines) -> int:

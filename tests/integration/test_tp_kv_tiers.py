@@ -6,7 +6,6 @@ fp32 KV: a prefix that came back from a tier gives the tokens of recomputing it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -15,7 +14,7 @@ from engine.config import EngineConfig
 from engine.params import SamplingParams
 from kv_store.events import KeySets, Tier
 from kv_store.keys import block_keys
-from tests.integration.parallel_engines import parallel_engines
+from tests.integration.parallel_engines import parallel_engines, wait_in_redis
 from tests.unit.engine.helpers import random_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -49,13 +48,8 @@ def _run(engine, prompt):
     return out
 
 
-def _wait_in_redis(engine, prompt, timeout_s: float = 20.0) -> None:
-    """Until the replica reports the prompt's full blocks in Redis: every KV head's value is there."""
-    keys = set(block_keys(prompt, 16, engine.namespace.root_key(None))[:PROMPT_BLOCKS])
-    deadline = time.monotonic() + timeout_s
-    while missing := keys - engine.kv_store.key_sets()[Tier.REDIS]:
-        assert time.monotonic() < deadline, f"{len(missing)} of {len(keys)} blocks not confirmed in Redis"
-        time.sleep(0.05)
+def _wait_in_redis(engine, prompt) -> None:
+    wait_in_redis(engine, set(block_keys(prompt, 16, engine.namespace.root_key(None))[:PROMPT_BLOCKS]))
 
 
 def test_tp3_prefix_back_from_each_rank_cpu_tier_equals_recompute(engines, kv3, recomputed):
