@@ -37,7 +37,7 @@ from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
 from engine.params import SamplingParams
-from engine.runner import PlannedChunk, StepPlan
+from engine.step_plan import PlannedChunk, StepPlan
 from engine.sparsity import prune_model_2_4
 
 TEXT_PATH = Path(__file__).resolve().parent.parent / "tests" / "data" / "alice_chapters_1_2.txt"

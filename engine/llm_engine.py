@@ -27,8 +27,9 @@ from engine.parallel.pipeline import PipelineGroup, check_pp_size
 from engine.parallel.sharding import check_ep_size, check_tp_size
 from engine.params import SamplingParams
 from engine.request import Request, RequestOutput, SampledTokens, TokenLogprobs
-from engine.runner import Launched, ModelRunner
+from engine.runner import ModelRunner
 from engine.scheduler import ScheduledChunk, Scheduler
+from engine.step_plan import Launched
 from engine.structured.backend import GrammarBackend
 from engine.structured.step_masks import StepMasks
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer

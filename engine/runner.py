@@ -24,7 +24,6 @@ import itertools
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
@@ -32,80 +31,18 @@ from engine.device_sampler import SamplingTensors, sample_on_device
 from engine.kernels.kv_segments import KVSegments
 from engine.kv_cache import PagedKVCache
 from engine.layers.attention import AttentionBatch, DecodeGroup, DevicePrefills, DeviceStep, PrefillChunk
-from engine.logits import PromptSpan, prompt_span, record_prompt_logprobs, process_logits, sample_rows, sampled_logprobs, stack_bitmasks
+from engine.logits import record_prompt_logprobs, process_logits, sample_rows, sampled_logprobs, stack_bitmasks
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
 from engine.parallel.pipeline import PipelineGroup
 from engine.request import Request, SampledTokens
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk
+from engine.step_plan import Launched, PlannedChunk, StepPlan
 from engine.structured.step_masks import masks_of
 
 _GROUP_GROWTH = 1.25
 """A decode group closes when the next sequence would need this many times its first one's blocks."""
-
-
-@dataclass(frozen=True)
-class PlannedChunk:
-    """One sequence's tokens in a step: positions ``[start, start + num_tokens)``."""
-
-    start: int
-    num_tokens: int
-    token_ids: tuple[int, ...]
-    block_ids: tuple[int, ...]
-    """The sequence's blocks up to and including the one holding its last token of the step."""
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What every rank needs to run one step: decode chunks (sorted by position) then prefill chunks."""
-
-    decodes: tuple[PlannedChunk, ...]
-    prefills: tuple[PlannedChunk, ...]
-    sample_rows: tuple[int, ...]
-    """Rows of the flat batch whose logits are sampled."""
-    prompt_rows: tuple[int, ...] = ()
-    """Rows whose logits give prompt log-probabilities (``params.prompt_logprobs``); computed before the sample rows'."""
-
-    @property
-    def logit_rows(self) -> tuple[int, ...]:
-        return self.prompt_rows + self.sample_rows
-
-    @classmethod
-    def of(cls, chunks: list[ScheduledChunk], block_size: int) -> tuple[StepPlan, list[tuple[Request, tuple[int, ...]]], list[PromptSpan]]:
-        """The plan of the scheduler's ``chunks``; the requests its sample rows belong to with the
-        drafts each verifies (one row each, or ``1 + k`` for a verify chunk of k drafts); and the
-        prompt positions whose log-probabilities its prompt rows give, in order."""
-        decodes = sorted((c for c in chunks if c.num_new_tokens == 1), key=lambda c: c.start)
-        prefills = [c for c in chunks if c.num_new_tokens > 1]
-        rows, prompt_rows, sampled, spans, num_tokens = [], [], [], [], 0
-        for chunk in decodes + prefills:
-            span = prompt_span(chunk.request, chunk.start, chunk.num_new_tokens)
-            if span is not None:
-                prompt_rows += range(num_tokens + span.start - chunk.start, num_tokens + span.start - chunk.start + span.num_positions)
-                spans.append(span)
-            num_tokens += chunk.num_new_tokens
-            if chunk.num_sample_rows:
-                rows += range(num_tokens - chunk.num_sample_rows, num_tokens)
-                sampled.append((chunk.request, chunk.draft_token_ids))
-        plan = cls(
-            decodes=tuple(_planned(c, block_size) for c in decodes),
-            prefills=tuple(_planned(c, block_size) for c in prefills),
-            sample_rows=tuple(rows),
-            prompt_rows=tuple(prompt_rows),
-        )
-        return plan, sampled, spans
-
-
-def _planned(chunk: ScheduledChunk, block_size: int) -> PlannedChunk:
-    end = chunk.start + chunk.num_new_tokens
-    known_end = end - len(chunk.draft_token_ids)
-    return PlannedChunk(
-        start=chunk.start,
-        num_tokens=chunk.num_new_tokens,
-        token_ids=tuple(chunk.request.token_ids[chunk.start : known_end]) + chunk.draft_token_ids,
-        block_ids=tuple(chunk.request.block_ids[: -(-end // block_size)]),
-    )
 
 
 class ModelRunner:
@@ -401,16 +338,6 @@ class ModelRunner:
             out.append(PrefillChunk(token_start, chunk.num_tokens, chunk.start, table, mask))
             token_start += chunk.num_tokens
         return tuple(out)
-
-
-@dataclass(frozen=True)
-class Launched:
-    """A pipelined step on its way through the stages: its plan, the requests its sample rows
-    belong to (with the drafts each verifies) and its prompt log-probability spans."""
-
-    plan: StepPlan
-    requests: list[tuple[Request, tuple[int, ...]]]
-    spans: list[PromptSpan]
 
 
 def _padded_tables(chunks: tuple[PlannedChunk, ...], device: torch.device) -> torch.Tensor:

@@ -20,7 +20,8 @@ import torch
 from engine.kv_cache import PagedKVCache
 from engine.models.decoder import DecoderModel
 from engine.request import Request
-from engine.runner import ModelRunner, PlannedChunk, StepPlan
+from engine.runner import ModelRunner
+from engine.step_plan import PlannedChunk, StepPlan
 from kv_store.block_pool import BlockPool
 
 

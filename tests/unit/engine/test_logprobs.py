@@ -11,7 +11,7 @@ import engine.logits
 import engine.runner
 from engine.params import SamplingParams
 from engine.request import FinishReason
-from engine.runner import PlannedChunk, StepPlan
+from engine.step_plan import PlannedChunk, StepPlan
 from tests.unit.engine.helpers import make_engine, random_prompts, run_staggered
 from tests.unit.engine.test_logits import _reference
 from tests.unit.engine.test_remote_prefill import _ship

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.runner import PlannedChunk, StepPlan
+from engine.step_plan import PlannedChunk, StepPlan
 from tests.unit.engine.helpers import make_engine, random_prompts
 
 

@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
 from engine.quant.apply import linear_layers
-from engine.runner import PlannedChunk, StepPlan
+from engine.step_plan import PlannedChunk, StepPlan
 
 pytestmark = pytest.mark.slow
 

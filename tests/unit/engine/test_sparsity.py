@@ -5,7 +5,7 @@ import torch
 
 from engine.errors import UnsupportedModelError
 from engine.parallel.layers import ColumnParallelLinear
-from engine.runner import PlannedChunk, StepPlan
+from engine.step_plan import PlannedChunk, StepPlan
 from engine.sparsity import input_norms, is_2_4, mask_2_4, prune_model_2_4
 from tests.unit.engine.helpers import make_engine, random_prompts
 

@@ -8,7 +8,7 @@ tiny random model are verified often enough to exercise every path."""
 import torch
 
 from engine.params import SamplingParams
-from engine.runner import PlannedChunk, StepPlan
+from engine.step_plan import PlannedChunk, StepPlan
 from engine.spec.policy import SpecPolicy
 from tests.unit.engine.helpers import make_engine, random_prompts, run_staggered
 from tests.unit.engine.test_remote_prefill import _disaggregated
