@@ -1,13 +1,16 @@
 """A mixture-of-experts model served disaggregated: prefill TP 1, decode EP 2, FP8 KV hand-off.
 
 The decode replica's two ranks each hold half of the experts and their own requests; every
-prompt is prefilled remotely and its KV written into the pool of the rank that admitted it.
+prompt is prefilled remotely and its KV written into the pool of the rank that admitted it. The
+replicas run with both KV tiers (a CPU tier per rank, the cluster's Redis): the decode replica's
+per-rank stores report as one (kv_store/data_parallel.py).
 """
 
 from __future__ import annotations
 
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import ray
@@ -45,14 +48,15 @@ def _cluster_config(engine: EngineConfig, decode_ep: int) -> ClusterConfig:
     )
 
 
-def test_moe_served_with_expert_parallel_decode_equals_one_engine(ray_session, tiny_checkpoint):
+def test_moe_served_with_expert_parallel_decode_equals_one_engine(ray_session, tiny_checkpoint, redis_server):
     model_dir = tiny_checkpoint("mixtral")
     prompts = random_prompts()
     engine = LLMEngine(_engine(model_dir))
     expected = [c.output_token_ids for c in engine.generate(prompts, SamplingParams(**GREEDY))]
     engine.close()
 
-    with running_cluster(_cluster_config(_engine(model_dir), decode_ep=2)) as cluster:
+    tiered = replace(_engine(model_dir), cpu_kv_cache_bytes=1 << 20, redis_url=redis_server.url)
+    with running_cluster(_cluster_config(tiered, decode_ep=2)) as cluster:
         with SplitServeClient(cluster.router_status.grpc_address) as client:
 
             def stream(prompt):
@@ -74,6 +78,7 @@ def test_moe_served_with_expert_parallel_decode_equals_one_engine(ray_session, t
         metrics = urllib.request.urlopen(replica.metrics_url, timeout=10).read().decode()
         samples = [line for line in metrics.splitlines() if line.startswith("splitserve_moe_expert_tokens_total{")]
         assert len(samples) == 2 * 4  # 2 layers x 4 experts, both ranks' halves
+        assert 'tier="cpu"' in metrics and "splitserve_redis_tier_" in metrics  # the ranks' stores, reported as the replica's
         hottest = replica.hottest_experts[0]
         assert f'expert="{hottest.expert}",layer="{hottest.layer}"' in metrics or f'layer="{hottest.layer}",expert="{hottest.expert}"' in metrics
 
