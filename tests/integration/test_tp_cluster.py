@@ -138,15 +138,23 @@ def test_a_start_cancelled_while_its_group_waits_for_room_releases_the_group(ray
         ray.util.remove_placement_group(blocker)
 
 
+LONG_PROMPT = random_prompts([800], vocab=49152, seed=5)[0]
+"""4 chunks of 256: a window to kill a rank in mid-prefill."""
+LONG_GREEDY = dict(max_tokens=8, temperature=0, ignore_eos=True)
+
+
 @pytest.fixture(scope="module")
 def reference(engine_config):
-    """What TP 1 gives, computed in this process before the cluster starts."""
+    """What TP 1 gives, computed in this process before the cluster starts (one engine for both prompts)."""
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         engine = LLMEngine(engine_config)
         [completion] = engine.generate([PROMPT], SamplingParams(**GREEDY))
-        return dict(tokens=list(completion.output_token_ids), rank_bytes=expected_rank_bytes(engine.runner.model, 3))
+        [long_completion] = engine.generate([LONG_PROMPT], SamplingParams(**LONG_GREEDY))
+        rank_bytes = expected_rank_bytes(engine.runner.model, 3)
+        engine.close()
+        return dict(tokens=list(completion.output_token_ids), long_tokens=list(long_completion.output_token_ids), rank_bytes=rank_bytes)
     finally:
         torch.set_num_threads(num_threads)
 
@@ -202,15 +210,15 @@ def process_gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
-def test_a_follower_rank_killed_mid_prefill_fails_the_replica_whose_calls_migrate_to_its_replacement(client, reference, engine_config):
-    [long_prompt] = random_prompts([800], vocab=49152, seed=5)  # 4 chunks of 256: a window to kill in
+def test_a_follower_rank_killed_mid_prefill_fails_the_replica_whose_calls_migrate_to_its_replacement(client, reference):
+    long_prompt = LONG_PROMPT
     old = decode_replica(client)
     [pool] = [p for p in client.cluster_status().pools if p.pool == "decode"]
     outcome: dict = {}
 
     def call():
         try:
-            outcome["tokens"] = collect(client.generate(long_prompt, max_tokens=8, temperature=0, ignore_eos=True))[0]
+            outcome["tokens"] = collect(client.generate(long_prompt, **LONG_GREEDY))[0]
         except grpc.RpcError as e:
             outcome["error"] = e
         outcome["answered_s"] = time.monotonic()
@@ -226,10 +234,7 @@ def test_a_follower_rank_killed_mid_prefill_fails_the_replica_whose_calls_migrat
 
     # The replica's engine failed with the rank: the call migrates to the replacement and is recomputed there.
     assert "error" not in outcome, outcome.get("error")
-    engine = LLMEngine(engine_config)  # the tokens an undisturbed TP 1 run gives
-    [expected] = engine.generate([long_prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    engine.close()
-    assert outcome["tokens"] == list(expected.output_token_ids)
+    assert outcome["tokens"] == reference["long_tokens"]  # the tokens an undisturbed TP 1 run gives
 
     def replaced():
         fresh = [
