@@ -269,6 +269,16 @@ def fail_prefill(fail_decode, tiny_llama_dir):
     _shutdown(prefill)
 
 
+@pytest.fixture(scope="module")
+def unlinked_prefill(fail_decode, tiny_llama_dir):
+    """A prefill worker that ``fail_decode``'s endpoint never reached. The test of that refusal
+    runs first; the test that kills a prefill worker mid-request then connects it and kills it
+    (one actor start for the two)."""
+    prefill = _prefill(_engine_config(tiny_llama_dir), fail_decode, "prefill-unlinked", connect=False)
+    yield prefill
+    ray.kill(prefill)  # killed already where the second test ran
+
+
 def _stream(decode, prefill, prompt, prefill_id: str = "prefill-t", **params):
     request = build_generate_request(prompt, **{**GREEDY, **params}, request_id=f"r{random.random()}")
     events = [ray.get(ref) for ref in decode.generate.options(num_returns="streaming").remote(request, prefill, prefill_id)]
@@ -322,14 +332,10 @@ def test_mismatched_kv_dtype_is_refused_at_hand_off(fail_decode, tiny_llama_dir)
         _shutdown(prefill)
 
 
-def test_a_decode_agent_never_published_is_refused(fail_decode, tiny_llama_dir):
-    prefill = _prefill(_engine_config(tiny_llama_dir), fail_decode, "prefill-unlinked", connect=False)
-    try:
-        [event] = _stream(fail_decode, prefill, random_prompts([30], seed=52)[0], "prefill-unlinked")
-        assert "is unknown here: its endpoint never reached this worker" in event.error.message
-        _assert_pair_quiet(fail_decode, prefill)
-    finally:
-        _shutdown(prefill)
+def test_a_decode_agent_never_published_is_refused(fail_decode, unlinked_prefill):
+    [event] = _stream(fail_decode, unlinked_prefill, random_prompts([30], seed=52)[0], "prefill-unlinked")
+    assert "is unknown here: its endpoint never reached this worker" in event.error.message
+    _assert_pair_quiet(fail_decode, unlinked_prefill)
 
 
 def test_fail_policy_ends_the_request_with_a_clear_error(fail_decode, fail_prefill, engine_config):
@@ -351,14 +357,15 @@ def test_fail_policy_ends_the_request_with_a_clear_error(fail_decode, fail_prefi
     _assert_pair_quiet(decode, prefill)
 
 
-def test_fail_policy_with_the_prefill_worker_killed(fail_decode, tiny_llama_dir):
-    decode = fail_decode
-    prefill = _prefill(_engine_config(tiny_llama_dir), decode, "prefill-killed")
+def test_fail_policy_with_the_prefill_worker_killed(fail_decode, unlinked_prefill):
+    decode, prefill = fail_decode, unlinked_prefill
     try:
+        ray.get(prefill.add_kv_peers.remote([ray.get(decode.kv_endpoint.remote())]))  # what the controller does when replicas join
+        num_prefills = ray.get(prefill.transfer_stats.remote()).num_prefills
         ray.get(prefill.inject_faults.remote(delay_s=30))
         request = build_generate_request(random_prompts([40], seed=49)[0], **GREEDY, request_id="killed")
         stream = decode.generate.options(num_returns="streaming").remote(request, prefill, "prefill-killed")
-        wait_until(lambda: ray.get(prefill.transfer_stats.remote()).num_prefills == 1)
+        wait_until(lambda: ray.get(prefill.transfer_stats.remote()).num_prefills == num_prefills + 1)
     finally:
         ray.kill(prefill)  # the fault under test; and no actor outlives a test that failed before it
     [event] = [ray.get(ref) for ref in stream]
@@ -371,11 +378,13 @@ def test_fail_policy_with_the_prefill_worker_killed(fail_decode, tiny_llama_dir)
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_a_prefill_worker_is_named_by_id_and_an_unknown_one_gets_the_failure_policy(request, tiny_llama_dir, policy):
     config = _engine_config(tiny_llama_dir)
+    prefill = request.getfixturevalue("fail_prefill")  # the shared prefill worker
     if policy == "fail":  # the shared pair
-        decode, prefill, owned = request.getfixturevalue("fail_decode"), request.getfixturevalue("fail_prefill"), ()
-    else:
-        request.getfixturevalue("ray_session")
-        decode, prefill = owned = _pair(config, config, remote_prefill_failure=policy)
+        decode, owned = request.getfixturevalue("fail_decode"), ()
+    else:  # a decode worker of its own, which the shared prefill worker connects to as well
+        decode = _decode(config, remote_prefill_failure=policy)
+        owned = (decode,)
+        ray.get(prefill.add_kv_peers.remote([ray.get(decode.kv_endpoint.remote())]))
     try:
         prompts = random_prompts([40, 41, 42], seed=53)
         expected = _expected(config, prompts, **GREEDY)
@@ -406,6 +415,8 @@ def test_a_prefill_worker_is_named_by_id_and_an_unknown_one_gets_the_failure_pol
         assert ray.get(prefill.transfer_stats.remote()).num_prefills == prefills_before.num_prefills + 1
         _assert_pair_quiet(decode, prefill)
     finally:
+        if owned:
+            ray.get(prefill.remove_kv_peers.remote([ray.get(decode.kv_endpoint.remote()).agent_name]))
         _shutdown(*owned)
 
 
