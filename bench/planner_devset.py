@@ -1,12 +1,14 @@
 """The planner's development set replayed at once: every trace of bench/planner_traces.dev_set under every policy.
 
-    python -m bench.planner_devset [--traces NAME ...] [--policies ...] [--jobs N] --json OUT [--table]
+    python -m bench.planner_devset [--traces NAME ...] [--policies ...] [--seed-offset K] [--jobs N] --json OUT [--table]
 
 Prints one JSON report: per trace its stats (with the requests no replica count can serve within
 the TTFT SLO counted apart), each policy's attainment, replica-hours, direction changes per pool,
 and the issue's goals for ``splitserve`` against the static split; ``summary`` counts the traces
 that meet each goal. ``--table`` also writes the markdown table planner/README.md carries to stderr.
 Planner settings are the ones ``bench.planner`` takes (``--startup-s`` also sizes the bursts).
+``--seed-offset K`` draws the generated traces from seeds shifted by K: the same shapes, held out
+from development (names keep the development set's; the recorded conv traces do not change).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ POLICIES = ("splitserve", "static", "hpa", "hindsight")
 SUMMARY_FIELDS = ("slo_attainment", "replica_hours", "direction_changes_per_pool", "infeasible_intervals", "split", "attainment_bar", "target_reached", "best_attainment", "reached_target", "infeasible_requests")
 
 
-def replay_trace(name: str, config: PlannerConfig, policies: tuple[str, ...]) -> dict:
+def replay_trace(name: str, config: PlannerConfig, policies: tuple[str, ...], seed_offset: int = 0) -> dict:
     """One development trace under ``policies`` (static first: hindsight starts from it)."""
     perf = load_splitwise_csv(DEFAULT_PERF, "llama2-70b", "h100-80gb", 4)
-    trace = dev_set(config.startup_s)[name]()
+    trace = dev_set(config.startup_s, seed_offset)[name]()
     results = {}
     for policy in sorted(policies, key=lambda p: p != "static"):
         result, _ = replay(trace, perf, config, policy, static=results.get("static"))
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     names = list(dev_set())
     parser.add_argument("--traces", nargs="+", choices=names, default=names, help="development traces to replay (default: all)")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=["splitserve", "static", "hpa"], help="(default: splitserve static hpa)")
+    parser.add_argument("--seed-offset", type=int, default=0, help="draw the generated traces from seeds shifted by this much: held-out traces of the same shapes (default: 0, the development set)")
     parser.add_argument("--jobs", type=int, default=2, help="traces replayed at once, one process each (default: 2)")
     parser.add_argument("--table", action="store_true", help="also write the markdown table to stderr")
     args, config = parse_with_planner_config(parser, argv)
@@ -62,14 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     policies = tuple(dict.fromkeys(["static", *args.policies]))  # every other policy starts from static's split
     progress("planner_devset", f"{len(args.traces)} traces x {', '.join(policies)} on {args.jobs} processes")
     with ProcessPoolExecutor(args.jobs) as pool:
-        futures = {name: pool.submit(replay_trace, name, config, policies) for name in args.traces}
+        futures = {name: pool.submit(replay_trace, name, config, policies, args.seed_offset) for name in args.traces}
         traces = {}
         for name, future in futures.items():
             traces[name] = future.result()
             goals = traces[name]["goals"]
             progress("planner_devset", f"{name}: " + ", ".join(f"{k} {v['value']:.3f}{'' if v['met'] else ' (missed)'}" for k, v in goals.items()))
     met = {goal: sum(t["goals"].get(goal, {}).get("met", False) for t in traces.values()) for goal in next(iter(traces.values()))["goals"]}
-    report = {"traces": traces, "summary": {"num_traces": len(traces), "goals_met": met}, "planner_config": vars(config), "machine": machine()}
+    report = {"traces": traces, "summary": {"num_traces": len(traces), "goals_met": met}, "seed_offset": args.seed_offset, "planner_config": vars(config), "machine": machine()}
     emit_report(report, args.json)
     if args.table:
         print(table(report), file=sys.stderr)

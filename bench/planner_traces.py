@@ -195,20 +195,23 @@ def mooncake_conversations(seed: int, rate: float = 1.5, duration_s: float = 360
     return [Arrival((r.timestamp_ms - start) / 1000, r.input_length, max(1, r.output_length)) for r in requests]
 
 
-def dev_set(startup_s: float = 60.0) -> dict[str, Callable[[], list[Arrival]]]:
-    """The development traces by name, each a thunk (bursts are sized from ``startup_s``)."""
+def dev_set(startup_s: float = 60.0, seed_offset: int = 0) -> dict[str, Callable[[], list[Arrival]]]:
+    """The development traces by name, each a thunk (bursts are sized from ``startup_s``). A
+    ``seed_offset`` draws every generated trace from other seeds: the same shapes, traces the planner
+    was not developed on (the recorded conv traces stay as they are)."""
+    k = seed_offset
     return {
-        "bursts_short": lambda: generate_bursts(11, startup_s / 2),
-        "bursts_equal": lambda: generate_bursts(12, startup_s),
-        "bursts_long": lambda: generate_bursts(13, 4 * startup_s),
-        "spells": lambda: generate_code_spells(14),
-        "heavy_tail": lambda: generate_heavy_tail(15),
-        "diurnal": lambda: generate_diurnal(16),
-        "flash_crowd": lambda: generate_flash_crowd(17),
+        "bursts_short": lambda: generate_bursts(11 + k, startup_s / 2),
+        "bursts_equal": lambda: generate_bursts(12 + k, startup_s),
+        "bursts_long": lambda: generate_bursts(13 + k, 4 * startup_s),
+        "spells": lambda: generate_code_spells(14 + k),
+        "heavy_tail": lambda: generate_heavy_tail(15 + k),
+        "diurnal": lambda: generate_diurnal(16 + k),
+        "flash_crowd": lambda: generate_flash_crowd(17 + k),
         "conv": lambda: read_arrivals(CONV_TRACE),
         "conv_x2": lambda: rescale(read_arrivals(CONV_TRACE), 0.5),
         "conv_half": lambda: rescale(read_arrivals(CONV_TRACE), 2.0),
-        "mooncake_conv": lambda: mooncake_conversations(18),
-        "bursty_0": lambda: generate_bursty(0),
-        "bursty_7": lambda: generate_bursty(7),
+        "mooncake_conv": lambda: mooncake_conversations(18 + k),
+        "bursty_0": lambda: generate_bursty(0 + k),
+        "bursty_7": lambda: generate_bursty(7 + k),
     }

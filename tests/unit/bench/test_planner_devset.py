@@ -70,3 +70,20 @@ def test_bench_planner_writes_a_development_trace_and_replays_it(tmp_path):
     written = planner_traces.read_arrivals(path)
     assert [a.prompt_tokens for a in written] == [a.prompt_tokens for a in expected]
     assert json.loads(out.read_text())["trace_stats"]["num_requests"] == len(expected)
+
+
+def test_a_seed_offset_draws_held_out_traces_of_the_same_shapes():
+    dev, held_out = planner_traces.dev_set(), planner_traces.dev_set(seed_offset=10)
+    assert list(held_out) == list(dev)
+    assert held_out["bursts_long"]() == planner_traces.generate_bursts(23, 240.0) != dev["bursts_long"]()
+    assert held_out["bursty_0"]() == planner_traces.generate_bursty(10)
+    assert held_out["conv_x2"]() == dev["conv_x2"]()  # recorded, not generated
+
+
+def test_the_devset_replays_held_out_traces_when_asked(tmp_path, capsys):
+    out = tmp_path / "held_out.json"
+    argv = ["--traces", "bursts_short", "--policies", "splitserve", "--seed-offset", "10", "--jobs", "1", "--max-prefill", "6", "--max-decode", "6", "--json", str(out)]
+    assert planner_devset.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["seed_offset"] == 10
+    assert report["traces"]["bursts_short"]["trace_stats"]["num_requests"] == len(planner_traces.generate_bursts(21, 30.0))
