@@ -162,6 +162,10 @@ def init_ray(address: str | None, cluster_tls: ClusterTLSConfig | None = None) -
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         return
     ray.init(
+        # "local": a new Ray even where another runs on this host. With no address, ray.init joins
+        # the last cluster a `ray start` on the host wrote to /tmp/ray/ray_current_cluster (a
+        # `splitserve head` there, another test's node), and then refuses these resources.
+        address="local",
         namespace=NAMESPACE,
         include_dashboard=False,
         log_to_driver=False,
