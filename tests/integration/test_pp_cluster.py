@@ -7,6 +7,7 @@ down as a whole, its call migrates and the controller replaces it.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import signal
@@ -23,6 +24,7 @@ from engine.llm_engine import LLMEngine
 from engine.params import SamplingParams
 from router.client import SplitServeClient
 from router.config import RouterConfig
+from router.control import placement
 from router.control.controller import ControllerConfig, pool_resource
 from router.control.launch import Cluster, ClusterConfig
 from router.errors import PlacementError
@@ -77,6 +79,30 @@ def test_a_pp_shape_no_node_set_can_hold_is_refused_naming_the_layers_and_what_n
         f"and 1000 CPU (stage 1), but the {offers.count(';') + 1} alive nodes offer {offers}: at most 1 of its 2 stages fit"
     )
     assert replica_groups().keys() == groups_before.keys()  # refused before any group was asked for
+
+
+def test_stages_are_reserved_together_and_a_stage_that_cannot_be_placed_releases_them_all(ray_session):
+    """Stage 1 (CPUs only) is ready at once; stage 0 waits for a pool slot that others hold: when
+    the wait times out, stage 1's ready group goes too."""
+    slots = pool_resource("decode")
+    blocker = ray.util.placement_group([{slots: ray.available_resources()[slots]}], strategy="STRICT_PACK")
+    ray.get(blocker.ready())
+    stages = placement.stage_bundles(2, 1, 1.0, RANK_CPUS, slots)
+
+    def probes() -> dict:
+        return {g["name"]: g["state"] for g in ray.util.placement_group_table().values() if g["name"].startswith("pp-probe") and g["state"] != "REMOVED"}
+
+    try:
+        with pytest.raises(PlacementError, match=r"^a PP 2 x TP 1 decode replica: its stages could not be placed within 2 s; free now: "):
+            asyncio.run(placement.reserve_stages("a PP 2 x TP 1 decode replica", stages, 2.0, name="pp-probe"))
+        wait_until(lambda: not probes())
+    finally:
+        ray.util.remove_placement_group(blocker)
+    groups = asyncio.run(placement.reserve_stages("a PP 2 x TP 1 decode replica", stages, 30.0, name="pp-probe"))
+    assert probes() == {"pp-probe": "CREATED", "pp-probe-stage-1": "CREATED"}
+    assert [g.id.hex() for g in placement.find_replica_groups("pp-probe")] == [g.id.hex() for g in groups]  # stage 0's first
+    placement.release(groups)
+    wait_until(lambda: not probes())
 
 
 @pytest.fixture(scope="module")
