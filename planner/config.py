@@ -40,7 +40,7 @@ class PlannerConfig:
     long as replicas asked for at its first decision take to be warm."""
     rise_start_ups: int | None = None
     """A load that has risen over each of this many consecutive start-ups is a trend: the pool grows at
-    once to the load projected a start-up and an interval ahead, and goes back when the load falls.
+    once to the load projected a start-up and half an interval ahead, and goes back when the load falls.
     None: the fewest k whose (k + 1)! reaches both the window's intervals and 1 / (1 -
     attainment_target) (noise alone rises so often at most about once a window and in at most the miss
     share of the intervals; 4 with the defaults); 0: off."""

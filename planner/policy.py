@@ -17,8 +17,9 @@ attainment_target`` of the window's requests, about a start-up and an interval f
 window's rate; a burst seen is remembered for the window.
 A load that has risen over each of the last k start-ups (k the fewest with (k + 1)! at least the
 window's intervals and 1 / (1 - attainment_target): noise alone rises so often at most about once a
-window and in at most the miss share of the intervals) is a trend the window cannot catch: the pool grows at once to the load projected a start-up and an interval ahead, and goes back
-to what it had (or what the window needs) once the load falls.
+window and in at most the miss share of the intervals) is a trend the window cannot catch: the pool
+grows at once to the load projected to the middle of the first interval that replicas asked for now
+serve, and goes back to what it had (or what the window needs) once the load falls.
 Prefill: the fewest replicas sharing one queue (the router picks the least queued) whose Erlang-C
 wait tail keeps ``1 - attainment_target`` of prompts over the TTFT SLO, waits scaled by (1 + cv^2) / 2
 of the prompts' prefill times and by the correction c_p (observed mean TTFT over the model's). A
@@ -199,12 +200,12 @@ class SLAPlanner:
                 count = min(self._prefill_count(projected, prefill_cap), config.max_prefill)
                 if count > prefill_need:
                     rising[pool], prefill_need = prefill_need, count
-                    prefill_why = f"{prefill_why}; rising over each of the last {self._rise_start_ups} start-ups, {count} for the load a start-up and an interval ahead"
+                    prefill_why = f"{prefill_why}; rising over each of the last {self._rise_start_ups} start-ups, {count} for the load a start-up and half an interval ahead"
             else:
                 count = min(self._decode_count(projected), config.max_decode)
                 if count > decode_need:
                     rising[pool], decode_need = decode_need, count
-                    decode_why = f"{decode_why}; rising over each of the last {self._rise_start_ups} start-ups, {count} for the load a start-up and an interval ahead"
+                    decode_why = f"{decode_why}; rising over each of the last {self._rise_start_ups} start-ups, {count} for the load a start-up and half an interval ahead"
         # Beyond the window: a backlog that already makes a new prompt wait past the SLO means the
         # load is over capacity now; the pool grows to this interval's load plus the replicas that
         # clear the backlog within a start-up and an interval.
@@ -270,7 +271,9 @@ class SLAPlanner:
 
     def _rises(self) -> dict[str, float]:
         """Per pool whose observed load rose over each of the last ``rise_start_ups`` start-ups, that
-        load projected a start-up and an interval past the newest interval at the mean rise a start-up."""
+        load projected at the mean rise a start-up to the middle of the first interval that replicas asked
+        for now serve: a start-up and half an interval from now, which is that plus half a start-up from
+        the middle of the newest start-up's average."""
         out = {}
         if not self._rise_start_ups or len(self._observed) < self._observed.maxlen:
             return out

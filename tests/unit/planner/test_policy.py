@@ -350,11 +350,11 @@ def test_a_load_rising_over_each_of_four_start_ups_grows_the_pool_to_its_project
     # Until ten intervals are seen the window alone sizes the pool: 3.4 replicas averaged at 270 s -> 4.
     assert prefill_targets(decisions)[:9] == [1, 1, 2, 2, 2, 3, 3, 4, 4]
     assert all("rising" not in d.reasons["prefill"] for d in decisions[:9])
-    # At 300 s: 3.8 + 0.8 a start-up x (90 s / 60 s + 0.25 for the newest start-up's middle) = 5.2 replicas
-    # of load a start-up and an interval ahead; the window's 3.8 alone would need 4.
+    # At 300 s: 3.8 + 0.8 a start-up x (75 s + 30 s from the newest start-up's middle) / 60 s = 5.2
+    # replicas of load a start-up and half an interval ahead; the window's 3.8 alone would need 4.
     last = decisions[-1]
     assert p._prefill_count(3.8, 0.85) == 4 and last.targets["prefill"] == p._prefill_count(5.2, 0.85) == 6
-    assert last.reasons["prefill"].endswith("rising over each of the last 4 start-ups, 6 for the load a start-up and an interval ahead")
+    assert last.reasons["prefill"].endswith("rising over each of the last 4 start-ups, 6 for the load a start-up and half an interval ahead")
 
 
 def test_a_pool_grown_on_a_rise_goes_back_once_the_load_falls_without_waiting_for_the_cooldown():
