@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -121,11 +121,14 @@ class CountersCollector(Collector):
 
 
 class TierStatsCollector(Collector):
-    """Hits, misses, bytes and evictions per KV tier, plus the Redis tier's own counters."""
+    """Hits, misses, bytes and evictions per KV tier, plus the Redis tier's own counters: the
+    replica's, every rank's added (``rank_redis``: the other ranks' ``RedisTierStats`` fields, as
+    of the last status probe; each rank writes and reads its own values)."""
 
-    def __init__(self, store, labels: dict[str, str]) -> None:
+    def __init__(self, store, labels: dict[str, str], rank_redis: Callable[[], list[dict]] = list) -> None:
         self._store = store
         self._labels = labels
+        self._rank_redis = rank_redis
 
     def collect(self) -> Iterator:
         names, values = list(self._labels) + ["tier"], list(self._labels.values())
@@ -143,7 +146,14 @@ class TierStatsCollector(Collector):
             yield family
         redis = self._store.redis
         if redis is not None:
-            yield from CountersCollector("splitserve_redis_tier", redis.stats_snapshot, self._labels).collect()
+            yield from CountersCollector("splitserve_redis_tier", lambda: self._replica_redis(redis.stats_snapshot()), self._labels).collect()
+
+    def _replica_redis(self, own):
+        total = replace(own)
+        for rank in self._rank_redis():
+            for f in fields(own):
+                setattr(total, f.name, getattr(total, f.name) + rank.get(f.name, 0))
+        return total
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> str:

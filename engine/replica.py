@@ -68,6 +68,8 @@ class EngineReplica:
         self._metrics_config = config
         self._tp_ranks: list[dict] = []
         """Each rank's fields as of the last status probe (for metrics)."""
+        self._rank_redis: list[dict] = []
+        """The other ranks' Redis tier counters (``RedisTierStats`` fields), as of the last status probe."""
         self._rank_expert_tokens: list[list[list[int]]] = []
         """Per rank, per layer, tokens each expert it holds computed, as of the last status probe."""
 
@@ -75,7 +77,7 @@ class EngineReplica:
         """Start the Prometheus endpoint: engine and tier metrics plus the role's ``collectors``."""
         registry = CollectorRegistry()
         registry.register(EngineStatsCollector(lambda: self.loop.stats, self.metrics_labels))
-        registry.register(TierStatsCollector(self.engine.kv_store, self.metrics_labels))
+        registry.register(TierStatsCollector(self.engine.kv_store, self.metrics_labels, lambda: self._rank_redis))
         registry.register(TPRankCollector(lambda: self._tp_ranks, self.metrics_labels))
         registry.register(PipelineStageCollector(lambda: self._tp_ranks, self.metrics_labels))
         registry.register(
@@ -122,15 +124,19 @@ class EngineReplica:
         calls = [asyncio.ensure_future(f.info.remote()) for f in self.tp_followers]
         if calls:
             await asyncio.wait(calls, timeout=timeout_s)
+        rank_redis = []
         for rank, call in enumerate(calls, start=1):
             if call.done() and call.exception() is None:
                 info = call.result()
                 ranks.append({k: info[k] for k in ranks[0]})
                 expert_tokens.append(info["expert_tokens"])
+                rank_redis.append(info.get("redis_stats", {}))
             else:
                 call.cancel()
                 ranks.append(self._lost_rank(rank))
         self._tp_ranks = ranks
+        if len(rank_redis) == len(ranks) - 1:  # counters only grow: keep the last complete picture otherwise
+            self._rank_redis = rank_redis
         if len(expert_tokens) == len(ranks):  # keep the last complete picture otherwise
             self._rank_expert_tokens = expert_tokens
         return ranks

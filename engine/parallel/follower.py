@@ -8,6 +8,7 @@ below are what the leader (a Ray actor) asks of it; the Ray side is engine/paral
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -94,6 +95,7 @@ class TPFollower:
             layer_end=model.stage.layers.stop,
             kv_bytes=self.runner.kv_cache.buffer.numel(),
             busy_s=round(self.runner.busy_s, 4),
+            redis_stats=dataclasses.asdict(self.tiers.redis.stats_snapshot()) if self.tiers is not None and self.tiers.redis is not None else {},
         )
 
     def alive(self) -> bool:

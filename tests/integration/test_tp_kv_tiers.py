@@ -76,6 +76,7 @@ def test_tp3_prefix_back_from_redis_equals_recompute_and_tp1_reads_its_slices(en
     _wait_in_redis(tp3, prompt)
     heads = {key.rsplit(b":", 1)[1] for key in redis_server.client().keys(b"*")}
     assert heads == {b"0", b"1", b"2"}  # one value per KV head, each written by the rank holding it
+    assert all(info["redis_stats"]["num_puts"] >= PROMPT_BLOCKS for info in engines.follower_infos())  # counted where written (metrics add them up)
     again = _run(tp3, prompt)
     assert again.num_cached_tokens == PROMPT_BLOCKS * 16
     assert again.output_token_ids == first.output_token_ids == recomputed(prompt)
