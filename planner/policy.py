@@ -46,6 +46,7 @@ from planner.config import PlannerConfig
 from planner.connector import POOLS, PoolReplicas
 from planner.perf_model import PerfModel
 from planner.predictor import LoadForecast, LoadPredictor
+from planner.trend import LoadTrend, rise_start_ups
 
 
 @dataclass(frozen=True)
@@ -118,15 +119,6 @@ def _pooled_wait_share(rho: float, num_replicas: int) -> float:
     return rho ** (math.sqrt(2 * (num_replicas + 1)) - 1) / (num_replicas * (1 - rho))
 
 
-def _rise_start_ups(num_checks: float) -> int:
-    """The fewest k whose (k + 1)! reaches ``num_checks``: k + 1 start-ups of noise alone rise k times
-    in a row with chance 1 / (k + 1)!, so about once in that many intervals (each one tests it)."""
-    k = 1
-    while math.factorial(k + 1) < num_checks:
-        k += 1
-    return k
-
-
 def _erlang_c(servers: int, load: float) -> float:
     """Probability that a request waits in an M/M/c queue of ``servers`` at offered ``load`` (< servers)."""
     blocking = 1.0
@@ -160,10 +152,12 @@ class SLAPlanner:
         self._first_s: float | None = None
         self._spread = 1.0
         self._measured = False
-        self._block = max(1, math.ceil(config.startup_s / config.interval_s - 1e-9))  # intervals in a start-up
-        self._loads: deque[tuple[float, float]] = deque(maxlen=self._block)
-        self._rise_start_ups = config.rise_start_ups if config.rise_start_ups is not None else _rise_start_ups(max(self._window_s / config.interval_s, 1 / (1 - config.attainment_target)))
-        self._observed: deque[tuple[float, float]] = deque(maxlen=self._block * (self._rise_start_ups + 1))
+        intervals_per_start_up = max(1, math.ceil(config.startup_s / config.interval_s - 1e-9))
+        self._loads: deque[tuple[float, float]] = deque(maxlen=intervals_per_start_up)
+        num_start_ups = config.rise_start_ups
+        if num_start_ups is None:
+            num_start_ups = rise_start_ups(max(self._window_s / config.interval_s, 1 / (1 - config.attainment_target)))
+        self.trend = LoadTrend(intervals_per_start_up, num_start_ups, config.startup_s, config.interval_s)
         self._before_rise: dict[str, int] = {}
         self._z = NormalDist().inv_cdf(config.attainment_target)
 
@@ -193,19 +187,19 @@ class SLAPlanner:
             decode_why = f"{decode_why}; the window's {self._quantile:g} quantile needs {decode_need}"
         # Beyond the window: a load that has risen over each of the last k start-ups is a trend, and the
         # pool grows now to the load projected to when replicas asked for now are warm.
-        self._observed.append((prefill_load, decode_load))
+        self.trend.observe((prefill_load, decode_load))
         rising = {}
-        for pool, projected in self._rises().items():
+        for pool, projected in self.trend.rises().items():
             if pool == "prefill":
                 count = min(self._prefill_count(projected, prefill_cap), config.max_prefill)
                 if count > prefill_need:
                     rising[pool], prefill_need = prefill_need, count
-                    prefill_why = f"{prefill_why}; rising over each of the last {self._rise_start_ups} start-ups, {count} for the load a start-up and half an interval ahead"
+                    prefill_why = f"{prefill_why}; rising over each of the last {self.trend.num_start_ups} start-ups, {count} for the load a start-up and half an interval ahead"
             else:
                 count = min(self._decode_count(projected), config.max_decode)
                 if count > decode_need:
                     rising[pool], decode_need = decode_need, count
-                    decode_why = f"{decode_why}; rising over each of the last {self._rise_start_ups} start-ups, {count} for the load a start-up and half an interval ahead"
+                    decode_why = f"{decode_why}; rising over each of the last {self.trend.num_start_ups} start-ups, {count} for the load a start-up and half an interval ahead"
         # Beyond the window: a backlog that already makes a new prompt wait past the SLO means the
         # load is over capacity now; the pool grows to this interval's load plus the replicas that
         # clear the backlog within a start-up and an interval.
@@ -254,7 +248,7 @@ class SLAPlanner:
             if pool in rising:
                 if targets[pool] > pools[pool].target:
                     self._before_rise.setdefault(pool, pools[pool].target)
-            elif pool in self._before_rise and self._falling(pool):
+            elif pool in self._before_rise and self.trend.falling(pool):
                 back = max(need, self._before_rise.pop(pool), config.min_prefill if pool == "prefill" else config.min_decode)
                 if back < targets[pool]:
                     targets[pool], reasons[pool] = back, f"back to {back}: the rise is over ({why})"
@@ -262,32 +256,6 @@ class SLAPlanner:
         if infeasible_requests:
             reasons["prefill"] += f" ({infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
         return Decision(obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons, tuple(infeasible), infeasible_requests)
-
-    def _start_up_means(self, index: int) -> list[float]:
-        """Mean observed load (0: prefill, 1: decode, in replicas) of each start-up-long block of the
-        recent intervals, oldest first."""
-        loads, block = [x[index] for x in self._observed], self._block
-        return [sum(loads[i : i + block]) / block for i in range(len(loads) % block, len(loads), block)]
-
-    def _rises(self) -> dict[str, float]:
-        """Per pool whose observed load rose over each of the last ``rise_start_ups`` start-ups, that
-        load projected at the mean rise a start-up to the middle of the first interval that replicas asked
-        for now serve: a start-up and half an interval from now, which is that plus half a start-up from
-        the middle of the newest start-up's average."""
-        out = {}
-        if not self._rise_start_ups or len(self._observed) < self._observed.maxlen:
-            return out
-        ahead = (self.config.startup_s + self.config.interval_s) / (self._block * self.config.interval_s) + (self._block - 1) / (2 * self._block)
-        for index, pool in enumerate(POOLS):
-            means = self._start_up_means(index)
-            if all(b > a for a, b in zip(means, means[1:])):
-                out[pool] = means[-1] + (means[-1] - means[0]) / (len(means) - 1) * ahead
-        return out
-
-    def _falling(self, pool: str) -> bool:
-        """Whether the pool's observed load of the last start-up is below that of the start-up before."""
-        means = self._start_up_means(POOLS.index(pool))
-        return len(means) >= 2 and means[-1] < means[-2]
 
     def _measure_prompts(self, obs: Observation) -> int:
         """Learns from the interval's prompts and returns its infeasible requests: those whose prompt

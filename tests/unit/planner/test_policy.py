@@ -345,7 +345,7 @@ RAMP = list(range(4, 44, 4))
 
 def test_a_load_rising_over_each_of_four_start_ups_grows_the_pool_to_its_projection_at_once():
     p = planner()
-    assert p._window_s == 1800 and p._rise_start_ups == 4
+    assert p._window_s == 1800 and p.trend.num_start_ups == 4
     decisions = run(p, RAMP, (1, 1), output_tokens=10)
     # Until ten intervals are seen the window alone sizes the pool: 3.4 replicas averaged at 270 s -> 4.
     assert prefill_targets(decisions)[:9] == [1, 1, 2, 2, 2, 3, 3, 4, 4]
@@ -376,9 +376,9 @@ def test_a_step_up_is_left_to_the_window_and_not_projected():
 
 
 def test_rise_start_ups_is_derived_from_the_window_and_the_miss_share_or_set():
-    assert planner()._rise_start_ups == 4  # 5! = 120 >= 60 intervals
-    assert planner(base_window_s=300)._rise_start_ups == 3  # 4! = 24 >= max(10 intervals, 1 / 0.05)
-    assert planner(attainment_target=0.99, base_window_s=300)._rise_start_ups == 4  # 5! >= 100
+    assert planner().trend.num_start_ups == 4  # 5! = 120 >= 60 intervals
+    assert planner(base_window_s=300).trend.num_start_ups == 3  # 4! = 24 >= max(10 intervals, 1 / 0.05)
+    assert planner(attainment_target=0.99, base_window_s=300).trend.num_start_ups == 4  # 5! >= 100
     off = planner(rise_start_ups=0)
     assert prefill_targets(run(off, RAMP, (1, 1), output_tokens=10))[-1] == 4  # the window alone
     with pytest.raises(ValueError, match="rise_start_ups must be 0 or more"):

@@ -1,0 +1,66 @@
+"""Trends in the observed load: start-up averages that rise over each of the last k start-ups.
+
+The window of ``policy.SLAPlanner`` catches a rise a start-up and an interval late; a load that keeps
+rising outruns it. ``LoadTrend`` keeps each pool's observed load (in replicas) of the last
+(k + 1) start-ups, averages it per start-up, newest block ending at the newest interval:
+
+    intervals  | i-9 i-8 | i-7 i-6 | i-5 i-4 | i-3 i-2 | i-1  i  |   (two intervals a start-up, k = 4)
+    averages   |   m0    |   m1    |   m2    |   m3    |   m4    |   a rise: m0 < m1 < m2 < m3 < m4
+
+and projects a rising one at the mean rise a start-up, (m4 - m0) / k, to the middle of the first
+interval that replicas asked for now serve.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from planner.connector import POOLS
+
+
+def rise_start_ups(num_checks: float) -> int:
+    """The fewest k whose (k + 1)! reaches ``num_checks``: k + 1 start-ups of noise alone rise k times
+    in a row with chance 1 / (k + 1)!, so about once in that many intervals (each one tests it)."""
+    k = 1
+    while math.factorial(k + 1) < num_checks:
+        k += 1
+    return k
+
+
+class LoadTrend:
+    """Each pool's observed load of the last ``num_start_ups + 1`` start-ups of
+    ``intervals_per_start_up`` intervals each; ``num_start_ups`` 0 never reports a rise."""
+
+    def __init__(self, intervals_per_start_up: int, num_start_ups: int, startup_s: float, interval_s: float) -> None:
+        self.num_start_ups = num_start_ups
+        self._block = intervals_per_start_up
+        self._loads: deque[tuple[float, float]] = deque(maxlen=intervals_per_start_up * (num_start_ups + 1))
+        # From the middle of the newest block to the middle of the first interval replicas asked for now
+        # serve (a start-up and half an interval from now), in start-ups.
+        self._ahead = (startup_s + interval_s / 2 + intervals_per_start_up * interval_s / 2) / (intervals_per_start_up * interval_s)
+
+    def observe(self, loads: tuple[float, float]) -> None:
+        """Adds one interval's observed load, in replicas, of each pool in ``POOLS`` order."""
+        self._loads.append(loads)
+
+    def rises(self) -> dict[str, float]:
+        """Per pool whose load rose over each of the last ``num_start_ups`` start-ups, that load
+        projected at its mean rise a start-up; nothing until that many start-ups are observed."""
+        if not self.num_start_ups or len(self._loads) < self._loads.maxlen:
+            return {}
+        out = {}
+        for index, pool in enumerate(POOLS):
+            means = self._means(index)
+            if all(b > a for a, b in zip(means, means[1:])):
+                out[pool] = means[-1] + (means[-1] - means[0]) / (len(means) - 1) * self._ahead
+        return out
+
+    def falling(self, pool: str) -> bool:
+        """Whether ``pool``'s load of the last start-up is below that of the start-up before."""
+        means = self._means(POOLS.index(pool))
+        return len(means) >= 2 and means[-1] < means[-2]
+
+    def _means(self, index: int) -> list[float]:
+        loads, block = [x[index] for x in self._loads], self._block
+        return [sum(loads[i : i + block]) / block for i in range(len(loads) % block, len(loads), block)]

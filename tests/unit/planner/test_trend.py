@@ -1,0 +1,45 @@
+"""LoadTrend: start-up averages of the observed load, the rise test and its projection, by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.trend import LoadTrend, rise_start_ups
+
+
+def trend_of(prefill_loads, num_start_ups: int = 2) -> LoadTrend:
+    """Two 30 s intervals a start-up of 60 s; decode's load held at 1 replica."""
+    trend = LoadTrend(2, num_start_ups, 60.0, 30.0)
+    for load in prefill_loads:
+        trend.observe((load, 1.0))
+    return trend
+
+
+def test_the_fewest_start_ups_whose_factorial_reaches_the_checks():
+    assert [rise_start_ups(n) for n in (1, 2, 3, 6, 7, 20, 24, 25, 60, 120, 121)] == [1, 1, 2, 2, 3, 3, 3, 4, 4, 4, 5]
+
+
+def test_a_load_rising_over_each_start_up_is_projected_at_its_mean_rise():
+    # Start-up means 1.5, 3.5, 5.5: a rise of 2 a start-up, projected from the newest mean's middle
+    # (30 s before now) to 75 s after now, 105 s = 1.75 start-ups: 5.5 + 2 x 1.75 = 9.
+    trend = trend_of([1, 2, 3, 4, 5, 6])
+    assert trend.rises() == {"prefill": pytest.approx(9.0)}  # decode's flat load is no rise
+    assert not trend.falling("prefill")
+
+
+def test_nothing_is_a_rise_before_every_start_up_is_observed_or_when_off():
+    assert trend_of([1, 2, 3, 4, 5]).rises() == {}
+    assert trend_of([1, 2, 3, 4, 5, 6], num_start_ups=0).rises() == {}
+
+
+def test_a_step_rises_over_two_start_ups_only():
+    # A step in the middle of a start-up: means 1, 3, 5, 5; with three rises asked for, no trend.
+    assert trend_of([1, 1, 1, 5, 5, 5, 5, 5], num_start_ups=3).rises() == {}
+    assert trend_of([1, 1, 1, 5, 5, 5], num_start_ups=2).rises() == {"prefill": pytest.approx(5 + 2 * 1.75)}
+
+
+def test_the_blocks_end_at_the_newest_interval_and_a_lower_newest_block_is_falling():
+    trend = trend_of([1, 2, 3, 4, 5, 6, 5])  # means (2, 3), (4, 5), (6, 5): 2.5, 4.5, 5.5
+    assert trend.rises() == {"prefill": pytest.approx(5.5 + 1.5 * 1.75)}
+    trend.observe((3, 1.0))  # means 3.5, 5.5, 4
+    assert trend.rises() == {} and trend.falling("prefill") and not trend.falling("decode")
