@@ -269,13 +269,13 @@ class LLMEngine:
         chunks = scheduler.schedule(max_seqs=max(1, -(-scheduler.num_unfinished // self.config.pp_size)))
         if chunks:
             self._launched.append((chunks, self.runner.launch(chunks)))
-            scheduler.in_flight.update(chunk.request for chunk in chunks)
+            scheduler.launched(chunks)
         if not self._launched or (chunks and len(self._launched) < self.config.pp_size):
             return [], {}
         chunks, launched = self._launched.popleft()
         masks = self._step_masks.start(chunks) if self._grammars is not None else None
         sampled = self.runner.land(launched, masks)
-        scheduler.in_flight.difference_update(chunk.request for chunk in chunks)
+        scheduler.landed(chunks)
         return [chunk for chunk in chunks if self._requests.get(chunk.request.request_id) is chunk.request], sampled
 
     def take_failures(self) -> list[RequestFailedError]:

@@ -105,9 +105,11 @@ class Scheduler:
         """Prompt tokens whose K/V the engine computed (cache hits excluded); grows with recompute."""
         self.speculator = speculator
         """Proposes drafts for decoding sequences (speculative decoding); None decodes plainly."""
-        self.in_flight: set[Request] = set()
-        """Requests in a pipelined step not yet landed (``LLMEngine`` with pipeline stages): not
-        scheduled again, nor preempted, until their tokens are back."""
+        self.in_flight: dict[Request, int] = {}
+        """Tokens of each request in pipelined steps not yet landed (``LLMEngine`` with pipeline
+        stages): such a request is never preempted, and its next prompt chunk runs behind them."""
+        self.sampling_in_flight: set[Request] = set()
+        """Requests whose step in flight samples: not scheduled again until its tokens are back."""
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -136,15 +138,16 @@ class Scheduler:
         while index < len(self.running) and any(budget) and len(chunks) < cap:
             request = self.running[index]
             rank = request.dp_rank
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget[rank])
-            if num_new == 0 or request in self.in_flight:
+            pending = self.in_flight.get(request, 0)  # a prompt's earlier chunks, still in the pipeline
+            num_new = min(request.num_tokens - request.num_computed_tokens - pending, budget[rank])
+            if num_new == 0 or request in self.sampling_in_flight:
                 index += 1
                 continue
-            drafts = request.draft_token_ids[: budget[rank] - 1] if num_new == 1 else ()
+            drafts = request.draft_token_ids[: budget[rank] - 1] if num_new == 1 and not pending else ()
             if drafts and not self._grow(request, 1 + len(drafts)):
                 drafts = ()  # too few blocks to verify: decode plainly before preempting anyone
             num_new += len(drafts)
-            while not self._grow(request, num_new):
+            while not self._grow(request, pending + num_new):
                 victim = self._newest_running(rank)
                 if victim is None:  # every other one is in flight: this one waits for their blocks
                     break
@@ -154,7 +157,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new, drafts))
+                chunks.append(ScheduledChunk(request, request.num_computed_tokens + pending, num_new, drafts))
                 budget[rank] -= num_new
                 index += 1
                 continue
@@ -192,6 +195,22 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
             budget[rank] -= num_new
         return chunks
+
+    def launched(self, chunks: list[ScheduledChunk]) -> None:
+        """A pipelined step of ``chunks`` went into the pipeline (``update`` follows when it lands)."""
+        for chunk in chunks:
+            self.in_flight[chunk.request] = self.in_flight.get(chunk.request, 0) + chunk.num_new_tokens
+            if chunk.samples:
+                self.sampling_in_flight.add(chunk.request)
+
+    def landed(self, chunks: list[ScheduledChunk]) -> None:
+        """A pipelined step of ``chunks`` is back (call before ``update``)."""
+        for chunk in chunks:
+            left = self.in_flight.pop(chunk.request, 0) - chunk.num_new_tokens
+            if left > 0:
+                self.in_flight[chunk.request] = left
+            if chunk.samples:
+                self.sampling_in_flight.discard(chunk.request)
 
     def _newest_running(self, rank: int) -> Request | None:
         """The most recently admitted running request of ``rank`` not in flight (the preemption

@@ -145,3 +145,23 @@ def test_smollm2_pp2_tp3_matches_pp1_through_chunks_prefix_hits_and_preemption(e
         assert again.num_cached_tokens == 64
         outputs[config.num_ranks] += [first.output_token_ids, again.output_token_ids]
     assert outputs[6] == outputs[1]
+
+
+def test_a_long_prompts_chunks_follow_each_other_through_the_stages(engines, kv3, pp2, passage_ids):
+    prompt = passage_ids[:130]  # chunks of 48, 48 and 34 tokens
+    [expected] = engines.get(kv3()).generate([prompt], GREEDY_16)
+    engine = engines.get(pp2)
+    engine.reset_prefix_cache()
+    engine.add_request("long", prompt, GREEDY_16)
+    assert engine.step() == []  # chunk 1 into stage 0
+    [request] = engine.scheduler.running
+    assert engine.scheduler.in_flight == {request: 48}
+    assert engine.step() == []  # chunk 2 in behind it, without waiting for it; chunk 1 lands
+    assert engine.scheduler.in_flight == {request: 48} and request.num_computed_tokens == 48
+    assert engine.step() == []  # chunk 3, the last, samples: nothing more of the request until it lands
+    assert engine.scheduler.in_flight == {request: 34} and engine.scheduler.sampling_in_flight == {request}
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tuple(tokens) == expected.output_token_ids
+    assert engine.scheduler.in_flight == {} and engine.scheduler.sampling_in_flight == set()
