@@ -110,9 +110,10 @@ def test_preemption_matches_pp1(engines, kv3, pp2, passage_ids):
     assert (stats.num_free_kv_blocks, stats.num_running, stats.num_waiting) == (pp2.num_kv_blocks, 0, 0)
 
 
-def test_each_stage_holds_only_its_layers_weights_and_kv(engines, kv3, pp2):
+def test_each_stage_holds_only_its_layers_weights_and_kv(engines, kv3, pp2, passage_ids):
     pp1 = engines.get(kv3()).runner.model
     engine = engines.get(pp2)
+    engine.generate([passage_ids[:20]], GREEDY_16)  # every stage has run steps
     infos = engines.follower_infos()
     tp = pp2.tp_size
     assert [(i["stage"], i["layer_start"], i["layer_end"]) for i in infos] == [(0, 0, 1)] * (tp - 1) + [(1, 1, 2)] * tp
