@@ -105,7 +105,7 @@ def measure(engine: LLMEngine, followers: list, lengths: list[int], batches: lis
             result["decode_step_ms"][str(batch)] = round(decode["step_ms"], 2)
             result["bubble_share"][str(batch)] = round(decode["bubble_share"], 3)
         progress("parallel", f"{shape} decode batch {batch}: {decode['itl_ms']:.1f} ms per token" + (f", bubble {decode['bubble_share']:.2f}" if pipelined else ""))
-    infos = ray.get([f.info.remote() for f in followers])
+    infos = ray.get([f.info.remote() for f in followers]) if followers else []  # ray.get([]) would start a Ray
     result["param_bytes_per_rank"] = [parameter_bytes(engine.runner.model)] + [info["param_bytes"] for info in infos]
     kv_per_rank = [engine.kv_cache.buffer.numel()] + [info["kv_bytes"] for info in infos]
     result["param_bytes_per_stage"] = [sum(result["param_bytes_per_rank"][s * config.tp_size : (s + 1) * config.tp_size]) for s in range(config.pp_size)]
