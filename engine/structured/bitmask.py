@@ -11,7 +11,6 @@ import functools
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.torch
 import torch
 
 from engine.structured.matcher import GrammarMatcher, check_bitmask
@@ -67,6 +66,8 @@ def fill_bitmasks(matchers_with_rows: Sequence[tuple[GrammarMatcher, int]], bitm
         matcher, row = matchers_with_rows[0]
         matcher.fill_bitmask(bitmask, row)
         return
+    import llguidance.torch  # imported when StepMasks is built (engine/structured/step_masks.py): a lookup here
+
     pairs = [(matcher.ll_matcher, row) for matcher, row in matchers_with_rows]
     llguidance.torch.fill_next_token_bitmask_par(_executor(), pairs, bitmask)
 

@@ -9,6 +9,7 @@ masks are in: a matcher is never used by both threads at once.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -23,6 +24,11 @@ class StepMasks:
     constrained request that samples (row j: the mask after its drafts 0..j-1)."""
 
     def __init__(self, vocab_size: int) -> None:
+        """Built with the engine's grammar backend, at its first constrained request (off the
+        engine thread): the batched fill's import (``llguidance.torch``, ~1.3 CPU-s: it compiles a
+        kernel) is paid here, not by every engine process at start nor by a step."""
+        importlib.import_module("llguidance.torch")
+
         self.vocab_size = vocab_size
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
