@@ -77,6 +77,17 @@ def rank_device(
     return RankDevice(f"cuda:{index}", "nccl")
 
 
+def place_rank(device: str, rank: int, gpu_ids: Sequence[str] = ()) -> RankDevice:
+    """This process's ``rank_device`` (the GPUs it sees, ``CUDA_VISIBLE_DEVICES``), made current
+    on a GPU: NCCL binds each rank's communicator to the current device."""
+    num_gpus = torch.cuda.device_count() if device != "cpu" else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    placed = rank_device(device, rank, num_gpus=num_gpus, gpu_ids=gpu_ids, visible_gpus=visible.split(",") if visible is not None else None)
+    if placed.backend == "nccl":
+        torch.cuda.set_device(placed.device)
+    return placed
+
+
 class TPGroup:
     """Rank ``rank`` of ``size`` in one replica's tensor-parallel group (of one pipeline stage's
     ranks, in a pipelined replica: ``engine/parallel/pipeline.py``; ranks here are the group's own)."""
@@ -111,11 +122,7 @@ class TPGroup:
         the GPUs Ray assigned to it as ``gpu_ids`` (``rank_device`` places it; ``self.device``)."""
         if size == 1:
             return cls.single()
-        num_gpus = torch.cuda.device_count() if device != "cpu" else 0
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        placed = rank_device(device, rank, num_gpus=num_gpus, gpu_ids=gpu_ids, visible_gpus=visible.split(",") if visible is not None else None)
-        if placed.backend == "nccl":
-            torch.cuda.set_device(placed.device)  # NCCL binds each rank's communicator to the current device
+        placed = place_rank(device, rank, gpu_ids)
         timeout = timedelta(seconds=collective_timeout_s)
         dist.init_process_group(placed.backend, init_method=f"tcp://{address}", rank=rank, world_size=size, timeout=timeout)
         compute = dist.group.WORLD

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from engine.errors import UnsupportedModelError
 from engine.model_config import ModelConfig
-from engine.parallel.group import _PLAN_TIMEOUT, TPGroup, rank_device
+from engine.parallel.group import _PLAN_TIMEOUT, TPGroup, place_rank
 
 
 @dataclass(frozen=True)
@@ -143,14 +143,8 @@ class PipelineGroup:
     ) -> PipelineGroup:
         """Join the replica whose rank 0 listens at ``address``; blocks until all ``pp_size x
         tp_size`` ranks have joined. ``layers``: each stage's layers (``stage_layers``)."""
-        import os
-
         size = pp_size * tp_size
-        num_gpus = torch.cuda.device_count() if device != "cpu" else 0
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        placed = rank_device(device, rank, num_gpus=num_gpus, gpu_ids=gpu_ids, visible_gpus=visible.split(",") if visible is not None else None)
-        if placed.backend == "nccl":
-            torch.cuda.set_device(placed.device)
+        placed = place_rank(device, rank, gpu_ids)
         timeout = timedelta(seconds=collective_timeout_s)
         # The world group carries the stages' point-to-point sends; a stage waits on its input for
         # as long as the leader is idle, so its timeout is the plan group's.
