@@ -105,31 +105,29 @@ class ModelRunner:
             requests += sampled
             spans += prompt
         rows = sample_rows(requests)
-        params, seeds, positions = [r.params for r in rows], [r.seed for r in rows], [r.position for r in rows]
         plan = plans[0]
         plain = bitmasks is None and not any(r.processes_logits or r.params.logprobs is not None or r.params.constraint is not None for r in rows)
-        logprobs = [None] * len(rows)
         if self.graphs is not None and self.graphs.covers(len(plan.decodes), len(plan.prefills), len(plan.sample_rows), plain):
             decodes = [(c.token_ids[0], c.start, c.block_ids) for c in plan.decodes]
-            tokens = self.graphs.run(decodes, params, seeds, positions).tolist()
+            tokens = self.graphs.run(decodes, [r.params for r in rows], [r.seed for r in rows], [r.position for r in rows]).tolist()
             self.num_runs += 1
             self.num_graph_steps += 1
-        else:
-            self.ranks.send_plan(plans)
-            logits, prompt_logits = self._run_own(plans)
-            record_prompt_logprobs(prompt_logits, spans)
-            if not requests:
-                return {}
-            bitmask, bitmask_rows = stack_bitmasks(requests, masks_of(bitmasks), logits.device)
-            logits = process_logits(logits, rows, bitmask, bitmask_rows)
-            tokens = self._sample(logits, params, seeds, positions)
-            logprobs = sampled_logprobs(logits, rows, tokens)
-        out, row = {}, 0
-        for request, drafts in requests:
-            end = row + len(drafts) + 1
-            out[request] = SampledTokens(tokens[row:end], tuple(logprobs[row:end]) if request.params.logprobs is not None else None)
-            row = end
-        return out
+            return _by_request(requests, tokens, [None] * len(rows))
+        self.ranks.send_plan(plans)
+        logits, prompt_logits = self._run_own(plans)
+        record_prompt_logprobs(prompt_logits, spans)
+        return self._sample_requests(requests, logits, bitmasks) if requests else {}
+
+    def _sample_requests(
+        self, requests: list[tuple[Request, tuple[int, ...]]], logits: torch.Tensor, bitmasks: Mapping[Request, torch.Tensor] | Future | None
+    ) -> dict[Request, SampledTokens]:
+        """Each request's tokens from its rows of ``logits`` (processed first: bias, penalties, its
+        constraint's ``bitmasks``), with their log-probabilities where asked."""
+        rows = sample_rows(requests)
+        bitmask, bitmask_rows = stack_bitmasks(requests, masks_of(bitmasks), logits.device)
+        logits = process_logits(logits, rows, bitmask, bitmask_rows)
+        tokens = self._sample(logits, [r.params for r in rows], [r.seed for r in rows], [r.position for r in rows])
+        return _by_request(requests, tokens, sampled_logprobs(logits, rows, tokens))
 
     def _sample(self, logits: torch.Tensor, params: list, seeds: list[int], positions: list[int]) -> list[int]:
         """The device path samples with the graphs' sampler in every step, so that a request's
@@ -153,19 +151,7 @@ class ModelRunner:
         logits = self.pipe.recv_logits()
         num_prompt = len(step.plan.prompt_rows)
         record_prompt_logprobs(logits[:num_prompt] if num_prompt else None, step.spans)
-        if not step.requests:
-            return {}
-        rows = sample_rows(step.requests)
-        bitmask, bitmask_rows = stack_bitmasks(step.requests, masks_of(bitmasks), logits.device)
-        logits = process_logits(logits[num_prompt:], rows, bitmask, bitmask_rows)
-        tokens = self._sample(logits, [r.params for r in rows], [r.seed for r in rows], [r.position for r in rows])
-        logprobs = sampled_logprobs(logits, rows, tokens)
-        out, row = {}, 0
-        for request, drafts in step.requests:
-            end = row + len(drafts) + 1
-            out[request] = SampledTokens(tokens[row:end], tuple(logprobs[row:end]) if request.params.logprobs is not None else None)
-            row = end
-        return out
+        return self._sample_requests(step.requests, logits[num_prompt:], bitmasks) if step.requests else {}
 
     def follow_pipeline(self) -> int:
         """A rank of a stage after the first: run each plan on the hidden stream that comes with
@@ -338,6 +324,17 @@ class ModelRunner:
             out.append(PrefillChunk(token_start, chunk.num_tokens, chunk.start, table, mask))
             token_start += chunk.num_tokens
         return tuple(out)
+
+
+def _by_request(requests: list[tuple[Request, tuple[int, ...]]], tokens: list[int], logprobs: list) -> dict[Request, SampledTokens]:
+    """The step's sampled rows, in order, as each request's tokens (one, or one per row of a
+    verify chunk), with their log-probabilities where the request asked for them."""
+    out, row = {}, 0
+    for request, drafts in requests:
+        end = row + len(drafts) + 1
+        out[request] = SampledTokens(tokens[row:end], tuple(logprobs[row:end]) if request.params.logprobs is not None else None)
+        row = end
+    return out
 
 
 def _padded_tables(chunks: tuple[PlannedChunk, ...], device: torch.device) -> torch.Tensor:
