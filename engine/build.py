@@ -140,7 +140,7 @@ def build_shard(
     sizing = KVBlockLayout(largest, model.num_kv_heads, mc.head_dim, config.block_size, config.kv_dtype)  # every stage: the same block ids
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes // sizing.block_bytes
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} holds no block of {layout.block_bytes} bytes")
+        raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} holds no block of {sizing.block_bytes} bytes")
     if device != "cpu":
         check_pool_fits(device, num_blocks, layout.block_bytes, *torch.cuda.mem_get_info(device))
     return model, PagedKVCache(layout, num_blocks, TORCH_DTYPES[config.dtype], device)

@@ -254,7 +254,7 @@ class TieredKVStore:
                 redis_blocks = [None] * len(rest)
             if len(redis_blocks) < len(keys) - len(cpu_keys):
                 self.stats.tiers[Tier.REDIS].num_misses += 1
-                self._forget_redis(keys[len(cpu_keys) + len(redis_blocks)])
+                self.redis_keys.forget(keys[len(cpu_keys) + len(redis_blocks)])
         wanted = len(cpu_keys) + len(redis_blocks)
         if wanted == 0:
             return []
@@ -285,7 +285,7 @@ class TieredKVStore:
             if num_agreed < len(loaded):
                 self.stats.tiers[loaded[num_agreed][2]].num_misses += 1
                 if loaded[num_agreed][2] is Tier.REDIS:
-                    self._forget_redis(loaded[num_agreed][1])
+                    self.redis_keys.forget(loaded[num_agreed][1])
                 loaded = loaded[:num_agreed]
         for block_id, key, tier in loaded:
             self.pool.cache(block_id, key)
@@ -321,9 +321,6 @@ class TieredKVStore:
             mirrored()
         if not self.local:
             self.redis.expect([key])
-
-    def _forget_redis(self, key: int) -> None:
-        self.redis_keys.forget(key)
 
     # -- state ---------------------------------------------------------------------------------
 
