@@ -36,7 +36,11 @@ GREEDY = dict(temperature=0, **LONG)
 SEEDED = dict(temperature=0.9, top_p=0.95, seed=77, **LONG)
 # Probes often, but a live replica gets 3 s to answer: on a loaded machine (two pytest workers and
 # a busy core) 1 s timed out a healthy replacement twice and restarted it, a failure the test did not cause.
-FAST_HEALTH = ControllerConfig(health_check_interval_s=0.3, health_check_timeout_s=3.0, max_failed_health_checks=2, restart_backoff_s=0.5)
+# The backoff doubles up to 1 s, not 60: every replica this module kills dies young (before
+# stable_after_s), so uncapped the broken starts of the last test waited 4 s, then 8 s, then 16 s.
+FAST_HEALTH = ControllerConfig(
+    health_check_interval_s=0.3, health_check_timeout_s=3.0, max_failed_health_checks=2, restart_backoff_s=0.5, max_restart_backoff_s=1.0
+)
 
 
 @pytest.fixture(scope="module")
