@@ -1,7 +1,7 @@
 """bench.chaos on the tiny model: a real cluster (2 prefill + 2 decode, 2 routers, Redis tier)
 under load while each fault runs once, the controller's and a router's SIGKILL included; nothing
-lost, wrong, duplicated or leaked, and every fault recovered from. ``--duration-s 15`` spaces the
-faults 2 s apart; each waits for the one before to recover, so the soak runs longer. Only
+lost, wrong, duplicated or leaked, and every fault recovered from. ``--duration-s 8`` spaces the
+faults 1 s apart; each waits for the one before to recover, so the soak runs longer. Only
 the soak: the bench's pauses phase times what tests/integration/test_failover.py already asserts
 (a stream continuing when its decode replica is killed, frozen or the only one)."""
 
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_a_soak_with_each_fault_once_loses_nothing(ray_session, tiny_llama_dir, tmp_path, capsys):
     """In this process, on the session's Ray: the cluster's replicas are Ray actors either way."""
     out = tmp_path / "chaos.json"
-    argv = ["--duration-s", "15", "--model", str(tiny_llama_dir), "--kv-dtype", "fp32", "--phases", "soak", "--json", str(out)]
+    argv = ["--duration-s", "8", "--model", str(tiny_llama_dir), "--kv-dtype", "fp32", "--phases", "soak", "--json", str(out)]
     code = run("chaos", chaos.main, argv)
     assert code == 0, capsys.readouterr().err[-3000:]
     report = json.loads(out.read_text())
