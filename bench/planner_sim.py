@@ -52,6 +52,8 @@ class Simulation:
         n = len(trace)
         self.first_s, self.start_s, self.finish_s = [math.nan] * n, [math.nan] * n, [math.nan] * n
         self.first_tokens, self.itls, self.timeline, self.decisions = [], [], [], []
+        self.streamed = 0.0  # output tokens decoded so far (what the routers' splitserve_output_tokens counts)
+        self._streamed_at_tick = 0.0
         self.batch_at_slo = max(1, perf.largest_batch(config.itl_slo_s, config.max_decode_batch))
 
     def _push(self, t, kind, x) -> None:
@@ -113,7 +115,9 @@ class Simulation:
     def _advance(self, r: _Replica, now: float) -> None:
         running_s = max(0.0, now - max(r.last_s, r.stall_s))
         if r.heap:
-            r.tokens += running_s / (self.cost * self.perf.itl_s(len(r.heap)))
+            steps = running_s / (self.cost * self.perf.itl_s(len(r.heap)))
+            r.tokens += steps
+            self.streamed += steps * len(r.heap)
         r.batch_s += len(r.heap) * max(0.0, now - r.last_s)
         r.last_s = max(r.last_s, now)
 
@@ -174,8 +178,9 @@ class Simulation:
         histogram = [0] * len(PROMPT_LENGTH_BUCKETS)
         for n in lengths:
             histogram[bisect.bisect_left(PROMPT_LENGTH_BUCKETS, n)] += 1
-        obs = Observation(now, interval, arrived[0], arrived[1], arrived[2], mean(ttfts), p90(ttfts), mean(itls), p90(itls), int(queued), kv,
-                          tuple(zip(PROMPT_LENGTH_BUCKETS, histogram)))
+        streamed, self._streamed_at_tick = self.streamed - self._streamed_at_tick, self.streamed
+        obs = Observation(now, interval, arrived[0], arrived[1], round(streamed), mean(ttfts), p90(ttfts), mean(itls), p90(itls), int(queued), kv,
+                          tuple(zip(PROMPT_LENGTH_BUCKETS, histogram)), sum(len(r.heap) for r in decode))
         use = {"prefill": busy_s / (max(1, pools["prefill"].ready) * interval), "decode": batch / self.batch_at_slo}
         targets = self.controller(now, obs, pools, use)
         for pool, target in (targets or {}).items():

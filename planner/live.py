@@ -69,6 +69,7 @@ class ClusterSource:
             queued_prefill_tokens=prefill_queue,
             kv_usage=kv_usage,
             prompt_length_counts=stats.prompt_length_counts,
+            decode_running=sum(r.num_running for r in status.replicas if r.pool == "decode"),
         )
 
 

@@ -62,7 +62,8 @@ class Observation:
     num_prompt_tokens: int
     """Prompt tokens of those requests."""
     num_output_tokens: int
-    """Output tokens of those requests."""
+    """Output tokens streamed in the interval (the routers' ``splitserve_output_tokens``), whichever
+    request they belong to."""
     ttft_s_mean: float | None = None
     """Mean TTFT of requests whose first token came in the interval (None: none came)."""
     ttft_s_p90: float | None = None
@@ -79,6 +80,9 @@ class Observation:
     """Requests of the interval by prompt length: (upper bound in tokens, count) per histogram bucket,
     bounds rising, the last one inf (router.frontend.metrics.PROMPT_LENGTH_BUCKETS; empty: unknown). The
     planner counts the prompts no replica prefills within the TTFT SLO apart from the rest."""
+    decode_running: int | None = None
+    """Decode pool: sequences being decoded at the end of the interval, all replicas together
+    (None: unknown)."""
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0 or min(self.num_requests, self.num_prompt_tokens, self.num_output_tokens, self.queued_prefill_tokens) < 0:
@@ -174,7 +178,7 @@ class SLAPlanner:
 
         # This interval's load, as counts, joins the window; the pools are sized for the window's quantile.
         prefill_load, prefill_cap, prefill_why = self._prefill_load(observed)
-        decode_load, decode_why = self._decode_load(observed)
+        decode_load, decode_why = self._decode_load(observed, obs.decode_running)
         self._loads.append((prefill_load, decode_load))
         smooth_prefill = sum(p for p, _ in self._loads) / len(self._loads)
         smooth_decode = sum(d for _, d in self._loads) / len(self._loads)
@@ -417,13 +421,18 @@ class SLAPlanner:
     def _decode_count(self, load: float) -> int:
         return self.config.max_decode + 1 if math.isinf(load) else max(1, math.ceil(load - 1e-9))
 
-    def _decode_load(self, forecast: LoadForecast) -> tuple[float, str]:
-        """(load in decode replicas, why); infinite when no batch meets the ITL SLO."""
+    def _decode_load(self, forecast: LoadForecast, running: int | None = None) -> tuple[float, str]:
+        """(load in decode replicas, why); infinite when no batch meets the ITL SLO. The streamed
+        tokens lag the sequences that have joined a batch (a long answer streams for minutes), so the
+        sequences running now, at one replica's batch, count when they are more."""
         rate = self._decode_rate(self.config.itl_slo_s)
         if rate is None:
             return math.inf, f"one sequence alone takes {self.corrections['decode'] * self.perf_model.itl_s(1):.3f} s per token"
         batch, tokens_per_s = rate
-        return forecast.output_tokens_per_s / tokens_per_s, f"{forecast.output_tokens_per_s:.0f} output tokens/s at {tokens_per_s:.0f} per replica (batch {batch:.0f})"
+        load, why = forecast.output_tokens_per_s / tokens_per_s, f"{forecast.output_tokens_per_s:.0f} output tokens/s at {tokens_per_s:.0f} per replica (batch {batch:.0f})"
+        if running is not None and running / batch > load:
+            load, why = running / batch, f"{running} sequences running at a batch of {batch:.0f} per replica ({forecast.output_tokens_per_s:.0f} output tokens/s)"
+        return load, why
 
     def _stabilised(self, pool: str, need_down: int, now_s: float) -> int:
         """The most ``need_down`` asked for over the last ``scale_down_window_s`` (this one included)."""

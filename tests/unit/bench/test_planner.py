@@ -198,3 +198,19 @@ def test_a_ramp_is_met_by_the_trend_rule_before_the_window_alone_would_meet_it()
     for count in (3, 4):
         assert first_at(trend_timeline, count) < first_at(window_timeline, count)
     assert trend["slo_attainment"] > window["slo_attainment"]
+
+
+def test_the_replay_observes_the_tokens_streamed_in_each_interval_and_the_sequences_running():
+    """As a live router counts them: a 3,000-token answer streams over several intervals, not all in
+    the one it arrived in; the decode pool reports the sequences still running at each tick."""
+    from bench.planner_sim import Simulation
+
+    config = bench_planner.PlannerConfig()
+    perf = bench_planner.load_splitwise_csv(bench_planner.DEFAULT_PERF, "llama2-70b", "h100-80gb", 4)
+    trace = [bench_planner.Arrival(1.0, 500, 3000), bench_planner.Arrival(2.0, 500, 3000), bench_planner.Arrival(400.0, 500, 1)]
+    seen = []
+    Simulation(trace, perf, config, lambda now, obs, pools, use: seen.append(obs), (1, 1)).run()
+    streamed = [o.num_output_tokens for o in seen]
+    assert streamed[0] < 3000 and sum(1 for n in streamed if n) >= 3  # spread over the intervals it took
+    assert abs(sum(streamed) - 6000) <= len(streamed)  # every token once (rounded per interval)
+    assert seen[0].decode_running == 2 and seen[-1].decode_running == 0

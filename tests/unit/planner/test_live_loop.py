@@ -111,11 +111,13 @@ def test_infeasible_requests_are_counted_and_logged_as_strict_json(caplog):
     assert lines[-1]["observation"]["prompt_length_counts"] == {"128": 5, "+Inf": 3}
 
 
-def test_the_cluster_source_reads_prompt_lengths_from_the_routers_metrics():
+def test_the_cluster_source_reads_prompt_lengths_from_the_routers_metrics_and_running_sequences_from_the_status():
     metrics = RouterMetrics("router-0")
     server, thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
     try:
-        status = pb.ClusterStatus(routers=[pb.RouterStatus(router_id="router-0", metrics_url=f"http://127.0.0.1:{server.server_port}/metrics")])
+        replicas = [pb.ReplicaStatus(replica_id="d0", pool="decode", num_running=7), pb.ReplicaStatus(replica_id="d1", pool="decode", num_running=5),
+                    pb.ReplicaStatus(replica_id="p0", pool="prefill", num_running=3)]
+        status = pb.ClusterStatus(routers=[pb.RouterStatus(router_id="router-0", metrics_url=f"http://127.0.0.1:{server.server_port}/metrics")], replicas=replicas)
         source = ClusterSource(lambda: status)
         assert asyncio.run(source.observe(0.0)) is None
         metrics.prompt_length.observe(1000)
@@ -126,3 +128,4 @@ def test_the_cluster_source_reads_prompt_lengths_from_the_routers_metrics():
         thread.join()
     assert {bound: n for bound, n in observation.prompt_length_counts if n} == {1024.0: 1, float("inf"): 1}
     assert [bound for bound, _ in observation.prompt_length_counts] == list(PROMPT_LENGTH_BUCKETS)
+    assert observation.decode_running == 12  # the decode replicas' running sequences, not prefill's

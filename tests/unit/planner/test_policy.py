@@ -383,3 +383,17 @@ def test_rise_start_ups_is_derived_from_the_window_and_the_miss_share_or_set():
     assert prefill_targets(run(off, RAMP, (1, 1), output_tokens=10))[-1] == 4  # the window alone
     with pytest.raises(ValueError, match="rise_start_ups must be 0 or more"):
         PlannerConfig(rise_start_ups=-1)
+
+
+def test_sequences_running_count_as_decode_load_before_their_tokens_have_streamed():
+    """Long answers that have just joined the batch stream few tokens in their first interval; the
+    sequences running say how many decode replicas they need: a replica's batch is 81 at the 0.1 s
+    SLO, 67 less 1.645 * sqrt(67) for the swing; 300 running are 4.5 replicas, averaged with the
+    interval before over the start-up, 3."""
+    streamed_only, with_running = planner(), planner()
+    for p in (streamed_only, with_running):
+        run(p, [5] * 6, (1, 1))
+    assert streamed_only.decide(observe(210, 5), pools(1, 1)).targets["decode"] == 1
+    decision = with_running.decide(observe(210, 5, decode_running=300), pools(1, 1))
+    assert decision.targets["decode"] == 3
+    assert decision.reasons["decode"].startswith("up to 3 for 300 sequences running at a batch of 67 per replica")
