@@ -25,7 +25,8 @@ wait tail keeps ``1 - attainment_target`` of prompts over the TTFT SLO, waits sc
 of the prompts' prefill times and by the correction c_p (observed mean TTFT over the model's). A
 prompt whose prefill alone exceeds the SLO is counted apart and never drives the pool to max.
 Decode: the largest batch whose corrected ITL meets the SLO, less z * sqrt(batch) for the
-fluctuation of a Poisson batch (z at the attainment target), sets one replica's token rate.
+fluctuation of a Poisson batch (z at the attainment target), sets one replica's token rate; the
+load is the streamed tokens over that rate, or the running sequences over that batch when more.
 When the prompt load is under ``prefill_zero_load`` replicas the prefill pool may go to zero and
 that load is added to the decode pool's; a pool at zero stays so while the decode replicas, each
 prefilling its share, carry it all. With ``aggregate_when_cheaper`` it also goes to zero
