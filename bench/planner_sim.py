@@ -23,7 +23,7 @@ from bench.report import percentile
 from planner.config import PlannerConfig
 from planner.connector import POOLS, PoolReplicas
 from planner.perf_model import PerfModel
-from planner.policy import Observation
+from planner.observation import Observation
 from router.frontend.metrics import PROMPT_LENGTH_BUCKETS
 
 HPA_TARGET = 0.7

@@ -28,7 +28,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from planner.connector import POOLS, Connector, ConnectorError
-from planner.policy import Decision, Observation, SLAPlanner
+from planner.observation import Decision, Observation
+from planner.policy import SLAPlanner
 from planner.scrape import Scrape, interval, scrape
 
 logger = logging.getLogger(__name__)

@@ -40,96 +40,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 from statistics import NormalDist
 
 from planner.config import PlannerConfig
 from planner.connector import POOLS, PoolReplicas
+from planner.observation import Decision, Observation
 from planner.perf_model import PerfModel
 from planner.predictor import LoadForecast, LoadPredictor
+from planner.queueing import erlang_c, pooled_wait_share, wait_tail
 from planner.trend import LoadTrend, rise_start_ups
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What the cluster did in the interval that just ended (the series Prometheus scrapes)."""
-
-    time_s: float
-    """End of the interval on the planner's clock (monotonic seconds); cooldowns are measured on it."""
-    duration_s: float
-    """Length of the interval."""
-    num_requests: int
-    """Requests that arrived."""
-    num_prompt_tokens: int
-    """Prompt tokens of those requests."""
-    num_output_tokens: int
-    """Output tokens streamed in the interval (the routers' ``splitserve_output_tokens``), whichever
-    request they belong to."""
-    ttft_s_mean: float | None = None
-    """Mean TTFT of requests whose first token came in the interval (None: none came)."""
-    ttft_s_p90: float | None = None
-    """90th percentile of the same."""
-    itl_s_mean: float | None = None
-    """Mean ITL of requests that finished in the interval (None: none finished)."""
-    itl_s_p90: float | None = None
-    """90th percentile of the same."""
-    queued_prefill_tokens: int = 0
-    """Prefill pool: prompt tokens waiting or being prefilled at the end of the interval."""
-    kv_usage: float | None = None
-    """Decode pool: share of its KV blocks in use at the end of the interval (None: unknown)."""
-    prompt_length_counts: tuple[tuple[float, int], ...] = ()
-    """Requests of the interval by prompt length: (upper bound in tokens, count) per histogram bucket,
-    bounds rising, the last one inf (router.frontend.metrics.PROMPT_LENGTH_BUCKETS; empty: unknown). The
-    planner counts the prompts no replica prefills within the TTFT SLO apart from the rest."""
-    decode_running: int | None = None
-    """Decode pool: sequences being decoded at the end of the interval, all replicas together
-    (None: unknown)."""
-
-    def __post_init__(self) -> None:
-        if self.duration_s <= 0 or min(self.num_requests, self.num_prompt_tokens, self.num_output_tokens, self.queued_prefill_tokens) < 0:
-            raise ValueError("an observation needs duration_s above 0 and no negative count.")
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What the planner wants, and why."""
-
-    time_s: float
-    """The observation's time."""
-    targets: Mapping[str, int]
-    """Replicas each pool should be set to."""
-    needed: Mapping[str, int]
-    """Replicas the corrected model says each pool needs, before hysteresis, cooldown and limits."""
-    forecast: LoadForecast
-    """The load the targets are sized for."""
-    corrections: Mapping[str, float]
-    """Observed/predicted latency factor per pool (TTFT for prefill, ITL for decode)."""
-    reasons: Mapping[str, str]
-    """One sentence per pool saying why its target is what it is."""
-    infeasible: tuple[str, ...] = ()
-    """Pools whose SLO no allowed count meets: held at max and reported (an event per interval)."""
-    infeasible_requests: int = 0
-    """Requests of the interval whose prompt no replica prefills within the TTFT SLO (their prefill
-    alone takes longer): counted and reported apart, they never drive the prefill pool to max."""
-
-
-def _wait_tail(rho: float, service_s: float, slack_s: float) -> float:
-    """Share of requests an M/M/1 queue at load ``rho`` keeps waiting longer than ``slack_s``."""
-    return rho * math.exp(-(1 - rho) * slack_s / service_s)
-
-
-def _pooled_wait_share(rho: float, num_replicas: int) -> float:
-    """Mean wait over service time of ``num_replicas`` replicas sharing one queue at load ``rho``
-    (Sakasegawa's M/M/c approximation): what the router's least-queued choice achieves."""
-    return rho ** (math.sqrt(2 * (num_replicas + 1)) - 1) / (num_replicas * (1 - rho))
-
-
-def _erlang_c(servers: int, load: float) -> float:
-    """Probability that a request waits in an M/M/c queue of ``servers`` at offered ``load`` (< servers)."""
-    blocking = 1.0
-    for k in range(1, servers + 1):
-        blocking = load * blocking / (k + load * blocking)
-    return servers * blocking / (servers - load * (1 - blocking))
 
 
 class SLAPlanner:
@@ -345,7 +264,7 @@ class SLAPlanner:
         if steady["prefill"] and obs.ttft_s_mean and prefill_ready and prompted:
             rho = obs.num_prompt_tokens / obs.duration_s * service_s / prompt_tokens / prefill_ready
             if rho < 0.7:  # beyond, the queueing term dominates and says little about the model
-                ratios["prefill"] = obs.ttft_s_mean / (service_s * (1 + self._spread * _pooled_wait_share(rho, prefill_ready)))
+                ratios["prefill"] = obs.ttft_s_mean / (service_s * (1 + self._spread * pooled_wait_share(rho, prefill_ready)))
         decode_ready = pools["decode"].ready
         if steady["decode"] and obs.itl_s_mean and decode_ready and obs.num_output_tokens:
             batch = obs.num_output_tokens / obs.duration_s * obs.itl_s_mean / decode_ready
@@ -374,7 +293,7 @@ class SLAPlanner:
         low, high, tail = 0.0, 1.0, 1 - config.attainment_target
         for _ in range(40):
             mid = (low + high) / 2
-            low, high = (mid, high) if _wait_tail(mid, wait_scale_s, config.ttft_slo_s - wait_scale_s) <= tail else (low, mid)
+            low, high = (mid, high) if wait_tail(mid, wait_scale_s, config.ttft_slo_s - wait_scale_s) <= tail else (low, mid)
         return replicas, low, why
 
     def _prefill_count(self, load: float, per_replica: float) -> int:
@@ -389,7 +308,7 @@ class SLAPlanner:
         service_s = self._corrected_prefill_s()
         slack = (config.ttft_slo_s - service_s) / service_s
         for count in range(max(1, math.ceil(load - 1e-9)), config.max_prefill + 2):
-            if count > load and _erlang_c(count, load) * math.exp(-(count - load) * slack / self._spread) <= 1 - config.attainment_target:
+            if count > load and erlang_c(count, load) * math.exp(-(count - load) * slack / self._spread) <= 1 - config.attainment_target:
                 return count
         return config.max_prefill + 1
 

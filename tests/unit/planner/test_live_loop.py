@@ -10,7 +10,8 @@ from planner.config import PlannerConfig
 from planner.connector import ConnectorError, PoolReplicas
 from planner.live import ClusterSource, PlannerLoop, PlannerMetrics
 from planner.perf_model import PerfModel
-from planner.policy import Observation, SLAPlanner
+from planner.observation import Observation
+from planner.policy import SLAPlanner
 from proto import splitserve_pb2 as pb
 from router.frontend.metrics import PROMPT_LENGTH_BUCKETS, RouterMetrics
 

@@ -24,7 +24,8 @@ import pytest
 from planner.config import PlannerConfig
 from planner.connector import PoolReplicas
 from planner.perf_model import PerfModel
-from planner.policy import Observation, SLAPlanner
+from planner.observation import Observation
+from planner.policy import SLAPlanner
 
 PERF = PerfModel([(100, 0.01), (10000, 1.0)], [(1, 0.02), (101, 0.12)], "hand-made")
 INTERVAL_S = 30.0

@@ -1,0 +1,71 @@
+"""The planner's input and output: what the cluster did in an interval, and what the planner wants."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from planner.predictor import LoadForecast
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the cluster did in the interval that just ended (the series Prometheus scrapes)."""
+
+    time_s: float
+    """End of the interval on the planner's clock (monotonic seconds); cooldowns are measured on it."""
+    duration_s: float
+    """Length of the interval."""
+    num_requests: int
+    """Requests that arrived."""
+    num_prompt_tokens: int
+    """Prompt tokens of those requests."""
+    num_output_tokens: int
+    """Output tokens streamed in the interval (the routers' ``splitserve_output_tokens``), whichever
+    request they belong to."""
+    ttft_s_mean: float | None = None
+    """Mean TTFT of requests whose first token came in the interval (None: none came)."""
+    ttft_s_p90: float | None = None
+    """90th percentile of the same."""
+    itl_s_mean: float | None = None
+    """Mean ITL of requests that finished in the interval (None: none finished)."""
+    itl_s_p90: float | None = None
+    """90th percentile of the same."""
+    queued_prefill_tokens: int = 0
+    """Prefill pool: prompt tokens waiting or being prefilled at the end of the interval."""
+    kv_usage: float | None = None
+    """Decode pool: share of its KV blocks in use at the end of the interval (None: unknown)."""
+    prompt_length_counts: tuple[tuple[float, int], ...] = ()
+    """Requests of the interval by prompt length: (upper bound in tokens, count) per histogram bucket,
+    bounds rising, the last one inf (router.frontend.metrics.PROMPT_LENGTH_BUCKETS; empty: unknown). The
+    planner counts the prompts no replica prefills within the TTFT SLO apart from the rest."""
+    decode_running: int | None = None
+    """Decode pool: sequences being decoded at the end of the interval, all replicas together
+    (None: unknown)."""
+
+    def __post_init__(self) -> None:
+        if self.duration_s <= 0 or min(self.num_requests, self.num_prompt_tokens, self.num_output_tokens, self.queued_prefill_tokens) < 0:
+            raise ValueError("an observation needs duration_s above 0 and no negative count.")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the planner wants, and why."""
+
+    time_s: float
+    """The observation's time."""
+    targets: Mapping[str, int]
+    """Replicas each pool should be set to."""
+    needed: Mapping[str, int]
+    """Replicas the corrected model says each pool needs, before hysteresis, cooldown and limits."""
+    forecast: LoadForecast
+    """The load the targets are sized for."""
+    corrections: Mapping[str, float]
+    """Observed/predicted latency factor per pool (TTFT for prefill, ITL for decode)."""
+    reasons: Mapping[str, str]
+    """One sentence per pool saying why its target is what it is."""
+    infeasible: tuple[str, ...] = ()
+    """Pools whose SLO no allowed count meets: held at max and reported (an event per interval)."""
+    infeasible_requests: int = 0
+    """Requests of the interval whose prompt no replica prefills within the TTFT SLO (their prefill
+    alone takes longer): counted and reported apart, they never drive the prefill pool to max."""
