@@ -21,10 +21,10 @@ alone (they carry Triton's own flags too).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
 from proto import splitserve_pb2 as pb
+from router.frontend.apis.constraints import fill_constraint, parse_json
 from router.frontend.apis.errors import invalid
 
 _SAMPLING_KEYS = {
@@ -85,39 +85,15 @@ def _constraint(constraint: pb.Constraint, values: Mapping[str, tuple[object, st
     if kind == "json_object":
         if convert(where, value, bool):
             constraint.json_object = True
-    elif kind == "json_schema":
-        schema = _json(where, value) if isinstance(value, str) else value
-        if not isinstance(schema, dict):
-            raise invalid(where, f"must be a JSON Schema object (as JSON text), got {type(schema).__name__}")
-        constraint.json_schema = json.dumps(schema, ensure_ascii=False)
-    elif kind == "choice":
-        choices = _json(where, value) if isinstance(value, str) else value
-        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-            raise invalid(where, "must be a non-empty JSON array of non-empty strings")
-        constraint.choice.choices.extend(choices)
-    else:
-        if not isinstance(value, str) or not value:
-            raise invalid(where, "must be a non-empty string")
-        if kind == "regex":
-            constraint.regex = value
-        else:
-            syntax, syntax_where = values.get("grammar_syntax", ("lark", ""))
-            if syntax not in ("lark", "ebnf"):
-                raise invalid(syntax_where, f"must be lark or ebnf, got {syntax!r}")
-            constraint.grammar.source = value
-            constraint.grammar.syntax = syntax
+        return
+    if kind == "choice" and isinstance(value, str):
+        value = parse_json(where, value)
+    fill_constraint(constraint, kind, value, where, values.get("grammar_syntax"))
 
 
 def constraint_field(values: Mapping[str, tuple[object, str]]) -> str | None:
     """Where the constraint came from (to name the engine's refusal of it), or None."""
     return next((values[k][1] for k in CONSTRAINT_KEYS if values.get(k, (None,))[0] is not None), None)
-
-
-def _json(where: str, text: str) -> object:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise invalid(where, f"not valid JSON ({e})") from e
 
 
 def convert(where: str, value: object, kind: type):

@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping
 
 from proto import splitserve_pb2 as pb
+from router.frontend.apis.constraints import fill_constraint
 from router.frontend.apis.errors import invalid
 
 MAX_LOGPROBS = 20
@@ -152,34 +153,13 @@ def _structured_outputs(value: object, constraint: pb.Constraint) -> str:
     kind = kinds[0]
     field = f"structured_outputs.{kind}"
     spec = value[kind]
-    if kind == "json":
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as e:
-                raise invalid(field, f"not valid JSON ({e})") from e
-        if not isinstance(spec, dict):
-            raise invalid(field, f"must be a JSON Schema object, got {type(spec).__name__}")
-        constraint.json_schema = json.dumps(spec, ensure_ascii=False)
-    elif kind == "json_object":
+    if kind == "json_object":
         if spec is not True:
             raise invalid(field, f"must be true, got {spec!r}")
         constraint.json_object = True
-    elif kind == "choice":
-        if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
-            raise invalid(field, "must be a non-empty list of non-empty strings")
-        constraint.choice.choices.extend(spec)
     else:
-        if not isinstance(spec, str) or not spec:
-            raise invalid(field, "must be a non-empty string")
-        if kind == "regex":
-            constraint.regex = spec
-        else:
-            syntax = value.get("grammar_syntax", "lark")
-            if syntax not in ("lark", "ebnf"):
-                raise invalid("structured_outputs.grammar_syntax", f"must be lark or ebnf, got {syntax!r}")
-            constraint.grammar.source = spec
-            constraint.grammar.syntax = syntax
+        syntax = (value.get("grammar_syntax", "lark"), "structured_outputs.grammar_syntax")
+        fill_constraint(constraint, "json_schema" if kind == "json" else kind, spec, field, syntax)
     return field
 
 

@@ -59,9 +59,9 @@ def test_constraints_in_sampling_parameters_may_be_json_values():
 @pytest.mark.parametrize("parameters, message", [
     ({"regex": "a", "json_object": True}, "parameters.regex: give at most one of json_schema, json_object, regex, choice, grammar (got json_object, regex)"),
     ({"json_schema": "{nope"}, "parameters.json_schema: not valid JSON"),
-    ({"json_schema": "[1]"}, "parameters.json_schema: must be a JSON Schema object (as JSON text), got list"),
+    ({"json_schema": "[1]"}, "parameters.json_schema: must be a JSON Schema object (or its JSON text), got list"),
     ({"choice": "red"}, "parameters.choice: not valid JSON"),
-    ({"choice": "[]"}, "parameters.choice: must be a non-empty JSON array of non-empty strings"),
+    ({"choice": "[]"}, "parameters.choice: must be a non-empty array of non-empty strings"),
     ({"regex": ""}, "parameters.regex: must be a non-empty string"),
     ({"grammar": "x", "grammar_syntax": "peg"}, "parameters.grammar_syntax: must be lark or ebnf, got 'peg'"),
     ({"grammar_syntax": "lark"}, "parameters.grammar_syntax: only with grammar"),
