@@ -98,6 +98,10 @@ def _add_router(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stop-grace-s", type=float, default=RouterNodeConfig.stop_grace_s, help="on SIGTERM, how long in-flight calls may take to finish (default: %(default)s)"
     )
+    parser.add_argument(
+        "--headless-stop-s", type=float, default=RouterNodeConfig.headless_stop_s,
+        help="how long the node may take to stop when the head is gone, before it is killed (default: %(default)s)",
+    )
     parser.add_argument("--tls-cert", type=Path, help="server certificate (enables TLS)")
     parser.add_argument("--tls-key", type=Path, help="server private key")
     parser.add_argument("--tls-client-ca", type=Path, help="CA of client certificates (enables mutual TLS)")
@@ -115,7 +119,8 @@ def _run_router(args: argparse.Namespace) -> int:
     try:
         config = RouterNodeConfig(
             address=args.address, router_id=args.router_id, num_cpus=args.num_cpus, connect_timeout_s=args.connect_timeout_s,
-            controller_timeout_s=args.controller_timeout_s, stop_grace_s=args.stop_grace_s, node_ip_address=args.node_ip_address,
+            controller_timeout_s=args.controller_timeout_s, stop_grace_s=args.stop_grace_s, headless_stop_s=args.headless_stop_s,
+            node_ip_address=args.node_ip_address,
             ray_start_args=split_ray_start_args(args.ray_start_args),
         )
         tls = TLSConfig(cert_file=args.tls_cert, key_file=args.tls_key, client_ca_file=args.tls_client_ca) if args.tls_cert or args.tls_key else None

@@ -26,8 +26,7 @@ from router.control.ray_node import RayNode, RayNodeError, _check_extra_args, jo
 ROUTER_RESOURCE = "splitserve_router"
 """The custom Ray resource a router node offers: no replica slot, so the controller places none here."""
 HEADLESS_NODE_STOP_S = 5.0
-"""How long ``ray start`` may take to stop when the head seems gone: it would first ask a GCS
-to drain the node, and wait for one to answer."""
+"""By default, how long ``ray start`` may take to stop when the head seems gone (``RouterNodeConfig.headless_stop_s``)."""
 STOP_MARGIN_S = 10.0
 """How much longer than its grace a router's stop may take (closing channels, unregistering)
 before the node goes anyway: a controller that is gone with its head must not hold up a pod's exit."""
@@ -51,6 +50,9 @@ class RouterNodeConfig:
     """How often this process checks that its router actor is alive."""
     stop_grace_s: float = 5.0
     """On SIGTERM, how long the router's in-flight calls may take to finish."""
+    headless_stop_s: float = HEADLESS_NODE_STOP_S
+    """How long ``ray start`` may take to stop when the head seems gone (the router could not
+    unregister): it would first ask a GCS to drain the node, and wait for one to answer."""
     node_ip_address: str | None = None
     """IP address the node advertises (a pod's IP); None: the one Ray picks."""
     ray_start_args: tuple[str, ...] = ()
@@ -64,7 +66,7 @@ class RouterNodeConfig:
             raise ValueError(f"router_id: {self.router_id!r} may hold only letters, digits, '-', '_' and '.'")
         if self.num_cpus is not None and self.num_cpus < 0:
             raise ValueError(f"num_cpus: must be >= 0, got {self.num_cpus}")
-        for name in ("connect_timeout_s", "controller_timeout_s", "stop_grace_s", "start_timeout_s"):
+        for name in ("connect_timeout_s", "controller_timeout_s", "stop_grace_s", "headless_stop_s", "start_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.health_check_interval_s <= 0:
@@ -153,7 +155,7 @@ def run_router(config: RouterNodeConfig, router_config) -> None:
             ray.get(router.stop.remote(config.stop_grace_s), timeout=config.stop_grace_s + STOP_MARGIN_S)
         except (RayActorError, RayTaskError, GetTimeoutError) as e:  # e.g. the head (its controller) is gone
             _say(f"{config.name} stopped without unregistering: {str(e).splitlines()[0]}")
-            node_stop_timeout_s = HEADLESS_NODE_STOP_S
+            node_stop_timeout_s = config.headless_stop_s
     finally:
         ray.shutdown()
         node.stop(node_stop_timeout_s)  # the router actor's process goes with its node

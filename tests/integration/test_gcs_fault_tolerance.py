@@ -125,7 +125,8 @@ def test_replicas_and_routers_serve_while_the_gcs_restarts_from_redis(tiny_llama
         decode.wait_for("with one decode slot", timeout_s=120)
         router = Role("router node", [
             "router", "--address", address, "--router-id", "router-pod-a", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
-            "--port", str(router_grpc), "--worker-refresh-interval-s", "0.2", "--stop-grace-s", "2", "--ray-start-args", ray_start_args(),
+            "--port", str(router_grpc), "--worker-refresh-interval-s", "0.2", "--stop-grace-s", "2",
+            "--headless-stop-s", "1", "--ray-start-args", ray_start_args(),
         ])
         roles.append(router)
         router.wait_for("router-pod-a on node", timeout_s=120)

@@ -155,6 +155,7 @@ def test_router_node_joins_with_a_router_slot_and_no_gpu():
     ({"address": "head"}, "address: 'head' is not HOST:PORT"),
     ({"address": "h:1", "router_id": "a b"}, "router_id: 'a b' may hold only letters, digits"),
     ({"address": "h:1", "health_check_interval_s": 0}, "health_check_interval_s: must be > 0, got 0"),
+    ({"address": "h:1", "headless_stop_s": -1}, "headless_stop_s: must be >= 0, got -1"),
     ({"address": "h:1", "ray_start_args": ("--resources", "{}")}, "ray_start_args: --resources is set by splitserve itself"),
 ])
 def test_router_node_config_refuses_bad_values_by_name(fields, message):
