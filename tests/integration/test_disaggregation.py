@@ -279,6 +279,15 @@ def unlinked_prefill(fail_decode, tiny_llama_dir):
     ray.kill(prefill)  # killed already where the second test ran
 
 
+@pytest.fixture(scope="module")
+def fp8_prefill(fail_decode, tiny_llama_dir):
+    """A prefill worker of the tiny llama with FP8 KV: refused by ``fail_decode`` (fp32 KV) in
+    one test, paired with an FP8 decode worker in another (one actor start for the two)."""
+    prefill = _prefill(_engine_config(tiny_llama_dir, "fp8_e4m3"), fail_decode, "prefill-fp8")
+    yield prefill
+    _shutdown(prefill)
+
+
 def _stream(decode, prefill, prompt, prefill_id: str = "prefill-t", **params):
     request = build_generate_request(prompt, **{**GREEDY, **params}, request_id=f"r{random.random()}")
     events = [ray.get(ref) for ref in decode.generate.options(num_returns="streaming").remote(request, prefill, prefill_id)]
@@ -319,17 +328,14 @@ def _assert_pair_quiet(decode, prefill):
     wait_until(quiet, 30)
 
 
-def test_mismatched_kv_dtype_is_refused_at_hand_off(fail_decode, tiny_llama_dir):
-    prefill = _prefill(_engine_config(tiny_llama_dir, "fp8_e4m3"), fail_decode, "prefill-fp8")
-    try:
-        [event] = _stream(fail_decode, prefill, random_prompts([30], seed=47)[0], "prefill-fp8")
-        assert event.error.code == wpb.RequestError.FAILED_PRECONDITION
-        message = event.error.message
-        assert "kv_dtype: local='fp8_e4m3' vs remote='fp32'" in message, message
-        assert ray.get(prefill.transfer_stats.remote()).num_refused == 1
-        _assert_pair_quiet(fail_decode, prefill)
-    finally:
-        _shutdown(prefill)
+def test_mismatched_kv_dtype_is_refused_at_hand_off(fail_decode, fp8_prefill):
+    prefill = fp8_prefill
+    [event] = _stream(fail_decode, prefill, random_prompts([30], seed=47)[0], "prefill-fp8")
+    assert event.error.code == wpb.RequestError.FAILED_PRECONDITION
+    message = event.error.message
+    assert "kv_dtype: local='fp8_e4m3' vs remote='fp32'" in message, message
+    assert ray.get(prefill.transfer_stats.remote()).num_refused == 1
+    _assert_pair_quiet(fail_decode, prefill)
 
 
 def test_a_decode_agent_never_published_is_refused(fail_decode, unlinked_prefill):
@@ -423,19 +429,29 @@ def test_a_prefill_worker_is_named_by_id_and_an_unknown_one_gets_the_failure_pol
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_mixtral_dir"])
 def test_fp8_disaggregated_agrees_with_fp8_aggregated(ray_session, request, model):
     """FP8 blocks shipped by the prefill worker decode like the decode worker's own FP8 blocks.
-    (How FP8 KV compares with fp32 KV is the engine's test: tests/unit/engine/test_fp8_kv.py.)"""
+    (How FP8 KV compares with fp32 KV is the engine's test: tests/unit/engine/test_fp8_kv.py.)
+    The tiny llama's prefill worker is the module's ``fp8_prefill``, connected to a new decode worker."""
     model_dir = request.getfixturevalue(model)
     fp8 = _engine_config(model_dir, "fp8_e4m3")
-    decode, prefill = _pair(fp8, fp8)
+    if model == "tiny_llama_dir":
+        prefill, prefill_id = request.getfixturevalue("fp8_prefill"), "prefill-fp8"
+        decode = _decode(fp8)
+        ray.get(prefill.add_kv_peers.remote([ray.get(decode.kv_endpoint.remote())]))  # what the controller does when replicas join
+        owned = (decode,)
+    else:
+        (decode, prefill), prefill_id = _pair(fp8, fp8), "prefill-t"
+        owned = (decode, prefill)
     try:
         prompts = random_prompts(PROMPT_LENGTHS, seed=50)
-        got = [tuple(t for e in _stream(decode, prefill, p) for t in e.response.token_ids) for p in prompts]
+        got = [tuple(t for e in _stream(decode, prefill, p, prefill_id) for t in e.response.token_ids) for p in prompts]
         reference = _expected(fp8, prompts, **GREEDY)
         same = sum(a == b for g, r in zip(got, reference) for a, b in zip(g, r))
         assert same / sum(len(r) for r in reference) >= 0.95
         assert ray.get(decode.transfer_stats.remote()).num_remote_prefills == len(prompts)
     finally:
-        _shutdown(decode, prefill)
+        if prefill not in owned:
+            ray.get(prefill.remove_kv_peers.remote([ray.get(decode.kv_endpoint.remote()).agent_name]))
+        _shutdown(*owned)
 
 
 def test_n_samples_share_the_prompt_blocks_and_each_draws_its_own_seed_stream(client):
