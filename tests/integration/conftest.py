@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import time
 
+import pytest
+
 
 @contextlib.contextmanager
 def running_cluster(config):
@@ -17,6 +19,19 @@ def running_cluster(config):
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def follower_hosts(ray_session):
+    """The FollowerHost actors (tests/integration/parallel_engines.py) that the modules building
+    engines of several ranks share: each host process imports torch and the engine once per
+    pytest process, not once per module. Started as a module needs more; killed at the end."""
+    import ray
+
+    hosts: list = []
+    yield hosts
+    for host in hosts:
+        ray.kill(host)
 
 
 def wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.05):

@@ -20,8 +20,8 @@ FOLLOWER_STOP_S = 60.0
 class FollowerHost:
     """A Ray actor that runs rank r of each engine a test builds, one engine after another: the
     real ``TPFollower`` (its own thread, gloo group, shard), in a process that is started once.
-    A replica's followers are Ray actors of their own (engine/parallel/ranks.py); here a module
-    of tests builds a dozen engines, and a fresh process each would import torch a dozen times."""
+    A replica's followers are Ray actors of their own (engine/parallel/ranks.py); here the test
+    modules build dozens of engines, and a fresh process each would import torch dozens of times."""
 
     def __init__(self) -> None:
         self.follower: TPFollower | None = None
@@ -43,15 +43,19 @@ class FollowerHost:
 class ParallelEngines:
     """The engines a test asks for, built once per config. One-rank engines are kept; of the
     engines with followers only one lives at a time (a process joins one group at once), so
-    asking for another closes the current one; its ranks' hosts then serve the next."""
+    asking for another closes the current one; its ranks' hosts then serve the next.
 
-    def __init__(self, follower_cpus: float, replica_id: str) -> None:
+    ``hosts``: a list of FollowerHost handles shared with other ParallelEngines (the session's
+    ``follower_hosts``), grown as needed and left running by ``close``; None: hosts of its own."""
+
+    def __init__(self, follower_cpus: float, replica_id: str, hosts: list | None = None) -> None:
         self.follower_cpus = follower_cpus
         self.replica_id = replica_id
         self._single: dict[EngineConfig, LLMEngine] = {}
         self._config: EngineConfig | None = None
         self._engine: LLMEngine | None = None
-        self._hosts: list = []
+        self._owns_hosts = hosts is None
+        self._hosts: list = [] if hosts is None else hosts
         self.followers: list = []
         """Ray handles of the live engine's ranks 1 .. N-1."""
 
@@ -75,7 +79,7 @@ class ParallelEngines:
             try:
                 self._engine = builder()
             except BaseException:  # the builder killed the hosts, which may have waited in the start-up barrier
-                self._hosts = []
+                self._hosts.clear()  # in place: a shared list must not keep them either
                 raise
             ray.get(started)
             self._config, self.followers = config, builder.followers
@@ -91,19 +95,21 @@ class ParallelEngines:
         self._engine, self._config, self.followers = None, None, []
 
     def close(self) -> None:
+        """Close the live engine with followers; kill the hosts unless they are shared."""
         self.close_parallel()
-        for host in self._hosts:
-            ray.kill(host)
-        self._hosts = []
+        if self._owns_hosts:
+            for host in self._hosts:
+                ray.kill(host)
+            self._hosts.clear()
 
 
 @contextlib.contextmanager
-def parallel_engines(follower_cpus: float, replica_id: str):
+def parallel_engines(follower_cpus: float, replica_id: str, hosts: list | None = None):
     """ParallelEngines with this process on one torch thread, as each follower: on a small machine
     a leader's OpenMP team spinning on every core starves the followers it waits for."""
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engines = ParallelEngines(follower_cpus, replica_id)
+    engines = ParallelEngines(follower_cpus, replica_id, hosts)
     try:
         yield engines
     finally:

@@ -30,8 +30,8 @@ PROMPT_BLOCKS = 4
 
 
 @pytest.fixture(scope="module")
-def engines(ray_session):
-    with parallel_engines(FOLLOWER_CPUS, "test-ep-tiers") as e:
+def engines(follower_hosts):
+    with parallel_engines(FOLLOWER_CPUS, "test-ep-tiers", follower_hosts) as e:
         yield e
 
 

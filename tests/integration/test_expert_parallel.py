@@ -44,8 +44,8 @@ FOLLOWER_CPUS = 0.25
 
 
 @pytest.fixture(scope="module")
-def engines(ray_session):
-    with parallel_engines(FOLLOWER_CPUS, "test-ep") as e:
+def engines(follower_hosts):
+    with parallel_engines(FOLLOWER_CPUS, "test-ep", follower_hosts) as e:
         yield e
 
 

@@ -30,8 +30,8 @@ FOLLOWER_CPUS = 0.3
 
 
 @pytest.fixture(scope="module")
-def engines(ray_session):
-    with parallel_engines(FOLLOWER_CPUS, "test-pp") as e:
+def engines(follower_hosts):
+    with parallel_engines(FOLLOWER_CPUS, "test-pp", follower_hosts) as e:
         yield e
 
 

@@ -44,8 +44,8 @@ PASSAGE = (
 
 
 @pytest.fixture(scope="module")
-def engines(ray_session):
-    with parallel_engines(FOLLOWER_CPUS, "test-tp") as e:
+def engines(follower_hosts):
+    with parallel_engines(FOLLOWER_CPUS, "test-tp", follower_hosts) as e:
         yield e
 
 

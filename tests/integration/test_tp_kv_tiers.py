@@ -25,8 +25,8 @@ PROMPT_BLOCKS = 4
 
 
 @pytest.fixture(scope="module")
-def engines(ray_session):
-    with parallel_engines(FOLLOWER_CPUS, "test-tp-tiers") as e:
+def engines(follower_hosts):
+    with parallel_engines(FOLLOWER_CPUS, "test-tp-tiers", follower_hosts) as e:
         yield e
 
 
