@@ -123,6 +123,7 @@ class Simulation:
 
     def _join(self, r: _Replica, i: int, now: float, start_s: float) -> None:
         self._advance(r, now)
+        self.streamed += 1  # the first token, out of the prefill; the trace's output tokens are decoded after it
         self.start_s[i] = start_s
         heapq.heappush(r.heap, (r.tokens + self.trace[i].output_tokens, i))
         r.kv += self.trace[i].prompt_tokens + self.trace[i].output_tokens

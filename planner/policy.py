@@ -90,7 +90,9 @@ class SLAPlanner:
         obs, config = observation, self.config
         if self._first_s is None:
             self._first_s = obs.time_s - obs.duration_s
-        observed = LoadForecast(obs.num_requests / obs.duration_s, obs.num_prompt_tokens / obs.duration_s, obs.num_output_tokens / obs.duration_s)
+        # Each request's first token comes out of its prefill: the decode pool makes the rest.
+        decoded = max(0, obs.num_output_tokens - obs.num_requests)
+        observed = LoadForecast(obs.num_requests / obs.duration_s, obs.num_prompt_tokens / obs.duration_s, decoded / obs.duration_s)
         self.predictor.observe(observed.request_rate, observed.prompt_tokens_per_s, observed.output_tokens_per_s)
         forecast = self.predictor.forecast()
         infeasible_requests = self._measure_prompts(obs)

@@ -27,7 +27,7 @@ class LoadForecast:
     prompt_tokens_per_s: float
     """Prompt tokens arriving per second."""
     output_tokens_per_s: float
-    """Tokens to generate per second."""
+    """Tokens the decode pool generates per second (each request's first token comes out of its prefill)."""
 
     @property
     def mean_prompt_tokens(self) -> float:

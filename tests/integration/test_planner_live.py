@@ -1,7 +1,8 @@
 """The planner against a live cluster through the Ray connector.
 
-A burst of long prompts raises the prefill pool 1 -> 2 and a burst of long answers the decode
-pool 1 -> 2; each returns to 1 after the cooldown, drained. No request fails, no block leaks.
+A burst of long prompts raises the prefill pool 1 -> 2 (and not decode: their one-token answers
+come out of prefill) and a burst of long answers the decode pool 1 -> 2 (and not prefill); each
+returns to 1 after the cooldown, drained. No request fails, no block leaks.
 The perf model is a profile written for the tiny model (what ``planner.profile`` would measure
 is beside the point here: the test is the loop, the connector and the drain, live).
 """
@@ -93,6 +94,8 @@ def test_bursts_scale_each_pool_up_and_back_down(ray_session, tiny_llama_dir):
 
         prompts = Load(client, random_prompts([300] * 6, seed=11), max_tokens=1)
         _step_until(loop, connector, lambda p: p["prefill"].ready == 2, 90, timeline)
+        grew = [d.reasons["decode"] for d in loop.decisions if d.targets["decode"] != 1]
+        assert grew == []  # long prompts alone never grew decode: their one-token answers come out of prefill
         prompts.finish()
         _step_until(loop, connector, lambda p: p["prefill"].target == 1 and p["prefill"].ready == 1 and not p["prefill"].draining, 90, timeline)
 

@@ -78,11 +78,20 @@ def test_a_sustained_burst_of_prompts_grows_prefill_only():
 def test_long_outputs_grow_decode_only():
     p = planner()
     run(p, [5] * 6, (1, 1))
-    # 5 req/s of 1000 output tokens: 5,000 tokens/s over 780 -> 7; the first interval, averaged with
-    # the 250 tokens/s before, is 2,625 / 780 -> 4.
+    # 5 req/s of 1000 output tokens, the first of each out of its prefill: 4,995 decoded tokens/s over
+    # 780 -> 7; the first interval, averaged with the 245 tokens/s before, is 2,620 / 780 -> 4.
     longer = run(p, [5] * 3, (1, 1), start_s=210, output_tokens=1000)
     assert [dict(d.targets) for d in longer] == [{"prefill": 1, "decode": 4}, {"prefill": 1, "decode": 7}, {"prefill": 1, "decode": 7}]
-    assert longer[1].reasons["decode"].startswith("up to 7 for 5000 output tokens/s at 780 per replica")
+    assert longer[1].reasons["decode"].startswith("up to 7 for 4995 output tokens/s at 780 per replica")
+
+
+def test_first_tokens_come_out_of_prefill_and_are_no_decode_load():
+    """A one-token answer's only token comes out of its prefill: 2,000 req/s of them stream 2,000
+    tokens/s (three decode replicas' worth at 780 each, were they decode work) and decode stays at 1."""
+    p = planner(max_prefill=400)
+    decisions = run(p, [60, 2000, 2000], (1, 1), prompt_tokens=10, output_tokens=1)
+    assert [d.targets["decode"] for d in decisions] == [1, 1, 1]
+    assert decisions[-1].reasons["decode"].startswith("holding at 1 for 0 output tokens/s")
 
 
 def test_an_itl_over_the_slo_sizes_decode_for_the_interval_not_its_average():
