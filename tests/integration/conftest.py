@@ -21,6 +21,25 @@ def running_cluster(config):
         cluster.stop()
 
 
+@contextlib.contextmanager
+def running_http_cluster(engine, max_waiting_requests: int):
+    """A cluster of one decode worker whose router-0 also serves HTTP (OpenAI, KServe), running
+    ``engine`` (an EngineConfig); stopped afterwards."""
+    from decode_worker.config import WorkerConfig
+    from router.config import RouterConfig
+    from router.control.launch import ClusterConfig
+
+    config = ClusterConfig(engine=engine, worker=WorkerConfig(max_waiting_requests=max_waiting_requests),
+                           router=RouterConfig(port=0, http_port=0, worker_refresh_interval_s=0.25))
+    with running_cluster(config) as cluster:
+        yield cluster
+
+
+def http_address(cluster) -> str:
+    """host:port of router-0's HTTP API, as its status reports it."""
+    return cluster.router_status.http_url.removeprefix("http://")
+
+
 @pytest.fixture(scope="session")
 def follower_hosts(ray_session):
     """The FollowerHost actors (tests/integration/parallel_engines.py) that the modules building

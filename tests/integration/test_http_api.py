@@ -21,12 +21,10 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
 from router.client import SplitServeClient
-from router.config import RouterConfig
-from router.control.launch import ClusterConfig
-from tests.integration.conftest import running_cluster, wait_until
+from tests.integration.conftest import http_address as http_address_of
+from tests.integration.conftest import running_http_cluster, wait_until
 from tests.unit.engine.helpers import random_prompts
 
 pytestmark = pytest.mark.integration
@@ -36,19 +34,14 @@ NUM_BLOCKS = 64
 
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_llama_dir):
-    config = ClusterConfig(
-        engine=EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=NUM_BLOCKS, max_num_seqs=8, max_model_len=512),
-        worker=WorkerConfig(max_waiting_requests=8),
-        router=RouterConfig(port=0, http_port=0, worker_refresh_interval_s=0.25),
-    )
-    with running_cluster(config) as c:
+    engine = EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=NUM_BLOCKS, max_num_seqs=8, max_model_len=512)
+    with running_http_cluster(engine, max_waiting_requests=8) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def http_address(cluster) -> str:
-    """host:port of router-0's HTTP API, as its status reports it."""
-    return cluster.router_status.http_url.removeprefix("http://")
+    return http_address_of(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,9 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from decode_worker.config import WorkerConfig
 from engine.config import EngineConfig
-from router.config import RouterConfig
-from router.control.launch import ClusterConfig
-from tests.integration.conftest import running_cluster
+from tests.integration.conftest import http_address as http_address_of
+from tests.integration.conftest import running_http_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -38,18 +36,14 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def cluster(ray_session, smollm2_dir, smollm2_cache_dir):
-    config = ClusterConfig(
-        engine=EngineConfig(model="smollm2-135m", cache_dir=smollm2_cache_dir, kv_dtype="fp32", num_kv_blocks=256, max_num_seqs=8, max_model_len=1024),
-        worker=WorkerConfig(max_waiting_requests=16),
-        router=RouterConfig(port=0, http_port=0, worker_refresh_interval_s=0.25),
-    )
-    with running_cluster(config) as c:
+    engine = EngineConfig(model="smollm2-135m", cache_dir=smollm2_cache_dir, kv_dtype="fp32", num_kv_blocks=256, max_num_seqs=8, max_model_len=1024)
+    with running_http_cluster(engine, max_waiting_requests=16) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def http_address(cluster) -> str:
-    return cluster.router_status.http_url.removeprefix("http://")
+    return http_address_of(cluster)
 
 
 @pytest.fixture(scope="module")
