@@ -35,8 +35,9 @@ def running_http_cluster(engine, max_waiting_requests: int):
         yield cluster
 
 
+@pytest.fixture(scope="module")
 def http_address(cluster) -> str:
-    """host:port of router-0's HTTP API, as its status reports it."""
+    """host:port of router-0's HTTP API, as its status reports it (``cluster``: the module's)."""
     return cluster.router_status.http_url.removeprefix("http://")
 
 

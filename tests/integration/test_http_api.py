@@ -23,7 +23,6 @@ from tritonclient.utils import InferenceServerException
 
 from engine.config import EngineConfig
 from router.client import SplitServeClient
-from tests.integration.conftest import http_address as http_address_of
 from tests.integration.conftest import running_http_cluster, wait_until
 from tests.unit.engine.helpers import random_prompts
 
@@ -37,11 +36,6 @@ def cluster(ray_session, tiny_llama_dir):
     engine = EngineConfig(model=str(tiny_llama_dir), kv_dtype="fp32", num_kv_blocks=NUM_BLOCKS, max_num_seqs=8, max_model_len=512)
     with running_http_cluster(engine, max_waiting_requests=8) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def http_address(cluster) -> str:
-    return http_address_of(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from engine.config import EngineConfig
-from tests.integration.conftest import http_address as http_address_of
 from tests.integration.conftest import running_http_cluster
 
 pytestmark = pytest.mark.integration
@@ -39,11 +38,6 @@ def cluster(ray_session, smollm2_dir, smollm2_cache_dir):
     engine = EngineConfig(model="smollm2-135m", cache_dir=smollm2_cache_dir, kv_dtype="fp32", num_kv_blocks=256, max_num_seqs=8, max_model_len=1024)
     with running_http_cluster(engine, max_waiting_requests=16) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def http_address(cluster) -> str:
-    return http_address_of(cluster)
 
 
 @pytest.fixture(scope="module")
