@@ -36,7 +36,7 @@ PROFILE = PerfModel(prefill=[(1, 0.01), (300, 1.0)], decode=[(1, 0.02), (64, 0.6
 CONFIG = PlannerConfig(
     ttft_slo_s=2.0, itl_slo_s=0.5, interval_s=2.0, min_prefill=1, max_prefill=2, min_decode=1, max_decode=2,
     scale_down_cooldown_s=4.0, startup_s=2.0,
-    base_window_s=20.0,  # the derived window ((2 + 2) / 0.05 = 80 s) would hold each burst's replicas over a minute
+    base_window_s=10.0,  # the derived window ((2 + 2) / 0.05 = 80 s) would hold each burst's replicas over a minute
 )
 
 
