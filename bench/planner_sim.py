@@ -52,7 +52,7 @@ class Simulation:
         n = len(trace)
         self.first_s, self.start_s, self.finish_s = [math.nan] * n, [math.nan] * n, [math.nan] * n
         self.first_tokens, self.itls, self.timeline, self.decisions = [], [], [], []
-        self.streamed = 0.0  # output tokens decoded so far (what the routers' splitserve_output_tokens counts)
+        self.streamed = 0.0  # output tokens streamed so far, each answer's first and its decoded ones (what splitserve_output_tokens counts)
         self._streamed_at_tick = 0.0
         self.batch_at_slo = max(1, perf.largest_batch(config.itl_slo_s, config.max_decode_batch))
 

@@ -26,7 +26,8 @@ of the prompts' prefill times and by the correction c_p (observed mean TTFT over
 prompt whose prefill alone exceeds the SLO is counted apart and never drives the pool to max.
 Decode: the largest batch whose corrected ITL meets the SLO, less z * sqrt(batch) for the
 fluctuation of a Poisson batch (z at the attainment target), sets one replica's token rate; the
-load is the streamed tokens over that rate, or the running sequences over that batch when more.
+load is the decoded tokens (streamed, less each request's first, which its prefill makes) over that
+rate, or the running sequences over that batch when more.
 When the prompt load is under ``prefill_zero_load`` replicas the prefill pool may go to zero and
 that load is added to the decode pool's; a pool at zero stays so while the decode replicas, each
 prefilling its share, carry it all. With ``aggregate_when_cheaper`` it also goes to zero
@@ -96,7 +97,7 @@ class SLAPlanner:
         self.predictor.observe(observed.request_rate, observed.prompt_tokens_per_s, observed.output_tokens_per_s)
         forecast = self.predictor.forecast()
         infeasible_requests = self._measure_prompts(obs)
-        self._correct(obs, pools)
+        self._correct(obs, pools, observed.output_tokens_per_s)
 
         # This interval's load, as counts, joins the window; the pools are sized for the window's quantile.
         prefill_load, prefill_cap, prefill_why = self._prefill_load(observed)
@@ -251,8 +252,9 @@ class SLAPlanner:
                     break
         return out
 
-    def _correct(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> None:
-        """Updates the correction factors from the interval's mean latencies, sized on ready replicas."""
+    def _correct(self, obs: Observation, pools: Mapping[str, PoolReplicas], decoded_per_s: float) -> None:
+        """Updates the correction factors from the interval's mean latencies, sized on ready replicas
+        (``decoded_per_s``: the tokens the decode pool made, each request's first left out)."""
         config, perf = self.config, self.perf_model
         ratios = {}
         # An interval in which a pool's ready count changed mixes two sizes: it corrects nothing.
@@ -268,8 +270,8 @@ class SLAPlanner:
             if rho < 0.7:  # beyond, the queueing term dominates and says little about the model
                 ratios["prefill"] = obs.ttft_s_mean / (service_s * (1 + self._spread * pooled_wait_share(rho, prefill_ready)))
         decode_ready = pools["decode"].ready
-        if steady["decode"] and obs.itl_s_mean and decode_ready and obs.num_output_tokens:
-            batch = obs.num_output_tokens / obs.duration_s * obs.itl_s_mean / decode_ready
+        if steady["decode"] and obs.itl_s_mean and decode_ready and decoded_per_s:
+            batch = decoded_per_s * obs.itl_s_mean / decode_ready
             stalled = 0.0
             if not prefill_ready and prompted:  # the decode replicas prefilled: their batches stalled meanwhile
                 stalled = min(0.9, obs.num_requests / obs.duration_s * service_s / decode_ready)
@@ -344,7 +346,7 @@ class SLAPlanner:
         return self.config.max_decode + 1 if math.isinf(load) else max(1, math.ceil(load - 1e-9))
 
     def _decode_load(self, forecast: LoadForecast, running: int | None = None) -> tuple[float, str]:
-        """(load in decode replicas, why); infinite when no batch meets the ITL SLO. The streamed
+        """(load in decode replicas, why); infinite when no batch meets the ITL SLO. The decoded
         tokens lag the sequences that have joined a batch (a long answer streams for minutes), so the
         sequences running now, at one replica's batch, count when they are more."""
         rate = self._decode_rate(self.config.itl_slo_s)

@@ -323,6 +323,16 @@ def test_corrections_use_ready_replicas_and_skip_intervals_when_the_ready_count_
     assert decision.corrections["prefill"] == pytest.approx(1.25)
 
 
+def test_the_decode_correction_sizes_the_batch_on_decoded_tokens_not_first_tokens():
+    """5 req/s of 21-token answers stream 105 tokens/s, of which the decode pool made 100. At an
+    observed ITL m with itl(100 m) = m (m = 0.019 / 0.9), the model is exact: the correction stays 1
+    (on the 105 streamed it would read the batch 5% large and drift to 0.9975)."""
+    p = planner()
+    p.decide(observe(30, 5, output_tokens=21), pools(1, 1))
+    decision = p.decide(observe(60, 5, output_tokens=21, itl_s_mean=0.019 / 0.9), pools(1, 1))
+    assert decision.corrections["decode"] == pytest.approx(1.0, abs=1e-9)
+
+
 def test_the_forecast_is_reported_but_does_not_size_the_pools():
     p = planner(scale_down_cooldown_s=0, base_window_s=60)
     rising = run(p, [5, 10, 20, 40], (1, 1), output_tokens=10)
