@@ -31,7 +31,7 @@ from engine.device_sampler import SamplingTensors, sample_on_device
 from engine.kernels.kv_segments import KVSegments
 from engine.kv_cache import PagedKVCache
 from engine.layers.attention import AttentionBatch, DecodeGroup, DevicePrefills, DeviceStep, PrefillChunk
-from engine.logits import record_prompt_logprobs, process_logits, sample_rows, sampled_logprobs, stack_bitmasks
+from engine.logits import SampleRow, process_logits, record_prompt_logprobs, sample_rows, sampled_logprobs, stack_bitmasks
 from engine.models.decoder import DecoderModel
 from engine.parallel.group import TPGroup
 from engine.parallel.pipeline import PipelineGroup
@@ -116,14 +116,13 @@ class ModelRunner:
         self.ranks.send_plan(plans)
         logits, prompt_logits = self._run_own(plans)
         record_prompt_logprobs(prompt_logits, spans)
-        return self._sample_requests(requests, logits, bitmasks) if requests else {}
+        return self._sample_requests(requests, rows, logits, bitmasks) if requests else {}
 
     def _sample_requests(
-        self, requests: list[tuple[Request, tuple[int, ...]]], logits: torch.Tensor, bitmasks: Mapping[Request, torch.Tensor] | Future | None
+        self, requests: list[tuple[Request, tuple[int, ...]]], rows: list[SampleRow], logits: torch.Tensor, bitmasks: Mapping[Request, torch.Tensor] | Future | None
     ) -> dict[Request, SampledTokens]:
-        """Each request's tokens from its rows of ``logits`` (processed first: bias, penalties, its
-        constraint's ``bitmasks``), with their log-probabilities where asked."""
-        rows = sample_rows(requests)
+        """Each request's tokens from its ``rows`` (``sample_rows(requests)``) of ``logits`` (processed
+        first: bias, penalties, its constraint's ``bitmasks``), with their log-probabilities where asked."""
         bitmask, bitmask_rows = stack_bitmasks(requests, masks_of(bitmasks), logits.device)
         logits = process_logits(logits, rows, bitmask, bitmask_rows)
         tokens = self._sample(logits, [r.params for r in rows], [r.seed for r in rows], [r.position for r in rows])
@@ -151,7 +150,7 @@ class ModelRunner:
         logits = self.pipe.recv_logits()
         num_prompt = len(step.plan.prompt_rows)
         record_prompt_logprobs(logits[:num_prompt] if num_prompt else None, step.spans)
-        return self._sample_requests(step.requests, logits[num_prompt:], bitmasks) if step.requests else {}
+        return self._sample_requests(step.requests, sample_rows(step.requests), logits[num_prompt:], bitmasks) if step.requests else {}
 
     def follow_pipeline(self) -> int:
         """A rank of a stage after the first: run each plan on the hidden stream that comes with
