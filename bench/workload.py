@@ -130,10 +130,11 @@ def threads_per_rank(num_ranks: int) -> int:
 
 
 @contextlib.contextmanager
-def ranked_engine(config: EngineConfig, num_threads: int, name: str):
+def ranked_engine(config: EngineConfig, num_threads: int, name: str, start: Callable[[str], list] | None = None):
     """The leader's engine of a replica of ``config.num_ranks`` ranks (TP or EP), in this process,
     and its followers' handles (each rank a Ray actor with ``num_threads`` threads and its share
-    of the cores); all stopped after."""
+    of the cores); all stopped after. ``start``: as ``TPEngineBuilder``'s (the tests run the ranks
+    in processes they keep); the followers it starts are the caller's to stop."""
     import os
 
     import ray
@@ -149,7 +150,7 @@ def ranked_engine(config: EngineConfig, num_threads: int, name: str):
         else:
             init_ray(None)
             cpus_per_rank = round(min(1.0, len(os.sched_getaffinity(0)) / config.num_ranks), 2)
-            builder = TPEngineBuilder(config, f"bench-{name}", num_cpus=cpus_per_rank, num_threads=num_threads)
+            builder = TPEngineBuilder(config, f"bench-{name}", num_cpus=cpus_per_rank, num_threads=num_threads, start=start)
             followers = builder.followers
             engine = builder()
         try:
@@ -157,5 +158,5 @@ def ranked_engine(config: EngineConfig, num_threads: int, name: str):
         finally:
             engine.close()
     finally:
-        for follower in followers:
+        for follower in followers if start is None else ():
             ray.kill(follower)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import ray
 import torch
@@ -40,6 +41,21 @@ class FollowerHost:
         return self.follower.info()
 
 
+def start_on_hosts(hosts: list, config: EngineConfig, num_cpus: float, num_threads: int, started: list) -> Callable[[str], list]:
+    """A ``TPEngineBuilder`` ``start`` that runs ranks 1 .. N-1 of ``config`` on ``hosts``
+    (FollowerHost handles, each asking Ray for ``num_cpus``; the list grows in place as needed).
+    The refs of the hosts' ``start`` calls go to ``started``: get them once the leader has joined."""
+
+    def start(address: str) -> list:  # called once the builder has checked the sizes
+        host = ray.remote(FollowerHost).options(num_cpus=num_cpus, max_concurrency=4)
+        hosts.extend(host.remote() for _ in range(len(hosts), config.num_ranks - 1))
+        ranks = hosts[: config.num_ranks - 1]
+        started.extend(h.start.remote(config, rank, address, num_threads) for rank, h in enumerate(ranks, 1))
+        return ranks
+
+    return start
+
+
 class ParallelEngines:
     """The engines a test asks for, built once per config. One-rank engines are kept; of the
     engines with followers only one lives at a time (a process joins one group at once), so
@@ -66,15 +82,8 @@ class ParallelEngines:
             return self._single[config]
         if config != self._config:
             self.close_parallel()
-            started = []
-
-            def start(address: str) -> list:  # called once the builder has checked the sizes
-                host = ray.remote(FollowerHost).options(num_cpus=self.follower_cpus, max_concurrency=4)
-                self._hosts += [host.remote() for _ in range(len(self._hosts), config.num_ranks - 1)]
-                hosts = self._hosts[: config.num_ranks - 1]
-                started.extend(h.start.remote(config, rank, address, 1) for rank, h in enumerate(hosts, 1))
-                return hosts
-
+            started: list = []
+            start = start_on_hosts(self._hosts, config, self.follower_cpus, 1, started)
             builder = TPEngineBuilder(config, self.replica_id, num_cpus=self.follower_cpus, num_threads=1, start=start)
             try:
                 self._engine = builder()

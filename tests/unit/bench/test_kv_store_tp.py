@@ -5,23 +5,57 @@ model's heads do not allow, EP on a model without experts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
 import pytest
+import ray
 
 from bench import kv_store as bench_kv_store
+from bench import workload
 from bench.report import run
 from engine.model_config import ModelConfig
 from kv_store.layout import KVBlockLayout
+from tests.integration.parallel_engines import start_on_hosts
 from tests.unit.bench import MACHINE_KEYS
 
 TIERS = ["recompute", "gpu", "cpu", "redis"]
+FOLLOWER_CPUS = 0.5
+
+
+@pytest.fixture(scope="module")
+def follower_hosts(ray_session):
+    """FollowerHost actors (tests/integration/parallel_engines.py) for ranks 1 .. N-1 of every
+    replica the benches below build, one per tier: 2 processes for the module, not 12 actors."""
+    hosts: list = []
+    yield hosts
+    for host in hosts:
+        ray.kill(host)
+
+
+@pytest.fixture
+def ranks_on_hosts(follower_hosts, monkeypatch):
+    """bench.kv_store's replicas, with their followers (the real TPFollower) on the module's hosts."""
+
+    @contextlib.contextmanager
+    def ranked_engine(config, num_threads, name):
+        started: list = []
+        start = start_on_hosts(follower_hosts, config, FOLLOWER_CPUS, num_threads, started)
+        try:
+            with workload.ranked_engine(config, num_threads, name, start=start) as (engine, followers):
+                ray.get(started)
+                yield engine, followers
+        except BaseException:
+            follower_hosts.clear()  # a failed build kills the hosts; the next test starts its own
+            raise
+
+    monkeypatch.setattr(bench_kv_store, "ranked_engine", ranked_engine)
 
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_tp3_every_tier_serves_the_whole_prefix_and_redis_moves_the_leaders_heads(ray_session, keeps_torch_threads, tiny_checkpoint, tmp_path, capsys):
+def test_tp3_every_tier_serves_the_whole_prefix_and_redis_moves_the_leaders_heads(ranks_on_hosts, keeps_torch_threads, tiny_checkpoint, tmp_path, capsys):
     model_dir = tiny_checkpoint("llama-kv3")
     out = tmp_path / "kv_store_tp3.json"
     argv = ["--model", str(model_dir), "--tp", "3", "--prefix-tokens", "64", "--repeats", "2", "--json", str(out)]
@@ -62,7 +96,7 @@ def test_a_tp_size_that_is_not_a_positive_number_is_refused(tp, capsys):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_ep2_rank_1_serves_its_own_pool_and_cpu_blocks_and_rank_0_reads_its_redis_spills(ray_session, keeps_torch_threads, tiny_checkpoint, tmp_path, capsys):
+def test_ep2_rank_1_serves_its_own_pool_and_cpu_blocks_and_rank_0_reads_its_redis_spills(ranks_on_hosts, keeps_torch_threads, tiny_checkpoint, tmp_path, capsys):
     model_dir = tiny_checkpoint("mixtral")
     out = tmp_path / "kv_store_ep2.json"
     argv = ["--model", str(model_dir), "--ep", "2", "--prefix-tokens", "64", "--repeats", "2", "--json", str(out)]
