@@ -45,7 +45,13 @@ class PlannerConfig:
     attainment_target) (noise alone rises so often at most about once a window and in at most the miss
     share of the intervals; 4 with the defaults); 0: off."""
     scale_down_margin: float = 0.8
-    """Hysteresis: a pool shrinks only to a count that would carry the load at this share of its capacity."""
+    """Hysteresis of the prefill pool: it shrinks only to a count that would carry the load at this
+    share of its capacity (its Erlang-C count is optimistic for heavy-tailed prompts; at 0.9 or 1
+    heavy-tailed and spell traces lost attainment, planner/README)."""
+    decode_scale_down_margin: float = 1.0
+    """Hysteresis of the decode pool, as ``scale_down_margin``. 1 (none) by default: a replica's
+    batch already keeps z * sqrt(batch) of headroom for the batch's swing, and 0.8 held bursty traces'
+    decode pools up to two replicas above what their window needed for half an hour (planner/README)."""
     prefill_zero_load: float = 0.1
     """Prompt load, in prefill replicas, below which the prefill pool may go to zero (with min_prefill 0)."""
     aggregate_when_cheaper: bool = False
@@ -85,7 +91,7 @@ class PlannerConfig:
         for name in ("scale_down_cooldown_s", "scale_down_window_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}.")
-        for name in ("scale_down_margin", "correction_smoothing", "predictor_alpha"):
+        for name in ("scale_down_margin", "decode_scale_down_margin", "correction_smoothing", "predictor_alpha"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}.")
         if not 0 <= self.predictor_beta <= 1:

@@ -223,13 +223,13 @@ class SLAPlanner:
         return infeasible
 
     def _interval_counts(self, prefill_load: float, prefill_cap: float, decode_load: float, observed: LoadForecast) -> dict[str, int]:
-        """Replicas one interval's load needs per pool, to grow and (at the scale-down margin) to shrink
-        to, the decode pool taking the prompts when the prefill pool would be empty; and the decode
-        replicas that would serve it all alone (``alone``, ``alone_down``)."""
-        margin = self.config.scale_down_margin
+        """Replicas one interval's load needs per pool, to grow and (at each pool's scale-down margin)
+        to shrink to, the decode pool taking the prompts when the prefill pool would be empty; and the
+        decode replicas that would serve it all alone (``alone``, ``alone_down``)."""
+        margin, decode_margin = self.config.scale_down_margin, self.config.decode_scale_down_margin
         counts = {"prefill": self._prefill_count(prefill_load, prefill_cap), "prefill_down": self._prefill_count(prefill_load / margin, prefill_cap)}
         counts["decode"] = self._decode_count(decode_load + (prefill_load if counts["prefill"] == 0 else 0.0))
-        counts["decode_down"] = self._decode_count((decode_load + (prefill_load if counts["prefill_down"] == 0 else 0.0)) / margin)
+        counts["decode_down"] = self._decode_count((decode_load + (prefill_load if counts["prefill_down"] == 0 else 0.0)) / decode_margin)
         counts["alone"] = self._aggregated_count(prefill_load, prefill_cap, observed)
         counts["alone_down"] = self._aggregated_count(prefill_load / margin, prefill_cap, observed, margin)
         return counts

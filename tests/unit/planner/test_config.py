@@ -19,6 +19,7 @@ def test_defaults_are_valid():
     ({"min_prefill": 3, "max_prefill": 2}, "min_prefill and max_prefill must satisfy 0 <= min <= max and max >= 1, got 3 and 2."),
     ({"min_decode": 0}, "min_decode and max_decode must satisfy 1 <= min <= max, got 0 and 16."),
     ({"scale_down_margin": 1.5}, "scale_down_margin must be in (0, 1], got 1.5."),
+    ({"decode_scale_down_margin": 0}, "decode_scale_down_margin must be in (0, 1], got 0."),
     ({"prefill_zero_load": 1.0}, "prefill_zero_load must be in [0, 1) prefill replicas, got 1.0."),
     ({"correction_min": 1.2}, "correction_min and correction_max must satisfy 0 < min <= 1 <= max, got 1.2 and 2.0."),
     ({"startup_s": -5}, "startup_s must be 0 or more, got -5."),

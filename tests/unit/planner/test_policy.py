@@ -150,6 +150,22 @@ def test_hysteresis_and_cooldown_hold_a_pool_until_the_lower_count_is_comfortabl
     assert p.decide(observe(700, 5), pools(3, 1)).targets["prefill"] == 1
 
 
+def test_the_decode_pool_shrinks_to_its_count_and_the_prefill_pool_keeps_its_margin():
+    # 2,000 decoded tokens/s (10 req/s, 201 tokens each, the first from prefill) is 2.56 replicas -> 3;
+    # then 1,400 is 1.79 -> 2, which decode shrinks to at once (its default margin is 1), while
+    # 0.8 of the prefill pool's 1.0 replica of load would be 1.25 -> it keeps 2 of them.
+    p = planner(scale_down_cooldown_s=0, **ALONE)
+    first = p.decide(observe(30, 10, output_tokens=201), pools(1, 1))
+    assert (first.targets["prefill"], first.targets["decode"]) == (2, 3)
+    second = p.decide(observe(60, 10, output_tokens=141), pools(2, 3))
+    assert second.targets["decode"] == 2 and second.reasons["decode"].startswith("down to 2 for 1400 output tokens/s")
+    assert p.decide(observe(90, 8), pools(2, 2)).targets["prefill"] == 2  # 0.8 replicas of prompts: 1 needed, 2 kept
+    # At the prefill pool's 0.8, decode's 1.79 / 0.8 = 2.24 replicas would keep the 3.
+    banded = planner(scale_down_cooldown_s=0, decode_scale_down_margin=0.8, **ALONE)
+    banded.decide(observe(30, 10, output_tokens=201), pools(1, 1))
+    assert banded.decide(observe(60, 10, output_tokens=141), pools(2, 3)).targets["decode"] == 3
+
+
 def test_load_hovering_at_a_boundary_does_not_flap():
     p = planner(scale_down_cooldown_s=0, **ALONE)
     # 0.8 / 0.9 replicas of prompt load need 1 / 2; shrinking to 1 needs 0.8 / 0.8 = 1.0 -> 2.
