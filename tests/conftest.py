@@ -115,6 +115,20 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def follower_hosts(ray_session):
+    """The FollowerHost actors (tests/integration/parallel_engines.py) that the modules building
+    engines of several ranks share (the integration tests' and the benches' run in-process): each
+    host process imports torch and the engine once per pytest process, not once per module or
+    engine. Started as a module needs more; killed at the end."""
+    import ray
+
+    hosts: list = []
+    yield hosts
+    for host in hosts:
+        ray.kill(host)
+
+
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory):
     """A real redis-server on loopback for one test module (flush it where a test needs it empty)."""

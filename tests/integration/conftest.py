@@ -41,19 +41,6 @@ def http_address(cluster) -> str:
     return cluster.router_status.http_url.removeprefix("http://")
 
 
-@pytest.fixture(scope="session")
-def follower_hosts(ray_session):
-    """The FollowerHost actors (tests/integration/parallel_engines.py) that the modules building
-    engines of several ranks share: each host process imports torch and the engine once per
-    pytest process, not once per module. Started as a module needs more; killed at the end."""
-    import ray
-
-    hosts: list = []
-    yield hosts
-    for host in hosts:
-        ray.kill(host)
-
-
 def wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.05):
     """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

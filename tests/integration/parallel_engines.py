@@ -56,6 +56,26 @@ def start_on_hosts(hosts: list, config: EngineConfig, num_cpus: float, num_threa
     return start
 
 
+def ranked_engine_on_hosts(hosts: list, num_cpus: float) -> Callable:
+    """``bench.workload.ranked_engine`` with each replica's ranks 1 .. N-1 on ``hosts`` (as
+    ``start_on_hosts``), for the benches the tests run in-process."""
+    from bench import workload
+
+    @contextlib.contextmanager
+    def ranked_engine(config: EngineConfig, num_threads: int, name: str):
+        started: list = []
+        start = start_on_hosts(hosts, config, num_cpus, num_threads, started)
+        try:
+            with workload.ranked_engine(config, num_threads, name, start=start) as (engine, followers):
+                ray.get(started)
+                yield engine, followers
+        except BaseException:
+            hosts.clear()  # in place, as ParallelEngines does: a failed build killed them
+            raise
+
+    return ranked_engine
+
+
 class ParallelEngines:
     """The engines a test asks for, built once per config. One-rank engines are kept; of the
     engines with followers only one lives at a time (a process joins one group at once), so

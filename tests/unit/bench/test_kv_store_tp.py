@@ -1,56 +1,22 @@
-"""bench.kv_store --tp / --ep: a TP 3 replica (Ray actor ranks) of a tiny llama with 3 KV heads and
-an EP 2 replica of a tiny Mixtral, with a real redis-server: the report's structure, each tier's
-whole prefix, the leader's slice through Redis, which rank served each tier at EP 2; TP sizes the
-model's heads do not allow, EP on a model without experts."""
+"""bench.kv_store --tp / --ep: a TP 3 replica of a tiny llama with 3 KV heads and an EP 2 replica
+of a tiny Mixtral (their ranks 1 and up on the session's FollowerHosts), with a real redis-server:
+the report's structure, each tier's whole prefix, the leader's slice through Redis, which rank
+served each tier at EP 2; TP sizes the model's heads do not allow, EP on a model without experts."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 
 import pytest
-import ray
 
 from bench import kv_store as bench_kv_store
-from bench import workload
 from bench.report import run
 from engine.model_config import ModelConfig
 from kv_store.layout import KVBlockLayout
-from tests.integration.parallel_engines import start_on_hosts
 from tests.unit.bench import MACHINE_KEYS
 
 TIERS = ["recompute", "gpu", "cpu", "redis"]
-FOLLOWER_CPUS = 0.5
-
-
-@pytest.fixture(scope="module")
-def follower_hosts(ray_session):
-    """FollowerHost actors (tests/integration/parallel_engines.py) for ranks 1 .. N-1 of every
-    replica the benches below build, one per tier: 2 processes for the module, not 12 actors."""
-    hosts: list = []
-    yield hosts
-    for host in hosts:
-        ray.kill(host)
-
-
-@pytest.fixture
-def ranks_on_hosts(follower_hosts, monkeypatch):
-    """bench.kv_store's replicas, with their followers (the real TPFollower) on the module's hosts."""
-
-    @contextlib.contextmanager
-    def ranked_engine(config, num_threads, name):
-        started: list = []
-        start = start_on_hosts(follower_hosts, config, FOLLOWER_CPUS, num_threads, started)
-        try:
-            with workload.ranked_engine(config, num_threads, name, start=start) as (engine, followers):
-                ray.get(started)
-                yield engine, followers
-        except BaseException:
-            follower_hosts.clear()  # a failed build kills the hosts; the next test starts its own
-            raise
-
-    monkeypatch.setattr(bench_kv_store, "ranked_engine", ranked_engine)
 
 
 @pytest.mark.slow
