@@ -181,7 +181,7 @@ class Simulation:
             histogram[bisect.bisect_left(PROMPT_LENGTH_BUCKETS, n)] += 1
         streamed, self._streamed_at_tick = self.streamed - self._streamed_at_tick, self.streamed
         obs = Observation(now, interval, arrived[0], arrived[1], round(streamed), mean(ttfts), p90(ttfts), mean(itls), p90(itls), int(queued), kv,
-                          tuple(zip(PROMPT_LENGTH_BUCKETS, histogram)), sum(len(r.heap) for r in decode))
+                          tuple(zip(PROMPT_LENGTH_BUCKETS, histogram)), sum(len(r.heap) for r in self.replicas["decode"]))
         use = {"prefill": busy_s / (max(1, pools["prefill"].ready) * interval), "decode": batch / self.batch_at_slo}
         targets = self.controller(now, obs, pools, use)
         for pool, target in (targets or {}).items():

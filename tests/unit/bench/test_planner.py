@@ -216,3 +216,22 @@ def test_the_replay_observes_the_tokens_streamed_in_each_interval_and_the_sequen
     # every token once (rounded per interval): each answer's first, out of its prefill, and its decoded ones
     assert abs(sum(streamed) - sum(1 + a.output_tokens for a in trace)) <= len(streamed) / 2
     assert seen[0].decode_running == 2 and seen[-1].decode_running == 0
+
+
+def test_the_replay_counts_the_sequences_of_a_draining_decode_replica():
+    """A decode replica given back drains: it takes nothing new but finishes its batch, and the
+    cluster status (what the live loop sums) still lists it, so its sequences are still running."""
+    from bench.planner_sim import Simulation
+
+    config = bench_planner.PlannerConfig()
+    perf = bench_planner.load_splitwise_csv(bench_planner.DEFAULT_PERF, "llama2-70b", "h100-80gb", 4)
+    trace = [bench_planner.Arrival(1.0, 500, 3000), bench_planner.Arrival(2.0, 500, 3000), bench_planner.Arrival(400.0, 500, 1)]
+    seen = []
+
+    def controller(now, obs, pools, use):
+        seen.append((obs.decode_running, pools["decode"].ready, pools["decode"].draining))
+        return {"prefill": 1, "decode": 1}  # give one back at the first tick
+
+    Simulation(trace, perf, config, controller, (1, 2)).run()
+    assert seen[0] == (2, 2, 0)
+    assert seen[1] == (2, 1, 1)  # one ready, one draining: both answers still decoding
