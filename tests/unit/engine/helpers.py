@@ -29,17 +29,20 @@ def random_prompts(lengths=PROMPT_LENGTHS, vocab: int = 512, seed: int = 0) -> l
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def run_staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, every: int = 2) -> list[tuple[int, ...]]:
-    """Add one prompt every ``every`` steps, so requests join while others are mid-decode."""
+def run_staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], every: int = 2) -> list[tuple[int, ...]]:
+    """Add one prompt every ``every`` steps, so requests join while others are mid-decode;
+    ``params`` is every prompt's, or a list of one per prompt."""
     ids = [f"r{i}" for i in range(len(prompts))]
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
     finished: set[str] = set()
-    pending = list(zip(ids, prompts))
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    assert len(per_prompt) == len(prompts)
+    pending = list(zip(ids, prompts, per_prompt))
     step = 0
     while len(finished) < len(ids):
         if pending and step % every == 0:
-            rid, prompt = pending.pop(0)
-            engine.add_request(rid, prompt, params)
+            rid, prompt, prompt_params = pending.pop(0)
+            engine.add_request(rid, prompt, prompt_params)
         for out in engine.step():
             outputs[out.request_id] += out.new_token_ids
             if out.finished:

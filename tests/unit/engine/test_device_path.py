@@ -30,13 +30,20 @@ def _triton_engine(model_dir, graphs: bool = False, **overrides) -> LLMEngine:
     return engine
 
 
+@pytest.fixture(scope="module")
+def eager_device_run(tiny_llama_dir) -> tuple[LLMEngine, list[tuple[int, ...]]]:
+    """An eager device-path engine after PROMPTS, one joining every step (decode batches up to
+    3), and their greedy tokens: the reference of the default path's and the graphs' tests."""
+    engine = _triton_engine(tiny_llama_dir)
+    return engine, run_staggered(engine, PROMPTS, FEW, every=1)
+
+
 @on_cpu_only
-def test_the_triton_path_decodes_the_tokens_of_the_default_path(tiny_llama_dir):
+def test_the_triton_path_decodes_the_tokens_of_the_default_path(tiny_llama_dir, eager_device_run):
     """fp32 KV: the pool holds exactly what the C/torch path patches in, so every token agrees;
     the prompts are prefilled in 32-token chunks, so a later chunk reads earlier ones back."""
-    expected = run_staggered(make_engine(tiny_llama_dir), PROMPTS, FEW)
-    engine = _triton_engine(tiny_llama_dir)
-    assert run_staggered(engine, PROMPTS, FEW) == expected
+    engine, tokens = eager_device_run
+    assert tokens == run_staggered(make_engine(tiny_llama_dir), PROMPTS, FEW, every=1)
     assert engine.pool.num_free_blocks == engine.kv_cache.num_blocks  # every block back
 
 
@@ -47,16 +54,15 @@ SAMPLED = SamplingParams(max_tokens=6, temperature=0.9, top_k=40, top_p=0.95, se
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp8_e4m3"])
 def test_graphed_decode_steps_give_the_eager_device_paths_tokens(tiny_llama_dir, kv_dtype):
     """Staggered requests make decode batches of 1 to 3 (padded to buckets 1, 2 and 4), next to
-    prefill steps that stay eager; greedy and seeded sampled requests alike. The device sampler
-    runs in both, so the sampled tokens agree too."""
+    prefill steps that stay eager; greedy and seeded sampled requests alternate, so the batches
+    mix both. The device sampler runs in both engines, so the sampled tokens agree too."""
     prompts = PROMPTS + random_prompts(lengths=(5,), seed=3)
+    params = [FEW, SAMPLED, FEW, SAMPLED]
     eager = _triton_engine(tiny_llama_dir, kv_dtype=kv_dtype)
     graphed = _triton_engine(tiny_llama_dir, graphs=True, kv_dtype=kv_dtype, graph_max_batch=8)
     assert graphed.runner.graphs.buckets == (1, 2, 4, 8)
-    for params in (FEW, SAMPLED):
-        before = graphed.runner.num_graph_steps
-        assert run_staggered(graphed, prompts, params, every=3) == run_staggered(eager, prompts, params, every=3)
-        assert graphed.runner.num_graph_steps > before
+    assert run_staggered(graphed, prompts, params, every=3) == run_staggered(eager, prompts, params, every=3)
+    assert graphed.runner.num_graph_steps > 0
     assert eager.runner.graphs is None and eager.runner.num_graph_steps == 0
     assert graphed.pool.num_free_blocks == graphed.kv_cache.num_blocks
 
@@ -71,11 +77,11 @@ def test_seeded_requests_draw_the_same_tokens_in_any_batch_on_the_graphed_path(t
 
 
 @on_cpu_only
-def test_a_batch_above_the_largest_bucket_runs_eagerly_and_says_so_once(tiny_llama_dir, caplog):
-    eager = _triton_engine(tiny_llama_dir)
+def test_a_batch_above_the_largest_bucket_runs_eagerly_and_says_so_once(tiny_llama_dir, eager_device_run, caplog):
+    _, eager_tokens = eager_device_run
     graphed = _triton_engine(tiny_llama_dir, graphs=True, graph_max_batch=2)
     with caplog.at_level("WARNING", logger="engine.graphs"):
-        assert run_staggered(graphed, PROMPTS, FEW, every=1) == run_staggered(eager, PROMPTS, FEW, every=1)
+        assert run_staggered(graphed, PROMPTS, FEW, every=1) == eager_tokens
     warnings = [r.getMessage() for r in caplog.records if r.name == "engine.graphs"]
     assert warnings == ["a decode batch of 3 exceeds the largest graph bucket (2): such steps run eagerly"]
     assert graphed.runner.num_graph_steps > 0  # the batches of 1 and 2 near the end still replay
