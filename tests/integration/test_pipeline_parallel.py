@@ -141,7 +141,7 @@ def test_smollm2_pp2_tp3_matches_pp1_through_chunks_prefix_hits_and_preemption(e
         before = engine.stats().num_preemptions
         outputs[config.num_ranks] = _staggered(engines, config, prompts)
         assert engine.stats().num_preemptions > before
-        [first] = engine.generate([hit], GREEDY_16)
+        [first] = engine.generate([hit], replace(GREEDY_16, max_tokens=4))  # fills the cache; the hit is the next call's
         [again] = engine.generate([passage[:64] + passage[210:222]], GREEDY_16)
         assert again.num_cached_tokens == 64
         outputs[config.num_ranks] += [first.output_token_ids, again.output_token_ids]
