@@ -132,7 +132,6 @@ def test_the_device_paths_fp8_pool_holds_what_the_default_path_writes(tiny_llama
                 engine.step()
     default, device = (e.kv_cache for e in engines)
     assert default.buffer.any()
-    payload = slice(0, default.layout.payload_bytes)
     a, b = (dequantize_fp8(c.payload, c.scales) for c in (default, device))
     amax = a.abs().amax(dim=(-2, -1), keepdim=True)
     error = (a - b).abs() / amax.clamp_min(1e-30)  # per (block, head, layer, K/V), relative to its largest value
