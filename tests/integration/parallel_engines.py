@@ -56,6 +56,14 @@ def start_on_hosts(hosts: list, config: EngineConfig, num_cpus: float, num_threa
     return start
 
 
+def drop_killed_hosts(hosts: list, config: EngineConfig, started: list) -> None:
+    """After a failed ``TPEngineBuilder`` call: it killed the ranks its ``start`` handed out
+    (``hosts[:N-1]``, in place, as the list may be shared); hosts beyond them still serve. Nothing
+    was handed out when the builder refused before starting any (``started`` empty)."""
+    if started:
+        del hosts[: config.num_ranks - 1]
+
+
 def ranked_engine_on_hosts(hosts: list, num_cpus: float) -> Callable:
     """``bench.workload.ranked_engine`` with each replica's ranks 1 .. N-1 on ``hosts`` (as
     ``start_on_hosts``), for the benches the tests run in-process."""
@@ -65,12 +73,15 @@ def ranked_engine_on_hosts(hosts: list, num_cpus: float) -> Callable:
     def ranked_engine(config: EngineConfig, num_threads: int, name: str):
         started: list = []
         start = start_on_hosts(hosts, config, num_cpus, num_threads, started)
+        built = False
         try:
             with workload.ranked_engine(config, num_threads, name, start=start) as (engine, followers):
+                built = True
                 ray.get(started)
                 yield engine, followers
         except BaseException:
-            hosts.clear()  # in place, as ParallelEngines does: a failed build killed them
+            if not built:  # a bench's own error left the ranks serving
+                drop_killed_hosts(hosts, config, started)
             raise
 
     return ranked_engine
@@ -107,8 +118,8 @@ class ParallelEngines:
             builder = TPEngineBuilder(config, self.replica_id, num_cpus=self.follower_cpus, num_threads=1, start=start)
             try:
                 self._engine = builder()
-            except BaseException:  # the builder killed the hosts, which may have waited in the start-up barrier
-                self._hosts.clear()  # in place: a shared list must not keep them either
+            except BaseException:  # the builder killed its ranks' hosts, which may have waited in the start-up barrier
+                drop_killed_hosts(self._hosts, config, started)
                 raise
             ray.get(started)
             self._config, self.followers = config, builder.followers
