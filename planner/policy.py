@@ -79,6 +79,7 @@ class SLAPlanner:
         self._measured = False
         intervals_per_start_up = max(1, math.ceil(config.startup_s / config.interval_s - 1e-9))
         self._loads: deque[tuple[float, float]] = deque(maxlen=intervals_per_start_up)
+        self._itl_over_intervals = 0  # consecutive intervals whose ITL p90 was over the SLO
         num_start_ups = config.rise_start_ups
         if num_start_ups is None:
             num_start_ups = rise_start_ups(max(self._window_s / config.interval_s, 1 / (1 - config.attainment_target)))
@@ -136,12 +137,16 @@ class SLAPlanner:
             clearing = self._prefill_count(max(prefill_load, smooth_prefill) + backlog_s / (config.startup_s + config.interval_s), prefill_cap)
             if clearing > prefill_need:
                 prefill_need, prefill_why = clearing, f"{prefill_why}; {obs.queued_prefill_tokens} tokens queued"
-        # The decode pool's backlog is its batch: an ITL already over the SLO means it is over capacity
-        # now, and it grows to this interval's load rather than the start-up's average.
-        if obs.itl_s_p90 is not None and obs.itl_s_p90 > config.itl_slo_s:
+        # The decode pool's backlog is its batch: an ITL over the SLO in each interval of the last
+        # start-up means it is over capacity for longer than a replica takes to start, and it grows
+        # to this interval's load rather than the start-up's average. A shorter spell is a burst the
+        # pool rides out: replicas asked for on it would be warm after it.
+        itl_over = obs.itl_s_p90 is not None and obs.itl_s_p90 > config.itl_slo_s
+        self._itl_over_intervals = self._itl_over_intervals + 1 if itl_over else 0
+        if self._itl_over_intervals >= self._loads.maxlen:
             now_need = self._decode_count(decode_load + (prefill_load if prefill_need == 0 else 0.0))
             if now_need > decode_need:
-                decode_need, decode_why = now_need, f"{decode_why}; the ITL p90 {obs.itl_s_p90:.3f} s is over the SLO"
+                decode_need, decode_why = now_need, f"{decode_why}; the ITL p90 {obs.itl_s_p90:.3f} s is over the SLO, {self._itl_over_intervals} intervals running"
         aggregated = pools["prefill"].target == 0
         if (config.aggregate_when_cheaper or aggregated) and config.min_prefill == 0 and prefill_need > 0:
             # Conditional disaggregation: the decode replicas alone, each prefilling its share of

@@ -94,15 +94,27 @@ def test_first_tokens_come_out_of_prefill_and_are_no_decode_load():
     assert decisions[-1].reasons["decode"].startswith("holding at 1 for 0 output tokens/s")
 
 
-def test_an_itl_over_the_slo_sizes_decode_for_the_interval_not_its_average():
-    """The first interval of long outputs averages to 4 decode replicas; the same interval with an
-    ITL p90 over the SLO (the batch is already over what it allows) gets the 7 its own load needs."""
-    calm, late = planner(), planner()
-    for p in (calm, late):
+def test_an_itl_over_the_slo_for_a_start_up_sizes_decode_for_the_interval_not_its_average():
+    """Output rises to 1000 tokens a request, then 2000: averaged with the interval before, the two
+    intervals need 4 and 10 decode replicas ((245 + 4,995) / 2 / 780 and (4,995 + 9,995) / 2 / 780).
+    An ITL p90 over the SLO in both (each interval of a 60 s start-up) means the batch has been over
+    what it allows for as long as a replica takes to start: the second gets the 13 its own load needs.
+    Over in one interval only, or in two with a good one between, is a burst the pool rides out."""
+    plans = {name: planner() for name in ("calm", "late", "once", "broken")}
+    for p in plans.values():
         run(p, [5] * 6, (1, 1))
-    assert calm.decide(observe(210, 5, output_tokens=1000, itl_s_p90=0.09), pools(1, 1)).targets["decode"] == 4
-    decision = late.decide(observe(210, 5, output_tokens=1000, itl_s_p90=0.15), pools(1, 1))
-    assert decision.targets["decode"] == 7 and "the ITL p90 0.150 s is over the SLO" in decision.reasons["decode"]
+    itl = {"calm": (0.09, 0.09), "late": (0.15, 0.15), "once": (0.09, 0.15), "broken": (0.15, 0.09)}
+    last = {}
+    for name, p in plans.items():
+        first = p.decide(observe(210, 5, output_tokens=1000, itl_s_p90=itl[name][0]), pools(1, 1))
+        assert first.targets["decode"] == 4  # never chased on one interval
+        last[name] = p.decide(observe(240, 5, output_tokens=2000, itl_s_p90=itl[name][1]), pools(1, 4))
+    assert {name: d.targets["decode"] for name, d in last.items()} == {"calm": 10, "late": 13, "once": 10, "broken": 10}
+    assert "the ITL p90 0.150 s is over the SLO, 2 intervals running" in last["late"].reasons["decode"]
+    # Then 2400 tokens a request, over the SLO again: 15 on the average, 16 on its own load. The good
+    # interval between restarted the count, so "broken" is not chased; "late" is, three running.
+    third = {name: plans[name].decide(observe(270, 5, output_tokens=2400, itl_s_p90=0.15), pools(1, last[name].targets["decode"])) for name in ("late", "broken")}
+    assert {name: d.targets["decode"] for name, d in third.items()} == {"late": 16, "broken": 15}
 
 
 def test_a_burst_shorter_than_a_start_up_is_averaged_down_and_not_chased():
