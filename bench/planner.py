@@ -2,9 +2,11 @@
 
     python -m bench.planner --trace FILE [--generate bursty|DEV_TRACE] --json OUT --plot OUT.png
 
-A trace is an Azure LLM 2023 CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``) or, ending in
-``.jsonl``, a Mooncake trace. With ``--generate bursty`` a seeded trace is written to FILE first:
-Poisson arrivals on a base rate with smooth bursts of long prompts, of long outputs, of both, and
+A trace is a CSV with a header (Azure LLM 2023/2024 ``TIMESTAMP,ContextTokens,GeneratedTokens``,
+BurstGPT's ``Timestamp,...,Request tokens,Response tokens,...``, or any columns naming an arrival
+time and prompt and output tokens) or JSON lines ending in ``.jsonl`` (Mooncake's ``timestamp`` in
+ms, ``input_length``, ``output_length``; or ``arrival_time``, ``prompt_tokens``, ...); ``.gz`` too.
+With ``--generate bursty`` a seeded trace is written to FILE first: Poisson arrivals on a base rate with smooth bursts of long prompts, of long outputs, of both, and
 quiet spells; ``--generate NAME`` writes the development set's trace NAME (bench/planner_traces.py). The replay is a discrete-event simulation of the two pools whose costs come from
 the perf model (planner/perf_model.py; default the Splitwise llama2-70b H100 TP 4 rows) in
 bench/planner_sim.py; the traces and the development set's generators are bench/planner_traces.py.
@@ -147,7 +149,7 @@ def parse_with_planner_config(parser, argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     parser = arg_parser(__doc__, model=False, plot="arrival rate and each policy's replicas over time")
-    parser.add_argument("--trace", type=Path, required=True, help="Azure LLM 2023 CSV or Mooncake JSONL (with --generate: written first, as CSV)")
+    parser.add_argument("--trace", type=Path, required=True, help="CSV (Azure LLM, BurstGPT, any header naming an arrival time, prompt and output tokens) or JSON lines (Mooncake, ...), .gz too; with --generate: written first, as CSV")
     parser.add_argument("--generate", choices=("bursty", *dev_set()), help="write a generated trace to --trace, then replay it: bursty (seeded by --seed, --duration-s long) or a development-set trace (fixed)")
     parser.add_argument("--seed", type=int, default=0, help="seed of a generated trace (default: 0)")
     parser.add_argument("--duration-s", type=float, default=3600.0, help="length of a generated trace (default: 3600)")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import csv
 import datetime
 import gzip
+import json
 import math
 import random
 from collections.abc import Callable
@@ -32,10 +33,17 @@ from typing import NamedTuple
 from bench.report import BenchError
 from bench.traces import TraceConfig
 from bench.traces import generate as generate_mooncake
-from bench.traces import read_trace as read_mooncake
 
 CSV_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 CONV_TRACE = Path(__file__).resolve().parents[1] / "planner" / "data" / "azure_llm_2023_conv.csv.gz"
+
+# Column names the public traces use, compared lower-cased with spaces, dashes and underscores
+# dropped: Azure LLM 2023/2024 (TIMESTAMP, ContextTokens, GeneratedTokens), BurstGPT (Timestamp,
+# Request tokens, Response tokens), Mooncake (timestamp in ms, input_length, output_length) and
+# the names serving benchmarks log (arrival_time, prompt_tokens, completion_tokens, ...).
+TIME_COLUMNS = {"timestamp": 1.0, "time": 1.0, "arrivaltime": 1.0, "arrivaltimes": 1.0, "timestamps": 1.0, "timestampms": 1e-3, "timems": 1e-3, "arrivaltimems": 1e-3}
+PROMPT_COLUMNS = ("contexttokens", "inputtokens", "inputlength", "inputlen", "prompttokens", "promptlength", "promptlen", "requesttokens")
+OUTPUT_COLUMNS = ("generatedtokens", "outputtokens", "outputlength", "outputlen", "completiontokens", "responsetokens")
 
 
 class Arrival(NamedTuple):
@@ -44,30 +52,58 @@ class Arrival(NamedTuple):
     output_tokens: int
 
 
+def _key(name: str) -> str:
+    return "".join(c for c in name.strip().lstrip("\ufeff").lower() if c not in " _-")
+
+
+def _columns(names: list[str], where: str) -> tuple[str, float, str, str]:
+    """(time column, its unit in seconds, prompt column, output column) among ``names``, or a BenchError."""
+    keys = {_key(n): n for n in names}
+    time = next(((keys[k], unit) for k, unit in TIME_COLUMNS.items() if k in keys), None)
+    prompt = next((keys[k] for k in PROMPT_COLUMNS if k in keys), None)
+    output = next((keys[k] for k in OUTPUT_COLUMNS if k in keys), None)
+    missing = [what for what, found in (("an arrival time (TIMESTAMP, arrival_time, timestamp_ms, ...)", time), ("prompt tokens (ContextTokens, input_length, prompt_tokens, Request tokens, ...)", prompt), ("output tokens (GeneratedTokens, output_length, completion_tokens, Response tokens, ...)", output)) if found is None]
+    if missing:
+        raise BenchError(f"{where} names no column for {' or '.join(missing)}: it has {', '.join(map(repr, names)) or 'none'}")
+    return time[0], time[1], prompt, output
+
+
+def _row(time: object, unit: float, prompt: object, output: object) -> tuple[float, int, int]:
+    """One request, or ValueError: a time (a number in ``unit`` seconds, or an ISO 8601 date), a
+    whole prompt of at least one token and a whole output of none or more (a failed request's; it
+    is replayed as one token)."""
+    if any(isinstance(x, bool) or not isinstance(x, (int, float, str)) for x in (time, prompt, output)):
+        raise ValueError
+    try:
+        seconds = float(time) * unit
+    except ValueError:
+        seconds = datetime.datetime.fromisoformat(time).timestamp()
+    prompt_tokens, output_tokens = float(prompt), float(output)
+    if not math.isfinite(seconds) or not prompt_tokens.is_integer() or not output_tokens.is_integer() or prompt_tokens < 1 or output_tokens < 0:
+        raise ValueError
+    return seconds, int(prompt_tokens), int(output_tokens)
+
+
 def read_arrivals(path: Path) -> list[Arrival]:
-    """The trace at ``path`` (CSV, CSV.gz or Mooncake JSONL) from time 0, or a BenchError naming the first bad line."""
+    """The trace at ``path`` from time 0, or a BenchError naming the first bad line.
+
+    A CSV (or .csv.gz) with a header row, or JSON lines (.jsonl / .json, .gz too), one request a
+    line. Columns are found by name (``TIME_COLUMNS``, ``PROMPT_COLUMNS``, ``OUTPUT_COLUMNS``); other
+    columns are ignored. In JSON lines a bare ``timestamp`` is in milliseconds, as Mooncake writes it.
+    """
     if not path.is_file():
         raise BenchError(f"--trace {path}: no such file")
-    if path.suffix in (".jsonl", ".json"):
-        try:
-            rows = [(r.timestamp_ms / 1000, r.input_length, r.output_length) for r in read_mooncake(path)]
-        except ValueError as e:
-            raise BenchError(f"--trace {path}: {e}") from None
-    else:
-        rows = []
-        with (gzip.open(path, "rt", newline="") if path.suffix == ".gz" else open(path, newline="")) as f:
-            reader = csv.reader(f)
-            if next(reader, None) != CSV_HEADER:
-                raise BenchError(f"--trace {path}: line 1 is not the header {','.join(CSV_HEADER)}")
-            for row in reader:
-                try:
-                    if row:
-                        stamp, prompt, output = row
-                        rows.append((_seconds(stamp), int(prompt), int(output)))
-                        if rows[-1][1] < 1 or rows[-1][2] < 0:
-                            raise ValueError
-                except ValueError:
-                    raise BenchError(f"--trace {path}: line {reader.line_num} is not TIMESTAMP,ContextTokens,GeneratedTokens: {','.join(row)!r}") from None
+    suffixes = [x.lower() for x in path.suffixes]
+    opener = (lambda: gzip.open(path, "rt", newline="", encoding="utf-8-sig")) if suffixes[-1:] == [".gz"] else (lambda: open(path, newline="", encoding="utf-8-sig"))
+    rows = []
+    try:
+        with opener() as f:
+            if {".jsonl", ".json"} & set(suffixes):
+                rows = _read_json_lines(f, path)
+            else:
+                rows = _read_csv(f, path)
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        raise BenchError(f"--trace {path}: cannot be read ({type(e).__name__}: {e})") from None
     if len(rows) < 2:
         raise BenchError(f"--trace {path}: fewer than two requests")
     rows.sort()
@@ -75,11 +111,45 @@ def read_arrivals(path: Path) -> list[Arrival]:
     return [Arrival(t - start, p, max(1, o)) for t, p, o in rows]
 
 
-def _seconds(stamp: str) -> float:
-    try:
-        return float(stamp)
-    except ValueError:
-        return datetime.datetime.fromisoformat(stamp).timestamp()
+def _read_csv(f, path: Path) -> list[tuple[float, int, int]]:
+    reader = csv.reader(f)
+    header = next(reader, None)
+    if header is None:
+        raise BenchError(f"--trace {path}: empty")
+    time, unit, prompt, output = _columns(header, f"--trace {path}: line 1")
+    at = {name: i for i, name in enumerate(header)}
+    rows = []
+    for row in reader:
+        if not row or not any(cell.strip() for cell in row):
+            continue
+        try:
+            rows.append(_row(row[at[time]].strip(), unit, row[at[prompt]].strip(), row[at[output]].strip()))
+        except (ValueError, IndexError, OverflowError):
+            raise BenchError(f"--trace {path}: line {reader.line_num} is not a request ({time}, {prompt}, {output}): {','.join(row)!r}") from None
+    return rows
+
+
+def _read_json_lines(f, path: Path) -> list[tuple[float, int, int]]:
+    rows, columns = [], None
+    for number, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise BenchError(f"--trace {path}: line {number} is not JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise BenchError(f"--trace {path}: line {number} is not a JSON object: {line.strip()[:80]!r}")
+        if columns is None:
+            columns = _columns(list(record), f"--trace {path}: line {number}")
+            if _key(columns[0]) == "timestamp":
+                columns = (columns[0], 1e-3, *columns[2:])  # Mooncake's timestamps are milliseconds
+        time, unit, prompt, output = columns
+        try:
+            rows.append(_row(record[time], unit, record[prompt], record[output]))
+        except (ValueError, KeyError, TypeError, OverflowError):
+            raise BenchError(f"--trace {path}: line {number} is not a request ({time}, {prompt}, {output}): {line.strip()[:120]!r}") from None
+    return rows
 
 
 def write_csv(trace: list[Arrival], path: Path) -> None:

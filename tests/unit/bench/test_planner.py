@@ -64,14 +64,14 @@ def test_a_malformed_csv_line_is_named_by_its_number(tmp_path, capsys):
     path = tmp_path / "bad.csv"
     path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n2023-11-16 18:15:50.99,many,109\n")
     assert run("planner", bench_planner.main, ["--trace", str(path)]) == 2
-    assert "line 3 is not TIMESTAMP,ContextTokens,GeneratedTokens" in _one_sentence(capsys)
+    assert "line 3 is not a request (TIMESTAMP, ContextTokens, GeneratedTokens)" in _one_sentence(capsys)
 
 
 def test_a_malformed_mooncake_line_is_named_by_its_number(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [0]}\nnot json\n')
     assert run("planner", bench_planner.main, ["--trace", str(path)]) == 2
-    assert "line 2 is not a request" in _one_sentence(capsys)
+    assert "line 2 is not JSON" in _one_sentence(capsys)
 
 
 def test_a_missing_trace_and_a_missing_header_are_one_sentence(tmp_path, capsys):
@@ -81,7 +81,7 @@ def test_a_missing_trace_and_a_missing_header_are_one_sentence(tmp_path, capsys)
     headless = tmp_path / "headless.csv"
     headless.write_text("1,2,3\n")
     assert run("planner", bench_planner.main, ["--trace", str(headless)]) == 2
-    assert "line 1 is not the header" in _one_sentence(capsys)
+    assert "line 1 names no column for an arrival time" in _one_sentence(capsys)
 
 
 def test_the_planner_starts_from_static_and_meets_a_sustained_step_without_chasing_past_it():
