@@ -83,6 +83,7 @@ def _pool(pool: str) -> dict:
         "minReplicas": _integer(0 if pool == "prefill" else 1, MAX_REPLICAS),
         "maxReplicas": _integer(1, MAX_REPLICAS),
         "tp": _integer(1, MAX_GPUS_PER_NODE, "Tensor-parallel ranks per replica: GPUs per pod."),
+        "pp": _integer(1, MAX_GPUS_PER_NODE, "Pipeline stages per replica, every one on the replica's pod: it requests tp x pp GPUs."),
         "cpus": _integer(1),
         "memory": {"type": "string", "minLength": 1},
         "shmSize": {"type": "string", "minLength": 1},
@@ -97,6 +98,8 @@ def _pool(pool: str) -> dict:
               "allOf": [{"$ref": "#/$defs/minReplicasNotAboveMaxReplicas"}]}
     if pool == "decode":
         schema["allOf"].append({"if": {"properties": {"tp": {"minimum": 2}}},
+                                "then": {"properties": {"ep": {"const": 1}}}})
+        schema["allOf"].append({"if": {"properties": {"pp": {"minimum": 2}}, "required": ["pp"]},
                                 "then": {"properties": {"ep": {"const": 1}}}})
     return schema
 

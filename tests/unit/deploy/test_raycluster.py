@@ -46,9 +46,29 @@ def test_head_command(example, example_objects):
     assert flag(args, "--prefill-tp") == str(values["prefill"].get("tp", 1))
     assert flag(args, "--decode-tp") == str(values["decode"].get("tp", 1))
     assert flag(args, "--decode-ep") == str(values["decode"].get("ep", 1))
+    assert "--prefill-pp" not in args and "--decode-pp" not in args, "pp 1 is the CLI's default"
     assert "--prefill" not in args and "--decode" not in args, "pool sizes belong to the worker groups"
     unknown = {a for a in args if a.startswith("--")} - _up_flags() - HEAD_ONLY_FLAGS
     assert not unknown, f"flags neither `splitserve up` nor the head contract know: {unknown}"
+
+
+def test_a_pipelined_pool_holds_every_stage_of_a_replica_on_its_pod():
+    """prefill pp 2 x tp 2 and decode pp 2 x tp 4 on 8-GPU nodes: the head starts the pools
+    pipelined and each pod requests the GPUs of its replica's every stage (4 and 8)."""
+    values = example_values("values-gpu-70b-tp", redis={"enabled": False, "externalUrl": ""})
+    values["engine"] = {**values["engine"], "cpuKvCacheBytes": 0}  # the tiers serve one-stage replicas so far
+    values["prefill"] = {**values["prefill"], "tp": 2, "pp": 2}
+    values["decode"] = {**values["decode"], "tp": 4, "pp": 2}
+    raycluster = find(render.render_objects(values), "RayCluster")
+    args = container(raycluster["spec"]["headGroupSpec"]["template"])["args"]
+    assert (flag(args, "--prefill-pp"), flag(args, "--decode-pp")) == ("2", "2")
+    assert (flag(args, "--prefill-tp"), flag(args, "--decode-tp")) == ("2", "4")
+    assert not {a for a in args if a.startswith("--")} - _up_flags() - HEAD_ONLY_FLAGS
+    for pool, gpus in (("prefill", "4"), ("decode", "8")):
+        group = worker_group(raycluster, pool)
+        worker = container(group["template"])
+        assert flag(worker["args"], "--num-gpus") == gpus and group["rayStartParams"]["num-gpus"] == gpus
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == gpus == worker["resources"]["requests"]["nvidia.com/gpu"]
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
@@ -56,7 +76,7 @@ def test_head_command(example, example_objects):
 def test_worker_group(example, pool, example_objects):
     values = example_values(example)
     p = values[pool]
-    size = max(p.get("tp", 1), p.get("ep", 1))
+    size = max(p.get("tp", 1) * p.get("pp", 1), p.get("ep", 1))
     gpus = size if values["gpusPerNode"] > 0 else 0
     group = worker_group(find(example_objects[example], "RayCluster"), pool)
     assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (p["replicas"], p["minReplicas"], p["maxReplicas"])

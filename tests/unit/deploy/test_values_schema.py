@@ -83,6 +83,23 @@ def test_tp_and_ep_together_are_refused():
     assert "at '/decode/ep': value must be 1" in message
 
 
+def test_pipeline_stages_are_checked():
+    assert "at '/prefill/pp': minimum: got 0, want 1" in _refusal(_with("values-gpu-70b-tp", "prefill.pp", 0))
+    assert "at '/decode/ep': value must be 1" in _refusal(_with("values-moe-ep", "decode.pp", 2))  # the engine refuses PP with EP
+    six = _with("values-gpu-70b-tp", "prefill.tp", 2)
+    six["prefill"]["pp"] = 3
+    message = _refusal(six, HelmRenderError)
+    assert "prefill.tp x prefill.pp is 6 GPUs a pod (every stage of a replica on its pod), which gpusPerNode (8) is not a multiple of" in message
+    four = _with("values-gpu-70b-tp", "prefill.tp", 2)
+    four["prefill"]["pp"] = 2  # 4 GPUs a pod on 8-GPU nodes, but the example keeps both KV tiers on
+    message = _refusal(four, HelmRenderError)
+    assert "prefill.pp or decode.pp above 1 with a CPU or Redis KV tier" in message
+    four["engine"]["cpuKvCacheBytes"] = 0
+    assert "prefill.pp or decode.pp above 1 with a CPU or Redis KV tier" in _refusal(four, HelmRenderError)  # Redis still on
+    four["redis"] = {**four["redis"], "enabled": False, "externalUrl": ""}
+    render.render(four)
+
+
 def test_decode_cannot_scale_to_zero():
     message = _refusal(_with("values-gpu-llama-8b", "decode.minReplicas", 0))
     assert "at '/decode/minReplicas': minimum: got 0, want 1" in message

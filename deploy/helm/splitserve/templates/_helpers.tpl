@@ -56,9 +56,23 @@ redis://{{ include "splitserve.fullname" . }}-redis:6379/0
 Checks the schema cannot express (it cannot compare two fields); each fails the install with a
 sentence naming the values involved.
 */}}
+{{/*
+GPUs one pod of a pool holds: its replica's tp x pp ranks (or ep, for an expert-parallel decode
+replica). Called with dict root, pool.
+*/}}
+{{- define "splitserve.podGpus" -}}
+{{- $p := index .root.Values .pool -}}
+{{- max (mul (int $p.tp) (int (default 1 $p.pp))) (int (default 1 $p.ep)) -}}
+{{- end -}}
+
 {{- define "splitserve.validate" -}}
 {{- range $pool := list "prefill" "decode" }}
 {{- $p := index $.Values $pool }}
+{{- $gpus := include "splitserve.podGpus" (dict "root" $ "pool" $pool) | int }}
+{{- $perNode := int $.Values.gpusPerNode }}
+{{- if and (gt $perNode 0) (gt (int (default 1 $p.pp)) 1) (ne (mod $perNode $gpus) 0) }}
+{{- fail (printf "%s.tp x %s.pp is %d GPUs a pod (every stage of a replica on its pod), which gpusPerNode (%d) is not a multiple of" $pool $pool $gpus $perNode) }}
+{{- end }}
 {{- if or (lt (int $p.replicas) (int $p.minReplicas)) (gt (int $p.replicas) (int $p.maxReplicas)) }}
 {{- fail (printf "%s.replicas (%d) must lie within %s.minReplicas (%d) and %s.maxReplicas (%d)" $pool (int $p.replicas) $pool (int $p.minReplicas) $pool (int $p.maxReplicas)) }}
 {{- end }}
@@ -77,6 +91,9 @@ sentence naming the values involved.
 {{- end }}
 {{- if and .Values.redis.enabled .Values.redis.externalUrl }}
 {{- fail "redis.enabled starts a Redis StatefulSet and redis.externalUrl names another server: set one of them" }}
+{{- end }}
+{{- if and (or (gt (int (default 1 .Values.prefill.pp)) 1) (gt (int (default 1 .Values.decode.pp)) 1)) (or (gt (int64 .Values.engine.cpuKvCacheBytes) 0) (include "splitserve.redisUrl" .)) }}
+{{- fail "prefill.pp or decode.pp above 1 with a CPU or Redis KV tier: the engine serves the tiers on replicas of one pipeline stage so far; set pp to 1, or engine.cpuKvCacheBytes to 0 and turn Redis off" }}
 {{- end }}
 {{- end -}}
 
