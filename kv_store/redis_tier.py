@@ -39,15 +39,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-import redis
-
 from kv_store.keys import KeyNamespace
 from kv_store.layout import KVBlockLayout
 from kv_store.redis_value import ValueRejected, decode_value, encode_parts
 
 logger = logging.getLogger(__name__)
 
-_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
 _CONFIRM_POLL_S = 0.05
 """Shortest pause between two checks of the keys waiting for other shards' heads."""
 _WAKE = object()
@@ -153,7 +150,12 @@ class RedisTier:
         kwargs = dict(socket_timeout=config.socket_timeout_s, socket_connect_timeout=config.socket_timeout_s)
         if config.url.startswith("rediss://") and config.tls_ca_file is not None:
             kwargs["ssl_ca_certs"] = str(config.tls_ca_file)
+        # Imported here, not at the top: every engine process imports this module, and most run
+        # no Redis tier (redis-py's import is 0.15 CPU-s).
+        import redis
+
         self._client = redis.Redis.from_url(config.url, **kwargs)
+        self._redis_down = (redis.ConnectionError, redis.TimeoutError, OSError)
         self._prefix = f"{config.key_prefix}{namespace.fingerprint:016x}:"
         self._other_heads = [h for h in range(num_model_kv_heads) if h not in self.heads]
         self._head_layout = KVBlockLayout(layout.num_layers, 1, layout.head_dim, layout.block_size, layout.kv_dtype)
@@ -190,7 +192,7 @@ class RedisTier:
             return []
         try:
             values = self._client.mget([self.redis_key(key, head) for key in keys for head in self.heads])
-        except _REDIS_DOWN as e:
+        except self._redis_down as e:
             self._failed("get", e)
             return []
         self._recovered()
@@ -218,7 +220,7 @@ class RedisTier:
             return 0
         try:
             counts = self._count_heads(keys, heads)
-        except _REDIS_DOWN as e:
+        except self._redis_down as e:
             self._failed("count", e)
             return 0
         self._recovered()
@@ -258,7 +260,7 @@ class RedisTier:
                 if confirm:
                     pipe.exists(*(self.redis_key(key, head) for head in self._other_heads))
             replies = pipe.execute()
-        except _REDIS_DOWN as e:
+        except self._redis_down as e:
             self._failed("put", e)
             self._count(num_dropped_puts=len(blocks))
             return []
@@ -448,7 +450,7 @@ class RedisTier:
         if self.available:
             try:  # every head: a key ``expect``ed was written by another process, this shard's heads too
                 counts = self._count_heads(list(pending), range(self.num_model_kv_heads))
-            except _REDIS_DOWN as e:
+            except self._redis_down as e:
                 self._failed("confirm", e)
             else:
                 self._recovered()

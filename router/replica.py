@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
@@ -20,7 +21,6 @@ from kv_store.events import EventGap, Tier
 from proto import splitserve_pb2 as pb
 from router.config import RouterConfig
 from router.config import CONTROLLER_NAME, NAMESPACE
-from router.frontend.apis.app import HttpServer, build_app
 from router.frontend.auth import read_token
 from router.frontend.metrics import RouterMetrics
 from router.frontend.server import RunningServer, start_server
@@ -29,6 +29,9 @@ from router.routing.policy import PolicyConfig, make_policy
 from router.routing.prefix_index import PrefixIndex
 from router.routing.worker_calls import ChannelStats, WorkerChannels
 from router.routing.workers import Replica, WorkerDirectory, worker_load
+
+if TYPE_CHECKING:
+    from router.frontend.apis.app import HttpServer
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,10 @@ class RouterReplica:
         admin = AdminService(self._cluster_status)
         self._server = await start_server(self.config, self._generation, admin)
         if self.config.http_port is not None:
+            # Imported here: FastAPI, uvicorn and Starlette cost a process 0.3 CPU-s, and most
+            # routers (and the controller, which imports this module to start them) serve no HTTP.
+            from router.frontend.apis.app import HttpServer, build_app
+
             token = read_token(self.config.token_file) if self.config.token_file else None
             self._http = HttpServer(build_app(self._generation, self.metrics, token), self.config)
             await self._http.start()
