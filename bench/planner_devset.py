@@ -1,6 +1,6 @@
 """The planner's development set replayed at once: every trace of bench/planner_traces.dev_set under every policy.
 
-    python -m bench.planner_devset [--traces NAME ...] [--policies ...] [--seed-offset K] [--jobs N] --json OUT [--table]
+    python -m bench.planner_devset [--set dev|outside] [--traces NAME ...] [--policies ...] [--seed-offset K] [--jobs N] --json OUT [--table]
 
 Prints one JSON report: per trace its stats (with the requests no replica count can serve within
 the TTFT SLO counted apart), each policy's attainment, replica-hours, direction changes per pool,
@@ -9,6 +9,9 @@ that meet each goal. ``--table`` also writes the markdown table planner/README.m
 Planner settings are the ones ``bench.planner`` takes (``--startup-s`` also sizes the bursts).
 ``--seed-offset K`` draws the generated traces from seeds shifted by K: the same shapes, held out
 from development (names keep the development set's; the recorded conv traces do not change).
+``--set outside`` replays instead the shapes kept apart from development as a check
+(bench/planner_traces.outside_set: a load after an idle stretch, a sawtooth, a step down, long
+answers, a trickle, periodic bursts).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 
 from bench.planner import DEFAULT_PERF, describe, evaluate_goals, parse_with_planner_config, replay
-from bench.planner_traces import dev_set
+from bench.planner_traces import SETS
 from bench.report import arg_parser, emit_report, machine, progress, run
 from planner.config import PlannerConfig
 from planner.perf_model import load_splitwise_csv
@@ -26,10 +29,10 @@ POLICIES = ("splitserve", "static", "hpa", "hindsight")
 SUMMARY_FIELDS = ("slo_attainment", "replica_hours", "direction_changes_per_pool", "infeasible_intervals", "split", "attainment_bar", "target_reached", "best_attainment", "reached_target", "infeasible_requests")
 
 
-def replay_trace(name: str, config: PlannerConfig, policies: tuple[str, ...], seed_offset: int = 0) -> dict:
-    """One development trace under ``policies`` (static first: hindsight starts from it)."""
+def replay_trace(name: str, config: PlannerConfig, policies: tuple[str, ...], seed_offset: int = 0, trace_set: str = "dev") -> dict:
+    """One trace of ``trace_set`` under ``policies`` (static first: hindsight starts from it)."""
     perf = load_splitwise_csv(DEFAULT_PERF, "llama2-70b", "h100-80gb", 4)
-    trace = dev_set(config.startup_s, seed_offset)[name]()
+    trace = SETS[trace_set](config.startup_s, seed_offset)[name]()
     results = {}
     for policy in sorted(policies, key=lambda p: p != "static"):
         result, _ = replay(trace, perf, config, policy, static=results.get("static"))
@@ -53,8 +56,9 @@ def table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = arg_parser(__doc__, model=False)
-    names = list(dev_set())
-    parser.add_argument("--traces", nargs="+", choices=names, default=names, help="development traces to replay (default: all)")
+    parser.add_argument("--set", dest="trace_set", choices=list(SETS), default="dev", help="dev: the development set; outside: shapes kept apart as a check (default: dev)")
+    names = [name for make in SETS.values() for name in make()]
+    parser.add_argument("--traces", nargs="+", choices=names, help="traces of the set to replay (default: all of it)")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=["splitserve", "static", "hpa"], help="(default: splitserve static hpa)")
     parser.add_argument("--seed-offset", type=int, default=0, help="draw the generated traces from seeds shifted by this much: held-out traces of the same shapes (default: 0, the development set)")
     parser.add_argument("--jobs", type=int, default=2, help="traces replayed at once, one process each (default: 2)")
@@ -62,17 +66,21 @@ def main(argv: list[str] | None = None) -> int:
     args, config = parse_with_planner_config(parser, argv)
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
+    in_set = list(SETS[args.trace_set]())
+    args.traces = args.traces or in_set
+    if stray := [name for name in args.traces if name not in in_set]:
+        parser.error(f"--traces {' '.join(stray)}: not in --set {args.trace_set} ({', '.join(in_set)})")
     policies = tuple(dict.fromkeys(["static", *args.policies]))  # every other policy starts from static's split
     progress("planner_devset", f"{len(args.traces)} traces x {', '.join(policies)} on {args.jobs} processes")
     with ProcessPoolExecutor(args.jobs) as pool:
-        futures = {name: pool.submit(replay_trace, name, config, policies, args.seed_offset) for name in args.traces}
+        futures = {name: pool.submit(replay_trace, name, config, policies, args.seed_offset, args.trace_set) for name in args.traces}
         traces = {}
         for name, future in futures.items():
             traces[name] = future.result()
             goals = traces[name]["goals"]
             progress("planner_devset", f"{name}: " + ", ".join(f"{k} {v['value']:.3f}{'' if v['met'] else ' (missed)'}" for k, v in goals.items()))
     met = {goal: sum(t["goals"].get(goal, {}).get("met", False) for t in traces.values()) for goal in next(iter(traces.values()))["goals"]}
-    report = {"traces": traces, "summary": {"num_traces": len(traces), "goals_met": met}, "seed_offset": args.seed_offset, "planner_config": vars(config), "machine": machine()}
+    report = {"traces": traces, "summary": {"num_traces": len(traces), "goals_met": met}, "set": args.trace_set, "seed_offset": args.seed_offset, "planner_config": vars(config), "machine": machine()}
     emit_report(report, args.json)
     if args.table:
         print(table(report), file=sys.stderr)

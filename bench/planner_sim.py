@@ -2,7 +2,9 @@
 
 - prefill: each prompt goes to the ready prefill replica that frees up first and takes
   ``prefill_s(prompt)``; with no ready prefill replica the decode replica prefills it itself,
-  stalling its whole batch (conditional disaggregation, the prefill pool at zero);
+  stalling its whole batch (conditional disaggregation, the prefill pool at zero); the prompts it
+  has not prefilled yet are its queue (queued prompt tokens, as the engine reports them), not
+  running sequences;
 - decode: each request joins the ready decode replica with the smallest batch, and every
   sequence on a replica advances one token per ``itl_s(batch)``;
 - a replica asked for is ready ``startup_s`` later and costs from the moment it is asked for;
@@ -180,8 +182,19 @@ class Simulation:
         for n in lengths:
             histogram[bisect.bisect_left(PROMPT_LENGTH_BUCKETS, n)] += 1
         streamed, self._streamed_at_tick = self.streamed - self._streamed_at_tick, self.streamed
-        obs = Observation(now, interval, arrived[0], arrived[1], round(streamed), mean(ttfts), p90(ttfts), mean(itls), p90(itls), int(queued), kv,
-                          tuple(zip(PROMPT_LENGTH_BUCKETS, histogram)), sum(len(r.heap) for r in self.replicas["decode"]))
+        # A decode replica prefilling its own prompts (the prefill pool at zero) holds the requests
+        # it has not prefilled yet as a queue, as the engine's scheduler does: they are queued
+        # prompt tokens, not running sequences.
+        running, decode_queued = 0, 0.0
+        for r in self.replicas["decode"]:
+            for _, i in r.heap:
+                if self.start_s[i] <= now:
+                    running += 1
+                else:
+                    tokens = self.trace[i].prompt_tokens
+                    decode_queued += tokens * min(1.0, (self.start_s[i] - now) / (self.cost * self.perf.prefill_s(tokens)))
+        obs = Observation(now, interval, arrived[0], arrived[1], round(streamed), mean(ttfts), p90(ttfts), mean(itls), p90(itls), int(queued + decode_queued), kv,
+                          tuple(zip(PROMPT_LENGTH_BUCKETS, histogram)), running, int(decode_queued))
         use = {"prefill": busy_s / (max(1, pools["prefill"].ready) * interval), "decode": batch / self.batch_at_slo}
         targets = self.controller(now, obs, pools, use)
         for pool, target in (targets or {}).items():

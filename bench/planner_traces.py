@@ -285,3 +285,28 @@ def dev_set(startup_s: float = 60.0, seed_offset: int = 0) -> dict[str, Callable
         "bursty_0": lambda: generate_bursty(0 + k),
         "bursty_7": lambda: generate_bursty(7 + k),
     }
+
+
+def outside_set(startup_s: float = 60.0, seed_offset: int = 0) -> dict[str, Callable[[], list[Arrival]]]:
+    """Shapes the planner was not developed on, kept apart as a check (``bench.planner_devset --set
+    outside``): never tuned on, only reported."""
+    k = seed_offset
+    prompt = lambda r: _lognormal(r, 1200, 0.8, 16000)  # noqa: E731
+    return {
+        # A steady 6 req/s after 40 idle minutes: the warm-up is over and the pools at their least when it comes.
+        "idle_then_load": lambda: generate_poisson(101 + k, lambda t: 0.0 if t < 2400 else 6.0, 6.0, 4200.0, prompt),
+        # A rate climbing from 1 to 10 req/s over ten minutes, then dropping back, six times.
+        "sawtooth": lambda: generate_poisson(102 + k, lambda t: 1 + 9 * (t % 600) / 600, 10.0, 3600.0, prompt),
+        # 12 req/s for 20 minutes, then 2.
+        "step_down": lambda: generate_poisson(103 + k, lambda t: 12.0 if t < 1200 else 2.0, 12.0, 3600.0, prompt),
+        # Short prompts and answers of about 1,500 tokens: the decode pool carries the load.
+        "long_answers": lambda: generate_poisson(104 + k, lambda t: 2.0, 2.0, 3600.0, lambda r: _lognormal(r, 200, 0.5, 2000), output_median=1500.0),
+        # One request every 50 s.
+        "trickle": lambda: generate_poisson(105 + k, lambda t: 0.02, 0.02, 3600.0, prompt),
+        # 12 req/s for two start-ups in every six, 2 req/s between.
+        "periodic": lambda: generate_poisson(106 + k, lambda t: 12.0 if t % (6 * startup_s) < 2 * startup_s else 2.0, 12.0, 3600.0, prompt),
+    }
+
+
+SETS = {"dev": dev_set, "outside": outside_set}
+"""``bench.planner_devset --set``: the development set, or the shapes kept apart as a check."""

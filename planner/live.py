@@ -53,7 +53,10 @@ class ClusterSource:
             return None
         stats = interval(previous, current)
         decode = [r for r in status.replicas if r.pool == "decode" and r.num_kv_blocks]
-        prefill_queue = sum(r.num_queued_prefill_tokens for r in status.replicas if r.pool == "prefill")
+        # Prompt tokens waiting for a prefill anywhere: on the prefill replicas, and on decode
+        # replicas that prefill their own (the prefill pool at zero, or a fallback).
+        prefill_queue = sum(r.num_queued_prefill_tokens for r in status.replicas)
+        decode_queue = sum(r.num_queued_prefill_tokens for r in status.replicas if r.pool == "decode")
         kv_usage = None
         if decode:
             kv_usage = sum(r.num_kv_blocks - r.num_free_kv_blocks for r in decode) / sum(r.num_kv_blocks for r in decode)
@@ -71,6 +74,7 @@ class ClusterSource:
             kv_usage=kv_usage,
             prompt_length_counts=stats.prompt_length_counts,
             decode_running=sum(r.num_running for r in status.replicas if r.pool == "decode"),
+            decode_queued_prefill_tokens=decode_queue,
         )
 
 

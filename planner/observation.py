@@ -32,7 +32,8 @@ class Observation:
     itl_s_p90: float | None = None
     """90th percentile of the same."""
     queued_prefill_tokens: int = 0
-    """Prefill pool: prompt tokens waiting or being prefilled at the end of the interval."""
+    """Prompt tokens waiting or being prefilled at the end of the interval, on every replica (a
+    decode replica prefills its own when the prefill pool is empty, or as a fallback)."""
     kv_usage: float | None = None
     """Decode pool: share of its KV blocks in use at the end of the interval (None: unknown)."""
     prompt_length_counts: tuple[tuple[float, int], ...] = ()
@@ -42,9 +43,12 @@ class Observation:
     decode_running: int | None = None
     """Decode pool: sequences being decoded at the end of the interval, all replicas together
     (None: unknown)."""
+    decode_queued_prefill_tokens: int = 0
+    """The part of ``queued_prefill_tokens`` on decode replicas: their batches stall while they
+    prefill it."""
 
     def __post_init__(self) -> None:
-        if self.duration_s <= 0 or min(self.num_requests, self.num_prompt_tokens, self.num_output_tokens, self.queued_prefill_tokens) < 0:
+        if self.duration_s <= 0 or min(self.num_requests, self.num_prompt_tokens, self.num_output_tokens, self.queued_prefill_tokens, self.decode_queued_prefill_tokens) < 0:
             raise ValueError("an observation needs duration_s above 0 and no negative count.")
 
 

@@ -103,6 +103,14 @@ class SLAPlanner:
         # This interval's load, as counts, joins the window; the pools are sized for the window's quantile.
         prefill_load, prefill_cap, prefill_why = self._prefill_load(observed)
         decode_load, decode_why = self._decode_load(observed, obs.decode_running)
+        # Sequences in batches that stall while their replicas prefill a queue of their own prompts
+        # (the prefill pool empty, or behind) have piled up behind the stall: the pool grows for
+        # them now, but the window, which remembers load for half an hour, takes the tokens decoded.
+        stalled_need = None
+        if obs.decode_running and obs.decode_queued_prefill_tokens:
+            tokens_load, _ = self._decode_load(observed)
+            if tokens_load < decode_load:
+                stalled_need, decode_load = decode_load, tokens_load
         self._loads.append((prefill_load, decode_load))
         smooth_prefill = sum(p for p, _ in self._loads) / len(self._loads)
         smooth_decode = sum(d for _, d in self._loads) / len(self._loads)
@@ -147,6 +155,10 @@ class SLAPlanner:
             now_need = self._decode_count(decode_load + (prefill_load if prefill_need == 0 else 0.0))
             if now_need > decode_need:
                 decode_need, decode_why = now_need, f"{decode_why}; the ITL p90 {obs.itl_s_p90:.3f} s is over the SLO, {self._itl_over_intervals} intervals running"
+        if stalled_need is not None:
+            now_need = self._decode_count(stalled_need)
+            if now_need > decode_need:
+                decode_need, decode_why = now_need, f"{decode_why}; {obs.decode_running} sequences in a stalled batch"
         aggregated = pools["prefill"].target == 0
         if (config.aggregate_when_cheaper or aggregated) and config.min_prefill == 0 and prefill_need > 0:
             # Conditional disaggregation: the decode replicas alone, each prefilling its share of

@@ -218,6 +218,24 @@ def test_the_replay_observes_the_tokens_streamed_in_each_interval_and_the_sequen
     assert seen[0].decode_running == 2 and seen[-1].decode_running == 0
 
 
+def test_a_decode_replica_prefilling_its_own_prompts_holds_them_as_a_queue_not_a_batch():
+    """With no prefill replica, 300 prompts arriving at once queue on the one decode replica, which
+    prefills them one after another (about 0.3 s each). At the first tick only those it has
+    prefilled are running sequences; the rest are queued prompt tokens, as the engine reports them."""
+    from bench.planner_sim import Simulation
+
+    config = bench_planner.PlannerConfig()
+    perf = bench_planner.load_splitwise_csv(bench_planner.DEFAULT_PERF, "llama2-70b", "h100-80gb", 4)
+    trace = [bench_planner.Arrival(1.0 + i * 0.01, 2000, 500) for i in range(300)] + [bench_planner.Arrival(600.0, 100, 1)]
+    seen = []
+    Simulation(trace, perf, config, lambda now, obs, pools, use: seen.append(obs) or {"prefill": 0, "decode": 1}, (0, 1)).run()
+    first = seen[0]
+    prefilled = int(29.0 // perf.prefill_s(2000))  # the queue starts at 1 s
+    assert abs(first.decode_running - prefilled) <= 1
+    assert first.queued_prefill_tokens == first.decode_queued_prefill_tokens == pytest.approx((300 - prefilled) * 2000, rel=0.02)
+    assert seen[1].decode_running == 300 and seen[1].queued_prefill_tokens == 0  # all prefilled by 60 s, decoding
+
+
 def test_the_replay_counts_the_sequences_of_a_draining_decode_replica():
     """A decode replica given back drains: it takes nothing new but finishes its batch, and the
     cluster status (what the live loop sums) still lists it, so its sequences are still running."""

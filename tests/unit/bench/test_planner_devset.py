@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import planner as planner_bench
 from bench import planner_devset, planner_traces
 
@@ -87,3 +89,22 @@ def test_the_devset_replays_held_out_traces_when_asked(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["seed_offset"] == 10
     assert report["traces"]["bursts_short"]["trace_stats"]["num_requests"] == len(planner_traces.generate_bursts(21, 30.0))
+
+
+def test_the_outside_set_keeps_its_shapes_and_replays_apart_from_the_development_set(tmp_path, capsys):
+    outside = planner_traces.outside_set()
+    assert not set(outside) & set(planner_traces.dev_set())
+    idle = outside["idle_then_load"]()
+    assert idle[0].time_s >= 2400 and 5.5 < _rate(idle, 2400, 4200) < 6.5
+    saw = outside["sawtooth"]()
+    assert _rate(saw, 0, 60) < 2 < 8 < _rate(saw, 540, 600)
+    periodic = outside["periodic"]()  # two start-ups at 12 req/s in every six
+    assert _rate(periodic, 0, 120) > 10 and _rate(periodic, 120, 360) < 3
+    out = tmp_path / "outside.json"
+    assert planner_devset.main(["--set", "outside", "--traces", "trickle", "--policies", "splitserve", "--jobs", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["set"] == "outside" and list(report["traces"]) == ["trickle"]
+    assert report["traces"]["trickle"]["trace_stats"]["num_requests"] == len(outside["trickle"]())
+    with pytest.raises(SystemExit):
+        planner_devset.main(["--set", "outside", "--traces", "flash_crowd"])
+    assert "--traces flash_crowd: not in --set outside (idle_then_load, sawtooth" in capsys.readouterr().err

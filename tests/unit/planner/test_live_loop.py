@@ -116,8 +116,9 @@ def test_the_cluster_source_reads_prompt_lengths_from_the_routers_metrics_and_ru
     metrics = RouterMetrics("router-0")
     server, thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
     try:
-        replicas = [pb.ReplicaStatus(replica_id="d0", pool="decode", num_running=7), pb.ReplicaStatus(replica_id="d1", pool="decode", num_running=5),
-                    pb.ReplicaStatus(replica_id="p0", pool="prefill", num_running=3)]
+        replicas = [pb.ReplicaStatus(replica_id="d0", pool="decode", num_running=7, num_queued_prefill_tokens=400),
+                    pb.ReplicaStatus(replica_id="d1", pool="decode", num_running=5),
+                    pb.ReplicaStatus(replica_id="p0", pool="prefill", num_running=3, num_queued_prefill_tokens=9000)]
         status = pb.ClusterStatus(routers=[pb.RouterStatus(router_id="router-0", metrics_url=f"http://127.0.0.1:{server.server_port}/metrics")], replicas=replicas)
         source = ClusterSource(lambda: status)
         assert asyncio.run(source.observe(0.0)) is None
@@ -130,3 +131,4 @@ def test_the_cluster_source_reads_prompt_lengths_from_the_routers_metrics_and_ru
     assert {bound: n for bound, n in observation.prompt_length_counts if n} == {1024.0: 1, float("inf"): 1}
     assert [bound for bound, _ in observation.prompt_length_counts] == list(PROMPT_LENGTH_BUCKETS)
     assert observation.decode_running == 12  # the decode replicas' running sequences, not prefill's
+    assert observation.queued_prefill_tokens == 9400  # prompts waiting for a prefill anywhere, a decode replica's own too

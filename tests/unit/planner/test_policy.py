@@ -117,6 +117,29 @@ def test_an_itl_over_the_slo_for_a_start_up_sizes_decode_for_the_interval_not_it
     assert {name: d.targets["decode"] for name, d in third.items()} == {"late": 16, "broken": 15}
 
 
+def test_a_stalled_batch_grows_decode_now_but_is_not_remembered_as_load():
+    """700 sequences in the decode batch at 210 s, 300 of them streaming 400 tokens a second. As
+    load (no prompts queued on the decode replicas), they need 6 replicas averaged over the
+    start-up, and the 600 s window holds 6 until they leave it at 810 s. Piled up behind batches
+    stalled while their replicas prefill a queue of their own prompts, they are a backlog: the pool
+    grows to the 11 they need now, and once the cooldown and warm-up allow, goes back to the 1 the
+    window's load needs."""
+    targets = {}
+    for name, queued in (("stalled", 50_000), ("load", 0)):
+        p = planner(base_window_s=600.0, rise_start_ups=0)
+        run(p, [5] * 6, (1, 1))
+        first = p.decide(observe(210, 5, output_tokens=80, decode_running=700, decode_queued_prefill_tokens=queued, queued_prefill_tokens=queued), pools(1, 1))
+        later = run(p, [5] * 20, (1, first.targets["decode"]), start_s=240, decode_running=10)
+        targets[name] = [first.targets["decode"]] + [d.targets["decode"] for d in later]
+        if name == "stalled":
+            assert first.reasons["decode"].endswith("; 700 sequences in a stalled batch")
+    times = [210] + list(range(240, 840, 30))
+    at = lambda name, t: targets[name][times.index(t)]  # noqa: E731
+    assert (at("stalled", 210), at("load", 210)) == (11, 6)
+    assert (at("stalled", 600), at("load", 600)) == (1, 6)  # the warm-up (600 s) over: the backlog is not held
+    assert at("load", 780) == 6 and at("load", 810) == 1  # the load is, for the window
+
+
 def test_a_burst_shorter_than_a_start_up_is_averaged_down_and_not_chased():
     p = planner()
     run(p, [5] * 6, (1, 1))
