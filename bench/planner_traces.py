@@ -107,6 +107,8 @@ def read_arrivals(path: Path) -> list[Arrival]:
     if len(rows) < 2:
         raise BenchError(f"--trace {path}: fewer than two requests")
     rows.sort()
+    if rows[-1][0] == rows[0][0]:
+        raise BenchError(f"--trace {path}: all {len(rows)} requests arrive at the same time; a replay needs their arrivals spread over time")
     start = rows[0][0]
     return [Arrival(t - start, p, max(1, o)) for t, p, o in rows]
 

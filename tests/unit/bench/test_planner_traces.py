@@ -52,6 +52,7 @@ def test_public_trace_formats_are_read_by_their_column_names(tmp_path):
         ("date.csv", "timestamp,input_length,output_length\n1,5,5\nyesterday,5,5\n", "line 3 is not a request"),
         ("inf.csv", "timestamp,input_length,output_length\n1,5,5\ninf,5,5\n", "line 3 is not a request"),
         ("one.csv", "timestamp,input_length,output_length\n1,5,5\n", "fewer than two requests"),
+        ("instant.csv", "timestamp,input_length,output_length\n7,5,5\n7,6,6\n7,8,8\n", "all 3 requests arrive at the same time"),
         ("empty.csv", "", "empty"),
         ("list.jsonl", '[1, 2, 3]\n', "line 1 is not a JSON object"),
         ("broken.jsonl", '{"timestamp": 1, "input_length": 5, "output_length": 5}\n{"timestamp": 2,\n', "line 2 is not JSON"),
