@@ -13,6 +13,7 @@ import time
 import urllib.request
 
 import pytest
+import ray
 
 from bench.chaos import metric_total
 from decode_worker.config import WorkerConfig
@@ -51,7 +52,13 @@ def test_a_pool_grows_and_drains_without_failing_or_moving_a_request(cluster):
     connector = RayConnector()
     assert {k: (v.target, v.ready) for k, v in _pools(connector).items()} == {"prefill": (1, 1), "decode": (1, 1)}
     asyncio.run(connector.set_replicas("decode", 2))
-    assert _pools(connector)["decode"].ready == 2
+    # set_replicas returns once the new replica has started and joined the map ...
+    status = ray.get(connector.controller.cluster_status.remote())
+    assert len([r for r in status.replicas if r.pool == "decode" and not r.draining]) == 2
+    assert _pools(connector)["decode"].starting == 0
+    # ... and ready is healthy as the controller's last probe saw it: on a loaded machine one probe
+    # may time out and mark a replica unhealthy until the next one answers.
+    wait_until(lambda: _pools(connector)["decode"].ready == 2, 30)
     time.sleep(1.0)  # four router refreshes: its view has both replicas
 
     results, errors = [], []
