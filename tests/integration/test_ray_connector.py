@@ -97,7 +97,8 @@ def test_the_prefill_pool_goes_to_zero_and_comes_back(cluster):
         wait_until(lambda: not [r for r in client.cluster_status().replicas if r.pool == "prefill"], 60)
         alone = [t for r in client.generate(prompt, **GREEDY) for t in r.token_ids]  # decode prefills locally
         asyncio.run(connector.set_replicas("prefill", 1))
-        assert _pools(connector)["prefill"].ready == 1
+        assert _pools(connector)["prefill"].starting == 0  # started and in the map on return
+        wait_until(lambda: _pools(connector)["prefill"].ready == 1, 30)  # healthy by the controller's last probe
         back = [t for r in client.generate(prompt, **GREEDY) for t in r.token_ids]
     assert before == alone == back
 
