@@ -27,7 +27,9 @@ prompt whose prefill alone exceeds the SLO is counted apart and never drives the
 Decode: the largest batch whose corrected ITL meets the SLO, less z * sqrt(batch) for the
 fluctuation of a Poisson batch (z at the attainment target), sets one replica's token rate; the
 load is the decoded tokens (streamed, less each request's first, which its prefill makes) over that
-rate, or the running sequences over that batch when more.
+rate, or the running sequences over that batch when more (but sequences piled up behind batches
+stalled by their replicas' own prefills are a backlog: the pool grows for them now, and the window
+takes the decoded tokens).
 When the prompt load is under ``prefill_zero_load`` replicas the prefill pool may go to zero and
 that load is added to the decode pool's; a pool at zero stays so while the decode replicas, each
 prefilling its share, carry it all. With ``aggregate_when_cheaper`` it also goes to zero
