@@ -6,8 +6,8 @@ A trace is a CSV with a header (Azure LLM 2023/2024 ``TIMESTAMP,ContextTokens,Ge
 BurstGPT's ``Timestamp,...,Request tokens,Response tokens,...``, or any columns naming an arrival
 time and prompt and output tokens) or JSON lines ending in ``.jsonl`` (Mooncake's ``timestamp`` in
 ms, ``input_length``, ``output_length``; or ``arrival_time``, ``prompt_tokens``, ...); ``.gz`` too.
-With ``--generate bursty`` a seeded trace is written to FILE first: Poisson arrivals on a base rate with smooth bursts of long prompts, of long outputs, of both, and
-quiet spells; ``--generate NAME`` writes the development set's trace NAME (bench/planner_traces.py). The replay is a discrete-event simulation of the two pools whose costs come from
+With ``--generate bursty`` a seeded trace is written to FILE first: Poisson arrivals on a base rate
+with smooth bursts of long prompts, of long outputs, of both, and quiet spells; ``--generate NAME`` writes the development set's trace NAME (bench/planner_traces.py). The replay is a discrete-event simulation of the two pools whose costs come from
 the perf model (planner/perf_model.py; default the Splitwise llama2-70b H100 TP 4 rows) in
 bench/planner_sim.py; the traces and the development set's generators are bench/planner_traces.py.
 The dynamic policies start from the static split, as a planner (or HPA) turned on over a running

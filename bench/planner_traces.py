@@ -94,14 +94,9 @@ def read_arrivals(path: Path) -> list[Arrival]:
     if not path.is_file():
         raise BenchError(f"--trace {path}: no such file")
     suffixes = [x.lower() for x in path.suffixes]
-    opener = (lambda: gzip.open(path, "rt", newline="", encoding="utf-8-sig")) if suffixes[-1:] == [".gz"] else (lambda: open(path, newline="", encoding="utf-8-sig"))
-    rows = []
     try:
-        with opener() as f:
-            if {".jsonl", ".json"} & set(suffixes):
-                rows = _read_json_lines(f, path)
-            else:
-                rows = _read_csv(f, path)
+        with (gzip.open if suffixes[-1:] == [".gz"] else open)(path, "rt", newline="", encoding="utf-8-sig") as f:
+            rows = _read_json_lines(f, path) if {".jsonl", ".json"} & set(suffixes) else _read_csv(f, path)
     except (OSError, UnicodeDecodeError, EOFError) as e:
         raise BenchError(f"--trace {path}: cannot be read ({type(e).__name__}: {e})") from None
     if len(rows) < 2:
