@@ -44,6 +44,14 @@ class PlannerConfig:
     None: the fewest k whose (k + 1)! reaches both the window's intervals and 1 / (1 -
     attainment_target) (noise alone rises so often at most about once a window and in at most the miss
     share of the intervals; 4 with the defaults); 0: off."""
+    release_level_after_s: float | None = None
+    """A level of load the pool grew for and that held at least this long is a shift, not a burst:
+    once the load has stayed within the count the pool had before for two start-ups, the replicas
+    grown for it go and the window forgets it (a shorter burst stays remembered for the window, so
+    that one recurring finds its replicas warm). None: k + 3 start-ups, the trend test's span (k + 1,
+    k as ``rise_start_ups`` derives it) and the two start-ups the load must stay within (7 minutes with
+    the defaults; 5 lost bursty traces attainment, planner/README); ``math.inf``: never, the window
+    alone."""
     scale_down_margin: float = 0.8
     """Hysteresis of the prefill pool: it shrinks only to a count that would carry the load at this
     share of its capacity (its Erlang-C count is optimistic for heavy-tailed prompts; at 0.9 or 1
@@ -100,6 +108,8 @@ class PlannerConfig:
             raise ValueError(f"base_quantile must be in (0, 1], got {self.base_quantile}.")
         if self.rise_start_ups is not None and self.rise_start_ups < 0:
             raise ValueError(f"rise_start_ups must be 0 or more, got {self.rise_start_ups}.")
+        if self.release_level_after_s is not None and not self.release_level_after_s >= 0:
+            raise ValueError(f"release_level_after_s must be 0 or more (inf: never), got {self.release_level_after_s}.")
         if self.base_window_s is not None and self.base_window_s < self.interval_s:
             raise ValueError(f"base_window_s must be at least interval_s ({self.interval_s}), got {self.base_window_s}.")
         if self.startup_s < 0:

@@ -20,6 +20,9 @@ window's intervals and 1 / (1 - attainment_target): noise alone rises so often a
 window and in at most the miss share of the intervals) is a trend the window cannot catch: the pool
 grows at once to the load projected to the middle of the first interval that replicas asked for now
 serve, and goes back to what it had (or what the window needs) once the load falls.
+A level the pool grew for that held longer than a burst (``release_level_after_s``: the trend test's
+span and two start-ups more) is a shift in load, not a burst to remember: once the load has been
+within the count the pool had before for two start-ups, the window forgets it and the pool goes back.
 Prefill: the fewest replicas sharing one queue (the router picks the least queued) whose Erlang-C
 wait tail keeps ``1 - attainment_target`` of prompts over the TTFT SLO, waits scaled by (1 + cv^2) / 2
 of the prompts' prefill times and by the correction c_p (observed mean TTFT over the model's). A
@@ -82,11 +85,19 @@ class SLAPlanner:
         intervals_per_start_up = max(1, math.ceil(config.startup_s / config.interval_s - 1e-9))
         self._loads: deque[tuple[float, float]] = deque(maxlen=intervals_per_start_up)
         self._itl_over_intervals = 0  # consecutive intervals whose ITL p90 was over the SLO
-        num_start_ups = config.rise_start_ups
-        if num_start_ups is None:
-            num_start_ups = rise_start_ups(max(self._window_s / config.interval_s, 1 / (1 - config.attainment_target)))
+        derived_start_ups = rise_start_ups(max(self._window_s / config.interval_s, 1 / (1 - config.attainment_target)))
+        num_start_ups = derived_start_ups if config.rise_start_ups is None else config.rise_start_ups
         self.trend = LoadTrend(intervals_per_start_up, num_start_ups, config.startup_s, config.interval_s)
         self._before_rise: dict[str, int] = {}
+        # A pool grown above a count: [that count, when the current run of load it does not carry began
+        # (None: between runs)], and the intervals in a row whose load it carries. A run that lasted
+        # long enough and is followed by two start-ups within the count is a level, let go.
+        self._levels: dict[str, list] = {}
+        self._within = {pool: 0 for pool in POOLS}
+        self._within_needed = 2 * intervals_per_start_up
+        self._level_s = config.release_level_after_s
+        if self._level_s is None:
+            self._level_s = (derived_start_ups + 3) * intervals_per_start_up * config.interval_s
         self._z = NormalDist().inv_cdf(config.attainment_target)
 
     def decide(self, observation: Observation, pools: Mapping[str, PoolReplicas]) -> Decision:
@@ -117,8 +128,14 @@ class SLAPlanner:
         smooth_prefill = sum(p for p, _ in self._loads) / len(self._loads)
         smooth_decode = sum(d for _, d in self._loads) / len(self._loads)
         counts = self._interval_counts(smooth_prefill, prefill_cap, smooth_decode, observed)
-        base = self._window_quantiles(obs.time_s, counts, obs.num_requests)
+        self._window_add(obs.time_s, counts, obs.num_requests)
+        released = self._release_levels(obs.time_s, counts)
+        base = self._window_quantiles()
         prefill_need, prefill_need_down, decode_need, decode_need_down = (base[k] for k in ("prefill", "prefill_down", "decode", "decode_down"))
+        if "prefill" in released:
+            prefill_why = f"{prefill_why}; {released['prefill']}"
+        if "decode" in released:
+            decode_why = f"{decode_why}; {released['decode']}"
         if prefill_need > counts["prefill"]:
             prefill_why = f"{prefill_why}; the window's {self._quantile:g} quantile needs {prefill_need}"
         if decode_need > counts["decode"]:
@@ -199,6 +216,10 @@ class SLAPlanner:
                 if back < targets[pool]:
                     targets[pool], reasons[pool] = back, f"back to {back}: the rise is over ({why})"
                     self._last_change_s[pool] = obs.time_s
+            if targets[pool] > pools[pool].target and pool not in self._levels:
+                self._levels[pool], self._within[pool] = [pools[pool].target, obs.time_s], 0
+            elif pool in self._levels and targets[pool] <= self._levels[pool][0]:
+                del self._levels[pool]
         if infeasible_requests:
             reasons["prefill"] += f" ({infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
         return Decision(obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons, tuple(infeasible), infeasible_requests)
@@ -253,16 +274,64 @@ class SLAPlanner:
         counts["alone_down"] = self._aggregated_count(prefill_load / margin, prefill_cap, observed, margin)
         return counts
 
-    def _window_quantiles(self, now_s: float, counts: dict[str, int], weight: int) -> dict[str, int]:
-        """Each count's quantile over the intervals of the last ``window_s``, each weighted by its
-        requests (attainment is counted in requests, and a busy interval holds more of them)."""
+    def _window_add(self, now_s: float, counts: dict[str, int], weight: int) -> None:
+        """Adds one interval's counts to the window and drops those older than ``window_s``."""
         window = self._window
         window.append((now_s, max(weight, 1e-6), counts))
         while window[0][0] <= now_s - self._window_s:
             window.popleft()
+
+    def _release_levels(self, now_s: float, counts: dict[str, int]) -> dict[str, str]:
+        """Lets go of the levels the pools grew for: a run of intervals whose load (averaged over a
+        start-up, at the scale-down margin) the count the pool had before does not carry, that lasted
+        at least ``release_level_after_s`` and has been followed by two start-ups that count carries.
+        The window's counts since the run began are capped at that count, so the pool shrinks back to
+        it as the settling rules allow. Returns a clause per pool let go. A shorter run is a burst: the
+        window remembers it, so one recurring finds its replicas warm, while a recurring level is
+        caught again as it was the first time."""
+        released, interval_s = {}, self.config.interval_s
+        for pool, level in list(self._levels.items()):
+            before, run_s = level
+            if counts[f"{pool}_down"] <= before:
+                self._within[pool] += 1
+            else:
+                self._within[pool] = 0
+                if run_s is None:
+                    level[1] = run_s = now_s
+            if run_s is None or self._within[pool] < self._within_needed:
+                continue
+            ended_s = now_s - self._within[pool] * interval_s
+            if ended_s - run_s + interval_s < self._level_s:
+                level[1] = None  # a burst: the window remembers it
+                continue
+            del self._levels[pool]
+            self._before_rise.pop(pool, None)
+            for _, _, window_counts in list(self._window)[self._level_began(pool, before, run_s):]:
+                for key in (pool, f"{pool}_down"):
+                    window_counts[key] = min(window_counts[key], before)
+            released[pool] = f"the level of {(ended_s - run_s + interval_s) / 60:.0f} minutes is over, {before} carried the last {self._within[pool]} intervals"
+        return released
+
+    def _level_began(self, pool: str, before: int, run_s: float) -> int:
+        """Index in the window of the first interval of the level whose run ``pool`` saw from
+        ``run_s``: the one after the last two start-ups before it whose load ``before`` replicas
+        carried (0: the window holds no such stretch)."""
+        entries, within = list(self._window), 0
+        for index in range(len(entries) - 1, -1, -1):
+            if entries[index][0] > run_s:
+                continue
+            within = within + 1 if entries[index][2][f"{pool}_down"] <= before else 0
+            if within >= self._within_needed:
+                return index + within
+        return 0
+
+    def _window_quantiles(self) -> dict[str, int]:
+        """Each count's quantile over the intervals of the last ``window_s``, each weighted by its
+        requests (attainment is counted in requests, and a busy interval holds more of them)."""
+        window = self._window
         total = sum(w for _, w, _ in window)
         out = {}
-        for key in counts:
+        for key in window[-1][2]:
             seen = 0.0
             for count, w in sorted((c[key], w) for _, w, c in window):
                 seen += w

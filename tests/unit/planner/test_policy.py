@@ -162,6 +162,42 @@ def test_the_window_remembers_a_burst_and_shrinks_once_it_has_passed():
     assert decisions[6].needed["prefill"] == 2 and decisions[6].reasons["prefill"].startswith("down to 3 for 5000 prompt tokens/s")
 
 
+def test_a_level_held_longer_than_a_burst_is_let_go_once_over_but_a_train_of_bursts_is_remembered():
+    """A 600 s window (20 intervals, so k = 3 and a level is (3 + 3) start-ups = 360 s). After 600 s at
+    5 req/s (one prefill replica), the load goes to 30 req/s (four). A level of 16 intervals (480 s)
+    followed by two start-ups the one replica carries is let go: back to 1 at 1230 s, where the
+    window alone holds 4 until the level has left it. Bursts of three intervals, five start-ups
+    apart, keep the pool above 1 for as long, but each is a burst: the window remembers them."""
+    def prefill_at(rates, **fields):
+        p = planner(base_window_s=600.0, rise_start_ups=0, scale_down_cooldown_s=0, **fields)
+        run(p, [5] * 20, (1, 1))
+        decisions = run(p, rates, (1, 1), start_s=630, output_tokens=10)
+        return {630 + 30 * i: d for i, d in enumerate(decisions)}
+
+    level = [30] * 16 + [5] * 20
+    released, kept = prefill_at(level), prefill_at(level, release_level_after_s=math.inf)
+    assert [released[t].targets["prefill"] for t in (630, 660, 1080, 1110, 1200)] == [2, 4, 4, 4, 4]
+    assert released[1230].targets["prefill"] == 1
+    assert released[1230].reasons["prefill"].startswith("down to 1 for 5000 prompt tokens/s")
+    assert "; the level of 8 minutes is over, 1 carried the last 4 intervals" in released[1230].reasons["prefill"]
+    assert all(released[t].targets["prefill"] == 1 for t in range(1230, 1710, 30))
+    assert all(kept[t].targets["prefill"] == 4 for t in range(660, 1680, 30))  # the 1080 s interval leaves at 1680 s
+
+    train = prefill_at(([30] * 3 + [5] * 7) * 4 + [5] * 4)
+    assert all(train[t].targets["prefill"] == 4 for t in range(660, 1590, 30))
+    assert not any("is over" in d.reasons["prefill"] for d in train.values())
+
+
+def test_release_level_after_s_is_derived_from_the_trend_test_or_set():
+    assert planner()._level_s == (4 + 3) * 60.0  # the default window: k = 4, two intervals a start-up
+    assert planner(base_window_s=600.0)._level_s == (3 + 3) * 60.0
+    assert planner(release_level_after_s=90.0)._level_s == 90.0
+    with pytest.raises(ValueError, match="release_level_after_s must be 0 or more"):
+        PlannerConfig(release_level_after_s=-1.0)
+    with pytest.raises(ValueError, match="release_level_after_s must be 0 or more"):
+        PlannerConfig(release_level_after_s=math.nan)
+
+
 def test_no_pool_shrinks_before_a_full_window_has_been_observed():
     p = planner(base_window_s=150, scale_down_cooldown_s=0)
     decisions = run(p, [5] * 6, (4, 1))  # a planner restarted on a pool larger than the load needs
