@@ -217,7 +217,10 @@ class SLAPlanner:
                     targets[pool], reasons[pool] = back, f"back to {back}: the rise is over ({why})"
                     self._last_change_s[pool] = obs.time_s
             if targets[pool] > pools[pool].target and pool not in self._levels:
-                self._levels[pool], self._within[pool] = [pools[pool].target, obs.time_s], 0
+                # The run began where the load last left what the pool had: the window lets a rise in late.
+                began = self._level_began(pool, pools[pool].target, obs.time_s)
+                began = self._window[began][0] if began < len(self._window) else obs.time_s
+                self._levels[pool], self._within[pool] = [pools[pool].target, began], 0
             elif pool in self._levels and targets[pool] <= self._levels[pool][0]:
                 del self._levels[pool]
         if infeasible_requests:

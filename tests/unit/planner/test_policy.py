@@ -188,6 +188,21 @@ def test_a_level_held_longer_than_a_burst_is_let_go_once_over_but_a_train_of_bur
     assert not any("is over" in d.reasons["prefill"] for d in train.values())
 
 
+def test_a_level_is_timed_from_where_the_load_left_the_pools_count_not_from_when_it_grew():
+    """Two prefill replicas carry 10 req/s (1.0 replica of load: 2 to grow, 2 at the 0.8 margin).
+    At 17.5 req/s (1.75: still 2 to grow, 3 at the margin) the pool holds but the load is no longer
+    within its count; 30 req/s (3.0) grows it to 4. The run of 8 + 4 intervals is a level (over
+    360 s) although the pool grew for only the last 4: once 10 req/s has lasted two start-ups, the
+    pool is back at 2."""
+    p = planner(base_window_s=600.0, rise_start_ups=0, scale_down_cooldown_s=0)
+    run(p, [10] * 20, (2, 1))
+    decisions = run(p, [17.5] * 8 + [30] * 4 + [10] * 10, (2, 1), start_s=630, output_tokens=10)
+    targets = [d.targets["prefill"] for d in decisions]
+    assert targets[:8] == [2] * 8 and targets[8:12] == [3, 4, 4, 4]
+    assert targets[12:16] == [4] * 4 and targets[16:] == [2] * 6
+    assert decisions[16].reasons["prefill"].endswith("; the level of 6 minutes is over, 2 carried the last 4 intervals")
+
+
 def test_release_level_after_s_is_derived_from_the_trend_test_or_set():
     assert planner()._level_s == (4 + 3) * 60.0  # the default window: k = 4, two intervals a start-up
     assert planner(base_window_s=600.0)._level_s == (3 + 3) * 60.0
