@@ -45,10 +45,10 @@ class PlannerConfig:
     attainment_target) (noise alone rises so often at most about once a window and in at most the miss
     share of the intervals; 4 with the defaults); 0: off."""
     release_level_after_s: float | None = None
-    """A level of load the pool grew for and that held at least this long is a shift, not a burst:
-    once the load has stayed within the count the pool had before for two start-ups, the replicas
-    grown for it go and the window forgets it (a shorter burst stays remembered for the window, so
-    that one recurring finds its replicas warm). None: k + 3 start-ups, the trend test's span (k + 1,
+    """A level of load a pool grew for and that held at least this long is a shift, not a burst:
+    once the load has stayed within the count the pool had before for two start-ups, the window
+    forgets the level's intervals and both pools shrink to what the load outside it needs (a shorter
+    burst stays remembered for the window, so that one recurring finds its replicas warm). None: k + 3 start-ups, the trend test's span (k + 1,
     k as ``rise_start_ups`` derives it) and the two start-ups the load must stay within (7 minutes with
     the defaults; 5 lost bursty traces attainment, planner/README); ``math.inf``: never, the window
     alone."""

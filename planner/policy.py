@@ -22,7 +22,8 @@ grows at once to the load projected to the middle of the first interval that rep
 serve, and goes back to what it had (or what the window needs) once the load falls.
 A level the pool grew for that held longer than a burst (``release_level_after_s``: the trend test's
 span and two start-ups more) is a shift in load, not a burst to remember: once the load has been
-within the count the pool had before for two start-ups, the window forgets it and the pool goes back.
+within the count the pool had before for two start-ups, the window forgets the level's intervals and
+both pools shrink to what the load outside it needs.
 Prefill: the fewest replicas sharing one queue (the router picks the least queued) whose Erlang-C
 wait tail keeps ``1 - attainment_target`` of prompts over the TTFT SLO, waits scaled by (1 + cv^2) / 2
 of the prompts' prefill times and by the correction c_p (observed mean TTFT over the model's). A
@@ -288,10 +289,11 @@ class SLAPlanner:
         """Lets go of the levels the pools grew for: a run of intervals whose load (averaged over a
         start-up, at the scale-down margin) the count the pool had before does not carry, that lasted
         at least ``release_level_after_s`` and has been followed by two start-ups that count carries.
-        The window's counts since the run began are capped at that count, so the pool shrinks back to
-        it as the settling rules allow. Returns a clause per pool let go. A shorter run is a burst: the
-        window remembers it, so one recurring finds its replicas warm, while a recurring level is
-        caught again as it was the first time."""
+        The window forgets the run's intervals, for both pools (the level was the load's, and the
+        other pool's counts in it were the level's too), so each pool shrinks to what the load outside
+        the level needs, as the settling rules allow. Returns a clause per pool let go. A shorter run
+        is a burst: the window remembers it, so one recurring finds its replicas warm, while a
+        recurring level is caught again as it was the first time."""
         released, interval_s = {}, self.config.interval_s
         for pool, level in list(self._levels.items()):
             before, run_s = level
@@ -309,9 +311,9 @@ class SLAPlanner:
                 continue
             del self._levels[pool]
             self._before_rise.pop(pool, None)
-            for _, _, window_counts in list(self._window)[self._level_began(pool, before, run_s):]:
-                for key in (pool, f"{pool}_down"):
-                    window_counts[key] = min(window_counts[key], before)
+            kept = [entry for entry in self._window if not run_s <= entry[0] <= ended_s]
+            self._window.clear()
+            self._window.extend(kept)
             released[pool] = f"the level of {(ended_s - run_s + interval_s) / 60:.0f} minutes is over, {before} carried the last {self._within[pool]} intervals"
         return released
 

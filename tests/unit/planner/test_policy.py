@@ -203,6 +203,24 @@ def test_a_level_is_timed_from_where_the_load_left_the_pools_count_not_from_when
     assert decisions[16].reasons["prefill"].endswith("; the level of 6 minutes is over, 2 carried the last 4 intervals")
 
 
+def test_a_level_let_go_is_forgotten_by_both_pools():
+    """A crowd of 30 req/s with 35-token answers (about 1,000 decoded tokens/s: 2 decode replicas of
+    780 tokens/s) comes after 450 s at 5 req/s (170 tokens/s: 1). The decode pool was deployed at 2
+    and the warm-up (600 s) held it there, so the crowd grows only prefill. Once the prefill pool's
+    level is let go, the window forgets the crowd's intervals for decode too: it goes to 1 at once
+    instead of holding 2 until the crowd has left the window (the 930 s interval, at 1530 s)."""
+    def decode_at(**fields):
+        p = planner(base_window_s=600.0, rise_start_ups=0, scale_down_cooldown_s=0, **fields)
+        decisions = run(p, [5] * 15 + [30] * 16 + [5] * 20, (1, 2), output_tokens=35)
+        return {30 + 30 * i: d for i, d in enumerate(decisions)}
+
+    released, kept = decode_at(), decode_at(release_level_after_s=math.inf)
+    assert all(released[t].targets["decode"] == 2 for t in range(30, 1080, 30))
+    assert "the level of 8 minutes is over" in released[1080].reasons["prefill"]
+    assert [released[t].targets[pool] for t in (1080, 1200) for pool in ("prefill", "decode")] == [1, 1, 1, 1]
+    assert all(kept[t].targets["decode"] == 2 for t in range(30, 1530, 30)) and kept[1530].targets["decode"] == 1
+
+
 def test_release_level_after_s_is_derived_from_the_trend_test_or_set():
     assert planner()._level_s == (4 + 3) * 60.0  # the default window: k = 4, two intervals a start-up
     assert planner(base_window_s=600.0)._level_s == (3 + 3) * 60.0
