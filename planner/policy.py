@@ -289,9 +289,10 @@ class SLAPlanner:
         """Lets go of the levels the pools grew for: a run of intervals whose load (averaged over a
         start-up, at the scale-down margin) the count the pool had before does not carry, that lasted
         at least ``release_level_after_s`` and has been followed by two start-ups that count carries.
-        The window forgets the run's intervals, for both pools (the level was the load's, and the
-        other pool's counts in it were the level's too), so each pool shrinks to what the load outside
-        the level needs, as the settling rules allow. Returns a clause per pool let go. A shorter run
+        The window forgets the run's intervals and a start-up either side of it (loads are averaged
+        over a start-up), for both pools (the level was the load's, and the other pool's counts in it
+        were the level's too), so each pool shrinks to what the load outside the level needs, as the
+        settling rules allow. Returns a clause per pool let go. A shorter run
         is a burst: the window remembers it, so one recurring finds its replicas warm, while a
         recurring level is caught again as it was the first time."""
         released, interval_s = {}, self.config.interval_s
@@ -311,7 +312,9 @@ class SLAPlanner:
                 continue
             del self._levels[pool]
             self._before_rise.pop(pool, None)
-            kept = [entry for entry in self._window if not run_s <= entry[0] <= ended_s]
+            # Loads are averaged over a start-up, so a level's edges spread a start-up either side of it.
+            edge_s = self.config.startup_s
+            kept = [entry for entry in self._window if not run_s - edge_s <= entry[0] <= ended_s + edge_s]
             self._window.clear()
             self._window.extend(kept)
             released[pool] = f"the level of {(ended_s - run_s + interval_s) / 60:.0f} minutes is over, {before} carried the last {self._within[pool]} intervals"

@@ -221,6 +221,19 @@ def test_a_level_let_go_is_forgotten_by_both_pools():
     assert all(kept[t].targets["decode"] == 2 for t in range(30, 1530, 30)) and kept[1530].targets["decode"] == 1
 
 
+def test_a_level_leaves_the_window_with_the_start_up_either_side_that_its_average_spreads_into():
+    """Prefill deployed at 2, held there by the warm-up (a 900 s window) through a crowd that starts
+    with one interval at 15 req/s. That interval, averaged with the one before (1.0 replica of load),
+    is within the 2 the pool had, so the level's run begins after it; its 450 requests at a count of
+    2 would hold the window's 0.95 quantile at 2 once the crowd is let go. It spreads the level's
+    load, and leaves the window with it: the pool goes to the 1 that 5 req/s needs."""
+    p = planner(base_window_s=900.0, rise_start_ups=0, scale_down_cooldown_s=0)
+    decisions = run(p, [5] * 15 + [15] + [30] * 16 + [5] * 20, (2, 1), output_tokens=10)
+    at = {30 + 30 * i: d.targets["prefill"] for i, d in enumerate(decisions)}
+    released = next(t for t, d in zip(at, decisions) if "is over" in d.reasons["prefill"])
+    assert at[released - 30] == 4 and at[released] == 1 and set(at[t] for t in at if t > released) == {1}
+
+
 def test_release_level_after_s_is_derived_from_the_trend_test_or_set():
     assert planner()._level_s == (4 + 3) * 60.0  # the default window: k = 4, two intervals a start-up
     assert planner(base_window_s=600.0)._level_s == (3 + 3) * 60.0
