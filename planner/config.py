@@ -48,10 +48,10 @@ class PlannerConfig:
     """A level of load a pool grew for and that held at least this long is a shift, not a burst:
     once the load has stayed within the count the pool had before for two start-ups, the window
     forgets the level's intervals and both pools shrink to what the load outside it needs (a shorter
-    burst stays remembered for the window, so that one recurring finds its replicas warm). None: k + 3 start-ups, the trend test's span (k + 1,
-    k as ``rise_start_ups`` derives it) and the two start-ups the load must stay within (7 minutes with
-    the defaults; 5 lost bursty traces attainment, planner/README); ``math.inf``: never, the window
-    alone."""
+    burst stays remembered for the window, so that one recurring finds its replicas warm). None:
+    k + 3 start-ups, the trend test's span (k + 1, k as ``rise_start_ups`` derives it) and the two
+    start-ups the load must stay within (7 minutes with the defaults; 5 lost a bursty trace
+    attainment, planner/README); ``math.inf``: never, the window alone."""
     scale_down_margin: float = 0.8
     """Hysteresis of the prefill pool: it shrinks only to a count that would carry the load at this
     share of its capacity (its Erlang-C count is optimistic for heavy-tailed prompts; at 0.9 or 1

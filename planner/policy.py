@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 from statistics import NormalDist
 
 from planner.config import PlannerConfig
@@ -56,6 +57,15 @@ from planner.perf_model import PerfModel
 from planner.predictor import LoadForecast, LoadPredictor
 from planner.queueing import erlang_c, pooled_wait_share, wait_tail
 from planner.trend import LoadTrend, rise_start_ups
+
+
+@dataclass
+class _Level:
+    """A pool grown above ``before`` replicas, and when the current run of load that count does not
+    carry began (None: between runs, the load within it)."""
+
+    before: int
+    run_s: float | None
 
 
 class SLAPlanner:
@@ -90,10 +100,9 @@ class SLAPlanner:
         num_start_ups = derived_start_ups if config.rise_start_ups is None else config.rise_start_ups
         self.trend = LoadTrend(intervals_per_start_up, num_start_ups, config.startup_s, config.interval_s)
         self._before_rise: dict[str, int] = {}
-        # A pool grown above a count: [that count, when the current run of load it does not carry began
-        # (None: between runs)], and the intervals in a row whose load it carries. A run that lasted
-        # long enough and is followed by two start-ups within the count is a level, let go.
-        self._levels: dict[str, list] = {}
+        # Pools grown above a count, and the intervals in a row whose load that count carries. A run
+        # that lasted long enough and is followed by two start-ups within the count is a level, let go.
+        self._levels: dict[str, _Level] = {}
         self._within = {pool: 0 for pool in POOLS}
         self._within_needed = 2 * intervals_per_start_up
         self._level_s = config.release_level_after_s
@@ -221,8 +230,8 @@ class SLAPlanner:
                 # The run began where the load last left what the pool had: the window lets a rise in late.
                 began = self._level_began(pool, pools[pool].target, obs.time_s)
                 began = self._window[began][0] if began < len(self._window) else obs.time_s
-                self._levels[pool], self._within[pool] = [pools[pool].target, began], 0
-            elif pool in self._levels and targets[pool] <= self._levels[pool][0]:
+                self._levels[pool], self._within[pool] = _Level(pools[pool].target, began), 0
+            elif pool in self._levels and targets[pool] <= self._levels[pool].before:
                 del self._levels[pool]
         if infeasible_requests:
             reasons["prefill"] += f" ({infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
@@ -292,23 +301,24 @@ class SLAPlanner:
         The window forgets the run's intervals and a start-up either side of it (loads are averaged
         over a start-up), for both pools (the level was the load's, and the other pool's counts in it
         were the level's too), so each pool shrinks to what the load outside the level needs, as the
-        settling rules allow. Returns a clause per pool let go. A shorter run
-        is a burst: the window remembers it, so one recurring finds its replicas warm, while a
-        recurring level is caught again as it was the first time."""
+        settling rules allow. Returns a clause per pool let go. A shorter run is a burst: the window
+        remembers it, so one recurring finds its replicas warm, while a recurring level is caught
+        again as it was the first time."""
         released, interval_s = {}, self.config.interval_s
         for pool, level in list(self._levels.items()):
-            before, run_s = level
+            before = level.before
             if counts[f"{pool}_down"] <= before:
                 self._within[pool] += 1
             else:
                 self._within[pool] = 0
-                if run_s is None:
-                    level[1] = run_s = now_s
+                if level.run_s is None:
+                    level.run_s = now_s
+            run_s = level.run_s
             if run_s is None or self._within[pool] < self._within_needed:
                 continue
             ended_s = now_s - self._within[pool] * interval_s
             if ended_s - run_s + interval_s < self._level_s:
-                level[1] = None  # a burst: the window remembers it
+                level.run_s = None  # a burst: the window remembers it
                 continue
             del self._levels[pool]
             self._before_rise.pop(pool, None)
