@@ -289,6 +289,7 @@ def outside_set(startup_s: float = 60.0, seed_offset: int = 0) -> dict[str, Call
     outside``): never tuned on, only reported."""
     k = seed_offset
     prompt = lambda r: _lognormal(r, 1200, 0.8, 16000)  # noqa: E731
+    longer = lambda r: _lognormal(r, 1400, 0.9, 16000)  # noqa: E731
     return {
         # A steady 6 req/s after 40 idle minutes: the warm-up is over and the pools at their least when it comes.
         "idle_then_load": lambda: generate_poisson(101 + k, lambda t: 0.0 if t < 2400 else 6.0, 6.0, 4200.0, prompt),
@@ -302,6 +303,17 @@ def outside_set(startup_s: float = 60.0, seed_offset: int = 0) -> dict[str, Call
         "trickle": lambda: generate_poisson(105 + k, lambda t: 0.02, 0.02, 3600.0, prompt),
         # 12 req/s for two start-ups in every six, 2 req/s between.
         "periodic": lambda: generate_poisson(106 + k, lambda t: 12.0 if t % (6 * startup_s) < 2 * startup_s else 2.0, 12.0, 3600.0, prompt),
+        # Added 2026-11-29, after the level rule was settled: longer prompts (median 1,400 tokens).
+        # Two crowds at 4x for 12 minutes, 20 minutes apart: a level that comes back within the window.
+        "double_crowd": lambda: generate_poisson(201 + k, lambda t: 12.0 if (1500 <= t < 2220 or 3420 <= t < 4140) else 3.0, 12.0, 5400.0, longer),
+        # Three crowds at 4x for 8 minutes, 10 minutes apart.
+        "crowd_train": lambda: generate_poisson(202 + k, lambda t: 10.0 if any(a <= t < a + 480 for a in (1200, 2280, 3360)) else 2.5, 10.0, 4800.0, longer),
+        # 3x for 40 minutes, then back.
+        "plateau": lambda: generate_poisson(203 + k, lambda t: 9.0 if 1200 <= t < 3600 else 3.0, 9.0, 5400.0, longer),
+        # A step from 3 to 8 req/s at 30 minutes and back at 70, with 40-second bursts at 2.5x every 7 minutes.
+        "steps_and_bursts": lambda: generate_poisson(204 + k, lambda t: (8.0 if 1800 <= t < 4200 else 3.0) * (2.5 if t % 420 < 40 else 1.0), 20.0, 5400.0, longer),
+        # A climb from 2 to 9 req/s over an hour.
+        "slow_climb": lambda: generate_poisson(205 + k, lambda t: 2.0 + 7.0 * t / 3600, 9.0, 3600.0, longer),
     }
 
 
