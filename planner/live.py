@@ -14,6 +14,7 @@ Every decision is logged with its inputs as one JSON line and exported as ``spli
 metrics. A connector that fails is logged and counted, and the planner waits a doubling backoff
 before it acts again; it never stops. A pool whose SLO no allowed count meets is reported once per
 interval (a warning and ``splitserve_planner_infeasible_total``) while the planner holds it at max.
+A level of load let go (planner/policy.py) counts in ``splitserve_planner_levels_released_total``.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class PlannerMetrics:
         self.infeasible = Counter("splitserve_planner_infeasible", "Intervals a pool's SLO could not be met by any allowed count.", ["pool"], registry=r)
         self.infeasible_requests = Counter(
             "splitserve_planner_infeasible_requests", "Requests whose prompt no replica prefills within the TTFT SLO, counted apart.", registry=r
+        )
+        self.levels_released = Counter(
+            "splitserve_planner_levels_released", "Levels of load (runs longer than a burst, now over) the planner let go: the window forgot them.", ["pool"], registry=r
         )
         self.connector_errors = Counter("splitserve_planner_connector_errors", "Actions the cluster refused or failed.", registry=r)
         self.decisions = Counter("splitserve_planner_decisions", "Intervals decided.", registry=r)
@@ -179,13 +183,15 @@ class PlannerLoop:
             m.infeasible.labels(pool).inc()
             logger.warning("planner: no allowed %s count meets its SLO; holding at max (%s)", pool, decision.reasons.get(pool, ""))
         m.infeasible_requests.inc(decision.infeasible_requests)
+        for pool in decision.released_levels:
+            m.levels_released.labels(pool).inc()
         logger.info("planner: %s", json.dumps({
             "observation": _loggable(observation),
             "pools": {p: dataclasses.asdict(v) for p, v in pools.items()},
             "targets": dict(decision.targets), "needed": dict(decision.needed),
             "forecast": dataclasses.asdict(forecast), "corrections": dict(decision.corrections),
             "reasons": dict(decision.reasons), "infeasible": list(decision.infeasible),
-            "infeasible_requests": decision.infeasible_requests, "dry_run": self.dry_run,
+            "infeasible_requests": decision.infeasible_requests, "released_levels": list(decision.released_levels), "dry_run": self.dry_run,
         }))
 
 

@@ -73,3 +73,6 @@ class Decision:
     infeasible_requests: int = 0
     """Requests of the interval whose prompt no replica prefills within the TTFT SLO (their prefill
     alone takes longer): counted and reported apart, they never drive the prefill pool to max."""
+    released_levels: tuple[str, ...] = ()
+    """Pools whose level of load (a run longer than a burst, now over) the planner let go this
+    interval: the window forgot its intervals, so the pools shrink to what the load outside it needs."""

@@ -104,6 +104,7 @@ class SLAPlanner:
         # that lasted long enough and is followed by two start-ups within the count is a level, let go.
         self._levels: dict[str, _Level] = {}
         self._within = {pool: 0 for pool in POOLS}
+        self._steady = {pool: 0 for pool in POOLS}  # intervals in a row whose load the pool's target carries
         self._within_needed = 2 * intervals_per_start_up
         self._level_s = config.release_level_after_s
         if self._level_s is None:
@@ -226,7 +227,11 @@ class SLAPlanner:
                 if back < targets[pool]:
                     targets[pool], reasons[pool] = back, f"back to {back}: the rise is over ({why})"
                     self._last_change_s[pool] = obs.time_s
-            if targets[pool] > pools[pool].target and pool not in self._levels:
+            # A pool whose load its target has carried for two start-ups has settled there: a rise
+            # from it is a level of its own (the one it grew for before, if any, is its new normal).
+            settled = self._steady[pool] >= self._within_needed  # before this interval
+            self._steady[pool] = self._steady[pool] + 1 if counts[f"{pool}_down"] <= pools[pool].target else 0
+            if targets[pool] > pools[pool].target and (pool not in self._levels or settled):
                 # The run began where the load last left what the pool had: the window lets a rise in late.
                 began = self._level_began(pool, pools[pool].target, obs.time_s)
                 began = self._window[began][0] if began < len(self._window) else obs.time_s
@@ -235,7 +240,7 @@ class SLAPlanner:
                 del self._levels[pool]
         if infeasible_requests:
             reasons["prefill"] += f" ({infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
-        return Decision(obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons, tuple(infeasible), infeasible_requests)
+        return Decision(obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons, tuple(infeasible), infeasible_requests, tuple(released))
 
     def _measure_prompts(self, obs: Observation) -> int:
         """Learns from the interval's prompts and returns its infeasible requests: those whose prompt
@@ -327,7 +332,9 @@ class SLAPlanner:
             kept = [entry for entry in self._window if not run_s - edge_s <= entry[0] <= ended_s + edge_s]
             self._window.clear()
             self._window.extend(kept)
-            released[pool] = f"the level of {(ended_s - run_s + interval_s) / 60:.0f} minutes is over, {before} carried the last {self._within[pool]} intervals"
+            held_s = ended_s - run_s + interval_s
+            held = f"{held_s / 60:.0f} minutes" if held_s >= 120 else f"{held_s:.0f} s"
+            released[pool] = f"the level of {held} is over, {before} carried the last {self._within[pool]} intervals"
         return released
 
     def _level_began(self, pool: str, before: int, run_s: float) -> int:

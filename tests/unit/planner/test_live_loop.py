@@ -112,6 +112,40 @@ def test_infeasible_requests_are_counted_and_logged_as_strict_json(caplog):
     assert lines[-1]["observation"]["prompt_length_counts"] == {"128": 5, "+Inf": 3}
 
 
+class ScheduledSource(FakeSource):
+    """A load that changes: prompt tokens/s by the interval's end time."""
+
+    def __init__(self, schedule) -> None:
+        super().__init__(0.0)
+        self.schedule = schedule
+
+    async def observe(self, now_s: float) -> Observation:
+        self.rate = self.schedule(now_s)
+        return await super().observe(now_s)
+
+
+def test_a_level_let_go_is_counted_and_logged(caplog):
+    """Ten-second intervals, no start-up: a window of 200 s (k = 3), so a level is six intervals.
+    200 prompt tokens/s need 2 prefill replicas (a 1,000-token prompt takes 1 s of the 2 s SLO); the
+    first interval grows the deployment's 1 to 2, and the pool settles there. 1,500 tokens/s for
+    80 s from 300 s grow it to 4: a level of its own, from the 2 it had settled at. Two intervals
+    after the load is back, it is let go, once, and the pool is back at 2."""
+    connector = FakeConnector()
+    config = PlannerConfig(interval_s=10.0, max_prefill=4, startup_s=0.0, scale_down_cooldown_s=0.0)
+    loop = PlannerLoop(SLAPlanner(config, PROFILE), connector, ScheduledSource(lambda t: 1500 if 300 <= t < 380 else 200), metrics=PlannerMetrics())
+    with caplog.at_level(logging.INFO, logger="planner.live"):
+        decisions = {t: asyncio.run(loop.step(float(t))) for t in range(0, 500, 10)}
+    released = [t for t, d in decisions.items() if d.released_levels]
+    assert released == [390] and decisions[390].released_levels == ("prefill",)
+    assert decisions[290].targets["prefill"] == 2 and decisions[380].targets["prefill"] == 4
+    assert decisions[390].reasons["prefill"].endswith("; the level of 80 s is over, 2 carried the last 2 intervals")
+    assert connector.targets["prefill"] == 2
+    assert loop.metrics.levels_released.labels("prefill")._value.get() == 1
+    assert loop.metrics.levels_released.labels("decode")._value.get() == 0
+    lines = [json.loads(r.getMessage().removeprefix("planner: ")) for r in caplog.records if r.getMessage().startswith("planner: {")]
+    assert [line["released_levels"] for line in lines].count(["prefill"]) == 1
+
+
 def test_the_cluster_source_reads_prompt_lengths_from_the_routers_metrics_and_running_sequences_from_the_status():
     metrics = RouterMetrics("router-0")
     server, thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
