@@ -61,11 +61,12 @@ from planner.trend import LoadTrend, rise_start_ups
 
 @dataclass
 class _Level:
-    """A pool grown above ``before`` replicas, and when the current run of load that count does not
-    carry began (None: between runs, the load within it)."""
+    """A pool grown above ``before`` replicas: when the current run of load that count does not carry
+    began (None: between runs), and the intervals in a row since whose load it carries."""
 
     before: int
     run_s: float | None
+    within: int = 0
 
 
 class SLAPlanner:
@@ -102,8 +103,7 @@ class SLAPlanner:
         self._before_rise: dict[str, int] = {}
         # Pools grown above a count, and the intervals in a row whose load that count carries. A run
         # that lasted long enough and is followed by two start-ups within the count is a level, let go.
-        self._levels: dict[str, _Level] = {}
-        self._within = {pool: 0 for pool in POOLS}
+        self._levels: dict[str, list[_Level]] = {pool: [] for pool in POOLS}  # outermost first
         self._steady = {pool: 0 for pool in POOLS}  # intervals in a row whose load the pool's target carries
         self._within_needed = 2 * intervals_per_start_up
         self._level_s = config.release_level_after_s
@@ -231,13 +231,13 @@ class SLAPlanner:
             # from it is a level of its own (the one it grew for before, if any, is its new normal).
             settled = self._steady[pool] >= self._within_needed  # before this interval
             self._steady[pool] = self._steady[pool] + 1 if counts[f"{pool}_down"] <= pools[pool].target else 0
-            if targets[pool] > pools[pool].target and (pool not in self._levels or settled):
+            levels = self._levels[pool]
+            if targets[pool] > pools[pool].target and (not levels or settled):
                 # The run began where the load last left what the pool had: the window lets a rise in late.
                 began = self._level_began(pool, pools[pool].target, obs.time_s)
-                began = self._window[began][0] if began < len(self._window) else obs.time_s
-                self._levels[pool], self._within[pool] = _Level(pools[pool].target, began), 0
-            elif pool in self._levels and targets[pool] <= self._levels[pool].before:
-                del self._levels[pool]
+                levels.append(_Level(pools[pool].target, self._window[began][0] if began < len(self._window) else obs.time_s))
+            while levels and targets[pool] <= levels[-1].before:
+                levels.pop()
         if infeasible_requests:
             reasons["prefill"] += f" ({infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
         return Decision(obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons, tuple(infeasible), infeasible_requests, tuple(released))
@@ -310,22 +310,27 @@ class SLAPlanner:
         remembers it, so one recurring finds its replicas warm, while a recurring level is caught
         again as it was the first time."""
         released, interval_s = {}, self.config.interval_s
-        for pool, level in list(self._levels.items()):
-            before = level.before
-            if counts[f"{pool}_down"] <= before:
-                self._within[pool] += 1
-            else:
-                self._within[pool] = 0
-                if level.run_s is None:
-                    level.run_s = now_s
-            run_s = level.run_s
-            if run_s is None or self._within[pool] < self._within_needed:
+        for pool, levels in self._levels.items():
+            let_go = None
+            for index, level in enumerate(levels):
+                if counts[f"{pool}_down"] <= level.before:
+                    level.within += 1
+                else:
+                    level.within = 0
+                    if level.run_s is None:
+                        level.run_s = now_s
+                if level.run_s is None or level.within < self._within_needed:
+                    continue
+                if now_s - level.within * interval_s - level.run_s + interval_s < self._level_s:
+                    level.run_s = None  # a burst: the window remembers it
+                elif let_go is None:
+                    let_go = index  # the outermost over; those inside it are over too
+            if let_go is None:
                 continue
-            ended_s = now_s - self._within[pool] * interval_s
-            if ended_s - run_s + interval_s < self._level_s:
-                level.run_s = None  # a burst: the window remembers it
-                continue
-            del self._levels[pool]
+            level = levels[let_go]
+            del levels[let_go:]
+            before, run_s = level.before, level.run_s
+            ended_s = now_s - level.within * interval_s
             self._before_rise.pop(pool, None)
             # Loads are averaged over a start-up, so a level's edges spread a start-up either side of it.
             edge_s = self.config.startup_s
@@ -334,7 +339,7 @@ class SLAPlanner:
             self._window.extend(kept)
             held_s = ended_s - run_s + interval_s
             held = f"{held_s / 60:.0f} minutes" if held_s >= 120 else f"{held_s:.0f} s"
-            released[pool] = f"the level of {held} is over, {before} carried the last {self._within[pool]} intervals"
+            released[pool] = f"the level of {held} is over, {before} carried the last {level.within} intervals"
         return released
 
     def _level_began(self, pool: str, before: int, run_s: float) -> int:

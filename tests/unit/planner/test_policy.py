@@ -234,6 +234,23 @@ def test_a_level_leaves_the_window_with_the_start_up_either_side_that_its_averag
     assert at[released - 30] == 4 and at[released] == 1 and set(at[t] for t in at if t > released) == {1}
 
 
+def test_a_level_on_top_of_a_level_is_let_go_first_and_the_one_below_after_it():
+    """A 900 s window (k = 4, a level is 7 start-ups). After 900 s at 5 req/s (one prefill replica),
+    12.5 req/s (1.25 replicas of load: 2, and 2 at the margin) for 16 intervals grow the pool to 2
+    and it settles there; 30 req/s for 16 more grow it to 4, a level of its own. Back at 12.5 req/s,
+    the upper level is let go (2); back at 5, the lower one, which began at 930 s, is let go too (1)
+    rather than held until it leaves the window."""
+    p = planner(base_window_s=900.0, rise_start_ups=0, scale_down_cooldown_s=0)
+    run(p, [5] * 30, (1, 1))
+    decisions = run(p, [12.5] * 16 + [30] * 16 + [12.5] * 6 + [5] * 10, (1, 1), start_s=930, output_tokens=10)
+    at = {930 + 30 * i: d for i, d in enumerate(decisions)}
+    over = [(t, d.reasons["prefill"]) for t, d in at.items() if "is over" in d.reasons["prefill"]]
+    assert [t for t, _ in over] == [2010, 2190]
+    assert over[0][1].endswith("the level of 8 minutes is over, 2 carried the last 4 intervals")
+    assert over[1][1].endswith("the level of 20 minutes is over, 1 carried the last 4 intervals")
+    assert [at[t].targets["prefill"] for t in (1380, 1860, 2010, 2160, 2190, 2340)] == [2, 4, 2, 2, 1, 1]
+
+
 def test_release_level_after_s_is_derived_from_the_trend_test_or_set():
     assert planner()._level_s == (4 + 3) * 60.0  # the default window: k = 4, two intervals a start-up
     assert planner(base_window_s=600.0)._level_s == (3 + 3) * 60.0
