@@ -234,8 +234,7 @@ class SLAPlanner:
             levels = self._levels[pool]
             if targets[pool] > pools[pool].target and (not levels or settled):
                 # The run began where the load last left what the pool had: the window lets a rise in late.
-                began = self._level_began(pool, pools[pool].target, obs.time_s)
-                levels.append(_Level(pools[pool].target, self._window[began][0] if began < len(self._window) else obs.time_s))
+                levels.append(_Level(pools[pool].target, self._run_began_s(pool, pools[pool].target, obs.time_s)))
             while levels and targets[pool] <= levels[-1].before:
                 levels.pop()
         if infeasible_requests:
@@ -342,18 +341,22 @@ class SLAPlanner:
             released[pool] = f"the level of {held} is over, {before} carried the last {level.within} intervals"
         return released
 
-    def _level_began(self, pool: str, before: int, run_s: float) -> int:
-        """Index in the window of the first interval of the level whose run ``pool`` saw from
-        ``run_s``: the one after the last two start-ups before it whose load ``before`` replicas
-        carried (0: the window holds no such stretch)."""
-        entries, within = list(self._window), 0
-        for index in range(len(entries) - 1, -1, -1):
-            if entries[index][0] > run_s:
-                continue
-            within = within + 1 if entries[index][2][f"{pool}_down"] <= before else 0
-            if within >= self._within_needed:
-                return index + within
-        return 0
+    def _run_began_s(self, pool: str, before: int, now_s: float) -> float:
+        """When the run of load that ``before`` replicas of ``pool`` do not carry, which the window
+        ends with, began: the interval after the last two start-ups whose load they carried (``now_s``
+        when the window ends with such a stretch; the window's first interval when it holds none)."""
+        newer_s, after_stretch_s, within = now_s, now_s, 0
+        for time_s, _, counts in reversed(self._window):
+            if counts[f"{pool}_down"] <= before:
+                if not within:
+                    after_stretch_s = newer_s
+                within += 1
+                if within >= self._within_needed:
+                    return after_stretch_s
+            else:
+                within = 0
+            newer_s = time_s
+        return self._window[0][0]
 
     def _window_quantiles(self) -> dict[str, int]:
         """Each count's quantile over the intervals of the last ``window_s``, each weighted by its
