@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -111,17 +110,7 @@ def ray_session():
 
     from router.control.launch import init_ray
 
-    try:
-        init_ray(None)
-    except RuntimeError as error:
-        # Twice in some hundreds of local starts on a loaded 2-core machine, the GCS process left no
-        # log and no port file, and Ray waited the full 120 s for it; every test of that pytest worker
-        # then errored. A second start, in a new session directory, is what a person would do.
-        if "Timed out waiting for file" not in str(error):
-            raise
-        warnings.warn(f"ray.init: {error}; starting Ray again", stacklevel=1)
-        ray.shutdown()
-        init_ray(None)
+    init_ray(None)
     yield
     ray.shutdown()
 

@@ -161,7 +161,7 @@ def init_ray(address: str | None, cluster_tls: ClusterTLSConfig | None = None) -
     if address is not None:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         return
-    ray.init(
+    local = dict(
         # "local": a new Ray even where another runs on this host. With no address, ray.init joins
         # the last cluster a `ray start` on the host wrote to /tmp/ray/ray_current_cluster (a
         # `splitserve head` there, another test's node), and then refuses these resources.
@@ -174,6 +174,17 @@ def init_ray(address: str | None, cluster_tls: ClusterTLSConfig | None = None) -
         num_cpus=max(os.cpu_count() or 1, _LOCAL_MIN_CPUS),
         resources={**{pool_resource(p): _LOCAL_POOL_SLOTS for p in POOLS}, HEAD_RESOURCE: 1},
     )
+    try:
+        ray.init(**local)
+    except RuntimeError as error:
+        # Twice in some hundreds of local starts on a loaded 2-core machine, the GCS process left no
+        # log and no port file, and Ray waited the full 120 s for it. A second start, in a new
+        # session directory, is what a person would do; any other failure is raised as it is.
+        if "Timed out waiting for file" not in str(error):
+            raise
+        logger.warning("ray.init: %s; starting a local Ray again", error)
+        ray.shutdown()
+        ray.init(**local)
 
 
 def _controller_placement() -> dict:
