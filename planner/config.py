@@ -44,6 +44,13 @@ class PlannerConfig:
     None: the fewest k whose (k + 1)! reaches both the window's intervals and 1 / (1 -
     attainment_target) (noise alone rises so often at most about once a window and in at most the miss
     share of the intervals; 4 with the defaults); 0: off."""
+    trend_bets_from_savings: bool = True
+    """A trend's projection above what the window needs is a bet. With this on it is placed only when
+    the newest start-up's load already needs more replicas than the pool had when the planner started
+    (the deployment it was turned on over), or when the replica-seconds the pools have spent below that
+    deployment, less those earlier bets held, pay for it (the replicas it adds, for a start-up and an
+    interval). A planner is then never above its deployment on a guess it has not saved for. Off:
+    every trend is bet on (a few percent more replica-hours on steady traffic, planner/README)."""
     release_level_after_s: float | None = None
     """A level of load a pool grew for and that held at least this long is a shift, not a burst:
     once the load has stayed within the count the pool had before for two start-ups, the window

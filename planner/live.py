@@ -14,7 +14,9 @@ Every decision is logged with its inputs as one JSON line and exported as ``spli
 metrics. A connector that fails is logged and counted, and the planner waits a doubling backoff
 before it acts again; it never stops. A pool whose SLO no allowed count meets is reported once per
 interval (a warning and ``splitserve_planner_infeasible_total``) while the planner holds it at max.
-A level of load let go (planner/policy.py) counts in ``splitserve_planner_levels_released_total``.
+A level of load let go (planner/policy.py) counts in ``splitserve_planner_levels_released_total``; a
+trend not bet on in ``splitserve_planner_trends_not_bet_total``, and the replica-seconds bets are
+paid from are ``splitserve_planner_saved_replica_seconds``.
 """
 
 from __future__ import annotations
@@ -96,6 +98,12 @@ class PlannerMetrics:
         )
         self.levels_released = Counter(
             "splitserve_planner_levels_released", "Levels of load (runs longer than a burst, now over) the planner let go: the window forgot them.", ["pool"], registry=r
+        )
+        self.trends_not_bet = Counter(
+            "splitserve_planner_trends_not_bet", "Intervals a pool's load was a trend whose projection was not bet on: not yet over the deployment, and not paid for by savings.", ["pool"], registry=r
+        )
+        self.saved = Gauge(
+            "splitserve_planner_saved_replica_seconds", "Replica-seconds spent below the deployment the planner started over, less trend bets held: what a bet is paid from.", registry=r
         )
         self.connector_errors = Counter("splitserve_planner_connector_errors", "Actions the cluster refused or failed.", registry=r)
         self.decisions = Counter("splitserve_planner_decisions", "Intervals decided.", registry=r)
@@ -185,13 +193,17 @@ class PlannerLoop:
         m.infeasible_requests.inc(decision.infeasible_requests)
         for pool in decision.released_levels:
             m.levels_released.labels(pool).inc()
+        for pool in decision.unfunded_trends:
+            m.trends_not_bet.labels(pool).inc()
+        m.saved.set(decision.saved_replica_s)
         logger.info("planner: %s", json.dumps({
             "observation": _loggable(observation),
             "pools": {p: dataclasses.asdict(v) for p, v in pools.items()},
             "targets": dict(decision.targets), "needed": dict(decision.needed),
             "forecast": dataclasses.asdict(forecast), "corrections": dict(decision.corrections),
             "reasons": dict(decision.reasons), "infeasible": list(decision.infeasible),
-            "infeasible_requests": decision.infeasible_requests, "released_levels": list(decision.released_levels), "dry_run": self.dry_run,
+            "infeasible_requests": decision.infeasible_requests, "released_levels": list(decision.released_levels),
+            "unfunded_trends": list(decision.unfunded_trends), "saved_replica_s": round(decision.saved_replica_s, 1), "dry_run": self.dry_run,
         }))
 
 

@@ -76,3 +76,9 @@ class Decision:
     released_levels: tuple[str, ...] = ()
     """Pools whose level of load (a run longer than a burst, now over) the planner let go this
     interval: the window forgot its intervals, so the pools shrink to what the load outside it needs."""
+    unfunded_trends: tuple[str, ...] = ()
+    """Pools whose load was a trend this interval but whose projection was not bet on: the load did not
+    yet need more than the deployment had, and the replica-seconds saved did not pay for the bet."""
+    saved_replica_s: float = 0.0
+    """Replica-seconds the pools have spent below the deployment the planner was turned on over (their
+    targets at its first decision), less those trend bets held: what the next bet is paid from."""

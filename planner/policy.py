@@ -19,7 +19,11 @@ A load that has risen over each of the last k start-ups (k the fewest with (k + 
 window's intervals and 1 / (1 - attainment_target): noise alone rises so often at most about once a
 window and in at most the miss share of the intervals) is a trend the window cannot catch: the pool
 grows at once to the load projected to the middle of the first interval that replicas asked for now
-serve, and goes back to what it had (or what the window needs) once the load falls.
+serve, and goes back to what it had (or what the window needs) once the load falls. A projection
+above what the load itself needs is a bet: unless that load already needs more than the deployment
+the planner started over (the pools' first targets), it is paid from the replica-seconds the pools
+have spent below that deployment (``trend_bets_from_savings``), so the planner is not above its
+deployment on a guess it has not saved for.
 A level the pool grew for that held longer than a burst (``release_level_after_s``: the trend test's
 span and two start-ups more) is a shift in load, not a burst to remember: once the load has been
 within the count the pool had before for two start-ups, the window forgets the level's intervals and
@@ -101,6 +105,10 @@ class SLAPlanner:
         num_start_ups = derived_start_ups if config.rise_start_ups is None else config.rise_start_ups
         self.trend = LoadTrend(intervals_per_start_up, num_start_ups, config.startup_s, config.interval_s)
         self._before_rise: dict[str, int] = {}
+        # A trend's projection beyond what the window needs is a bet: paid from the replica-seconds the
+        # pools have spent below the deployment the planner was turned on over (their first targets).
+        self._deployed: dict[str, int] = {}
+        self._saved_s = 0.0
         # Pools grown above a count, and the intervals in a row whose load that count carries. A run
         # that lasted long enough and is followed by two start-ups within the count is a level, let go.
         self._levels: dict[str, list[_Level]] = {pool: [] for pool in POOLS}  # outermost first
@@ -152,20 +160,34 @@ class SLAPlanner:
         if decode_need > counts["decode"]:
             decode_why = f"{decode_why}; the window's {self._quantile:g} quantile needs {decode_need}"
         # Beyond the window: a load that has risen over each of the last k start-ups is a trend, and the
-        # pool grows now to the load projected to when replicas asked for now are warm.
+        # pool grows now to the load projected to when replicas asked for now are warm. That is a bet
+        # unless the load already needs more than the deployment had: it is paid from savings.
         self.trend.observe((prefill_load, decode_load))
-        rising = {}
+        self._account(obs, pools)
+        rising, unfunded = {}, []
         for pool, projected in self.trend.rises().items():
+            need = prefill_need if pool == "prefill" else decode_need
             if pool == "prefill":
                 count = min(self._prefill_count(projected, prefill_cap), config.max_prefill)
-                if count > prefill_need:
-                    rising[pool], prefill_need = prefill_need, count
-                    prefill_why = f"{prefill_why}; rising over each of the last {self.trend.num_start_ups} start-ups, {count} for the load a start-up and half an interval ahead"
             else:
                 count = min(self._decode_count(projected), config.max_decode)
-                if count > decode_need:
-                    rising[pool], decode_need = decode_need, count
-                    decode_why = f"{decode_why}; rising over each of the last {self.trend.num_start_ups} start-ups, {count} for the load a start-up and half an interval ahead"
+            if count <= need:
+                continue
+            clause = f"rising over each of the last {self.trend.num_start_ups} start-ups, {count} for the load a start-up and half an interval ahead"
+            cost_s = (count - max(need, pools[pool].target)) * (config.startup_s + config.interval_s)
+            if config.trend_bets_from_savings and counts[pool] <= self._deployed[pool] and self._saved_s < cost_s:
+                unfunded.append(pool)
+                clause = f"{clause}, not bet on: {self._saved_s:.0f} replica-seconds saved below the deployment's {self._deployed[pool]}, {cost_s:.0f} needed"
+            else:
+                rising[pool] = need
+                if pool == "prefill":
+                    prefill_need = count
+                else:
+                    decode_need = count
+            if pool == "prefill":
+                prefill_why = f"{prefill_why}; {clause}"
+            else:
+                decode_why = f"{decode_why}; {clause}"
         # Beyond the window: a backlog that already makes a new prompt wait past the SLO means the
         # load is over capacity now; the pool grows to this interval's load plus the replicas that
         # clear the backlog within a start-up and an interval.
@@ -239,7 +261,20 @@ class SLAPlanner:
                 levels.pop()
         if infeasible_requests:
             reasons["prefill"] += f" ({infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
-        return Decision(obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons, tuple(infeasible), infeasible_requests, tuple(released))
+        return Decision(
+            obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons,
+            tuple(infeasible), infeasible_requests, tuple(released), tuple(unfunded), self._saved_s,
+        )
+
+    def _account(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> None:
+        """Adds the interval just observed to the replica-seconds saved: each pool's count below the
+        deployment (its target at the first decision), less the replicas a trend bet holds above what
+        the pool had before the rise."""
+        for pool in POOLS:
+            deployed = self._deployed.setdefault(pool, pools[pool].target)
+            self._saved_s += max(0, deployed - pools[pool].target) * obs.duration_s
+            if pool in self._before_rise:
+                self._saved_s -= max(0, pools[pool].target - self._before_rise[pool]) * obs.duration_s
 
     def _measure_prompts(self, obs: Observation) -> int:
         """Learns from the interval's prompts and returns its infeasible requests: those whose prompt

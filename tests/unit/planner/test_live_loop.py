@@ -146,6 +146,32 @@ def test_a_level_let_go_is_counted_and_logged(caplog):
     assert [line["released_levels"] for line in lines].count(["prefill"]) == 1
 
 
+def test_a_trend_not_bet_on_is_counted_and_logged(caplog):
+    """A deployment of 4 prefill replicas and a load rising 300 prompt tokens/s every interval: at
+    70 s the load has risen over each of the last three start-ups (one interval each here) and 5
+    replicas would carry it an interval ahead, while the load itself needs 4. That is a bet the
+    planner has saved nothing for (the pool never went below its deployment), so the pool stays at
+    4; with ``trend_bets_from_savings`` off it grows to 5."""
+    decided = {}
+    for funded in (True, False):
+        connector = FakeConnector()
+        connector.targets["prefill"] = 4
+        config = PlannerConfig(interval_s=10.0, max_prefill=8, startup_s=0.0, trend_bets_from_savings=funded)
+        loop = PlannerLoop(SLAPlanner(config, PROFILE), connector, ScheduledSource(lambda t: 200 + 30 * t), metrics=PlannerMetrics())
+        with caplog.at_level(logging.INFO, logger="planner.live"):
+            decided[funded] = [asyncio.run(loop.step(float(t))) for t in range(0, 80, 10)]
+        if funded:
+            assert loop.metrics.trends_not_bet.labels("prefill")._value.get() == 1
+            assert loop.metrics.trends_not_bet.labels("decode")._value.get() == 0
+            assert loop.metrics.saved._value.get() == 0.0
+            lines = [json.loads(r.getMessage().removeprefix("planner: ")) for r in caplog.records if r.getMessage().startswith("planner: {")]
+            assert lines[-1]["unfunded_trends"] == ["prefill"] and lines[-1]["saved_replica_s"] == 0.0
+    assert [d.targets["prefill"] for d in decided[True]] == [4] * 8
+    assert decided[True][-1].unfunded_trends == ("prefill",) and decided[True][-1].needed["prefill"] == 4
+    assert "5 for the load a start-up and half an interval ahead, not bet on: 0 replica-seconds saved below the deployment's 4, 10 needed" in decided[True][-1].reasons["prefill"]
+    assert decided[False][-1].targets["prefill"] == 5 and decided[False][-1].unfunded_trends == ()
+
+
 def test_the_cluster_source_reads_prompt_lengths_from_the_routers_metrics_and_running_sequences_from_the_status():
     metrics = RouterMetrics("router-0")
     server, thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)

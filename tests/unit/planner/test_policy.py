@@ -517,6 +517,8 @@ def test_a_load_rising_over_each_of_four_start_ups_grows_the_pool_to_its_project
     p = planner()
     assert p._window_s == 1800 and p.trend.num_start_ups == 4
     decisions = run(p, RAMP, (1, 1), output_tokens=10)
+    # The load already needs more than the deployment's 1: the projection is no bet, it needs no savings.
+    assert decisions[-1].saved_replica_s == 0 and decisions[-1].unfunded_trends == ()
     # Until ten intervals are seen the window alone sizes the pool: 3.4 replicas averaged at 270 s -> 4.
     assert prefill_targets(decisions)[:9] == [1, 1, 2, 2, 2, 3, 3, 4, 4]
     assert all("rising" not in d.reasons["prefill"] for d in decisions[:9])
@@ -525,6 +527,33 @@ def test_a_load_rising_over_each_of_four_start_ups_grows_the_pool_to_its_project
     last = decisions[-1]
     assert p._prefill_count(3.8, 0.85) == 4 and last.targets["prefill"] == p._prefill_count(5.2, 0.85) == 6
     assert last.reasons["prefill"].endswith("rising over each of the last 4 start-ups, 6 for the load a start-up and half an interval ahead")
+
+
+def test_a_trend_the_deployment_still_carries_is_bet_on_only_with_the_replicas_saved_below_it():
+    """The same ramp over a deployment of 4: its load (3.8 replicas at 300 s) needs no more than the 4
+    the planner started over, so the projection's 6 is a bet. The pools have spent nothing below the
+    deployment (the warm-up held it), and two replicas for a start-up and an interval cost 180
+    replica-seconds: not bet on. The same planner with bets unfunded allowed grows to 6."""
+    decisions = run(planner(), RAMP, (4, 1), output_tokens=10)
+    last = decisions[-1]
+    assert prefill_targets(decisions) == [4] * 10 and last.unfunded_trends == ("prefill",) and last.saved_replica_s == 0
+    assert last.reasons["prefill"].endswith(
+        "rising over each of the last 4 start-ups, 6 for the load a start-up and half an interval ahead, not bet on: 0 replica-seconds saved below the deployment's 4, 180 needed"
+    )
+    assert prefill_targets(run(planner(trend_bets_from_savings=False), RAMP, (4, 1), output_tokens=10))[-1] == 6
+
+
+def test_replicas_saved_below_the_deployment_pay_for_a_bet_and_the_bet_held_is_paid_from_them():
+    """A 300 s window (k = 3) over a deployment of 4 at 4 req/s: the pool goes to 1 when the warm-up
+    ends (300 s), and saves 3 replicas x 30 s an interval. The ramp that follows is bet on at 600 s
+    (2 to 4 on 810 saved replica-seconds), and each interval the bet holds 2 replicas above the 2
+    the pool had before the rise, 60 replica-seconds come off."""
+    decisions = run(planner(base_window_s=300, scale_down_cooldown_s=0), [4] * 14 + RAMP, (4, 1), output_tokens=10)
+    by_time = {d.time_s: d for d in decisions}
+    assert [by_time[t].targets["prefill"] for t in (270, 300, 570, 600)] == [4, 1, 2, 4]
+    assert by_time[600].saved_replica_s == 810 and by_time[600].unfunded_trends == ()
+    assert "rising over each of the last 3 start-ups, 4 for the load" in by_time[600].reasons["prefill"]
+    assert by_time[630].saved_replica_s == 810 - 2 * 30
 
 
 def test_a_pool_grown_on_a_rise_goes_back_once_the_load_falls_without_waiting_for_the_cooldown():
