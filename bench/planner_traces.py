@@ -314,7 +314,35 @@ def outside_set(startup_s: float = 60.0, seed_offset: int = 0) -> dict[str, Call
         "steps_and_bursts": lambda: generate_poisson(204 + k, lambda t: (8.0 if 1800 <= t < 4200 else 3.0) * (2.5 if t % 420 < 40 else 1.0), 20.0, 5400.0, longer),
         # A climb from 2 to 9 req/s over an hour.
         "slow_climb": lambda: generate_poisson(205 + k, lambda t: 2.0 + 7.0 * t / 3600, 9.0, 3600.0, longer),
+        # Added 2026-11-29 (third session), drawn before the trend-bet rule was judged.
+        # 2 to 12 req/s and back over 30 minutes, twice: two peaks a window apart.
+        "ramp_twice": lambda: generate_poisson(301 + k, lambda t: 2 + 10 * (1 - abs(t % 1800 - 900) / 900), 12.0, 3600.0, prompt),
+        # 12 req/s for three minutes at 5, 15 and 25 minutes, 3 between: bursts inside the warm-up.
+        "warmup_bursts": lambda: generate_poisson(302 + k, lambda t: 12.0 if any(a <= t < a + 180 for a in (300, 900, 1500)) else 3.0, 12.0, 3600.0, prompt),
+        # 1 req/s for 30 minutes, then a climb to 8 over ten minutes, held.
+        "morning": lambda: generate_poisson(303 + k, lambda t: 1.0 if t < 1800 else min(8.0, 1.0 + 7.0 * (t - 1800) / 600), 8.0, 4200.0, prompt),
+        # As the issue's Azure code trace reads: 10-17 req/s for 1-2 minutes between 2-5 quiet minutes
+        # at 1 req/s; prompts spread wider than "spells"' (lognormal sigma 1, at most 7.4k tokens).
+        "code_like": lambda: code_bursts(304 + k),
+        # About 4 req/s, the rate redrawn every minute (lognormal, sigma 0.35), for 90 minutes.
+        "noisy_steady": lambda: noisy_steady(305 + k),
     }
+
+
+def code_bursts(seed: int, duration_s: float = 3600.0) -> list[Arrival]:
+    """Bursts of 10-17 req/s lasting 60-120 s between spells of 1 req/s lasting 2-5 minutes; prompts
+    lognormal around 1.5k tokens (sigma 1), at most 7.4k."""
+    rng = random.Random(seed)
+    spells = [(a, b, rng.uniform(10, 17)) for a, b in _spells(rng, duration_s, (60, 120), (120, 300))]
+    rate = lambda t: next((r for a, b, r in spells if a <= t < b), 1.0)  # noqa: E731
+    return generate_poisson(seed + 1, rate, 17.0, duration_s, lambda r: _lognormal(r, 1500, 1.0, 7400))
+
+
+def noisy_steady(seed: int, duration_s: float = 5400.0, rate: float = 4.0, sigma: float = 0.35) -> list[Arrival]:
+    """``rate`` times a lognormal factor redrawn every minute, prompts lognormal around 1k tokens."""
+    rng = random.Random(seed)
+    minutes = [rate * math.exp(rng.gauss(0.0, sigma)) for _ in range(int(duration_s // 60) + 1)]
+    return generate_poisson(seed + 1, lambda t: minutes[int(t // 60)], max(minutes), duration_s, lambda r: _lognormal(r, 1000, 0.8, 16000))
 
 
 SETS = {"dev": dev_set, "outside": outside_set}

@@ -100,6 +100,11 @@ def test_the_outside_set_keeps_its_shapes_and_replays_apart_from_the_development
     assert _rate(saw, 0, 60) < 2 < 8 < _rate(saw, 540, 600)
     periodic = outside["periodic"]()  # two start-ups at 12 req/s in every six
     assert _rate(periodic, 0, 120) > 10 and _rate(periodic, 120, 360) < 3
+    code = outside["code_like"]()  # 1-2 minute bursts of 10-17 req/s between quiet spells of 1 req/s
+    per_minute = [_rate(code, m * 60, m * 60 + 60) for m in range(60)]
+    assert max(per_minute) > 9 and sorted(per_minute)[20] < 2 and max(a.prompt_tokens for a in code) <= 7400
+    noisy = [_rate(outside["noisy_steady"](), m * 60, m * 60 + 60) for m in range(90)]
+    assert 3 < sum(noisy) / 90 < 5.5 and min(noisy) < 2.5 < 6 < max(noisy)
     out = tmp_path / "outside.json"
     assert planner_devset.main(["--set", "outside", "--traces", "trickle", "--policies", "splitserve", "--jobs", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
