@@ -30,7 +30,7 @@ class PlannerConfig:
     scale_down_window_s: float = 0.0
     """Stabilisation window (Kubernetes HPA's ``behavior.scaleDown.stabilizationWindowSeconds``): a
     pool shrinks only to the most it would have shrunk to in any interval of this many seconds. 0
-    uses each interval alone. Longer windows flap less and cost more replica-hours (planner/README)."""
+    uses each interval alone. Longer windows flap less and cost more replica-hours (planner/EXPERIMENTS.md)."""
     base_quantile: float | None = None
     """The quantile of per-interval need (each interval weighted by its requests) the pools are sized
     for; None: ``attainment_target``."""
@@ -58,21 +58,21 @@ class PlannerConfig:
     burst stays remembered for the window, so that one recurring finds its replicas warm). None:
     k + 3 start-ups, the trend test's span (k + 1, k as ``rise_start_ups`` derives it) and the two
     start-ups the load must stay within (7 minutes with the defaults; 5 lost a bursty trace
-    attainment, planner/README); ``math.inf``: never, the window alone."""
+    attainment, planner/EXPERIMENTS.md); ``math.inf``: never, the window alone."""
     scale_down_margin: float = 0.8
     """Hysteresis of the prefill pool: it shrinks only to a count that would carry the load at this
     share of its capacity (its Erlang-C count is optimistic for heavy-tailed prompts; at 0.9 or 1
-    heavy-tailed and spell traces lost attainment, planner/README)."""
+    heavy-tailed and spell traces lost attainment, planner/EXPERIMENTS.md)."""
     decode_scale_down_margin: float = 1.0
     """Hysteresis of the decode pool, as ``scale_down_margin``. 1 (none) by default: a replica's
     batch already keeps z * sqrt(batch) of headroom for the batch's swing, and 0.8 held bursty traces'
-    decode pools up to two replicas above what their window needed for half an hour (planner/README)."""
+    decode pools up to two replicas above what their window needed for half an hour (planner/EXPERIMENTS.md)."""
     prefill_zero_load: float = 0.1
     """Prompt load, in prefill replicas, below which the prefill pool may go to zero (with min_prefill 0)."""
     aggregate_when_cheaper: bool = False
     """Empty the prefill pool whenever the decode replicas alone, each prefilling its share of the
     prompts, need fewer replicas than two pools do, not only below ``prefill_zero_load``. Cheaper
-    on steady traffic, slower to recover from prompt bursts (measured in planner/README). Either
+    on steady traffic, slower to recover from prompt bursts (measured in planner/EXPERIMENTS.md). Either
     way a prefill pool already at zero stays there while the decode replicas carry it all."""
     max_decode_batch: int = 256
     """Most sequences one decode replica runs at once (its KV capacity), whatever the ITL allows."""
