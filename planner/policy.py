@@ -165,29 +165,24 @@ class SLAPlanner:
         self.trend.observe((prefill_load, decode_load))
         self._account(obs, pools)
         rising, unfunded = {}, []
+        needs, whys = {"prefill": prefill_need, "decode": decode_need}, {"prefill": prefill_why, "decode": decode_why}
         for pool, projected in self.trend.rises().items():
-            need = prefill_need if pool == "prefill" else decode_need
             if pool == "prefill":
                 count = min(self._prefill_count(projected, prefill_cap), config.max_prefill)
             else:
                 count = min(self._decode_count(projected), config.max_decode)
-            if count <= need:
+            if count <= needs[pool]:
                 continue
             clause = f"rising over each of the last {self.trend.num_start_ups} start-ups, {count} for the load a start-up and half an interval ahead"
-            cost_s = (count - max(need, pools[pool].target)) * (config.startup_s + config.interval_s)
+            cost_s = (count - max(needs[pool], pools[pool].target)) * (config.startup_s + config.interval_s)
             if config.trend_bets_from_savings and counts[pool] <= self._deployed[pool] and self._saved_s < cost_s:
                 unfunded.append(pool)
                 clause = f"{clause}, not bet on: {self._saved_s:.0f} replica-seconds saved below the deployment's {self._deployed[pool]}, {cost_s:.0f} needed"
             else:
-                rising[pool] = need
-                if pool == "prefill":
-                    prefill_need = count
-                else:
-                    decode_need = count
-            if pool == "prefill":
-                prefill_why = f"{prefill_why}; {clause}"
-            else:
-                decode_why = f"{decode_why}; {clause}"
+                rising[pool], needs[pool] = needs[pool], count
+            whys[pool] = f"{whys[pool]}; {clause}"
+        prefill_need, decode_need = needs["prefill"], needs["decode"]
+        prefill_why, decode_why = whys["prefill"], whys["decode"]
         # Beyond the window: a backlog that already makes a new prompt wait past the SLO means the
         # load is over capacity now; the pool grows to this interval's load plus the replicas that
         # clear the backlog within a start-up and an interval.
