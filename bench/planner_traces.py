@@ -224,13 +224,15 @@ def generate_bursts(seed: int, burst_s: float, duration_s: float = 3600.0, base_
     return generate_poisson(seed + 1, rate, factor * base_rate, duration_s, lambda r: _lognormal(r, 1000, 0.9, 16000))
 
 
-def generate_code_spells(seed: int, duration_s: float = 3420.0) -> list[Arrival]:
-    """Bursts of 10-17 req/s lasting 60-120 s between quiet spells of about 1 req/s lasting 2-6 minutes;
-    prompts lognormal around 1.5k tokens, at most 7.4k; short outputs."""
+def generate_code_spells(
+    seed: int, duration_s: float = 3420.0, gap_s: tuple[float, float] = (120, 360), prompt_sigma: float = 0.7, output_median: float = 30.0
+) -> list[Arrival]:
+    """Bursts of 10-17 req/s lasting 60-120 s between quiet spells of about 1 req/s lasting ``gap_s``
+    (2-6 minutes); prompts lognormal around 1.5k tokens (``prompt_sigma``), at most 7.4k; short outputs."""
     rng = random.Random(seed)
-    spells = [(a, b, rng.uniform(10, 17)) for a, b in _spells(rng, duration_s, (60, 120), (120, 360))]
+    spells = [(a, b, rng.uniform(10, 17)) for a, b in _spells(rng, duration_s, (60, 120), gap_s)]
     rate = lambda t: next((r for a, b, r in spells if a <= t < b), 1.0)  # noqa: E731
-    return generate_poisson(seed + 1, rate, 17.0, duration_s, lambda r: _lognormal(r, 1500, 0.7, 7400), output_median=30.0)
+    return generate_poisson(seed + 1, rate, 17.0, duration_s, lambda r: _lognormal(r, 1500, prompt_sigma, 7400), output_median=output_median)
 
 
 def generate_heavy_tail(seed: int, duration_s: float = 3600.0, rate: float = 3.0, alpha: float = 1.3, low: int = 400) -> list[Arrival]:
@@ -323,19 +325,10 @@ def outside_set(startup_s: float = 60.0, seed_offset: int = 0) -> dict[str, Call
         "morning": lambda: generate_poisson(303 + k, lambda t: 1.0 if t < 1800 else min(8.0, 1.0 + 7.0 * (t - 1800) / 600), 8.0, 4200.0, prompt),
         # As the issue's Azure code trace reads: 10-17 req/s for 1-2 minutes between 2-5 quiet minutes
         # at 1 req/s; prompts spread wider than "spells"' (lognormal sigma 1, at most 7.4k tokens).
-        "code_like": lambda: code_bursts(304 + k),
+        "code_like": lambda: generate_code_spells(304 + k, 3600.0, gap_s=(120, 300), prompt_sigma=1.0, output_median=200.0),
         # About 4 req/s, the rate redrawn every minute (lognormal, sigma 0.35), for 90 minutes.
         "noisy_steady": lambda: noisy_steady(305 + k),
     }
-
-
-def code_bursts(seed: int, duration_s: float = 3600.0) -> list[Arrival]:
-    """Bursts of 10-17 req/s lasting 60-120 s between spells of 1 req/s lasting 2-5 minutes; prompts
-    lognormal around 1.5k tokens (sigma 1), at most 7.4k."""
-    rng = random.Random(seed)
-    spells = [(a, b, rng.uniform(10, 17)) for a, b in _spells(rng, duration_s, (60, 120), (120, 300))]
-    rate = lambda t: next((r for a, b, r in spells if a <= t < b), 1.0)  # noqa: E731
-    return generate_poisson(seed + 1, rate, 17.0, duration_s, lambda r: _lognormal(r, 1500, 1.0, 7400))
 
 
 def noisy_steady(seed: int, duration_s: float = 5400.0, rate: float = 4.0, sigma: float = 0.35) -> list[Arrival]:
