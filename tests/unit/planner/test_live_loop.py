@@ -51,6 +51,12 @@ class FakeConnector:
         self.targets[pool] = target
 
 
+def _logged(caplog, **loads) -> list[dict]:
+    """The planner's JSON decision lines, oldest first (``loads``: json.loads' keyword arguments)."""
+    messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planner: {")]
+    return [json.loads(m.removeprefix("planner: "), **loads) for m in messages]
+
+
 def _loop(source, connector, **kwargs):
     config = PlannerConfig(interval_s=10.0, max_prefill=4, startup_s=0.0)
     return PlannerLoop(SLAPlanner(config, PROFILE), connector, source, metrics=PlannerMetrics(), backoff_s=20.0, **kwargs)
@@ -105,8 +111,7 @@ def test_infeasible_requests_are_counted_and_logged_as_strict_json(caplog):
     def no_constants(name):
         raise AssertionError(f"{name} is not JSON")
 
-    messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planner: {")]
-    lines = [json.loads(m.removeprefix("planner: "), parse_constant=no_constants) for m in messages]
+    lines = _logged(caplog, parse_constant=no_constants)
     assert len(lines) == 2
     assert lines[-1]["infeasible_requests"] == 3
     assert lines[-1]["observation"]["prompt_length_counts"] == {"128": 5, "+Inf": 3}
@@ -142,7 +147,7 @@ def test_a_level_let_go_is_counted_and_logged(caplog):
     assert connector.targets["prefill"] == 2
     assert loop.metrics.levels_released.labels("prefill")._value.get() == 1
     assert loop.metrics.levels_released.labels("decode")._value.get() == 0
-    lines = [json.loads(r.getMessage().removeprefix("planner: ")) for r in caplog.records if r.getMessage().startswith("planner: {")]
+    lines = _logged(caplog)
     assert [line["released_levels"] for line in lines].count(["prefill"]) == 1
 
 
@@ -164,7 +169,7 @@ def test_a_trend_not_bet_on_is_counted_and_logged(caplog):
             assert loop.metrics.trends_not_bet.labels("prefill")._value.get() == 1
             assert loop.metrics.trends_not_bet.labels("decode")._value.get() == 0
             assert loop.metrics.saved._value.get() == 0.0
-            lines = [json.loads(r.getMessage().removeprefix("planner: ")) for r in caplog.records if r.getMessage().startswith("planner: {")]
+            lines = _logged(caplog)
             assert lines[-1]["unfunded_trends"] == ["prefill"] and lines[-1]["saved_replica_s"] == 0.0
     assert [d.targets["prefill"] for d in decided[True]] == [4] * 8
     assert decided[True][-1].unfunded_trends == ("prefill",) and decided[True][-1].needed["prefill"] == 4
