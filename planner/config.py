@@ -65,8 +65,12 @@ class PlannerConfig:
     heavy-tailed and spell traces lost attainment, planner/EXPERIMENTS.md)."""
     decode_scale_down_margin: float = 1.0
     """Hysteresis of the decode pool, as ``scale_down_margin``. 1 (none) by default: a replica's
-    batch already keeps z * sqrt(batch) of headroom for the batch's swing, and 0.8 held bursty traces'
+    batch already keeps room for the pool's swing, and 0.8 held bursty traces'
     decode pools up to two replicas above what their window needed for half an hour (planner/EXPERIMENTS.md)."""
+    decode_swing_pooled: bool = True
+    """Size the decode pool for the swing of all its running sequences together: the router joins
+    each sequence to the smallest batch, so n replicas each keep z * sqrt(batch / n) of room, not
+    z * sqrt(batch). A trend's projection keeps each replica's own (planner/EXPERIMENTS.md)."""
     prefill_zero_load: float = 0.1
     """Prompt load, in prefill replicas, below which the prefill pool may go to zero (with min_prefill 0)."""
     aggregate_when_cheaper: bool = False

@@ -32,8 +32,10 @@ Prefill: the fewest replicas sharing one queue (the router picks the least queue
 wait tail keeps ``1 - attainment_target`` of prompts over the TTFT SLO, waits scaled by (1 + cv^2) / 2
 of the prompts' prefill times and by the correction c_p (observed mean TTFT over the model's). A
 prompt whose prefill alone exceeds the SLO is counted apart and never drives the pool to max.
-Decode: the largest batch whose corrected ITL meets the SLO, less z * sqrt(batch) for the
-fluctuation of a Poisson batch (z at the attainment target), sets one replica's token rate; the
+Decode: the largest batch whose corrected ITL meets the SLO, less each replica's share of the
+pool's Poisson swing (z * sqrt(batch / n) for n replicas, z at the attainment target: the router
+joins each sequence to the smallest batch, so the pool's sequences swing as one count), sets one
+replica's token rate; a trend is projected at each replica's own swing, z * sqrt(batch). The
 load is the decoded tokens (streamed, less each request's first, which its prefill makes) over that
 rate, or the running sequences over that batch when more (but sequences piled up behind batches
 stalled by their replicas' own prefills are a backlog: the pool grows for them now, and the window
@@ -162,7 +164,10 @@ class SLAPlanner:
         # Beyond the window: a load that has risen over each of the last k start-ups is a trend, and the
         # pool grows now to the load projected to when replicas asked for now are warm. That is a bet
         # unless the load already needs more than the deployment had: it is paid from savings.
-        self.trend.observe((prefill_load, decode_load))
+        # A pool growing into a rise is not one balanced batch (its sequences stay where they
+        # joined while new replicas start empty), so a trend is projected at each replica's own swing.
+        own_decode_load, _ = self._decode_load(observed, None if stalled_need is not None else obs.decode_running, pooled=False)
+        self.trend.observe((prefill_load, own_decode_load))
         self._account(obs, pools)
         rising, unfunded = {}, []
         needs, whys = {"prefill": prefill_need, "decode": decode_need}, {"prefill": prefill_why, "decode": decode_why}
@@ -477,36 +482,44 @@ class SLAPlanner:
             stalled = prefill_load / n
             if stalled > prefill_cap or stalled >= 1:
                 continue
-            rate = self._decode_rate(config.itl_slo_s * (1 - stalled))
+            rate = self._decode_rate(config.itl_slo_s * (1 - stalled), n)
             if rate is not None and forecast.output_tokens_per_s / margin <= n * (1 - stalled) * rate[1]:
                 return n
         return config.max_decode + 1
 
-    def _decode_rate(self, itl_s: float) -> tuple[float, float] | None:
-        """(batch, tokens/s) of one decode replica whose corrected ITL stays under ``itl_s``: the
-        largest such batch less z * sqrt(batch) for a Poisson batch's swing. None when even one
-        sequence is slower."""
+    def _decode_rate(self, itl_s: float, replicas: int = 1) -> tuple[float, float] | None:
+        """(batch, tokens/s) of one of ``replicas`` decode replicas whose corrected ITL stays under
+        ``itl_s``: the largest such batch less its share of the pool's Poisson swing, z * sqrt(batch
+        / replicas) (the router joins each sequence to the smallest batch, so the pool's running
+        sequences swing as one Poisson count). None when even one sequence is slower."""
         perf, correction = self.perf_model, self.corrections["decode"]
         batch_at_slo = perf.largest_batch(itl_s / correction, self.config.max_decode_batch)
         if batch_at_slo == 0:
             return None
-        batch = max(1.0, ((-self._z + math.sqrt(self._z**2 + 4 * batch_at_slo)) / 2) ** 2)
+        z = self._z / math.sqrt(replicas) if self.config.decode_swing_pooled else self._z
+        batch = max(1.0, ((-z + math.sqrt(z**2 + 4 * batch_at_slo)) / 2) ** 2)
         return batch, batch / (correction * perf.itl_s(batch))
 
     def _decode_count(self, load: float) -> int:
         return self.config.max_decode + 1 if math.isinf(load) else max(1, math.ceil(load - 1e-9))
 
-    def _decode_load(self, forecast: LoadForecast, running: int | None = None) -> tuple[float, str]:
+    def _decode_load(self, forecast: LoadForecast, running: int | None = None, pooled: bool = True) -> tuple[float, str]:
         """(load in decode replicas, why); infinite when no batch meets the ITL SLO. The decoded
         tokens lag the sequences that have joined a batch (a long answer streams for minutes), so the
-        sequences running now, at one replica's batch, count when they are more."""
+        sequences running now, at one replica's batch, count when they are more. ``pooled``: each
+        replica keeps room for its share of the pool's swing (``decode_swing_pooled``), not its own."""
         rate = self._decode_rate(self.config.itl_slo_s)
         if rate is None:
             return math.inf, f"one sequence alone takes {self.corrections['decode'] * self.perf_model.itl_s(1):.3f} s per token"
-        batch, tokens_per_s = rate
-        load, why = forecast.output_tokens_per_s / tokens_per_s, f"{forecast.output_tokens_per_s:.0f} output tokens/s at {tokens_per_s:.0f} per replica (batch {batch:.0f})"
-        if running is not None and running / batch > load:
-            load, why = running / batch, f"{running} sequences running at a batch of {batch:.0f} per replica ({forecast.output_tokens_per_s:.0f} output tokens/s)"
+        for replicas in range(1, self.config.max_decode + 1):
+            # Each replica's share of the swing shrinks as the pool grows: the load is the one the
+            # fewest replicas that carry it see, at most that many replicas.
+            batch, tokens_per_s = self._decode_rate(self.config.itl_slo_s, replicas)
+            load, why = forecast.output_tokens_per_s / tokens_per_s, f"{forecast.output_tokens_per_s:.0f} output tokens/s at {tokens_per_s:.0f} per replica (batch {batch:.0f})"
+            if running is not None and running / batch > load:
+                load, why = running / batch, f"{running} sequences running at a batch of {batch:.0f} per replica ({forecast.output_tokens_per_s:.0f} output tokens/s)"
+            if load <= replicas or not (pooled and self.config.decode_swing_pooled):
+                break
         return load, why
 
     def _stabilised(self, pool: str, need_down: int, now_s: float) -> int:

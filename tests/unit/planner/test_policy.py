@@ -4,8 +4,10 @@ Prefill takes 0.1 ms a token (10,000 tokens/s a replica; a 1000-token prompt is 
 longest prompt one replica prefills within the 2 s TTFT SLO is 20,000 tokens). The prefill pool is
 an Erlang-C queue whose waits, over a 1.9 s slack of 19 service times, leave at most 5% of prompts
 late: prompt loads of 0.3, 1.0, 1.75, 2.125, 2.5 and 3 replicas need 1, 2, 2, 3, 3 and 4 of them.
-Decode ITL is 0.02 + 0.001 * (batch - 1) s: the largest batch under 0.1 s is 81, less
-1.645 * sqrt(batch) for its fluctuation is 67.5, so a replica makes 67.5 / 0.0865 = 780 tokens/s.
+Decode ITL is 0.02 + 0.001 * (batch - 1) s: the largest batch under 0.1 s is 81. A pool of n
+replicas keeps room for the swing of all its sequences, 1.645 * sqrt(n * batch), so each replica's
+batch is 81 less 1.645 * sqrt(batch / n): 67.5 alone (67.5 / 0.0865 = 780 tokens/s), 75.6 in a
+pool of 7 (799 tokens/s), 76.5 in a pool of 10 (801).
 
 Each interval's observed load is averaged over the last startup_s / interval_s intervals (two
 here, with ``startup_s=60``), turned into counts, and the pools are sized for the request-weighted
@@ -79,10 +81,24 @@ def test_long_outputs_grow_decode_only():
     p = planner()
     run(p, [5] * 6, (1, 1))
     # 5 req/s of 1000 output tokens, the first of each out of its prefill: 4,995 decoded tokens/s over
-    # 780 -> 7; the first interval, averaged with the 245 tokens/s before, is 2,620 / 780 -> 4.
+    # 799 -> 7; the first interval, averaged with the 245 tokens/s before, is 2,620 / 796 -> 4.
     longer = run(p, [5] * 3, (1, 1), start_s=210, output_tokens=1000)
     assert [dict(d.targets) for d in longer] == [{"prefill": 1, "decode": 4}, {"prefill": 1, "decode": 7}, {"prefill": 1, "decode": 7}]
-    assert longer[1].reasons["decode"].startswith("up to 7 for 4995 output tokens/s at 780 per replica")
+    assert longer[1].reasons["decode"].startswith("up to 7 for 4995 output tokens/s at 799 per replica (batch 76)")
+
+
+def test_the_decode_pool_keeps_room_for_its_sequences_swing_together_not_each_its_own():
+    """5,550 decoded tokens/s (5 req/s of 1,111 tokens): 7.1 replicas at the 780 tokens/s of a
+    replica keeping room for its own swing, but 6.95 in a pool of 7 (799 each), which the router
+    balances as one batch (each sequence joins the smallest): 7 replicas, not 8."""
+    batch, rate = planner()._decode_rate(0.1, 7)
+    assert batch + 1.6448536 * math.sqrt(batch / 7) == pytest.approx(81, abs=1e-4)
+    targets = {}
+    for pooled in (True, False):
+        decision = planner(decode_swing_pooled=pooled, **ALONE).decide(observe(30, 5, output_tokens=1111), pools(1, 1))
+        targets[pooled] = decision.targets["decode"]
+    assert targets == {True: 7, False: 8} and 5550 / rate < 7 < 5550 / planner()._decode_rate(0.1)[1]
+    assert decision.reasons["decode"].startswith("up to 8 for 5550 output tokens/s at 780 per replica (batch 67)")
 
 
 def test_first_tokens_come_out_of_prefill_and_are_no_decode_load():
@@ -96,9 +112,10 @@ def test_first_tokens_come_out_of_prefill_and_are_no_decode_load():
 
 def test_an_itl_over_the_slo_for_a_start_up_sizes_decode_for_the_interval_not_its_average():
     """Output rises to 1000 tokens a request, then 2000: averaged with the interval before, the two
-    intervals need 4 and 10 decode replicas ((245 + 4,995) / 2 / 780 and (4,995 + 9,995) / 2 / 780).
+    intervals need 4 and 10 decode replicas ((245 + 4,995) / 2 / 796 and (4,995 + 9,995) / 2 / 801).
     An ITL p90 over the SLO in both (each interval of a 60 s start-up) means the batch has been over
-    what it allows for as long as a replica takes to start: the second gets the 13 its own load needs.
+    what it allows for as long as a replica takes to start: the second gets the 13 its own load needs
+    (9,995 / 802).
     Over in one interval only, or in two with a good one between, is a burst the pool rides out."""
     plans = {name: planner() for name in ("calm", "late", "once", "broken")}
     for p in plans.values():
@@ -111,18 +128,18 @@ def test_an_itl_over_the_slo_for_a_start_up_sizes_decode_for_the_interval_not_it
         last[name] = p.decide(observe(240, 5, output_tokens=2000, itl_s_p90=itl[name][1]), pools(1, 4))
     assert {name: d.targets["decode"] for name, d in last.items()} == {"calm": 10, "late": 13, "once": 10, "broken": 10}
     assert "the ITL p90 0.150 s is over the SLO, 2 intervals running" in last["late"].reasons["decode"]
-    # Then 2400 tokens a request, over the SLO again: 15 on the average, 16 on its own load. The good
+    # Then 2400 tokens a request, over the SLO again: 14 on the average, 15 on its own load. The good
     # interval between restarted the count, so "broken" is not chased; "late" is, three running.
     third = {name: plans[name].decide(observe(270, 5, output_tokens=2400, itl_s_p90=0.15), pools(1, last[name].targets["decode"])) for name in ("late", "broken")}
-    assert {name: d.targets["decode"] for name, d in third.items()} == {"late": 16, "broken": 15}
+    assert {name: d.targets["decode"] for name, d in third.items()} == {"late": 15, "broken": 14}
 
 
 def test_a_stalled_batch_grows_decode_now_but_is_not_remembered_as_load():
     """700 sequences in the decode batch at 210 s, 300 of them streaming 400 tokens a second. As
-    load (no prompts queued on the decode replicas), they need 6 replicas averaged over the
-    start-up, and the 600 s window holds 6 until they leave it at 810 s. Piled up behind batches
+    load (no prompts queued on the decode replicas), they need 5 replicas averaged over the
+    start-up, and the 600 s window holds 5 until they leave it at 810 s. Piled up behind batches
     stalled while their replicas prefill a queue of their own prompts, they are a backlog: the pool
-    grows to the 11 they need now, and once the cooldown and warm-up allow, goes back to the 1 the
+    grows to the 10 they need now (700 at a batch of 76.5), and once the cooldown and warm-up allow, goes back to the 1 the
     window's load needs."""
     targets = {}
     for name, queued in (("stalled", 50_000), ("load", 0)):
@@ -135,9 +152,9 @@ def test_a_stalled_batch_grows_decode_now_but_is_not_remembered_as_load():
             assert first.reasons["decode"].endswith("; 700 sequences in a stalled batch")
     times = [210] + list(range(240, 840, 30))
     at = lambda name, t: targets[name][times.index(t)]  # noqa: E731
-    assert (at("stalled", 210), at("load", 210)) == (11, 6)
-    assert (at("stalled", 600), at("load", 600)) == (1, 6)  # the warm-up (600 s) over: the backlog is not held
-    assert at("load", 780) == 6 and at("load", 810) == 1  # the load is, for the window
+    assert (at("stalled", 210), at("load", 210)) == (10, 5)
+    assert (at("stalled", 600), at("load", 600)) == (1, 5)  # the warm-up (600 s) over: the backlog is not held
+    assert at("load", 780) == 5 and at("load", 810) == 1  # the load is, for the window
 
 
 def test_a_burst_shorter_than_a_start_up_is_averaged_down_and_not_chased():
@@ -529,6 +546,19 @@ def test_a_load_rising_over_each_of_four_start_ups_grows_the_pool_to_its_project
     assert last.reasons["prefill"].endswith("rising over each of the last 4 start-ups, 6 for the load a start-up and half an interval ahead")
 
 
+def test_a_decode_trend_is_projected_at_each_replicas_own_swing():
+    """Decoded tokens rise 800 a second each interval, to 8,000: start-up means of 1,200 to 7,600,
+    1.54 to 9.74 replicas at the 780 tokens/s of a replica keeping room for its own swing, projected
+    to 9.74 + 8.2 / 4 x 1.75 = 13.3 -> 14. A pool growing into a rise is not one balanced batch (its
+    sequences stay where they joined), so the pooled swing (13.0 -> 13) does not size the bet."""
+    p = planner()
+    run(p, [5] * 10, (1, 1), output_tokens=1, prompt_tokens=10)
+    decisions = [p.decide(observe(330 + 30 * i, 5, output_tokens=1 + 160 * (i + 1), prompt_tokens=10), pools(1, 1)) for i in range(10)]
+    own = [(1200 + 1600 * i) / p._decode_rate(0.1)[1] for i in range(5)]
+    assert decisions[-1].targets["decode"] == math.ceil(own[-1] + (own[-1] - own[0]) / 4 * 1.75) == 14
+    assert decisions[-1].reasons["decode"].endswith("rising over each of the last 4 start-ups, 14 for the load a start-up and half an interval ahead")
+
+
 def test_a_trend_the_deployment_still_carries_is_bet_on_only_with_the_replicas_saved_below_it():
     """The same ramp over a deployment of 4: its load (3.8 replicas at 300 s) needs no more than the 4
     the planner started over, so the projection's 6 is a bet. The pools have spent nothing below the
@@ -587,12 +617,12 @@ def test_rise_start_ups_is_derived_from_the_window_and_the_miss_share_or_set():
 def test_sequences_running_count_as_decode_load_before_their_tokens_have_streamed():
     """Long answers that have just joined the batch stream few tokens in their first interval; the
     sequences running say how many decode replicas they need: a replica's batch is 81 at the 0.1 s
-    SLO, 67 less 1.645 * sqrt(67) for the swing; 300 running are 4.5 replicas, averaged with the
-    interval before over the start-up, 3."""
+    SLO, 74.6 in a pool of 5 (less 1.645 * sqrt(74.6 / 5) for its share of the swing); 300 running
+    are 4.02 replicas, averaged with the interval before over the start-up, 3."""
     streamed_only, with_running = planner(), planner()
     for p in (streamed_only, with_running):
         run(p, [5] * 6, (1, 1))
     assert streamed_only.decide(observe(210, 5), pools(1, 1)).targets["decode"] == 1
     decision = with_running.decide(observe(210, 5, decode_running=300), pools(1, 1))
     assert decision.targets["decode"] == 3
-    assert decision.reasons["decode"].startswith("up to 3 for 300 sequences running at a batch of 67 per replica")
+    assert decision.reasons["decode"].startswith("up to 3 for 300 sequences running at a batch of 75 per replica")
