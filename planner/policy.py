@@ -39,7 +39,8 @@ replica's token rate; a trend is projected at each replica's own swing, z * sqrt
 load is the decoded tokens (streamed, less each request's first, which its prefill makes) over that
 rate, or the running sequences over that batch when more (but sequences piled up behind batches
 stalled by their replicas' own prefills are a backlog: the pool grows for them now, and the window
-takes the decoded tokens).
+takes the decoded tokens). Prompts queued behind a prefill backlog are sequences on their way: the
+decode pool grows now for them and the running ones, outside the window.
 When the prompt load is under ``prefill_zero_load`` replicas the prefill pool may go to zero and
 that load is added to the decode pool's; a pool at zero stays so while the decode replicas, each
 prefilling its share, carry it all. With ``aggregate_when_cheaper`` it also goes to zero
@@ -193,7 +194,8 @@ class SLAPlanner:
         # clear the backlog within a start-up and an interval.
         backlog_s = obs.queued_prefill_tokens * self._seconds_per_token
         slack_s = config.ttft_slo_s - self._corrected_prefill_s()
-        if prefill_need > 0 and backlog_s > slack_s * max(1, pools["prefill"].ready):
+        prefill_behind = backlog_s > slack_s * max(1, pools["prefill"].ready)
+        if prefill_need > 0 and prefill_behind:
             clearing = self._prefill_count(max(prefill_load, smooth_prefill) + backlog_s / (config.startup_s + config.interval_s), prefill_cap)
             if clearing > prefill_need:
                 prefill_need, prefill_why = clearing, f"{prefill_why}; {obs.queued_prefill_tokens} tokens queued"
@@ -207,6 +209,16 @@ class SLAPlanner:
             now_need = self._decode_count(decode_load + (prefill_load if prefill_need == 0 else 0.0))
             if now_need > decode_need:
                 decode_need, decode_why = now_need, f"{decode_why}; the ITL p90 {obs.itl_s_p90:.3f} s is over the SLO, {self._itl_over_intervals} intervals running"
+        # Prompts queued behind that backlog are sequences on their way to the decode pool, which sees
+        # them only once prefilled: it grows now for them and the running ones, so that its replicas
+        # are warm when the backlog clears (prompts queued on decode replicas are the stalled batch's).
+        coming = obs.queued_prefill_tokens - obs.decode_queued_prefill_tokens
+        if prefill_behind and obs.decode_running is not None and obs.num_prompt_tokens > 0 and coming > 0:
+            coming_requests = round(coming * obs.num_requests / obs.num_prompt_tokens)
+            ahead_load, _ = self._decode_load(LoadForecast(0.0, 0.0, 0.0), obs.decode_running + coming_requests)
+            now_need = self._decode_count(ahead_load)
+            if now_need > decode_need:
+                decode_need, decode_why = now_need, f"{decode_why}; {obs.decode_running} sequences running and {coming_requests} prompts queued for prefill behind its backlog"
         if stalled_need is not None:
             now_need = self._decode_count(stalled_need)
             if now_need > decode_need:

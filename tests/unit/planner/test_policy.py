@@ -157,6 +157,24 @@ def test_a_stalled_batch_grows_decode_now_but_is_not_remembered_as_load():
     assert at("load", 780) == 5 and at("load", 810) == 1  # the load is, for the window
 
 
+def test_prompts_queued_behind_a_prefill_backlog_grow_decode_for_the_sequences_they_will_be():
+    """300,000 prompt tokens queued at one prefill replica (30 s of its work, past the 1.9 s slack):
+    300 prompts of 1,000 tokens on their way to the decode pool, which has 130 sequences running.
+    The 430 need 6 replicas (430 / 75.2 a replica in a pool of 6); the 130 alone, 2 (130 / 71.2).
+    Without a backlog (18 prompts queued are 1.8 s of work: 148 sequences would need 3), and for
+    prompts queued on the decode replicas themselves (a stalled batch's, the prefill pool empty),
+    only the running ones count."""
+    def decode_target(**fields):
+        return planner(**ALONE).decide(observe(30, 5, decode_running=130, **fields), pools(1, 1))
+    behind = decode_target(queued_prefill_tokens=300_000)
+    assert behind.targets["decode"] == 6
+    assert behind.reasons["decode"].endswith("; 130 sequences running and 300 prompts queued for prefill behind its backlog")
+    assert decode_target(queued_prefill_tokens=18_000).targets["decode"] == 2
+    assert decode_target().targets["decode"] == 2
+    on_decode = decode_target(queued_prefill_tokens=300_000, decode_queued_prefill_tokens=300_000)
+    assert on_decode.targets["decode"] == 2 and "prompts queued for prefill" not in on_decode.reasons["decode"]
+
+
 def test_a_burst_shorter_than_a_start_up_is_averaged_down_and_not_chased():
     p = planner()
     run(p, [5] * 6, (1, 1))
