@@ -225,14 +225,31 @@ def generate_bursts(seed: int, burst_s: float, duration_s: float = 3600.0, base_
 
 
 def generate_code_spells(
-    seed: int, duration_s: float = 3420.0, gap_s: tuple[float, float] = (120, 360), prompt_sigma: float = 0.7, output_median: float = 30.0
+    seed: int,
+    duration_s: float = 3420.0,
+    gap_s: tuple[float, float] = (120, 360),
+    prompt_sigma: float = 0.7,
+    output_median: float = 30.0,
+    quiet_rate: float = 1.0,
 ) -> list[Arrival]:
-    """Bursts of 10-17 req/s lasting 60-120 s between quiet spells of about 1 req/s lasting ``gap_s``
-    (2-6 minutes); prompts lognormal around 1.5k tokens (``prompt_sigma``), at most 7.4k; short outputs."""
+    """Bursts of 10-17 req/s lasting 60-120 s between quiet spells of ``quiet_rate`` (about 1 req/s)
+    lasting ``gap_s`` (2-6 minutes); prompts lognormal around 1.5k tokens (``prompt_sigma``), at most
+    7.4k; short outputs."""
     rng = random.Random(seed)
     spells = [(a, b, rng.uniform(10, 17)) for a, b in _spells(rng, duration_s, (60, 120), gap_s)]
-    rate = lambda t: next((r for a, b, r in spells if a <= t < b), 1.0)  # noqa: E731
+    rate = lambda t: next((r for a, b, r in spells if a <= t < b), quiet_rate)  # noqa: E731
     return generate_poisson(seed + 1, rate, 17.0, duration_s, lambda r: _lognormal(r, 1500, prompt_sigma, 7400), output_median=output_median)
+
+
+def generate_drifting(seed: int, duration_s: float, rate: float, prompt_median: Callable[[float], float], output_median: Callable[[float], float]) -> list[Arrival]:
+    """Steady Poisson arrivals at ``rate`` whose prompt and answer lengths are lognormal (sigma 0.8)
+    around medians that change with the arrival time: the load moves with the lengths, not the rate."""
+    rng, out, now = random.Random(seed), [], 0.0
+    while True:
+        now += rng.expovariate(rate)
+        if now >= duration_s:
+            return out
+        out.append(Arrival(now, _lognormal(rng, prompt_median(now), 0.8, 16000), _lognormal(rng, output_median(now), 0.8, 4000)))
 
 
 def generate_heavy_tail(seed: int, duration_s: float = 3600.0, rate: float = 3.0, alpha: float = 1.3, low: int = 400) -> list[Arrival]:
@@ -328,6 +345,16 @@ def outside_set(startup_s: float = 60.0, seed_offset: int = 0) -> dict[str, Call
         "code_like": lambda: generate_code_spells(304 + k, 3600.0, gap_s=(120, 300), prompt_sigma=1.0, output_median=200.0),
         # About 4 req/s, the rate redrawn every minute (lognormal, sigma 0.35), for 90 minutes.
         "noisy_steady": lambda: noisy_steady(305 + k),
+        # Added 2026-11-29 (fourth session), drawn before any replay of them.
+        # The issue's code trace by its own figures (8,819 requests in 57 minutes, about 2.6 req/s):
+        # 1-2 minute bursts of 10-17 req/s between 4-8 quiet minutes at 0.3 req/s.
+        "code_sparse": lambda: generate_code_spells(401 + k, 3420.0, gap_s=(240, 480), quiet_rate=0.3),
+        # 2 req/s with a 90-second spike to 16 every 20 minutes: spikes shorter than two start-ups.
+        "spikes": lambda: generate_poisson(402 + k, lambda t: 16.0 if t % 1200 >= 1110 else 2.0, 16.0, 3600.0, prompt),
+        # A steady 4 req/s whose prompts' median grows from 600 to 3,000 tokens over the hour.
+        "prompt_drift": lambda: generate_drifting(403 + k, 3600.0, 4.0, lambda t: 600 + 2400 * t / 3600, lambda t: 200),
+        # 3 req/s whose answers run 1,500 tokens (median) for five minutes in every fifteen, 150 between.
+        "answer_bursts": lambda: generate_drifting(404 + k, 3600.0, 3.0, lambda t: 1000, lambda t: 1500 if t % 900 < 300 else 150),
     }
 
 

@@ -105,6 +105,17 @@ def test_the_outside_set_keeps_its_shapes_and_replays_apart_from_the_development
     assert max(per_minute) > 9 and sorted(per_minute)[20] < 2 and max(a.prompt_tokens for a in code) <= 7400
     noisy = [_rate(outside["noisy_steady"](), m * 60, m * 60 + 60) for m in range(90)]
     assert 3 < sum(noisy) / 90 < 5.5 and min(noisy) < 2.5 < 6 < max(noisy)
+    sparse = outside["code_sparse"]()  # the code trace's figures: about 2.6 req/s over 57 minutes
+    assert 2.0 < len(sparse) / 3420 < 3.5 and max(_rate(sparse, m * 60, m * 60 + 60) for m in range(57)) > 9
+    spikes = outside["spikes"]()
+    assert _rate(spikes, 1110, 1200) > 12 and _rate(spikes, 0, 1110) < 2.5
+    drift = outside["prompt_drift"]()
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    early, late = (median([a.prompt_tokens for a in drift if lo <= a.time_s < lo + 600]) for lo in (0, 3000))
+    assert early < 1000 < 2000 < late and 3.5 < _rate(drift, 0, 3600) < 4.5
+    answers = outside["answer_bursts"]()
+    long_, short = (median([a.output_tokens for a in answers if (a.time_s % 900 < 300) == flag]) for flag in (True, False))
+    assert long_ > 1000 > 300 > short
     out = tmp_path / "outside.json"
     assert planner_devset.main(["--set", "outside", "--traces", "trickle", "--policies", "splitserve", "--jobs", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
