@@ -31,7 +31,9 @@ both pools shrink to what the load outside it needs.
 Prefill: the fewest replicas sharing one queue (the router picks the least queued) whose Erlang-C
 wait tail keeps ``1 - attainment_target`` of prompts over the TTFT SLO, waits scaled by (1 + cv^2) / 2
 of the prompts' prefill times and by the correction c_p (observed mean TTFT over the model's). A
-prompt whose prefill alone exceeds the SLO is counted apart and never drives the pool to max.
+prompt whose prefill alone exceeds the SLO is counted apart and never drives the pool to max: the
+mean prompt and its spread are the others', and its work counts in the load (it holds a replica the
+others would wait for) only while the others are load enough for a prefill replica.
 Decode: the largest batch whose corrected ITL meets the SLO, less each replica's share of the
 pool's Poisson swing (z * sqrt(batch / n) for n replicas, z at the attainment target: the router
 joins each sequence to the smallest batch, so the pool's sequences swing as one count), sets one
@@ -121,6 +123,7 @@ class SLAPlanner:
         if self._level_s is None:
             self._level_s = (derived_start_ups + 3) * intervals_per_start_up * config.interval_s
         self._z = NormalDist().inv_cdf(config.attainment_target)
+        self._feasible_work = 1.0  # the share of the last interval's prefill seconds that were feasible prompts'
 
     def decide(self, observation: Observation, pools: Mapping[str, PoolReplicas]) -> Decision:
         """Targets for every pool in ``POOLS`` (``pools`` must hold them all)."""
@@ -242,8 +245,8 @@ class SLAPlanner:
                     prefill_need = prefill_need_down = pools["prefill"].target
                     prefill_why = f"{prefill_why}: kept until {alone} decode replicas are ready to prefill it themselves"
         decode = pools["decode"]
-        if obs.kv_usage is not None and obs.kv_usage > config.kv_usage_high:
-            decode_need = max(decode_need, decode.ready + 1)
+        if obs.kv_usage is not None and obs.kv_usage > config.kv_usage_high and decode.ready + 1 > decode_need:
+            decode_need, decode_why = decode.ready + 1, f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}"
 
         targets, reasons, infeasible = {}, {}, []
         missing = {"prefill": (obs.ttft_s_p90 or 0.0) > config.ttft_slo_s, "decode": (obs.itl_s_p90 or 0.0) > config.itl_slo_s}
@@ -299,7 +302,7 @@ class SLAPlanner:
             return 0
         self._measured = True
         longest = perf.longest_prompt(self.config.ttft_slo_s / self.corrections["prefill"])
-        infeasible, seconds, tokens, lower = 0, 0.0, 0.0, 0.0
+        infeasible, infeasible_s, seconds, tokens, lower = 0, 0.0, 0.0, 0.0, 0.0
         feasible = [0, 0.0, 0.0, 0.0]  # requests, tokens, seconds, seconds squared
         for upper, count in obs.prompt_length_counts:
             if count:
@@ -307,10 +310,11 @@ class SLAPlanner:
                 service_s = perf.prefill_s(middle)
                 seconds, tokens = seconds + count * service_s, tokens + count * middle
                 if lower >= longest:
-                    infeasible += count
+                    infeasible, infeasible_s = infeasible + count, infeasible_s + count * service_s
                 else:
                     feasible = [feasible[0] + count, feasible[1] + count * middle, feasible[2] + count * service_s, feasible[3] + count * service_s**2]
             lower = upper
+        self._feasible_work = 1.0 - infeasible_s / seconds if seconds else 1.0
         if tokens:  # bucket middles, scaled to the interval's true token count
             self._seconds_per_token += alpha * (seconds / tokens - self._seconds_per_token)
             feasible_tokens = feasible[1] * obs.num_prompt_tokens / tokens
@@ -460,6 +464,12 @@ class SLAPlanner:
         wait_scale_s = self._corrected_prefill_s()
         replicas = load.prompt_tokens_per_s * self._seconds_per_token
         why = f"{load.prompt_tokens_per_s:.0f} prompt tokens/s, {prompt_tokens:.0f} a prompt at {service_s:.3f} s each"
+        # Prompts no replica prefills within the SLO hold replicas the others would wait for, so their
+        # work counts while there are others to keep waiting: with next to none, it is left out.
+        feasible = replicas * self._feasible_work
+        if feasible < config.prefill_zero_load < replicas:
+            why = f"{why}; {replicas - feasible:.1f} replicas of it prompts no replica prefills within the TTFT SLO, left out: the others are {feasible:.2f}"
+            replicas = feasible
         if wait_scale_s >= config.ttft_slo_s:
             return replicas, 0.0, why
         low, high, tail = 0.0, 1.0, 1 - config.attainment_target

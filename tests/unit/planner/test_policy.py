@@ -403,6 +403,27 @@ def test_prompts_too_long_for_the_slo_are_counted_apart_and_do_not_drive_prefill
     assert quiet.infeasible_requests == 0 and "TTFT SLO" not in quiet.reasons["prefill"]
 
 
+def test_prompts_too_long_for_the_slo_count_in_the_load_only_beside_prompts_to_keep_from_waiting():
+    def observed(t, short, long):  # per interval: short prompts of 1000 tokens, long ones of 30,000 (3 s each)
+        buckets = ((512.0, 0), (1024.0, short), (20000.0, 0), (40000.0, long), (math.inf, 0))
+        return Observation(t, INTERVAL_S, short + long, short * 1000 + long * 30000, (short + long) * 10, prompt_length_counts=buckets)
+
+    # Only long prompts, 4 a second: 12 replicas of prefill work, every second of it late whatever the
+    # count. Nothing else waits behind them, so their work is left out and never grows the pool.
+    p = planner(max_prefill=8)
+    for t in (30, 60, 90, 120):
+        decision = p.decide(observed(t, 0, 120), pools(1, 1))
+        assert decision.needed["prefill"] == 0 and decision.targets["prefill"] == 1  # held by the warm-up, not grown
+        assert decision.infeasible == () and decision.infeasible_requests == 120
+    # Beside 10 short prompts a second (one replica of load, 2 replicas alone), one long prompt a second
+    # holds about 3 replicas the short ones would otherwise wait for: its work counts.
+    p = planner(max_prefill=8)
+    for t in (30, 60, 90):
+        decision = p.decide(observed(t, 300, 30), pools(1, 1))
+    assert decision.targets["prefill"] >= 5 and decision.infeasible_requests == 30
+    assert "left out" not in decision.reasons["prefill"]
+
+
 def test_a_load_above_max_over_the_window_holds_at_max_and_is_flagged():
     p = planner(max_prefill=2, min_decode=2)
     for decision in run(p, [30] * 5, (1, 1)):  # 3 replicas of prompt load need 4
