@@ -59,6 +59,12 @@ class PlannerConfig:
     k + 3 start-ups, the trend test's span (k + 1, k as ``rise_start_ups`` derives it) and the two
     start-ups the load must stay within (7 minutes with the defaults; 5 lost a bursty trace
     attainment, planner/EXPERIMENTS.md); ``math.inf``: never, the window alone."""
+    idle_hold_s: float = 3600.0
+    """Intervals with no request at all are no evidence that the load before them is gone: for this
+    long an idle stretch does not age the window (nor count towards the warm-up), so the pools keep
+    what the traffic before it needed, and a deployment that starts idle keeps what it was deployed
+    with. Past it the deployment is taken as unused and the window ages again (the pools go to
+    their minimum a window later). 0: idle time ages the window like any other."""
     scale_down_margin: float = 0.8
     """Hysteresis of the prefill pool: it shrinks only to a count that would carry the load at this
     share of its capacity (its Erlang-C count is optimistic for heavy-tailed prompts; at 0.9 or 1
@@ -107,8 +113,8 @@ class PlannerConfig:
             raise ValueError(f"min_prefill and max_prefill must satisfy 0 <= min <= max and max >= 1, got {self.min_prefill} and {self.max_prefill}.")
         if not 1 <= self.min_decode <= self.max_decode:
             raise ValueError(f"min_decode and max_decode must satisfy 1 <= min <= max, got {self.min_decode} and {self.max_decode}.")
-        for name in ("scale_down_cooldown_s", "scale_down_window_s"):
-            if getattr(self, name) < 0:
+        for name in ("scale_down_cooldown_s", "scale_down_window_s", "idle_hold_s"):
+            if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}.")
         for name in ("scale_down_margin", "decode_scale_down_margin", "correction_smoothing", "predictor_alpha"):
             if not 0 < getattr(self, name) <= 1:

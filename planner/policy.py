@@ -98,9 +98,12 @@ class SLAPlanner:
         derived_s = round(max(4 * config.interval_s, (config.startup_s + config.interval_s) / (1 - self._quantile)), 6)
         self._window_s = config.base_window_s if config.base_window_s is not None else derived_s
         self._warmup_s = min(self._window_s, derived_s)  # no pool shrinks before this much is observed
-        self._window: deque[tuple[float, float, dict[str, int]]] = deque()
+        self._window: deque[tuple[float, float, float, dict[str, int]]] = deque()  # (time, aged, requests, counts)
+        # The window's own clock: the seconds observed that age it. An idle interval (no request at
+        # all) does not, until the idle stretch has lasted ``idle_hold_s``.
+        self._aged_s = 0.0
+        self._idle_s = 0.0
         self._seconds_per_token = perf_model.prefill_s(self._prompt_tokens) / self._prompt_tokens
-        self._first_s: float | None = None
         self._spread = 1.0
         self._measured = False
         intervals_per_start_up = max(1, math.ceil(config.startup_s / config.interval_s - 1e-9))
@@ -128,8 +131,9 @@ class SLAPlanner:
     def decide(self, observation: Observation, pools: Mapping[str, PoolReplicas]) -> Decision:
         """Targets for every pool in ``POOLS`` (``pools`` must hold them all)."""
         obs, config = observation, self.config
-        if self._first_s is None:
-            self._first_s = obs.time_s - obs.duration_s
+        self._idle_s = 0.0 if obs.num_requests else self._idle_s + obs.duration_s
+        if not 0 < self._idle_s <= config.idle_hold_s:
+            self._aged_s += obs.duration_s
         # Each request's first token comes out of its prefill: the decode pool makes the rest.
         decoded = max(0, obs.num_output_tokens - obs.num_requests)
         observed = LoadForecast(obs.num_requests / obs.duration_s, obs.num_prompt_tokens / obs.duration_s, decoded / obs.duration_s)
@@ -154,7 +158,8 @@ class SLAPlanner:
         smooth_decode = sum(d for _, d in self._loads) / len(self._loads)
         counts = self._interval_counts(smooth_prefill, prefill_cap, smooth_decode, observed)
         self._window_add(obs.time_s, counts, obs.num_requests)
-        released = self._release_levels(obs.time_s, counts)
+        idle_held = 0 < self._idle_s <= config.idle_hold_s
+        released = {} if idle_held else self._release_levels(obs.time_s, counts)  # nor is it the load back within a level
         base = self._window_quantiles()
         prefill_need, prefill_need_down, decode_need, decode_need_down = (base[k] for k in ("prefill", "prefill_down", "decode", "decode_down"))
         if "prefill" in released:
@@ -163,6 +168,9 @@ class SLAPlanner:
             decode_why = f"{decode_why}; {released['decode']}"
         if prefill_need > counts["prefill"]:
             prefill_why = f"{prefill_why}; the window's {self._quantile:g} quantile needs {prefill_need}"
+        if idle_held:
+            idle = f"; no request for {self._idle_s:.0f} s: the window keeps the traffic before it for up to {config.idle_hold_s:g} s idle"
+            prefill_why, decode_why = prefill_why + idle, decode_why + idle
         if decode_need > counts["decode"]:
             decode_why = f"{decode_why}; the window's {self._quantile:g} quantile needs {decode_need}"
         # Beyond the window: a load that has risen over each of the last k start-ups is a trend, and the
@@ -345,8 +353,8 @@ class SLAPlanner:
     def _window_add(self, now_s: float, counts: dict[str, int], weight: int) -> None:
         """Adds one interval's counts to the window and drops those older than ``window_s``."""
         window = self._window
-        window.append((now_s, max(weight, 1e-6), counts))
-        while window[0][0] <= now_s - self._window_s:
+        window.append((now_s, self._aged_s, max(weight, 1e-6), counts))
+        while window[0][1] <= self._aged_s - self._window_s:
             window.popleft()
 
     def _release_levels(self, now_s: float, counts: dict[str, int]) -> dict[str, str]:
@@ -397,7 +405,7 @@ class SLAPlanner:
         ends with, began: the interval after the last two start-ups whose load they carried (``now_s``
         when the window ends with such a stretch; the window's first interval when it holds none)."""
         newer_s, after_stretch_s, within = now_s, now_s, 0
-        for time_s, _, counts in reversed(self._window):
+        for time_s, _, _, counts in reversed(self._window):
             if counts[f"{pool}_down"] <= before:
                 if not within:
                     after_stretch_s = newer_s
@@ -413,11 +421,11 @@ class SLAPlanner:
         """Each count's quantile over the intervals of the last ``window_s``, each weighted by its
         requests (attainment is counted in requests, and a busy interval holds more of them)."""
         window = self._window
-        total = sum(w for _, w, _ in window)
+        total = sum(w for _, _, w, _ in window)
         out = {}
-        for key in window[-1][2]:
+        for key in window[-1][3]:
             seen = 0.0
-            for count, w in sorted((c[key], w) for _, w, c in window):
+            for count, w in sorted((c[key], w) for _, _, w, c in window):
                 seen += w
                 if seen >= self._quantile * total - 1e-9:
                     out[key] = count
@@ -564,8 +572,8 @@ class SLAPlanner:
             reason = f"no count up to {high} meets the SLO for {why}: holding at max {high}"
         elif need > current:
             target, reason = need, f"up to {need} for {why}"
-        elif need_down < current and now_s - self._first_s < self._warmup_s:
-            reason = f"holding at {current}: {now_s - self._first_s:.0f} s of the {self._warmup_s:.0f} s window observed, too few to shrink on"
+        elif need_down < current and self._aged_s < self._warmup_s:
+            reason = f"holding at {current}: {self._aged_s:.0f} s of the {self._warmup_s:.0f} s window observed, too few to shrink on"
         elif need_down < current and replicas.starting:
             reason = f"holding at {current}: {replicas.starting} replicas still starting"
         elif need_down < current and missing_slo:

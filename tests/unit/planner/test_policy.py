@@ -424,6 +424,28 @@ def test_prompts_too_long_for_the_slo_count_in_the_load_only_beside_prompts_to_k
     assert "left out" not in decision.reasons["prefill"]
 
 
+def test_an_idle_stretch_keeps_what_the_traffic_before_it_needed_for_idle_hold_s():
+    # 3 replicas of prompt load need 4; then no request at all for 40 minutes, eight windows of 300 s.
+    def idle_after_burst(**fields):
+        p = planner(base_window_s=300, scale_down_cooldown_s=0, **fields)
+        assert prefill_targets(run(p, [30] * 12, (1, 1), output_tokens=10))[-1] == 4
+        return run(p, [0] * 80, (4, 1), start_s=390)
+
+    held = idle_after_burst()  # the default holds an hour of idleness
+    assert prefill_targets(held) == [4] * 80
+    assert held[-1].reasons["prefill"].endswith("no request for 2400 s: the window keeps the traffic before it for up to 3600 s idle")
+    aged = idle_after_burst(idle_hold_s=0)  # idle time ages the window: it forgets the burst a window later
+    assert prefill_targets(aged)[-1] == 0 and 4 not in prefill_targets(aged)[12:]
+    later = idle_after_burst(idle_hold_s=600)  # held for 600 s idle, then aged as any other time
+    assert prefill_targets(later)[:20] == [4] * 20 and prefill_targets(later)[-1] == 0
+
+
+def test_a_deployment_that_starts_idle_keeps_its_pools_until_traffic_has_been_observed():
+    # No request for 20 minutes: the warm-up (a 300 s window here) counts only observed traffic.
+    assert set(prefill_targets(run(planner(base_window_s=300), [0] * 40, (3, 2)))) == {3}
+    assert prefill_targets(run(planner(base_window_s=300, idle_hold_s=0), [0] * 40, (3, 2)))[-1] == 0
+
+
 def test_a_load_above_max_over_the_window_holds_at_max_and_is_flagged():
     p = planner(max_prefill=2, min_decode=2)
     for decision in run(p, [30] * 5, (1, 1)):  # 3 replicas of prompt load need 4
