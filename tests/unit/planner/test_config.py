@@ -23,6 +23,8 @@ def test_defaults_are_valid():
     ({"prefill_zero_load": 1.0}, "prefill_zero_load must be in [0, 1) prefill replicas, got 1.0."),
     ({"correction_min": 1.2}, "correction_min and correction_max must satisfy 0 < min <= 1 <= max, got 1.2 and 2.0."),
     ({"startup_s": -5}, "startup_s must be 0 or more, got -5."),
+    ({"idle_hold_s": -1}, "idle_hold_s must be 0 or more, got -1."),
+    ({"scale_down_cooldown_s": float("nan")}, "scale_down_cooldown_s must be 0 or more, got nan."),
 ])
 def test_refusals(fields, message):
     with pytest.raises(ValueError) as e:
