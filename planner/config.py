@@ -51,6 +51,12 @@ class PlannerConfig:
     deployment, less those earlier bets held, pay for it (the replicas it adds, for a start-up and an
     interval). A planner is then never above its deployment on a guess it has not saved for. Off:
     every trend is bet on (a few percent more replica-hours on steady traffic, planner/README)."""
+    burst_memory_above_deployment: bool = False
+    """Let the window's memory of a burst hold a pool above the deployment (its target at the
+    planner's first decision, what the SRE chose for this traffic) for the whole window, and the
+    warm-up hold what the planner grew above it. Off: above the deployment a pool holds only what the
+    last two start-ups needed (a burst's recurrence is a guess; the deployment is the bar), and the
+    warm-up holds the deployment's count, not growth above it (planner/README)."""
     release_level_after_s: float | None = None
     """A level of load a pool grew for and that held at least this long is a shift, not a burst:
     once the load has stayed within the count the pool had before for two start-ups, the window

@@ -122,6 +122,7 @@ class SLAPlanner:
         self._levels: dict[str, list[_Level]] = {pool: [] for pool in POOLS}  # outermost first
         self._steady = {pool: 0 for pool in POOLS}  # intervals in a row whose load the pool's target carries
         self._within_needed = 2 * intervals_per_start_up
+        self._recent: deque[dict[str, int]] = deque(maxlen=self._within_needed)  # the last two start-ups' counts
         self._level_s = config.release_level_after_s
         if self._level_s is None:
             self._level_s = (derived_start_ups + 3) * intervals_per_start_up * config.interval_s
@@ -160,7 +161,21 @@ class SLAPlanner:
         self._window_add(obs.time_s, counts, obs.num_requests)
         idle_held = 0 < self._idle_s <= config.idle_hold_s
         released = {} if idle_held else self._release_levels(obs.time_s, counts)  # nor is it the load back within a level
+        if not idle_held or not self._recent:
+            self._recent.append(counts)
         base = self._window_quantiles()
+        # Above the deployment (the pools' first targets: what the SRE chose for this traffic), the
+        # window's memory of a burst is a guess that it recurs: a pool holds there only what the
+        # last two start-ups needed, and goes back to the deployment once a burst is over.
+        cut = {}
+        if not config.burst_memory_above_deployment:
+            for pool in POOLS:
+                deployed = self._deployed.get(pool, pools[pool].target)
+                for key in (pool, f"{pool}_down"):
+                    if base[key] > deployed:
+                        held = max(min(base[key], max(c[key] for c in self._recent)), deployed)
+                        if held < base[key]:
+                            cut[pool], base[key] = deployed, held
         prefill_need, prefill_need_down, decode_need, decode_need_down = (base[k] for k in ("prefill", "prefill_down", "decode", "decode_down"))
         if "prefill" in released:
             prefill_why = f"{prefill_why}; {released['prefill']}"
@@ -168,6 +183,9 @@ class SLAPlanner:
             decode_why = f"{decode_why}; {released['decode']}"
         if prefill_need > counts["prefill"]:
             prefill_why = f"{prefill_why}; the window's {self._quantile:g} quantile needs {prefill_need}"
+        for pool, deployed in cut.items():
+            clause = f"; above the deployment's {deployed}, only what the last two start-ups needed"
+            prefill_why, decode_why = (prefill_why + clause, decode_why) if pool == "prefill" else (prefill_why, decode_why + clause)
         if idle_held:
             idle = f"; no request for {self._idle_s:.0f} s: the window keeps the traffic before it for up to {config.idle_hold_s:g} s idle"
             prefill_why, decode_why = prefill_why + idle, decode_why + idle
@@ -567,12 +585,15 @@ class SLAPlanner:
         current = replicas.target
         target, flagged = current, False
         this_interval, need_down = need_down, self._stabilised(pool, need_down, now_s)
+        warming = self._aged_s < self._warmup_s
+        if warming and not config.burst_memory_above_deployment:  # the warm-up holds the deployment, not growth above it
+            need_down, warming = max(need_down, min(current, self._deployed.get(pool, current))), False
         if need > high:
             target, flagged = high, True
             reason = f"no count up to {high} meets the SLO for {why}: holding at max {high}"
         elif need > current:
             target, reason = need, f"up to {need} for {why}"
-        elif need_down < current and self._aged_s < self._warmup_s:
+        elif need_down < current and warming:
             reason = f"holding at {current}: {self._aged_s:.0f} s of the {self._warmup_s:.0f} s window observed, too few to shrink on"
         elif need_down < current and replicas.starting:
             reason = f"holding at {current}: {replicas.starting} replicas still starting"

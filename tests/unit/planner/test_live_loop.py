@@ -136,7 +136,7 @@ def test_a_level_let_go_is_counted_and_logged(caplog):
     80 s from 300 s grow it to 4: a level of its own, from the 2 it had settled at. Two intervals
     after the load is back, it is let go, once, and the pool is back at 2."""
     connector = FakeConnector()
-    config = PlannerConfig(interval_s=10.0, max_prefill=4, startup_s=0.0, scale_down_cooldown_s=0.0)
+    config = PlannerConfig(interval_s=10.0, max_prefill=4, startup_s=0.0, scale_down_cooldown_s=0.0, burst_memory_above_deployment=True)
     loop = PlannerLoop(SLAPlanner(config, PROFILE), connector, ScheduledSource(lambda t: 1500 if 300 <= t < 380 else 200), metrics=PlannerMetrics())
     with caplog.at_level(logging.INFO, logger="planner.live"):
         decisions = {t: asyncio.run(loop.step(float(t))) for t in range(0, 500, 10)}

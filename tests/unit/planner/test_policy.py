@@ -31,6 +31,8 @@ from planner.policy import SLAPlanner
 
 PERF = PerfModel([(100, 0.01), (10000, 1.0)], [(1, 0.02), (101, 0.12)], "hand-made")
 INTERVAL_S = 30.0
+REMEMBER = {"burst_memory_above_deployment": True}
+"""The window's memory above the pools' first targets, which tests of its mechanics start small."""
 ALONE = {"startup_s": 30.0, "base_window_s": 30.0, "rise_start_ups": 0}
 """No averaging over intervals, a window of one and no trend: each interval's count is what the pool needs."""
 
@@ -143,7 +145,7 @@ def test_a_stalled_batch_grows_decode_now_but_is_not_remembered_as_load():
     window's load needs."""
     targets = {}
     for name, queued in (("stalled", 50_000), ("load", 0)):
-        p = planner(base_window_s=600.0, rise_start_ups=0)
+        p = planner(**REMEMBER, base_window_s=600.0, rise_start_ups=0)
         run(p, [5] * 6, (1, 1))
         first = p.decide(observe(210, 5, output_tokens=80, decode_running=700, decode_queued_prefill_tokens=queued, queued_prefill_tokens=queued), pools(1, 1))
         later = run(p, [5] * 20, (1, first.targets["decode"]), start_s=240, decode_running=10)
@@ -188,7 +190,7 @@ def test_a_burst_shorter_than_a_start_up_is_averaged_down_and_not_chased():
 
 
 def test_the_window_remembers_a_burst_and_shrinks_once_it_has_passed():
-    p = planner(base_window_s=150, scale_down_cooldown_s=0)  # five intervals
+    p = planner(**REMEMBER, base_window_s=150, scale_down_cooldown_s=0)  # five intervals
     decisions = run(p, [30, 30] + [5] * 7, (1, 1))
     # 4 while an interval at 30 req/s is in the window (to t=180; the one ending at 60 s leaves it at
     # 210 s); then the 1.75 replicas averaged at 90 s need 3 at the 0.8 margin (2.19); then 1.
@@ -204,7 +206,7 @@ def test_a_level_held_longer_than_a_burst_is_let_go_once_over_but_a_train_of_bur
     window alone holds 4 until the level has left it. Bursts of three intervals, five start-ups
     apart, keep the pool above 1 for as long, but each is a burst: the window remembers them."""
     def prefill_at(rates, **fields):
-        p = planner(base_window_s=600.0, rise_start_ups=0, scale_down_cooldown_s=0, **fields)
+        p = planner(**REMEMBER, base_window_s=600.0, rise_start_ups=0, scale_down_cooldown_s=0, **fields)
         run(p, [5] * 20, (1, 1))
         decisions = run(p, rates, (1, 1), start_s=630, output_tokens=10)
         return {630 + 30 * i: d for i, d in enumerate(decisions)}
@@ -229,7 +231,7 @@ def test_a_level_is_timed_from_where_the_load_left_the_pools_count_not_from_when
     within its count; 30 req/s (3.0) grows it to 4. The run of 8 + 4 intervals is a level (over
     360 s) although the pool grew for only the last 4: once 10 req/s has lasted two start-ups, the
     pool is back at 2."""
-    p = planner(base_window_s=600.0, rise_start_ups=0, scale_down_cooldown_s=0)
+    p = planner(**REMEMBER, base_window_s=600.0, rise_start_ups=0, scale_down_cooldown_s=0)
     run(p, [10] * 20, (2, 1))
     decisions = run(p, [17.5] * 8 + [30] * 4 + [10] * 10, (2, 1), start_s=630, output_tokens=10)
     targets = [d.targets["prefill"] for d in decisions]
@@ -262,7 +264,7 @@ def test_a_level_leaves_the_window_with_the_start_up_either_side_that_its_averag
     is within the 2 the pool had, so the level's run begins after it; its 450 requests at a count of
     2 would hold the window's 0.95 quantile at 2 once the crowd is let go. It spreads the level's
     load, and leaves the window with it: the pool goes to the 1 that 5 req/s needs."""
-    p = planner(base_window_s=900.0, rise_start_ups=0, scale_down_cooldown_s=0)
+    p = planner(**REMEMBER, base_window_s=900.0, rise_start_ups=0, scale_down_cooldown_s=0)
     decisions = run(p, [5] * 15 + [15] + [30] * 16 + [5] * 20, (2, 1), output_tokens=10)
     at = {30 + 30 * i: d.targets["prefill"] for i, d in enumerate(decisions)}
     released = next(t for t, d in zip(at, decisions) if "is over" in d.reasons["prefill"])
@@ -297,7 +299,7 @@ def test_release_level_after_s_is_derived_from_the_trend_test_or_set():
 
 
 def test_no_pool_shrinks_before_a_full_window_has_been_observed():
-    p = planner(base_window_s=150, scale_down_cooldown_s=0)
+    p = planner(**REMEMBER, base_window_s=150, scale_down_cooldown_s=0)
     decisions = run(p, [5] * 6, (4, 1))  # a planner restarted on a pool larger than the load needs
     assert prefill_targets(decisions) == [4, 4, 4, 4, 1, 1]
     assert [d.needed["prefill"] for d in decisions] == [1] * 6
@@ -375,7 +377,7 @@ def test_a_missed_slo_holds_a_pool_that_would_shrink():
 def test_an_interval_with_more_requests_weighs_more_in_the_windows_quantile():
     # A window of ten intervals and its 0.9 quantile: with every interval weighed alike, one busy
     # interval in ten would be the 10% the quantile leaves out.
-    p = planner(base_quantile=0.9, base_window_s=300, scale_down_cooldown_s=0, startup_s=30.0)
+    p = planner(**REMEMBER, base_quantile=0.9, base_window_s=300, scale_down_cooldown_s=0, startup_s=30.0)
     decisions = run(p, [5] * 9 + [30] + [5] * 9, (1, 1), output_tokens=10)
     # Its 900 requests are 40% of the window's 2,250: its 4 replicas are the quantile until it leaves.
     assert prefill_targets(decisions) == [1] * 9 + [4] * 10
@@ -383,7 +385,7 @@ def test_an_interval_with_more_requests_weighs_more_in_the_windows_quantile():
     # Two quiet intervals of long prompts (1 req/s of 15,000 tokens: 1.5 replicas of load at 0.8 s and
     # 1.15 s a prompt) need 3 and 4 each; a fifth of the window's intervals, but 60 of its 1,260
     # requests (4.8%), so the quantile leaves them out.
-    p = planner(base_quantile=0.9, base_window_s=300, scale_down_cooldown_s=0, startup_s=30.0)
+    p = planner(**REMEMBER, base_quantile=0.9, base_window_s=300, scale_down_cooldown_s=0, startup_s=30.0)
     run(p, [5] * 8, (1, 1), output_tokens=10)
     quiet = run(p, [1, 1], (1, 1), start_s=270, prompt_tokens=15000, output_tokens=10)
     assert [d.needed["prefill"] for d in quiet] == [1, 1] and prefill_targets(quiet) == [1, 1]
@@ -444,6 +446,24 @@ def test_a_deployment_that_starts_idle_keeps_its_pools_until_traffic_has_been_ob
     # No request for 20 minutes: the warm-up (a 300 s window here) counts only observed traffic.
     assert set(prefill_targets(run(planner(base_window_s=300), [0] * 40, (3, 2)))) == {3}
     assert prefill_targets(run(planner(base_window_s=300, idle_hold_s=0), [0] * 40, (3, 2)))[-1] == 0
+
+
+def test_above_the_deployment_a_pool_holds_only_what_the_last_two_start_ups_needed():
+    # Deployed at 1 + 1: a two-minute burst of 3 replicas of prompt load grows prefill to 4 in the warm-up.
+    burst = [5] * 4 + [30] * 4 + [5] * 24
+    capped = prefill_targets(run(planner(scale_down_cooldown_s=0), burst, (1, 1)))
+    assert capped[:12] == [1, 1, 1, 1, 2, 4, 4, 4, 4, 4, 4, 3] and set(capped[12:]) == {1}
+    last = run(planner(scale_down_cooldown_s=0), burst, (1, 1))[12]
+    assert last.reasons["prefill"].endswith("above the deployment's 1, only what the last two start-ups needed")
+    # With the window's memory above the deployment, the warm-up and the window hold the burst's 4.
+    remembered = prefill_targets(run(planner(scale_down_cooldown_s=0, **REMEMBER), burst, (1, 1)))
+    assert set(remembered[5:]) == {4}
+
+
+def test_up_to_the_deployment_the_window_still_remembers_a_burst():
+    # Deployed at 4: the quiet load takes it to 1 after the warm-up; a burst back to 4 is remembered.
+    targets = prefill_targets(run(planner(base_window_s=600, scale_down_cooldown_s=0), [5] * 24 + [30] * 4 + [5] * 16, (4, 1)))
+    assert targets[19:24] == [1] * 5 and targets[25:] == [4] * 19
 
 
 def test_a_load_above_max_over_the_window_holds_at_max_and_is_flagged():
