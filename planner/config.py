@@ -55,8 +55,9 @@ class PlannerConfig:
     """Let the window's memory of a burst hold a pool above the deployment (its target at the
     planner's first decision, what the SRE chose for this traffic) for the whole window, and the
     warm-up hold what the planner grew above it. Off: above the deployment a pool holds only what the
-    last two start-ups needed (a burst's recurrence is a guess; the deployment is the bar), and the
-    warm-up holds the deployment's count, not growth above it (planner/README)."""
+    last two start-ups needed (a burst's recurrence is a guess; the deployment is the bar), goes back
+    to it without waiting for the cooldown, and the warm-up holds the deployment's count, not growth
+    above it (planner/README)."""
     release_level_after_s: float | None = None
     """A level of load a pool grew for and that held at least this long is a shift, not a burst:
     once the load has stayed within the count the pool had before for two start-ups, the window

@@ -161,8 +161,7 @@ class SLAPlanner:
         self._window_add(obs.time_s, counts, obs.num_requests)
         idle_held = 0 < self._idle_s <= config.idle_hold_s
         released = {} if idle_held else self._release_levels(obs.time_s, counts)  # nor is it the load back within a level
-        if not idle_held or not self._recent:
-            self._recent.append(counts)
+        self._recent.append(counts)
         base = self._window_quantiles()
         # Above the deployment (the pools' first targets: what the SRE chose for this traffic), the
         # window's memory of a burst is a guess that it recurs: a pool holds there only what the
@@ -599,7 +598,9 @@ class SLAPlanner:
             reason = f"holding at {current}: {replicas.starting} replicas still starting"
         elif need_down < current and missing_slo:
             reason = f"holding at {current}: the SLO was missed last interval"
-        elif need_down < current and now_s - self._last_change_s[pool] < config.scale_down_cooldown_s:
+        elif need_down < current and now_s - self._last_change_s[pool] < config.scale_down_cooldown_s and (
+            config.burst_memory_above_deployment or need_down < self._deployed.get(pool, current)
+        ):  # above the deployment (held only for recent load) replicas go without a cooldown
             reason = f"holding at {current}: cooling down since the change at {self._last_change_s[pool]:.0f} s"
         elif need_down < current:
             within = f", the most the last {config.scale_down_window_s:g} s needed," if need_down > this_interval else ""

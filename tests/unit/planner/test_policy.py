@@ -309,7 +309,7 @@ def test_no_pool_shrinks_before_a_full_window_has_been_observed():
 
 
 def test_hysteresis_and_cooldown_hold_a_pool_until_the_lower_count_is_comfortably_enough():
-    p = planner(scale_down_cooldown_s=300, **ALONE)
+    p = planner(scale_down_cooldown_s=300, **ALONE, **REMEMBER)  # the cooldown above the deployment too
     assert p.decide(observe(30, 30), pools(1, 1)).targets["prefill"] == 4
     # 17 req/s: 1.7 replicas of load -> 2 needed, but 1.7 / 0.8 margin -> 3 kept; not before the cooldown
     decision = p.decide(observe(60, 17), pools(4, 1))
@@ -428,18 +428,20 @@ def test_prompts_too_long_for_the_slo_count_in_the_load_only_beside_prompts_to_k
 
 def test_an_idle_stretch_keeps_what_the_traffic_before_it_needed_for_idle_hold_s():
     # 3 replicas of prompt load need 4; then no request at all for 40 minutes, eight windows of 300 s.
-    def idle_after_burst(**fields):
+    def idle_after_burst(deployed, **fields):
         p = planner(base_window_s=300, scale_down_cooldown_s=0, **fields)
-        assert prefill_targets(run(p, [30] * 12, (1, 1), output_tokens=10))[-1] == 4
+        assert prefill_targets(run(p, [30] * 12, (deployed, 1), output_tokens=10))[-1] == 4
         return run(p, [0] * 80, (4, 1), start_s=390)
 
-    held = idle_after_burst()  # the default holds an hour of idleness
+    held = idle_after_burst(4)  # the default holds an hour of idleness
     assert prefill_targets(held) == [4] * 80
     assert held[-1].reasons["prefill"].endswith("no request for 2400 s: the window keeps the traffic before it for up to 3600 s idle")
-    aged = idle_after_burst(idle_hold_s=0)  # idle time ages the window: it forgets the burst a window later
+    aged = idle_after_burst(4, idle_hold_s=0)  # idle time ages the window: it forgets the burst a window later
     assert prefill_targets(aged)[-1] == 0 and 4 not in prefill_targets(aged)[12:]
-    later = idle_after_burst(idle_hold_s=600)  # held for 600 s idle, then aged as any other time
+    later = idle_after_burst(4, idle_hold_s=600)  # held for 600 s idle, then aged as any other time
     assert prefill_targets(later)[:20] == [4] * 20 and prefill_targets(later)[-1] == 0
+    # What was above the deployment goes as it would with traffic: idleness keeps memory only up to it.
+    assert prefill_targets(idle_after_burst(1))[4:] == [1] * 76
 
 
 def test_a_deployment_that_starts_idle_keeps_its_pools_until_traffic_has_been_observed():
@@ -449,15 +451,15 @@ def test_a_deployment_that_starts_idle_keeps_its_pools_until_traffic_has_been_ob
 
 
 def test_above_the_deployment_a_pool_holds_only_what_the_last_two_start_ups_needed():
-    # Deployed at 1 + 1: a two-minute burst of 3 replicas of prompt load grows prefill to 4 in the warm-up.
+    # Deployed at 1 + 1: a two-minute burst of 3 replicas of prompt load grows prefill to 4 in the
+    # warm-up. Once the last two start-ups no longer need them, the replicas above the deployment go,
+    # within the warm-up and without waiting out the 300 s cooldown since the pool grew.
     burst = [5] * 4 + [30] * 4 + [5] * 24
-    capped = prefill_targets(run(planner(scale_down_cooldown_s=0), burst, (1, 1)))
-    assert capped[:12] == [1, 1, 1, 1, 2, 4, 4, 4, 4, 4, 4, 3] and set(capped[12:]) == {1}
-    last = run(planner(scale_down_cooldown_s=0), burst, (1, 1))[12]
-    assert last.reasons["prefill"].endswith("above the deployment's 1, only what the last two start-ups needed")
+    decisions = run(planner(), burst, (1, 1))
+    assert prefill_targets(decisions)[:12] == [1, 1, 1, 1, 2, 4, 4, 4, 4, 4, 4, 3] and set(prefill_targets(decisions)[12:]) == {1}
+    assert decisions[12].reasons["prefill"].endswith("above the deployment's 1, only what the last two start-ups needed")
     # With the window's memory above the deployment, the warm-up and the window hold the burst's 4.
-    remembered = prefill_targets(run(planner(scale_down_cooldown_s=0, **REMEMBER), burst, (1, 1)))
-    assert set(remembered[5:]) == {4}
+    assert set(prefill_targets(run(planner(**REMEMBER), burst, (1, 1)))[5:]) == {4}
 
 
 def test_up_to_the_deployment_the_window_still_remembers_a_burst():
@@ -668,7 +670,7 @@ def test_replicas_saved_below_the_deployment_pay_for_a_bet_and_the_bet_held_is_p
 
 
 def test_a_pool_grown_on_a_rise_goes_back_once_the_load_falls_without_waiting_for_the_cooldown():
-    p = planner(scale_down_cooldown_s=300)
+    p = planner(scale_down_cooldown_s=300, **REMEMBER)
     decisions = run(p, RAMP + [36, 36], (1, 1), output_tokens=10)
     # At 330 s the newest start-up (40, 36 req/s) is still above the one before (32, 36): held at 6.
     assert prefill_targets(decisions)[-3:] == [6, 6, 4]
