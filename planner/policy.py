@@ -584,22 +584,23 @@ class SLAPlanner:
         current = replicas.target
         target, flagged = current, False
         this_interval, need_down = need_down, self._stabilised(pool, need_down, now_s)
-        warming = self._aged_s < self._warmup_s
-        if warming and not config.burst_memory_above_deployment:  # the warm-up holds the deployment, not growth above it
-            need_down, warming = max(need_down, min(current, self._deployed.get(pool, current))), False
+        warming = self._aged_s < self._warmup_s and need_down < current
+        deployed = self._deployed.get(pool, current)
+        if warming and not config.burst_memory_above_deployment and current > deployed:
+            need_down, warming = max(need_down, deployed), False  # the warm-up holds the deployment, not growth above it
         if need > high:
             target, flagged = high, True
             reason = f"no count up to {high} meets the SLO for {why}: holding at max {high}"
         elif need > current:
             target, reason = need, f"up to {need} for {why}"
-        elif need_down < current and warming:
+        elif warming:
             reason = f"holding at {current}: {self._aged_s:.0f} s of the {self._warmup_s:.0f} s window observed, too few to shrink on"
         elif need_down < current and replicas.starting:
             reason = f"holding at {current}: {replicas.starting} replicas still starting"
         elif need_down < current and missing_slo:
             reason = f"holding at {current}: the SLO was missed last interval"
         elif need_down < current and now_s - self._last_change_s[pool] < config.scale_down_cooldown_s and (
-            config.burst_memory_above_deployment or need_down < self._deployed.get(pool, current)
+            config.burst_memory_above_deployment or need_down < deployed
         ):  # above the deployment (held only for recent load) replicas go without a cooldown
             reason = f"holding at {current}: cooling down since the change at {self._last_change_s[pool]:.0f} s"
         elif need_down < current:

@@ -463,8 +463,11 @@ def test_above_the_deployment_a_pool_holds_only_what_the_last_two_start_ups_need
 
 
 def test_up_to_the_deployment_the_window_still_remembers_a_burst():
-    # Deployed at 4: the quiet load takes it to 1 after the warm-up; a burst back to 4 is remembered.
-    targets = prefill_targets(run(planner(base_window_s=600, scale_down_cooldown_s=0), [5] * 24 + [30] * 4 + [5] * 16, (4, 1)))
+    # Deployed at 4: the quiet load takes it to 1 after the warm-up, which holds the deployment's 4
+    # and says so; a burst back to 4 is remembered.
+    decisions = run(planner(base_window_s=600, scale_down_cooldown_s=0), [5] * 24 + [30] * 4 + [5] * 16, (4, 1))
+    targets = prefill_targets(decisions)
+    assert targets[:19] == [4] * 19 and decisions[5].reasons["prefill"] == "holding at 4: 180 s of the 600 s window observed, too few to shrink on"
     assert targets[19:24] == [1] * 5 and targets[25:] == [4] * 19
 
 
