@@ -133,7 +133,8 @@ class SLAPlanner:
         """Targets for every pool in ``POOLS`` (``pools`` must hold them all)."""
         obs, config = observation, self.config
         self._idle_s = 0.0 if obs.num_requests else self._idle_s + obs.duration_s
-        if not 0 < self._idle_s <= config.idle_hold_s:
+        idle_held = 0 < self._idle_s <= config.idle_hold_s
+        if not idle_held:
             self._aged_s += obs.duration_s
         # Each request's first token comes out of its prefill: the decode pool makes the rest.
         decoded = max(0, obs.num_output_tokens - obs.num_requests)
@@ -159,7 +160,6 @@ class SLAPlanner:
         smooth_decode = sum(d for _, d in self._loads) / len(self._loads)
         counts = self._interval_counts(smooth_prefill, prefill_cap, smooth_decode, observed)
         self._window_add(obs.time_s, counts, obs.num_requests)
-        idle_held = 0 < self._idle_s <= config.idle_hold_s
         released = {} if idle_held else self._release_levels(obs.time_s, counts)  # nor is it the load back within a level
         self._recent.append(counts)
         base = self._window_quantiles()
@@ -555,13 +555,13 @@ class SLAPlanner:
         tokens lag the sequences that have joined a batch (a long answer streams for minutes), so the
         sequences running now, at one replica's batch, count when they are more. ``pooled``: each
         replica keeps room for its share of the pool's swing (``decode_swing_pooled``), not its own."""
-        rate = self._decode_rate(self.config.itl_slo_s)
-        if rate is None:
-            return math.inf, f"one sequence alone takes {self.corrections['decode'] * self.perf_model.itl_s(1):.3f} s per token"
         for replicas in range(1, self.config.max_decode + 1):
             # Each replica's share of the swing shrinks as the pool grows: the load is the one the
             # fewest replicas that carry it see, at most that many replicas.
-            batch, tokens_per_s = self._decode_rate(self.config.itl_slo_s, replicas)
+            rate = self._decode_rate(self.config.itl_slo_s, replicas)
+            if rate is None:  # whatever the pool's size
+                return math.inf, f"one sequence alone takes {self.corrections['decode'] * self.perf_model.itl_s(1):.3f} s per token"
+            batch, tokens_per_s = rate
             load, why = forecast.output_tokens_per_s / tokens_per_s, f"{forecast.output_tokens_per_s:.0f} output tokens/s at {tokens_per_s:.0f} per replica (batch {batch:.0f})"
             if running is not None and running / batch > load:
                 load, why = running / batch, f"{running} sequences running at a batch of {batch:.0f} per replica ({forecast.output_tokens_per_s:.0f} output tokens/s)"
