@@ -58,6 +58,14 @@ class PlannerConfig:
     last two start-ups needed (a burst's recurrence is a guess; the deployment is the bar), goes back
     to it without waiting for the cooldown, and the warm-up holds the deployment's count, not growth
     above it (planner/README)."""
+    burst_growth_above_deployment: bool = False
+    """Let a pool grow above the deployment for any load the window or the backlog rules ask for.
+    Off: above the deployment a pool grows only for load that has needed more than the deployment in
+    each interval of the last two start-ups (a shift, which replicas asked for now still catch), or
+    when the replica-seconds the pools have saved below the deployment pay for the replicas it adds
+    (for a start-up and an interval, as a trend bet). The deployment rides out shorter bursts, as a
+    static split would: replicas asked for on them are warm after most of them (planner/README). A
+    KV pool nearly full still grows the decode pool at once."""
     release_level_after_s: float | None = None
     """A level of load a pool grew for and that held at least this long is a shift, not a burst:
     once the load has stayed within the count the pool had before for two start-ups, the window

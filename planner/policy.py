@@ -24,10 +24,16 @@ above what the load itself needs is a bet: unless that load already needs more t
 the planner started over (the pools' first targets), it is paid from the replica-seconds the pools
 have spent below that deployment (``trend_bets_from_savings``), so the planner is not above its
 deployment on a guess it has not saved for.
-A level the pool grew for that held longer than a burst (``release_level_after_s``: the trend test's
-span and two start-ups more) is a shift in load, not a burst to remember: once the load has been
-within the count the pool had before for two start-ups, the window forgets the level's intervals and
-both pools shrink to what the load outside it needs.
+Above the deployment the planner rides a burst out as a static split of that size would
+(``burst_growth_above_deployment`` off): a pool grows past it only for load that has needed more in
+each interval of the last two start-ups and still does in this one alone (a shift, which replicas
+asked for now still catch; a shorter burst is mostly over by the time they are warm), or when the
+replica-seconds saved below the deployment pay for the replicas added, for a start-up and an
+interval (the payment is spent). A KV pool nearly full still grows the decode pool at once.
+A level the pool grew for (or was held through at the deployment) that held longer than a burst
+(``release_level_after_s``: the trend test's span and two start-ups more) is a shift in load, not a
+burst to remember: once the load has been within the count the pool had before for two start-ups,
+the window forgets the level's intervals and both pools shrink to what the load outside it needs.
 Prefill: the fewest replicas sharing one queue (the router picks the least queued) whose Erlang-C
 wait tail keeps ``1 - attainment_target`` of prompts over the TTFT SLO, waits scaled by (1 + cv^2) / 2
 of the prompts' prefill times and by the correction c_p (observed mean TTFT over the model's). A
@@ -70,12 +76,14 @@ from planner.trend import LoadTrend, rise_start_ups
 
 @dataclass
 class _Level:
-    """A pool grown above ``before`` replicas: when the current run of load that count does not carry
-    began (None: between runs), and the intervals in a row since whose load it carries."""
+    """A pool grown (or that would have grown, but for the deployment) above ``before`` replicas: when
+    the current run of load that count does not carry began (None: between runs), and the intervals
+    in a row since whose load it carries."""
 
     before: int
     run_s: float | None
     within: int = 0
+    held: bool = False  # the deployment held the pool at ``before`` (burst_growth_above_deployment off)
 
 
 class SLAPlanner:
@@ -269,6 +277,13 @@ class SLAPlanner:
                 else:  # the prefill pool serves until every decode replica that takes its load over is ready
                     prefill_need = prefill_need_down = pools["prefill"].target
                     prefill_why = f"{prefill_why}: kept until {alone} decode replicas are ready to prefill it themselves"
+        # Above the deployment, a burst is ridden out as a static split would ride it out.
+        asked = {"prefill": prefill_need, "decode": decode_need}
+        held = set()
+        if not config.burst_growth_above_deployment:
+            now = self._interval_counts(prefill_load, prefill_cap, decode_load, observed)  # this interval alone, not averaged
+            needs, whys, held = self._ride_out_bursts(asked, {"prefill": prefill_why, "decode": decode_why}, now, pools)
+            prefill_need, decode_need, prefill_why, decode_why = needs["prefill"], needs["decode"], whys["prefill"], whys["decode"]
         decode = pools["decode"]
         if obs.kv_usage is not None and obs.kv_usage > config.kv_usage_high and decode.ready + 1 > decode_need:
             decode_need, decode_why = decode.ready + 1, f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}"
@@ -294,10 +309,12 @@ class SLAPlanner:
             settled = self._steady[pool] >= self._within_needed  # before this interval
             self._steady[pool] = self._steady[pool] + 1 if counts[f"{pool}_down"] <= pools[pool].target else 0
             levels = self._levels[pool]
-            if targets[pool] > pools[pool].target and (not levels or settled):
+            # A run of load the deployment held the pool through is a level as much as one it grew for.
+            held_here = pool in held and targets[pool] == pools[pool].target
+            if (targets[pool] > pools[pool].target or held_here) and (not levels or settled):
                 # The run began where the load last left what the pool had: the window lets a rise in late.
-                levels.append(_Level(pools[pool].target, self._run_began_s(pool, pools[pool].target, obs.time_s)))
-            while levels and targets[pool] <= levels[-1].before:
+                levels.append(_Level(pools[pool].target, self._run_began_s(pool, pools[pool].target, obs.time_s), held=held_here))
+            while levels and (targets[pool] < levels[-1].before or (targets[pool] == levels[-1].before and not levels[-1].held)):
                 levels.pop()
         if infeasible_requests:
             reasons["prefill"] += f" ({infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
@@ -305,6 +322,38 @@ class SLAPlanner:
             obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons,
             tuple(infeasible), infeasible_requests, tuple(released), tuple(unfunded), self._saved_s,
         )
+
+    def _ride_out_bursts(
+        self, needs: dict[str, int], whys: dict[str, str], now: dict[str, int], pools: Mapping[str, PoolReplicas]
+    ) -> tuple[dict[str, int], dict[str, str], set[str]]:
+        """Holds each pool at the deployment (or above it, where it already is) unless its load has
+        needed more than the deployment in each interval of the last two start-ups and still does in
+        this one alone (``now``, not averaged over a start-up: a burst's averaged tail is over), a
+        shift that replicas asked for now still catch; or unless the replica-seconds saved below the
+        deployment pay for the replicas it adds, for a start-up and an interval. Returns the needs,
+        the reasons and the pools held."""
+        config = self.config
+        needs, whys, held = dict(needs), dict(whys), set()
+        for pool in POOLS:
+            deployed = self._deployed[pool]
+            floor = max(deployed, pools[pool].target)
+            if needs[pool] <= floor:
+                continue
+            recent = self._recent
+            if len(recent) == recent.maxlen and now[pool] > deployed and all(counts[pool] > deployed for counts in recent):
+                continue  # a shift: grows as asked
+            cost_s = (needs[pool] - floor) * (config.startup_s + config.interval_s)
+            if self._saved_s >= cost_s:
+                whys[pool] = f"{whys[pool]}; above the deployment's {deployed}, {cost_s:.0f} of the {self._saved_s:.0f} replica-seconds saved below it paid"
+                self._saved_s -= cost_s
+                continue
+            whys[pool] = (
+                f"{whys[pool]}; held at {floor} for {needs[pool]}: above the deployment's {deployed} a pool grows for load"
+                f" that needed more over the last two start-ups, or on savings ({self._saved_s:.0f} replica-seconds, {cost_s:.0f} needed)"
+            )
+            needs[pool] = floor
+            held.add(pool)
+        return needs, whys, held
 
     def _account(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> None:
         """Adds the interval just observed to the replica-seconds saved: each pool's count below the

@@ -58,7 +58,7 @@ def _logged(caplog, **loads) -> list[dict]:
 
 
 def _loop(source, connector, **kwargs):
-    config = PlannerConfig(interval_s=10.0, max_prefill=4, startup_s=0.0)
+    config = PlannerConfig(interval_s=10.0, max_prefill=4, startup_s=0.0, burst_growth_above_deployment=True)
     return PlannerLoop(SLAPlanner(config, PROFILE), connector, source, metrics=PlannerMetrics(), backoff_s=20.0, **kwargs)
 
 
@@ -101,7 +101,7 @@ def test_an_slo_no_count_meets_is_an_event_per_interval_while_holding_at_max():
 
 def test_infeasible_requests_are_counted_and_logged_as_strict_json(caplog):
     counts = tuple((bound, {128.0: 5, float("inf"): 3}.get(bound, 0)) for bound in PROMPT_LENGTH_BUCKETS)
-    config = PlannerConfig(interval_s=10.0, max_prefill=4, startup_s=0.0)
+    config = PlannerConfig(interval_s=10.0, max_prefill=4, startup_s=0.0, burst_growth_above_deployment=True)
     loop = PlannerLoop(SLAPlanner(config, PROFILE), FakeConnector(), FakeSource(2500, counts), metrics=PlannerMetrics())  # the 3 past 256k tokens: no replica prefills them in 2 s
     with caplog.at_level(logging.INFO, logger="planner.live"):
         for t in (0.0, 10.0):
@@ -136,7 +136,7 @@ def test_a_level_let_go_is_counted_and_logged(caplog):
     80 s from 300 s grow it to 4: a level of its own, from the 2 it had settled at. Two intervals
     after the load is back, it is let go, once, and the pool is back at 2."""
     connector = FakeConnector()
-    config = PlannerConfig(interval_s=10.0, max_prefill=4, startup_s=0.0, scale_down_cooldown_s=0.0, burst_memory_above_deployment=True)
+    config = PlannerConfig(interval_s=10.0, max_prefill=4, startup_s=0.0, scale_down_cooldown_s=0.0, burst_memory_above_deployment=True, burst_growth_above_deployment=True)
     loop = PlannerLoop(SLAPlanner(config, PROFILE), connector, ScheduledSource(lambda t: 1500 if 300 <= t < 380 else 200), metrics=PlannerMetrics())
     with caplog.at_level(logging.INFO, logger="planner.live"):
         decisions = {t: asyncio.run(loop.step(float(t))) for t in range(0, 500, 10)}
@@ -161,7 +161,7 @@ def test_a_trend_not_bet_on_is_counted_and_logged(caplog):
     for funded in (True, False):
         connector = FakeConnector()
         connector.targets["prefill"] = 4
-        config = PlannerConfig(interval_s=10.0, max_prefill=8, startup_s=0.0, trend_bets_from_savings=funded)
+        config = PlannerConfig(interval_s=10.0, max_prefill=8, startup_s=0.0, trend_bets_from_savings=funded, burst_growth_above_deployment=True)
         loop = PlannerLoop(SLAPlanner(config, PROFILE), connector, ScheduledSource(lambda t: 200 + 30 * t), metrics=PlannerMetrics())
         with caplog.at_level(logging.INFO, logger="planner.live"):
             decided[funded] = [asyncio.run(loop.step(float(t))) for t in range(0, 80, 10)]

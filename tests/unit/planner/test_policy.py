@@ -50,7 +50,9 @@ def pools(prefill: int, decode: int, prefill_starting: int = 0, decode_starting:
 
 
 def planner(**fields) -> SLAPlanner:
-    return SLAPlanner(PlannerConfig(**{"interval_s": INTERVAL_S, "startup_s": 60.0, **fields}), PERF)
+    """A planner whose pools may grow past their first targets for any load: the tests of its
+    mechanics start small, from pools that are not a deployment to ride bursts out at."""
+    return SLAPlanner(PlannerConfig(**{"interval_s": INTERVAL_S, "startup_s": 60.0, "burst_growth_above_deployment": True, **fields}), PERF)
 
 
 def run(p: SLAPlanner, rates, now: tuple[int, int], start_s: float = 30.0, **kw) -> list:
@@ -469,6 +471,50 @@ def test_up_to_the_deployment_the_window_still_remembers_a_burst():
     targets = prefill_targets(decisions)
     assert targets[:19] == [4] * 19 and decisions[5].reasons["prefill"] == "holding at 4: 180 s of the 600 s window observed, too few to shrink on"
     assert targets[19:24] == [1] * 5 and targets[25:] == [4] * 19
+
+
+RIDE_OUT = {"burst_growth_above_deployment": False}
+"""The default: above the deployment a pool grows only for a shift or on savings."""
+
+
+def test_above_the_deployment_a_burst_is_ridden_out_and_a_shift_grows_the_pool():
+    # Deployed at 1 + 1. A 90 s burst of 3 replicas of prompt load: its counts, averaged over a
+    # start-up, stay above 1 for two start-ups, but by then this interval alone needs 1 again.
+    burst = [5] * 4 + [30] * 3 + [5] * 8
+    decisions = run(planner(**RIDE_OUT), burst, (1, 1))
+    assert set(prefill_targets(decisions)) == {1}
+    assert decisions[5].reasons["prefill"].endswith(
+        "held at 1 for 4: above the deployment's 1 a pool grows for load that needed more over the last two start-ups, or on savings (0 replica-seconds, 270 needed)"
+    )
+    assert max(prefill_targets(run(planner(), burst, (1, 1)))) == 4  # growing for any load
+    # The same load held on is a shift: the pool grows once two start-ups needed more and this interval still does.
+    assert prefill_targets(run(planner(**RIDE_OUT), [5] * 4 + [30] * 8, (1, 1))) == [1] * 7 + [4] * 5
+
+
+def test_replicas_saved_below_the_deployment_pay_for_growth_above_it():
+    # Deployed at 4 with nothing saved: 6 replicas of prompt load (7 replicas) are held at 4.
+    decisions = run(planner(**RIDE_OUT), [60] * 3, (4, 1))
+    assert prefill_targets(decisions) == [4, 4, 4] and "held at 4 for 7" in decisions[0].reasons["prefill"]
+    # After seven quiet intervals at 1, 3 replicas below the deployment (630 replica-seconds), the
+    # burst's first interval pays 180 for two decode replicas above its deployment of 1; the next
+    # pays 270 for prefill's 3 replicas above 4, for a start-up and an interval, and 90 for one more
+    # decode replica: the pools grow at once.
+    decisions = run(planner(**RIDE_OUT, base_window_s=600, scale_down_cooldown_s=0), [5] * 26 + [60] * 3, (4, 1))
+    assert prefill_targets(decisions)[18:] == [4, 1, 1, 1, 1, 1, 1, 1, 4, 7, 7]
+    assert [d.targets["decode"] for d in decisions[25:]] == [1, 3, 4, 4]
+    assert decisions[26].reasons["decode"].endswith("above the deployment's 1, 180 of the 630 replica-seconds saved below it paid")
+    assert decisions[27].reasons["prefill"].endswith("above the deployment's 4, 270 of the 450 replica-seconds saved below it paid")
+    assert [d.saved_replica_s for d in decisions[25:]] == [540, 450, 90, 90]
+
+
+def test_a_level_the_deployment_held_a_pool_through_is_let_go_once_over():
+    # Deployed at 2: twelve minutes of a load that needs 3 in two intervals of each three is never a
+    # shift, so the pool is held at 2 throughout; it is a level, not a burst, and once the load is
+    # back within 2 the window forgets it and the pool goes to the 1 the quiet load needs.
+    decisions = run(planner(**RIDE_OUT, base_window_s=600, scale_down_cooldown_s=0), [30, 10, 10] * 8 + [5] * 16, (2, 1))
+    assert prefill_targets(decisions) == [2] * 26 + [1] * 14
+    assert all("held at 2" in d.reasons["prefill"] for d in decisions[4:24])
+    assert "prefill" in decisions[26].released_levels and "the level of 12 minutes is over" in decisions[26].reasons["prefill"]
 
 
 def test_a_load_above_max_over_the_window_holds_at_max_and_is_flagged():
