@@ -66,6 +66,11 @@ class PlannerConfig:
     (for a start-up and an interval, as a trend bet). The deployment rides out shorter bursts, as a
     static split would: replicas asked for on them are warm after most of them (planner/README). A
     KV pool nearly full still grows the decode pool at once."""
+    rise_step_below_deployment: float = 2.0
+    """Below the deployment, a pool that must grow asks for this many times the step from its target
+    to what it needs (at most the deployment): replicas asked for now are warm a start-up later, and
+    a rise that has begun mostly goes on that long, while replicas up to the deployment spend nothing
+    a static split of it would not (planner/README). 1: only what the load needs now."""
     release_level_after_s: float | None = None
     """A level of load a pool grew for and that held at least this long is a shift, not a burst:
     once the load has stayed within the count the pool had before for two start-ups, the window
@@ -131,6 +136,8 @@ class PlannerConfig:
         for name in ("scale_down_cooldown_s", "scale_down_window_s", "idle_hold_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}.")
+        if not self.rise_step_below_deployment >= 1:
+            raise ValueError(f"rise_step_below_deployment must be 1 or more, got {self.rise_step_below_deployment}.")
         for name in ("scale_down_margin", "decode_scale_down_margin", "correction_smoothing", "predictor_alpha"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}.")

@@ -24,6 +24,9 @@ above what the load itself needs is a bet: unless that load already needs more t
 the planner started over (the pools' first targets), it is paid from the replica-seconds the pools
 have spent below that deployment (``trend_bets_from_savings``), so the planner is not above its
 deployment on a guess it has not saved for.
+Below the deployment a pool that must grow asks for twice the step from its target to what it
+needs (``rise_step_below_deployment``), at most the deployment: a rise mostly goes on for the
+start-up its replicas take, and up to the deployment they cost nothing a static split would not.
 Above the deployment the planner rides a burst out as a static split of that size would
 (``burst_growth_above_deployment`` off): a pool grows past it only for load that has needed more in
 each interval of the last two start-ups and still does in this one alone (a shift, which replicas
@@ -642,6 +645,11 @@ class SLAPlanner:
             reason = f"no count up to {high} meets the SLO for {why}: holding at max {high}"
         elif need > current:
             target, reason = need, f"up to {need} for {why}"
+            # Below the deployment a rise is met ahead of its step: it mostly goes on for the start-up
+            # its replicas take, and up to the deployment they cost nothing a static split would not.
+            ahead = min(deployed, current + math.ceil(config.rise_step_below_deployment * (need - current) - 1e-9))
+            if ahead > need:
+                target, reason = ahead, f"up to {ahead}, {config.rise_step_below_deployment:g} times the step to {need} (the deployment's {deployed} at most), for {why}"
         elif warming:
             reason = f"holding at {current}: {self._aged_s:.0f} s of the {self._warmup_s:.0f} s window observed, too few to shrink on"
         elif need_down < current and replicas.starting:

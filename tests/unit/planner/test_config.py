@@ -25,6 +25,8 @@ def test_defaults_are_valid():
     ({"startup_s": -5}, "startup_s must be 0 or more, got -5."),
     ({"idle_hold_s": -1}, "idle_hold_s must be 0 or more, got -1."),
     ({"scale_down_cooldown_s": float("nan")}, "scale_down_cooldown_s must be 0 or more, got nan."),
+    ({"rise_step_below_deployment": 0.5}, "rise_step_below_deployment must be 1 or more, got 0.5."),
+    ({"rise_step_below_deployment": float("nan")}, "rise_step_below_deployment must be 1 or more, got nan."),
 ])
 def test_refusals(fields, message):
     with pytest.raises(ValueError) as e:

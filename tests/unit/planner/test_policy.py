@@ -517,6 +517,18 @@ def test_a_level_the_deployment_held_a_pool_through_is_let_go_once_over():
     assert "prefill" in decisions[26].released_levels and "the level of 12 minutes is over" in decisions[26].reasons["prefill"]
 
 
+def test_below_the_deployment_a_rise_is_met_at_twice_its_step_up_to_the_deployment():
+    # Deployed at 6, the pool at 1 after the warm-up: 30 req/s needs 2 (averaged with the quiet
+    # interval before), then 4; the pool asks for 3, then 5, twice each step.
+    rise = [5] * 26 + [30] * 2
+    decisions = run(planner(base_window_s=600, scale_down_cooldown_s=0), rise, (6, 1))
+    assert prefill_targets(decisions)[24:] == [1, 1, 3, 5]
+    assert decisions[26].reasons["prefill"].startswith("up to 3, 2 times the step to 2 (the deployment's 6 at most), for 30000 prompt tokens/s")
+    # Deployed at 4, the second step stops at the deployment; at 1, each step is what the load needs.
+    assert prefill_targets(run(planner(base_window_s=600, scale_down_cooldown_s=0), rise, (4, 1)))[24:] == [1, 1, 3, 4]
+    assert prefill_targets(run(planner(base_window_s=600, scale_down_cooldown_s=0, rise_step_below_deployment=1), rise, (6, 1)))[24:] == [1, 1, 2, 4]
+
+
 def test_a_load_above_max_over_the_window_holds_at_max_and_is_flagged():
     p = planner(max_prefill=2, min_decode=2)
     for decision in run(p, [30] * 5, (1, 1)):  # 3 replicas of prompt load need 4
@@ -710,7 +722,8 @@ def test_replicas_saved_below_the_deployment_pay_for_a_bet_and_the_bet_held_is_p
     ends (300 s), and saves 3 replicas x 30 s an interval. The ramp that follows is bet on at 600 s
     (2 to 4 on 810 saved replica-seconds), and each interval the bet holds 2 replicas above the 2
     the pool had before the rise, 60 replica-seconds come off."""
-    decisions = run(planner(base_window_s=300, scale_down_cooldown_s=0), [4] * 14 + RAMP, (4, 1), output_tokens=10)
+    # Each rise met at its own step (not twice it, below the deployment), so that only the bet spends.
+    decisions = run(planner(base_window_s=300, scale_down_cooldown_s=0, rise_step_below_deployment=1), [4] * 14 + RAMP, (4, 1), output_tokens=10)
     by_time = {d.time_s: d for d in decisions}
     assert [by_time[t].targets["prefill"] for t in (270, 300, 570, 600)] == [4, 1, 2, 4]
     assert by_time[600].saved_replica_s == 810 and by_time[600].unfunded_trends == ()
