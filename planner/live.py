@@ -15,8 +15,9 @@ metrics. A connector that fails is logged and counted, and the planner waits a d
 before it acts again; it never stops. A pool whose SLO no allowed count meets is reported once per
 interval (a warning and ``splitserve_planner_infeasible_total``) while the planner holds it at max.
 A level of load let go (planner/policy.py) counts in ``splitserve_planner_levels_released_total``; a
-trend not bet on in ``splitserve_planner_trends_not_bet_total``, and the replica-seconds bets are
-paid from are ``splitserve_planner_saved_replica_seconds``.
+trend not bet on in ``splitserve_planner_trends_not_bet_total``, a burst ridden out at the deployment
+in ``splitserve_planner_bursts_ridden_out_total``, and the replica-seconds bets and growth above the
+deployment are paid from are ``splitserve_planner_saved_replica_seconds``.
 """
 
 from __future__ import annotations
@@ -101,6 +102,11 @@ class PlannerMetrics:
         )
         self.trends_not_bet = Counter(
             "splitserve_planner_trends_not_bet", "Intervals a pool's load was a trend whose projection was not bet on: not yet over the deployment, and not paid for by savings.", ["pool"], registry=r
+        )
+        self.bursts_ridden_out = Counter(
+            "splitserve_planner_bursts_ridden_out",
+            "Intervals a pool's load asked for more than the deployment and the pool was held: a burst, not yet a shift, and not paid for by savings.",
+            ["pool"], registry=r,
         )
         self.saved = Gauge(
             "splitserve_planner_saved_replica_seconds", "Replica-seconds spent below the deployment the planner started over, less trend bets held: what a bet is paid from.", registry=r
@@ -195,6 +201,8 @@ class PlannerLoop:
             m.levels_released.labels(pool).inc()
         for pool in decision.unfunded_trends:
             m.trends_not_bet.labels(pool).inc()
+        for pool in decision.held_at_deployment:
+            m.bursts_ridden_out.labels(pool).inc()
         m.saved.set(decision.saved_replica_s)
         logger.info("planner: %s", json.dumps({
             "observation": _loggable(observation),
@@ -203,7 +211,7 @@ class PlannerLoop:
             "forecast": dataclasses.asdict(forecast), "corrections": dict(decision.corrections),
             "reasons": dict(decision.reasons), "infeasible": list(decision.infeasible),
             "infeasible_requests": decision.infeasible_requests, "released_levels": list(decision.released_levels),
-            "unfunded_trends": list(decision.unfunded_trends), "saved_replica_s": round(decision.saved_replica_s, 1), "dry_run": self.dry_run,
+            "unfunded_trends": list(decision.unfunded_trends), "held_at_deployment": list(decision.held_at_deployment), "saved_replica_s": round(decision.saved_replica_s, 1), "dry_run": self.dry_run,
         }))
 
 

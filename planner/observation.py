@@ -79,6 +79,10 @@ class Decision:
     unfunded_trends: tuple[str, ...] = ()
     """Pools whose load was a trend this interval but whose projection was not bet on: the load did not
     yet need more than the deployment had, and the replica-seconds saved did not pay for the bet."""
+    held_at_deployment: tuple[str, ...] = ()
+    """Pools whose load asked for more than the deployment this interval and that were held where
+    they are: a burst ridden out as a static split would ride it out, not yet a shift (two start-ups)
+    and not paid for by savings (``burst_growth_above_deployment`` off)."""
     saved_replica_s: float = 0.0
     """Replica-seconds the pools have spent below the deployment the planner was turned on over (their
     targets at its first decision), less those trend bets held: what the next bet is paid from."""

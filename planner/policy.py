@@ -323,7 +323,7 @@ class SLAPlanner:
             reasons["prefill"] += f" ({infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
         return Decision(
             obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons,
-            tuple(infeasible), infeasible_requests, tuple(released), tuple(unfunded), self._saved_s,
+            tuple(infeasible), infeasible_requests, tuple(released), tuple(unfunded), tuple(sorted(held)), self._saved_s,
         )
 
     def _ride_out_bursts(

@@ -177,6 +177,26 @@ def test_a_trend_not_bet_on_is_counted_and_logged(caplog):
     assert decided[False][-1].targets["prefill"] == 5 and decided[False][-1].unfunded_trends == ()
 
 
+def test_a_burst_ridden_out_at_the_deployment_is_counted_and_logged(caplog):
+    """Ten-second intervals, no start-up, so a shift is two intervals: a deployment of 1 prefill
+    replica (200 prompt tokens/s need 1 here, after the first interval's 2) meets 1,500 tokens/s
+    for one interval, and is held at 1 in it and the next (the last two start-ups still ask for
+    it), counted and logged; the same load for three intervals is a shift, and the pool grows at
+    its second."""
+    connector = FakeConnector()
+    config = PlannerConfig(interval_s=10.0, max_prefill=8, startup_s=0.0)
+    loop = PlannerLoop(SLAPlanner(config, PROFILE), connector, ScheduledSource(lambda t: 1500 if t in (100, 200, 210, 220) else 100), metrics=PlannerMetrics())
+    with caplog.at_level(logging.INFO, logger="planner.live"):
+        decisions = {t: asyncio.run(loop.step(float(t))) for t in range(0, 240, 10)}
+    assert decisions[100].targets["prefill"] == 1 and decisions[100].held_at_deployment == ("prefill",)
+    assert "held at 1 for" in decisions[100].reasons["prefill"]
+    assert [decisions[t].targets["prefill"] for t in (200, 210, 220)] == [1, 4, 4]
+    held = [t for t, d in decisions.items() if d.held_at_deployment]
+    assert held == [100, 110, 200] and loop.metrics.bursts_ridden_out.labels("prefill")._value.get() == 3
+    assert loop.metrics.bursts_ridden_out.labels("decode")._value.get() == 0
+    assert [line["held_at_deployment"] for line in _logged(caplog)].count(["prefill"]) == 3
+
+
 def test_the_cluster_source_reads_prompt_lengths_from_the_routers_metrics_and_running_sequences_from_the_status():
     metrics = RouterMetrics("router-0")
     server, thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
