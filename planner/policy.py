@@ -42,7 +42,8 @@ wait tail keeps ``1 - attainment_target`` of prompts over the TTFT SLO, waits sc
 of the prompts' prefill times and by the correction c_p (observed mean TTFT over the model's). A
 prompt whose prefill alone exceeds the SLO is counted apart and never drives the pool to max: the
 mean prompt and its spread are the others', and its work counts in the load (it holds a replica the
-others would wait for) only while the others are load enough for a prefill replica.
+others would wait for) only while the others are load enough for a prefill replica; nor, without
+them, does the KV it fills grow decode.
 Decode: the largest batch whose corrected ITL meets the SLO, less each replica's share of the
 pool's Poisson swing (z * sqrt(batch / n) for n replicas, z at the attainment target: the router
 joins each sequence to the smallest batch, so the pool's sequences swing as one count), sets one
@@ -289,7 +290,10 @@ class SLAPlanner:
             prefill_need, decode_need, prefill_why, decode_why = needs["prefill"], needs["decode"], whys["prefill"], whys["decode"]
         decode = pools["decode"]
         if obs.kv_usage is not None and obs.kv_usage > config.kv_usage_high and decode.ready + 1 > decode_need:
-            decode_need, decode_why = decode.ready + 1, f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}"
+            if self._only_infeasible(observed):  # a replica more holds more of them, and serves nobody in time
+                decode_why = f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, filled by prompts no replica prefills within the TTFT SLO: not grown for"
+            else:
+                decode_need, decode_why = decode.ready + 1, f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}"
 
         targets, reasons, infeasible = {}, {}, []
         missing = {"prefill": (obs.ttft_s_p90 or 0.0) > config.ttft_slo_s, "decode": (obs.itl_s_p90 or 0.0) > config.itl_slo_s}
@@ -543,8 +547,8 @@ class SLAPlanner:
         why = f"{load.prompt_tokens_per_s:.0f} prompt tokens/s, {prompt_tokens:.0f} a prompt at {service_s:.3f} s each"
         # Prompts no replica prefills within the SLO hold replicas the others would wait for, so their
         # work counts while there are others to keep waiting: with next to none, it is left out.
-        feasible = replicas * self._feasible_work
-        if feasible < config.prefill_zero_load < replicas:
+        if self._only_infeasible(load):
+            feasible = replicas * self._feasible_work
             why = f"{why}; {replicas - feasible:.1f} replicas of it prompts no replica prefills within the TTFT SLO, left out: the others are {feasible:.2f}"
             replicas = feasible
         if wait_scale_s >= config.ttft_slo_s:
@@ -554,6 +558,12 @@ class SLAPlanner:
             mid = (low + high) / 2
             low, high = (mid, high) if wait_tail(mid, wait_scale_s, config.ttft_slo_s - wait_scale_s) <= tail else (low, mid)
         return replicas, low, why
+
+    def _only_infeasible(self, load: LoadForecast) -> bool:
+        """Whether next to all of the interval's prompt work is prompts no replica prefills within the
+        TTFT SLO: theirs over ``prefill_zero_load`` replicas, the others' under it (nobody to protect)."""
+        replicas = load.prompt_tokens_per_s * self._seconds_per_token
+        return replicas * self._feasible_work < self.config.prefill_zero_load < replicas
 
     def _prefill_count(self, load: float, per_replica: float) -> int:
         """Fewest prefill replicas sharing one queue (the router sends each prompt to the least queued)

@@ -131,9 +131,11 @@ def test_a_trace_no_replica_count_serves_is_reported_not_crashed_on(tmp_path, ca
     assert report["trace_stats"]["mostly_infeasible"] is True and report["trace_stats"]["infeasible_share"] == 1.0
     assert report["policies"]["static"]["best_attainment"] == 0.0
     assert "no replica prefills within the TTFT SLO" in capsys.readouterr().err
-    # With no prompt the SLO can be met for, none of their work grows the prefill pool.
+    # With no prompt the SLO can be met for, none of their work grows the prefill pool, nor the KV
+    # they fill the decode pool: the planner spends what static spends.
     ours = report["policies"]["splitserve"]
     assert ours["max_replicas"]["prefill"] == 0 and ours["infeasible_intervals"] == 0
+    assert ours["max_replicas"]["decode"] == report["policies"]["static"]["split"]["decode"]
 
 
 def test_a_boolean_planner_setting_is_a_flag_that_reaches_the_planner(trace_path, tmp_path, capsys):

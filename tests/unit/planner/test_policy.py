@@ -19,6 +19,7 @@ load that rose over each of the last four start-ups (the default here: 5! = 120 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -413,12 +414,14 @@ def test_prompts_too_long_for_the_slo_count_in_the_load_only_beside_prompts_to_k
         return Observation(t, INTERVAL_S, short + long, short * 1000 + long * 30000, (short + long) * 10, prompt_length_counts=buckets)
 
     # Only long prompts, 4 a second: 12 replicas of prefill work, every second of it late whatever the
-    # count. Nothing else waits behind them, so their work is left out and never grows the pool.
+    # count. Nothing else waits behind them, so their work is left out and never grows the pool; nor
+    # does the KV they fill grow decode (a replica more would hold more of them, none in time).
     p = planner(max_prefill=8)
     for t in (30, 60, 90, 120):
-        decision = p.decide(observed(t, 0, 120), pools(1, 1))
+        decision = p.decide(dataclasses.replace(observed(t, 0, 120), kv_usage=2.5), pools(1, 1))
         assert decision.needed["prefill"] == 0 and decision.targets["prefill"] == 1  # held by the warm-up, not grown
         assert decision.infeasible == () and decision.infeasible_requests == 120
+        assert decision.targets["decode"] == 1 and "filled by prompts no replica prefills within the TTFT SLO: not grown for" in decision.reasons["decode"]
     # Beside 10 short prompts a second (one replica of load, 2 replicas alone), one long prompt a second
     # holds about 3 replicas the short ones would otherwise wait for: its work counts.
     p = planner(max_prefill=8)
@@ -426,6 +429,9 @@ def test_prompts_too_long_for_the_slo_count_in_the_load_only_beside_prompts_to_k
         decision = p.decide(observed(t, 300, 30), pools(1, 1))
     assert decision.targets["prefill"] >= 5 and decision.infeasible_requests == 30
     assert "left out" not in decision.reasons["prefill"]
+    # There the KV use they fill grows decode as any does.
+    decision = p.decide(dataclasses.replace(observed(120, 300, 30), kv_usage=0.95), pools(decision.targets["prefill"], 1))
+    assert decision.targets["decode"] == 2 and decision.reasons["decode"].endswith("KV use 0.95 is over 0.9")
 
 
 def test_an_idle_stretch_keeps_what_the_traffic_before_it_needed_for_idle_hold_s():
