@@ -349,7 +349,10 @@ class SLAPlanner:
             recent = self._recent
             if len(recent) == recent.maxlen and now[pool] > deployed and all(counts[pool] > deployed for counts in recent):
                 continue  # a shift: grows as asked
-            cost_s = (needs[pool] - floor) * (config.startup_s + config.interval_s)
+            high = config.max_prefill if pool == "prefill" else config.max_decode
+            if floor >= high:
+                continue  # nothing to add: settling holds it at max, and says so
+            cost_s = (min(needs[pool], high) - floor) * (config.startup_s + config.interval_s)  # max is all it can add
             if self._saved_s >= cost_s:
                 whys[pool] = f"{whys[pool]}; above the deployment's {deployed}, {cost_s:.0f} of the {self._saved_s:.0f} replica-seconds saved below it paid"
                 self._saved_s -= cost_s

@@ -513,6 +513,17 @@ def test_replicas_saved_below_the_deployment_pay_for_growth_above_it():
     assert [d.saved_replica_s for d in decisions[25:]] == [540, 450, 90, 90]
 
 
+def test_a_deployment_at_max_holds_there_and_is_flagged_whatever_the_savings():
+    decisions = run(planner(**RIDE_OUT, max_prefill=2), [30] * 4, (2, 1))  # 3 replicas of prompt load need 4
+    assert prefill_targets(decisions) == [2] * 4 and all(d.infeasible == ("prefill",) for d in decisions)
+    assert all("held at" not in d.reasons["prefill"] and "paid" not in d.reasons["prefill"] for d in decisions)
+    # Deployed at 2 under a max of 3, with 120 replica-seconds saved: 4 needed, but only the one
+    # replica max allows is paid for (90, not 180).
+    decisions = run(planner(**RIDE_OUT, max_prefill=3, base_window_s=600, scale_down_cooldown_s=0), [5] * 26 + [30] * 2, (2, 1))
+    assert prefill_targets(decisions)[24:] == [1, 1, 2, 3] and decisions[26].saved_replica_s == 120
+    assert decisions[27].reasons["prefill"].endswith("above the deployment's 2, 90 of the 120 replica-seconds saved below it paid: holding at max 3")
+
+
 def test_a_level_the_deployment_held_a_pool_through_is_let_go_once_over():
     # Deployed at 2: twelve minutes of a load that needs 3 in two intervals of each three is never a
     # shift, so the pool is held at 2 throughout; it is a level, not a burst, and once the load is
