@@ -144,6 +144,8 @@ class SLAPlanner:
     def decide(self, observation: Observation, pools: Mapping[str, PoolReplicas]) -> Decision:
         """Targets for every pool in ``POOLS`` (``pools`` must hold them all)."""
         obs, config = observation, self.config
+        for pool in POOLS:  # the deployment the planner was turned on over: each pool's target at its first decision
+            self._deployed.setdefault(pool, pools[pool].target)
         self._idle_s = 0.0 if obs.num_requests else self._idle_s + obs.duration_s
         idle_held = 0 < self._idle_s <= config.idle_hold_s
         if not idle_held:
@@ -181,12 +183,12 @@ class SLAPlanner:
         cut = {}
         if not config.burst_memory_above_deployment:
             for pool in POOLS:
-                deployed = self._deployed.get(pool, pools[pool].target)
+                deployed = self._deployed[pool]
                 for key in (pool, f"{pool}_down"):
                     if base[key] > deployed:
-                        held = max(min(base[key], max(c[key] for c in self._recent)), deployed)
-                        if held < base[key]:
-                            cut[pool], base[key] = deployed, held
+                        recent_most = max(min(base[key], max(c[key] for c in self._recent)), deployed)
+                        if recent_most < base[key]:
+                            cut[pool], base[key] = deployed, recent_most
         prefill_need, prefill_need_down, decode_need, decode_need_down = (base[k] for k in ("prefill", "prefill_down", "decode", "decode_down"))
         if "prefill" in released:
             prefill_why = f"{prefill_why}; {released['prefill']}"
@@ -370,7 +372,7 @@ class SLAPlanner:
         deployment (its target at the first decision), less the replicas a trend bet holds above what
         the pool had before the rise."""
         for pool in POOLS:
-            deployed = self._deployed.setdefault(pool, pools[pool].target)
+            deployed = self._deployed[pool]
             self._saved_s += max(0, deployed - pools[pool].target) * obs.duration_s
             if pool in self._before_rise:
                 self._saved_s -= max(0, pools[pool].target - self._before_rise[pool]) * obs.duration_s
@@ -650,7 +652,7 @@ class SLAPlanner:
         target, flagged = current, False
         this_interval, need_down = need_down, self._stabilised(pool, need_down, now_s)
         warming = self._aged_s < self._warmup_s and need_down < current
-        deployed = self._deployed.get(pool, current)
+        deployed = self._deployed[pool]
         if warming and not config.burst_memory_above_deployment and current > deployed:
             need_down, warming = max(need_down, deployed), False  # the warm-up holds the deployment, not growth above it
         if need > high:
