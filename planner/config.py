@@ -71,6 +71,14 @@ class PlannerConfig:
     to what it needs (at most the deployment): replicas asked for now are warm a start-up later, and
     a rise that has begun mostly goes on that long, while replicas up to the deployment spend nothing
     a static split of it would not (planner/README). 1: only what the load needs now."""
+    rise_room_below_deployment: bool = True
+    """Below the deployment, keep each pool room for the load's own rises: its count now plus the
+    ``base_quantile`` of how far its count rose (over the window, each interval weighted by its
+    requests) within a start-up and an interval, the time from a rise's first interval to the
+    replicas it asks for being warm; at most the deployment. A rise of a level let go (a shift, over)
+    is forgotten with it. Off: the pools are sized for the load that has been, not for how fast it
+    has changed; replicas up to the deployment cost nothing a static split of it would not spend
+    (planner/README)."""
     release_level_after_s: float | None = None
     """A level of load a pool grew for and that held at least this long is a shift, not a burst:
     once the load has stayed within the count the pool had before for two start-ups, the window

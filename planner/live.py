@@ -16,7 +16,8 @@ before it acts again; it never stops. A pool whose SLO no allowed count meets is
 interval (a warning and ``splitserve_planner_infeasible_total``) while the planner holds it at max.
 A level of load let go (planner/policy.py) counts in ``splitserve_planner_levels_released_total``; a
 trend not bet on in ``splitserve_planner_trends_not_bet_total``, a burst ridden out at the deployment
-in ``splitserve_planner_bursts_ridden_out_total``, and the replica-seconds bets and growth above the
+in ``splitserve_planner_bursts_ridden_out_total``, the room kept below it for the load's own rises
+is ``splitserve_planner_rise_room_replicas``, and the replica-seconds bets and growth above the
 deployment are paid from are ``splitserve_planner_saved_replica_seconds``.
 """
 
@@ -106,6 +107,11 @@ class PlannerMetrics:
         self.bursts_ridden_out = Counter(
             "splitserve_planner_bursts_ridden_out",
             "Intervals a pool's load asked for more than the deployment and the pool was held: a burst, not yet a shift, and not paid for by savings.",
+            ["pool"], registry=r,
+        )
+        self.rise_room = Gauge(
+            "splitserve_planner_rise_room_replicas",
+            "The rise in replicas the window saw within a start-up and an interval, kept as room below the deployment this interval (0: none kept).",
             ["pool"], registry=r,
         )
         self.saved = Gauge(
@@ -203,6 +209,8 @@ class PlannerLoop:
             m.trends_not_bet.labels(pool).inc()
         for pool in decision.held_at_deployment:
             m.bursts_ridden_out.labels(pool).inc()
+        for pool in POOLS:
+            m.rise_room.labels(pool).set(decision.rise_room.get(pool, 0))
         m.saved.set(decision.saved_replica_s)
         logger.info("planner: %s", json.dumps({
             "observation": _loggable(observation),
@@ -211,7 +219,8 @@ class PlannerLoop:
             "forecast": dataclasses.asdict(forecast), "corrections": dict(decision.corrections),
             "reasons": dict(decision.reasons), "infeasible": list(decision.infeasible),
             "infeasible_requests": decision.infeasible_requests, "released_levels": list(decision.released_levels),
-            "unfunded_trends": list(decision.unfunded_trends), "held_at_deployment": list(decision.held_at_deployment), "saved_replica_s": round(decision.saved_replica_s, 1), "dry_run": self.dry_run,
+            "unfunded_trends": list(decision.unfunded_trends), "held_at_deployment": list(decision.held_at_deployment),
+            "rise_room": dict(decision.rise_room), "saved_replica_s": round(decision.saved_replica_s, 1), "dry_run": self.dry_run,
         }))
 
 

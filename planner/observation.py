@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from planner.predictor import LoadForecast
 
@@ -83,6 +83,10 @@ class Decision:
     """Pools whose load asked for more than the deployment this interval and that were held where
     they are: a burst ridden out as a static split would ride it out, not yet a shift (two start-ups)
     and not paid for by savings (``burst_growth_above_deployment`` off)."""
+    rise_room: Mapping[str, int] = field(default_factory=dict)
+    """Per pool whose count room for the load's own rises raised this interval (below the
+    deployment, ``rise_room_below_deployment``): the rise in replicas the window saw within a
+    start-up and an interval, kept on top of the count the load needs now."""
     saved_replica_s: float = 0.0
     """Replica-seconds the pools have spent below the deployment the planner was turned on over (their
     targets at its first decision), less those trend bets held: what the next bet is paid from."""

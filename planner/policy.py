@@ -24,6 +24,11 @@ above what the load itself needs is a bet: unless that load already needs more t
 the planner started over (the pools' first targets), it is paid from the replica-seconds the pools
 have spent below that deployment (``trend_bets_from_savings``), so the planner is not above its
 deployment on a guess it has not saved for.
+Below the deployment each pool also keeps room for the load's own rises (``rise_room_below_deployment``):
+the count it needs now plus the quantile (as the window's) of how far its count rose from an
+interval of the window's span within the start-up and interval after it, at most the deployment;
+the quantile leaves a burst out, and replicas up to the deployment cost nothing a static split
+would not. A level let go takes its rise with it.
 Below the deployment a pool that must grow asks for twice the step from its target to what it
 needs (``rise_step_below_deployment``), at most the deployment: a rise mostly goes on for the
 start-up its replicas take, and up to the deployment they cost nothing a static split would not.
@@ -111,6 +116,11 @@ class SLAPlanner:
         self._window_s = config.base_window_s if config.base_window_s is not None else derived_s
         self._warmup_s = min(self._window_s, derived_s)  # no pool shrinks before this much is observed
         self._window: deque[tuple[float, float, float, dict[str, int]]] = deque()  # (time, aged, requests, counts)
+        # Every interval of the window's span in order, for the rises within a reaction (a start-up
+        # and an interval: from a rise's first interval to the replicas it asks for being warm). A
+        # level let go leaves its intervals here as None, so no rise spans it.
+        self._history: deque[list] = deque()  # [time, aged, requests, counts or None]
+        self._reaction = max(1, math.ceil((config.startup_s + config.interval_s) / config.interval_s - 1e-9))
         # The window's own clock: the seconds observed that age it. An idle interval (no request at
         # all) does not, until the idle stretch has lasted ``idle_hold_s``.
         self._aged_s = 0.0
@@ -189,21 +199,34 @@ class SLAPlanner:
                         recent_most = max(min(base[key], max(c[key] for c in self._recent)), deployed)
                         if recent_most < base[key]:
                             cut[pool], base[key] = deployed, recent_most
+        # Below the deployment, room for the rises the load itself has shown within a reaction.
+        windowed, room = {pool: base[pool] for pool in POOLS}, {}
+        if config.rise_room_below_deployment:
+            for pool, rise in self._rises().items():
+                roomed = min(self._deployed[pool], counts[pool] + rise)
+                if roomed > base[pool]:
+                    room[pool] = rise
+                    base[pool], base[f"{pool}_down"] = roomed, max(roomed, base[f"{pool}_down"])
         prefill_need, prefill_need_down, decode_need, decode_need_down = (base[k] for k in ("prefill", "prefill_down", "decode", "decode_down"))
         if "prefill" in released:
             prefill_why = f"{prefill_why}; {released['prefill']}"
         if "decode" in released:
             decode_why = f"{decode_why}; {released['decode']}"
-        if prefill_need > counts["prefill"]:
-            prefill_why = f"{prefill_why}; the window's {self._quantile:g} quantile needs {prefill_need}"
+        if windowed["prefill"] > counts["prefill"]:
+            prefill_why = f"{prefill_why}; the window's {self._quantile:g} quantile needs {windowed['prefill']}"
         for pool, deployed in cut.items():
             clause = f"; above the deployment's {deployed}, only what the last two start-ups needed"
+            prefill_why, decode_why = (prefill_why + clause, decode_why) if pool == "prefill" else (prefill_why, decode_why + clause)
+        for pool, rise in room.items():
+            clause = f"; {base[pool]} for the {counts[pool]} the load needs now" + (
+                f" and a rise of {rise} the window saw within a start-up and an interval" if rise else ""
+            ) + f" (the deployment's {self._deployed[pool]} at most)"
             prefill_why, decode_why = (prefill_why + clause, decode_why) if pool == "prefill" else (prefill_why, decode_why + clause)
         if idle_held:
             idle = f"; no request for {self._idle_s:.0f} s: the window keeps the traffic before it for up to {config.idle_hold_s:g} s idle"
             prefill_why, decode_why = prefill_why + idle, decode_why + idle
-        if decode_need > counts["decode"]:
-            decode_why = f"{decode_why}; the window's {self._quantile:g} quantile needs {decode_need}"
+        if windowed["decode"] > counts["decode"]:
+            decode_why = f"{decode_why}; the window's {self._quantile:g} quantile needs {windowed['decode']}"
         # Beyond the window: a load that has risen over each of the last k start-ups is a trend, and the
         # pool grows now to the load projected to when replicas asked for now are warm. That is a bet
         # unless the load already needs more than the deployment had: it is paid from savings.
@@ -329,7 +352,7 @@ class SLAPlanner:
             reasons["prefill"] += f" ({infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
         return Decision(
             obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons,
-            tuple(infeasible), infeasible_requests, tuple(released), tuple(unfunded), tuple(sorted(held)), self._saved_s,
+            tuple(infeasible), infeasible_requests, tuple(released), tuple(unfunded), tuple(sorted(held)), room, self._saved_s,
         )
 
     def _ride_out_bursts(
@@ -429,11 +452,14 @@ class SLAPlanner:
         return counts
 
     def _window_add(self, now_s: float, counts: dict[str, int], weight: int) -> None:
-        """Adds one interval's counts to the window and drops those older than ``window_s``."""
-        window = self._window
+        """Adds one interval's counts to the window and the history and drops those older than ``window_s``."""
+        window, history = self._window, self._history
         window.append((now_s, self._aged_s, max(weight, 1e-6), counts))
         while window[0][1] <= self._aged_s - self._window_s:
             window.popleft()
+        history.append([now_s, self._aged_s, max(weight, 1e-6), counts])
+        while history[0][1] <= self._aged_s - self._window_s:
+            history.popleft()
 
     def _release_levels(self, now_s: float, counts: dict[str, int]) -> dict[str, str]:
         """Lets go of the levels the pools grew for: a run of intervals whose load (averaged over a
@@ -473,6 +499,9 @@ class SLAPlanner:
             kept = [entry for entry in self._window if not run_s - edge_s <= entry[0] <= ended_s + edge_s]
             self._window.clear()
             self._window.extend(kept)
+            for entry in self._history:  # the level's rise was the shift's, over with it
+                if run_s - edge_s <= entry[0] <= ended_s + edge_s:
+                    entry[3] = None
             held_s = ended_s - run_s + interval_s
             held = f"{held_s / 60:.0f} minutes" if held_s >= 120 else f"{held_s:.0f} s"
             released[pool] = f"the level of {held} is over, {before} carried the last {level.within} intervals"
@@ -499,16 +528,31 @@ class SLAPlanner:
         """Each count's quantile over the intervals of the last ``window_s``, each weighted by its
         requests (attainment is counted in requests, and a busy interval holds more of them)."""
         window = self._window
-        total = sum(w for _, _, w, _ in window)
-        out = {}
-        for key in window[-1][3]:
-            seen = 0.0
-            for count, w in sorted((c[key], w) for _, _, w, c in window):
-                seen += w
-                if seen >= self._quantile * total - 1e-9:
-                    out[key] = count
-                    break
-        return out
+        return {key: self._weighted_quantile([(c[key], w) for _, _, w, c in window]) for key in window[-1][3]}
+
+    def _rises(self) -> dict[str, int]:
+        """Per pool, the quantile (as the window's, each interval weighted by its requests) of how far
+        its count rose from an interval of the window's span within the reaction that followed it (a
+        start-up and an interval), counting no rise that spans a level let go. Empty until the
+        history holds one reaction."""
+        history, reaction = list(self._history), self._reaction
+        spans = [history[i:i + reaction + 1] for i in range(len(history) - reaction)]
+        spans = [span for span in spans if all(entry[3] is not None for entry in span)]
+        if not spans:
+            return {}
+        return {
+            pool: self._weighted_quantile([(max(0, max(e[3][pool] for e in span[1:]) - span[0][3][pool]), span[0][2]) for span in spans])
+            for pool in POOLS
+        }
+
+    def _weighted_quantile(self, values: list[tuple[int, float]]) -> int:
+        """The ``base_quantile`` of (value, weight) pairs (not empty)."""
+        total, seen = sum(w for _, w in values), 0.0
+        for value, w in sorted(values):
+            seen += w
+            if seen >= self._quantile * total - 1e-9:
+                return value
+        return max(value for value, _ in values)
 
     def _correct(self, obs: Observation, pools: Mapping[str, PoolReplicas], decoded_per_s: float) -> None:
         """Updates the correction factors from the interval's mean latencies, sized on ready replicas

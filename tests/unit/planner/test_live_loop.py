@@ -197,6 +197,28 @@ def test_a_burst_ridden_out_at_the_deployment_is_counted_and_logged(caplog):
     assert [line["held_at_deployment"] for line in _logged(caplog)].count(["prefill"]) == 3
 
 
+def test_room_kept_below_the_deployment_for_a_rise_is_a_gauge_and_logged(caplog):
+    """Ten-second intervals, no start-up (a reaction of one interval): a deployment of 6 prefill
+    replicas meets 100 prompt tokens/s (1 replica) and, at 140 s, 1,500 (4). That interval rose by
+    3 from the one before, and the pool keeps room for it while it is the load's; the gauge
+    reads 0 again in the next interval."""
+    connector = FakeConnector()
+    connector.targets["prefill"] = 6
+    loop = PlannerLoop(
+        SLAPlanner(PlannerConfig(interval_s=10.0, max_prefill=8, startup_s=0.0), PROFILE), connector,
+        ScheduledSource(lambda t: 1500 if t == 140 else 100), metrics=PlannerMetrics(),
+    )
+    gauge = loop.metrics.rise_room.labels("prefill")
+    with caplog.at_level(logging.INFO, logger="planner.live"):
+        for t in range(0, 150, 10):
+            decision = asyncio.run(loop.step(float(t)))
+        assert decision.rise_room == {"prefill": 3} and gauge._value.get() == 3
+        assert _logged(caplog)[-1]["rise_room"] == {"prefill": 3}
+        decision = asyncio.run(loop.step(150.0))
+    assert decision.rise_room == {} and gauge._value.get() == 0 and _logged(caplog)[-1]["rise_room"] == {}
+    assert loop.metrics.rise_room.labels("decode")._value.get() == 0
+
+
 def test_the_cluster_source_reads_prompt_lengths_from_the_routers_metrics_and_running_sequences_from_the_status():
     metrics = RouterMetrics("router-0")
     server, thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)

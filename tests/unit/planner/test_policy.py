@@ -536,14 +536,66 @@ def test_a_level_the_deployment_held_a_pool_through_is_let_go_once_over():
 
 def test_below_the_deployment_a_rise_is_met_at_twice_its_step_up_to_the_deployment():
     # Deployed at 6, the pool at 1 after the warm-up: 30 req/s needs 2 (averaged with the quiet
-    # interval before), then 4; the pool asks for 3, then 5, twice each step.
+    # interval before), then 4; the pool asks for 3, then 5, twice each step (with no room kept for
+    # rises, which would add to the second: the first is one the window has seen).
     rise = [5] * 26 + [30] * 2
-    decisions = run(planner(base_window_s=600, scale_down_cooldown_s=0), rise, (6, 1))
+    stepped = {"base_window_s": 600, "scale_down_cooldown_s": 0, "rise_room_below_deployment": False}
+    decisions = run(planner(**stepped), rise, (6, 1))
     assert prefill_targets(decisions)[24:] == [1, 1, 3, 5]
     assert decisions[26].reasons["prefill"].startswith("up to 3, 2 times the step to 2 (the deployment's 6 at most), for 30000 prompt tokens/s")
     # Deployed at 4, the second step stops at the deployment; at 1, each step is what the load needs.
-    assert prefill_targets(run(planner(base_window_s=600, scale_down_cooldown_s=0), rise, (4, 1)))[24:] == [1, 1, 3, 4]
-    assert prefill_targets(run(planner(base_window_s=600, scale_down_cooldown_s=0, rise_step_below_deployment=1), rise, (6, 1)))[24:] == [1, 1, 2, 4]
+    assert prefill_targets(run(planner(**stepped), rise, (4, 1)))[24:] == [1, 1, 3, 4]
+    assert prefill_targets(run(planner(**stepped, rise_step_below_deployment=1), rise, (6, 1)))[24:] == [1, 1, 2, 4]
+
+
+def spikes(p: SLAPlanner, n: int, deployed: int, every: int = 25) -> list:
+    """5 req/s whose answers are 50 tokens (one decode replica) but 600 (four) in every ``every``-th
+    interval: a spike holds 4% of the requests, under the 5% the window's quantile leaves out, while
+    the two intervals before each (those a start-up of 30 s and an interval ahead of it) rose by 3."""
+    now, decisions = (1, deployed), []
+    for i in range(n):
+        decision = p.decide(observe(INTERVAL_S * (i + 1), 5, output_tokens=600 if i % every == every - 1 else 50), pools(*now))
+        now = (decision.targets["prefill"], decision.targets["decode"])
+        decisions.append(decision)
+    return decisions
+
+
+def decode_targets(decisions) -> list[int]:
+    return [d.targets["decode"] for d in decisions]
+
+
+def test_below_the_deployment_a_pool_keeps_room_for_the_rises_its_load_has_shown():
+    quick = {"startup_s": 30.0, "rise_start_ups": 0, "scale_down_cooldown_s": 0}  # a reaction of two intervals, no trend
+    decisions = spikes(planner(**quick), 100, deployed=6)
+    # The warm-up (1200 s) holds the deployment; then the pool keeps 1 for the quiet load and 3 for
+    # the rise, and a spike finds 4 warm.
+    assert decode_targets(decisions)[:39] == [6] * 39
+    assert decode_targets(decisions)[39:49] == [4] * 10 and decisions[48].rise_room == {"decode": 3}
+    assert decisions[48].reasons["decode"].endswith(
+        "; 4 for the 1 the load needs now and a rise of 3 the window saw within a start-up and an interval (the deployment's 6 at most)"
+    )
+    assert decisions[48].rise_room.get("prefill") is None  # its load never rose
+    # The window alone leaves the spikes out: the pool stays at 1 and each spike misses its ITL.
+    alone = spikes(planner(**quick, rise_room_below_deployment=False), 100, deployed=6)
+    assert decode_targets(alone)[39:] == [1] * 61 and all(not d.rise_room for d in alone)
+    # At most the deployment: deployed at 3, the pool stays there.
+    assert decode_targets(spikes(planner(**quick), 100, deployed=3)) == [3] * 100
+
+
+def test_a_level_let_go_takes_its_rise_with_it():
+    # A level of 4 decode replicas for 8 intervals (past the 6 a burst lasts with a 600 s window)
+    # rose by 3 within a reaction: while it holds, its rise is room like any other, but once it is
+    # let go the load is back to a quiet one that has never risen, and so is the pool.
+    p = planner(startup_s=30.0, rise_start_ups=0, base_window_s=600, scale_down_cooldown_s=0)
+    now, decisions = (1, 6), []
+    for i, output_tokens in enumerate([50] * 30 + [600] * 8 + [50] * 12):
+        decision = p.decide(observe(INTERVAL_S * (i + 1), 5, output_tokens=output_tokens), pools(*now))
+        now = (decision.targets["prefill"], decision.targets["decode"])
+        decisions.append(decision)
+    assert decode_targets(decisions)[19:30] == [1] * 11 and decisions[31].rise_room == {"decode": 3}
+    released = decisions[39]
+    assert "decode" in released.released_levels and not released.rise_room
+    assert decode_targets(decisions)[39:] == [1] * 11
 
 
 def test_a_load_above_max_over_the_window_holds_at_max_and_is_flagged():
@@ -739,8 +791,11 @@ def test_replicas_saved_below_the_deployment_pay_for_a_bet_and_the_bet_held_is_p
     ends (300 s), and saves 3 replicas x 30 s an interval. The ramp that follows is bet on at 600 s
     (2 to 4 on 810 saved replica-seconds), and each interval the bet holds 2 replicas above the 2
     the pool had before the rise, 60 replica-seconds come off."""
-    # Each rise met at its own step (not twice it, below the deployment), so that only the bet spends.
-    decisions = run(planner(base_window_s=300, scale_down_cooldown_s=0, rise_step_below_deployment=1), [4] * 14 + RAMP, (4, 1), output_tokens=10)
+    # Each rise met at its own step (not twice it, nor with room for the ramp's own rises, below the
+    # deployment), so that only the bet spends.
+    decisions = run(
+        planner(base_window_s=300, scale_down_cooldown_s=0, rise_step_below_deployment=1, rise_room_below_deployment=False), [4] * 14 + RAMP, (4, 1), output_tokens=10
+    )
     by_time = {d.time_s: d for d in decisions}
     assert [by_time[t].targets["prefill"] for t in (270, 300, 570, 600)] == [4, 1, 2, 4]
     assert by_time[600].saved_replica_s == 810 and by_time[600].unfunded_trends == ()
