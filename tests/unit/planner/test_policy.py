@@ -58,9 +58,14 @@ def planner(**fields) -> SLAPlanner:
 
 def run(p: SLAPlanner, rates, now: tuple[int, int], start_s: float = 30.0, **kw) -> list:
     """One decision per rate, an interval apart from ``start_s``, each target applied as if ready at once."""
+    return decide_each(p, [observe(start_s + INTERVAL_S * i, rate, **kw) for i, rate in enumerate(rates)], now)
+
+
+def decide_each(p: SLAPlanner, observations, now: tuple[int, int]) -> list:
+    """One decision per observation, each target applied as if ready at once."""
     decisions = []
-    for i, rate in enumerate(rates):
-        decision = p.decide(observe(start_s + INTERVAL_S * i, rate, **kw), pools(*now))
+    for observation in observations:
+        decision = p.decide(observation, pools(*now))
         now = (decision.targets["prefill"], decision.targets["decode"])
         decisions.append(decision)
     return decisions
@@ -552,12 +557,7 @@ def spikes(p: SLAPlanner, n: int, deployed: int, every: int = 25) -> list:
     """5 req/s whose answers are 50 tokens (one decode replica) but 600 (four) in every ``every``-th
     interval: a spike holds 4% of the requests, under the 5% the window's quantile leaves out, while
     the two intervals before each (those a start-up of 30 s and an interval ahead of it) rose by 3."""
-    now, decisions = (1, deployed), []
-    for i in range(n):
-        decision = p.decide(observe(INTERVAL_S * (i + 1), 5, output_tokens=600 if i % every == every - 1 else 50), pools(*now))
-        now = (decision.targets["prefill"], decision.targets["decode"])
-        decisions.append(decision)
-    return decisions
+    return decide_each(p, [observe(INTERVAL_S * (i + 1), 5, output_tokens=600 if i % every == every - 1 else 50) for i in range(n)], (1, deployed))
 
 
 def decode_targets(decisions) -> list[int]:
@@ -587,11 +587,8 @@ def test_a_level_let_go_takes_its_rise_with_it():
     # rose by 3 within a reaction: while it holds, its rise is room like any other, but once it is
     # let go the load is back to a quiet one that has never risen, and so is the pool.
     p = planner(startup_s=30.0, rise_start_ups=0, base_window_s=600, scale_down_cooldown_s=0)
-    now, decisions = (1, 6), []
-    for i, output_tokens in enumerate([50] * 30 + [600] * 8 + [50] * 12):
-        decision = p.decide(observe(INTERVAL_S * (i + 1), 5, output_tokens=output_tokens), pools(*now))
-        now = (decision.targets["prefill"], decision.targets["decode"])
-        decisions.append(decision)
+    answers = [50] * 30 + [600] * 8 + [50] * 12
+    decisions = decide_each(p, [observe(INTERVAL_S * (i + 1), 5, output_tokens=n) for i, n in enumerate(answers)], (1, 6))
     assert decode_targets(decisions)[19:30] == [1] * 11 and decisions[31].rise_room == {"decode": 3}
     released = decisions[39]
     assert "decode" in released.released_levels and not released.rise_room
