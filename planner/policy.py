@@ -218,9 +218,11 @@ class SLAPlanner:
             clause = f"; above the deployment's {deployed}, only what the last two start-ups needed"
             prefill_why, decode_why = (prefill_why + clause, decode_why) if pool == "prefill" else (prefill_why, decode_why + clause)
         for pool, rise in room.items():
-            clause = f"; {base[pool]} for the {counts[pool]} the load needs now" + (
-                f" and a rise of {rise} the window saw within a start-up and an interval" if rise else ""
-            ) + f" (the deployment's {self._deployed[pool]} at most)"
+            if rise:
+                clause = f"; {base[pool]} for the {counts[pool]} the load needs now and a rise of {rise} the window saw within a start-up and an interval"
+            else:  # the load now needs more than the window's quantile, which leaves this interval out
+                clause = f"; {base[pool]} for the load now, over what the window's {self._quantile:g} quantile needs"
+            clause = f"{clause} (the deployment's {self._deployed[pool]} at most)"
             prefill_why, decode_why = (prefill_why + clause, decode_why) if pool == "prefill" else (prefill_why, decode_why + clause)
         if idle_held:
             idle = f"; no request for {self._idle_s:.0f} s: the window keeps the traffic before it for up to {config.idle_hold_s:g} s idle"

@@ -582,6 +582,18 @@ def test_below_the_deployment_a_pool_keeps_room_for_the_rises_its_load_has_shown
     assert decode_targets(spikes(planner(**quick), 100, deployed=3)) == [3] * 100
 
 
+def test_below_the_deployment_a_pool_grows_for_the_load_now_before_the_window_lets_it_in():
+    # Four decode replicas of load from 1,380 s, after 45 quiet intervals: the window's quantile
+    # leaves its first interval out, and without room the pool waits two intervals at 1.
+    quick = {"startup_s": 30.0, "rise_start_ups": 0, "scale_down_cooldown_s": 0}
+    answers = [50] * 45 + [600] * 20
+    observations = [observe(INTERVAL_S * (i + 1), 5, output_tokens=n) for i, n in enumerate(answers)]
+    decisions = decide_each(planner(**quick), observations, (1, 6))
+    assert decode_targets(decisions)[39:47] == [1] * 6 + [6, 6] and decisions[45].rise_room == {"decode": 0}
+    assert decisions[45].reasons["decode"].endswith("; 4 for the load now, over what the window's 0.95 quantile needs (the deployment's 6 at most)")
+    assert decode_targets(decide_each(planner(**quick, rise_room_below_deployment=False), observations, (1, 6)))[39:48] == [1] * 8 + [6]
+
+
 def test_a_level_let_go_takes_its_rise_with_it():
     # A level of 4 decode replicas for 8 intervals (past the 6 a burst lasts with a 600 s window)
     # rose by 3 within a reaction: while it holds, its rise is room like any other, but once it is
