@@ -79,6 +79,15 @@ class PlannerConfig:
     is forgotten with it. Off: the pools are sized for the load that has been, not for how fast it
     has changed; replicas up to the deployment cost nothing a static split of it would not spend
     (planner/README)."""
+    rise_ahead_below_deployment: bool = True
+    """Below the deployment, meet a rise ahead without waiting for a trend: a load whose average over
+    the last start-up is above the one before grows the pool at once to the count for that load
+    grown on at that rate (a surge grows by a factor, not a step) to the middle of the first
+    interval replicas asked for now serve, at most the deployment, and the pool does not shrink
+    below that count while the load rises. Up to the deployment a rise that does not go on costs
+    nothing a static split of it would not spend, so the trend test's run of start-ups, which
+    guards bets beyond it, is not waited for. Off: below the deployment too, only a trend runs
+    ahead (planner/README)."""
     release_level_after_s: float | None = None
     """A level of load a pool grew for and that held at least this long is a shift, not a burst:
     once the load has stayed within the count the pool had before for two start-ups, the window

@@ -29,6 +29,9 @@ the count it needs now plus the quantile (as the window's) of how far its count 
 interval of the window's span within the start-up and interval after it, at most the deployment;
 the quantile leaves a burst out, and replicas up to the deployment cost nothing a static split
 would not. A level let go takes its rise with it.
+Below the deployment a load that rose over the last start-up is met ahead at once
+(``rise_ahead_below_deployment``): the pool grows to the load grown on at that rate to when
+replicas asked for now are warm, at most the deployment, and holds that while the load rises.
 Below the deployment a pool that must grow asks for twice the step from its target to what it
 needs (``rise_step_below_deployment``), at most the deployment: a rise mostly goes on for the
 start-up its replicas take, and up to the deployment they cost nothing a static split would not.
@@ -134,6 +137,7 @@ class SLAPlanner:
         derived_start_ups = rise_start_ups(max(self._window_s / config.interval_s, 1 / (1 - config.attainment_target)))
         num_start_ups = derived_start_ups if config.rise_start_ups is None else config.rise_start_ups
         self.trend = LoadTrend(intervals_per_start_up, num_start_ups, config.startup_s, config.interval_s)
+        self._rise_ahead = LoadTrend(intervals_per_start_up, 1, config.startup_s, config.interval_s, geometric=True)  # below the deployment
         self._before_rise: dict[str, int] = {}
         # A trend's projection beyond what the window needs is a bet: paid from the replica-seconds the
         # pools have spent below the deployment the planner was turned on over (their first targets).
@@ -254,7 +258,19 @@ class SLAPlanner:
             else:
                 rising[pool], needs[pool] = needs[pool], count
             whys[pool] = f"{whys[pool]}; {clause}"
+        # Below the deployment a rise over the last start-up is met ahead at once: up to the deployment a
+        # rise that does not go on costs nothing a static split would not spend.
+        self._rise_ahead.observe((prefill_load, own_decode_load))
+        downs = {"prefill": prefill_need_down, "decode": decode_need_down}
+        if config.rise_ahead_below_deployment:
+            for pool, projected in self._rise_ahead.rises().items():
+                count = self._prefill_count(projected, prefill_cap) if pool == "prefill" else self._decode_count(projected)
+                count = min(count, self._deployed[pool])
+                if count > needs[pool]:
+                    needs[pool], downs[pool] = count, max(count, downs[pool])  # nor does the pool shrink below it while it rises
+                    whys[pool] = f"{whys[pool]}; rising over the last start-up, {count} for the load a start-up and half an interval ahead (the deployment's {self._deployed[pool]} at most)"
         prefill_need, decode_need = needs["prefill"], needs["decode"]
+        prefill_need_down, decode_need_down = downs["prefill"], downs["decode"]
         prefill_why, decode_why = whys["prefill"], whys["decode"]
         # Beyond the window: a backlog that already makes a new prompt wait past the SLO means the
         # load is over capacity now; the pool grows to this interval's load plus the replicas that

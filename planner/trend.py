@@ -8,7 +8,9 @@ rising outruns it. ``LoadTrend`` keeps each pool's observed load (in replicas) o
     averages   |   m0    |   m1    |   m2    |   m3    |   m4    |   a rise: m0 < m1 < m2 < m3 < m4
 
 and projects a rising one at the mean rise a start-up, (m4 - m0) / k, to the middle of the first
-interval that replicas asked for now serve.
+interval that replicas asked for now serve; or, ``geometric``, at the mean growth a start-up,
+(m4 / m0) ** (1 / k), as a surge grows (a projection below the deployment, where overshooting
+costs nothing a static split would not spend).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ class LoadTrend:
     """Each pool's observed load of the last ``num_start_ups + 1`` start-ups of
     ``intervals_per_start_up`` intervals each; ``num_start_ups`` 0 never reports a rise."""
 
-    def __init__(self, intervals_per_start_up: int, num_start_ups: int, startup_s: float, interval_s: float) -> None:
+    def __init__(self, intervals_per_start_up: int, num_start_ups: int, startup_s: float, interval_s: float, geometric: bool = False) -> None:
         self.num_start_ups = num_start_ups
+        self.geometric = geometric
         self._block = intervals_per_start_up
         self._loads: deque[tuple[float, float]] = deque(maxlen=intervals_per_start_up * (num_start_ups + 1))
         # From the middle of the newest block to the middle of the first interval replicas asked for now
@@ -46,14 +49,19 @@ class LoadTrend:
 
     def rises(self) -> dict[str, float]:
         """Per pool whose load rose over each of the last ``num_start_ups`` start-ups, that load
-        projected at its mean rise a start-up; nothing until that many start-ups are observed."""
+        projected at its mean rise a start-up (``geometric``: its mean growth, or its rise when it
+        grew from nothing); nothing until that many start-ups are observed."""
         if not self.num_start_ups or len(self._loads) < self._loads.maxlen:
             return {}
         out = {}
         for index, pool in enumerate(POOLS):
             means = self._means(index)
             if all(b > a for a, b in zip(means, means[1:])):
-                out[pool] = means[-1] + (means[-1] - means[0]) / (len(means) - 1) * self._ahead
+                steps = len(means) - 1
+                if self.geometric and means[0] > 0:
+                    out[pool] = means[-1] * (means[-1] / means[0]) ** (self._ahead / steps)
+                else:
+                    out[pool] = means[-1] + (means[-1] - means[0]) / steps * self._ahead
         return out
 
     def falling(self, pool: str) -> bool:

@@ -542,15 +542,38 @@ def test_a_level_the_deployment_held_a_pool_through_is_let_go_once_over():
 def test_below_the_deployment_a_rise_is_met_at_twice_its_step_up_to_the_deployment():
     # Deployed at 6, the pool at 1 after the warm-up: 30 req/s needs 2 (averaged with the quiet
     # interval before), then 4; the pool asks for 3, then 5, twice each step (with no room kept for
-    # rises, which would add to the second: the first is one the window has seen).
+    # rises and no rise met ahead, which would add to the second).
     rise = [5] * 26 + [30] * 2
-    stepped = {"base_window_s": 600, "scale_down_cooldown_s": 0, "rise_room_below_deployment": False}
+    stepped = {"base_window_s": 600, "scale_down_cooldown_s": 0, "rise_room_below_deployment": False, "rise_ahead_below_deployment": False}
     decisions = run(planner(**stepped), rise, (6, 1))
     assert prefill_targets(decisions)[24:] == [1, 1, 3, 5]
     assert decisions[26].reasons["prefill"].startswith("up to 3, 2 times the step to 2 (the deployment's 6 at most), for 30000 prompt tokens/s")
     # Deployed at 4, the second step stops at the deployment; at 1, each step is what the load needs.
     assert prefill_targets(run(planner(**stepped), rise, (4, 1)))[24:] == [1, 1, 3, 4]
     assert prefill_targets(run(planner(**stepped, rise_step_below_deployment=1), rise, (6, 1)))[24:] == [1, 1, 2, 4]
+
+
+def test_below_the_deployment_a_rise_over_the_last_start_up_is_met_ahead():
+    # Deployed at 6, the pool at 1 after the warm-up. At the first 10 req/s the last start-up's
+    # average (5 and 10 req/s: 0.75 replicas of prompt load) is 1.5 times the one before (0.5), and
+    # grown on at that rate a start-up and half an interval ahead (1.75 start-ups) it is 1.53
+    # replicas, which 2 carry: the pool grows (twice the step, to 3) an interval before the window
+    # alone would grow it. At 20 req/s the start-up (1.5) is 3 times the one before: the deployment's
+    # 6, where the window alone reaches 3. No room for rises, to see this rule alone.
+    rise = [5] * 26 + [10, 20, 30, 30]
+    fields = {"base_window_s": 600, "scale_down_cooldown_s": 0, "rise_room_below_deployment": False}
+    decisions = run(planner(**fields), rise, (6, 1))
+    assert prefill_targets(decisions)[25:] == [1, 3, 6, 6, 6]
+    assert decisions[26].reasons["prefill"].endswith(
+        "; rising over the last start-up, 2 for the load a start-up and half an interval ahead (the deployment's 6 at most)"
+    )
+    assert prefill_targets(run(planner(**fields, rise_ahead_below_deployment=False), rise, (6, 1)))[25:] == [1, 1, 3, 3, 5]
+    # At most the deployment: deployed at 4, the pool stops there.
+    assert max(prefill_targets(run(planner(**fields), rise, (4, 1)))[25:]) == 4
+    # While the load still rises over the last start-up, the pool does not shrink below its
+    # projection: the window alone would take the 5 back to 2 at the second 12 req/s, which is
+    # still 1.85 times the start-up before (4); then the rise is over.
+    assert prefill_targets(run(planner(**fields), [5] * 26 + [8, 12, 12, 12], (6, 1)))[26:] == [3, 5, 4, 2]
 
 
 def spikes(p: SLAPlanner, n: int, deployed: int, every: int = 25) -> list:
@@ -565,7 +588,8 @@ def decode_targets(decisions) -> list[int]:
 
 
 def test_below_the_deployment_a_pool_keeps_room_for_the_rises_its_load_has_shown():
-    quick = {"startup_s": 30.0, "rise_start_ups": 0, "scale_down_cooldown_s": 0}  # a reaction of two intervals, no trend
+    # A reaction of two intervals, no trend, no rise met ahead of the window.
+    quick = {"startup_s": 30.0, "rise_start_ups": 0, "scale_down_cooldown_s": 0, "rise_ahead_below_deployment": False}
     decisions = spikes(planner(**quick), 100, deployed=6)
     # The warm-up (1200 s) holds the deployment; then the pool keeps 1 for the quiet load and 3 for
     # the rise, and a spike finds 4 warm.
@@ -585,7 +609,7 @@ def test_below_the_deployment_a_pool_keeps_room_for_the_rises_its_load_has_shown
 def test_below_the_deployment_a_pool_grows_for_the_load_now_before_the_window_lets_it_in():
     # Four decode replicas of load from 1,380 s, after 45 quiet intervals: the window's quantile
     # leaves its first interval out, and without room the pool waits two intervals at 1.
-    quick = {"startup_s": 30.0, "rise_start_ups": 0, "scale_down_cooldown_s": 0}
+    quick = {"startup_s": 30.0, "rise_start_ups": 0, "scale_down_cooldown_s": 0, "rise_ahead_below_deployment": False}
     answers = [50] * 45 + [600] * 20
     observations = [observe(INTERVAL_S * (i + 1), 5, output_tokens=n) for i, n in enumerate(answers)]
     decisions = decide_each(planner(**quick), observations, (1, 6))
@@ -800,10 +824,11 @@ def test_replicas_saved_below_the_deployment_pay_for_a_bet_and_the_bet_held_is_p
     ends (300 s), and saves 3 replicas x 30 s an interval. The ramp that follows is bet on at 600 s
     (2 to 4 on 810 saved replica-seconds), and each interval the bet holds 2 replicas above the 2
     the pool had before the rise, 60 replica-seconds come off."""
-    # Each rise met at its own step (not twice it, nor with room for the ramp's own rises, below the
-    # deployment), so that only the bet spends.
+    # Each rise met at its own step (not twice it, nor ahead, nor with room for the ramp's own rises,
+    # below the deployment), so that only the bet spends.
     decisions = run(
-        planner(base_window_s=300, scale_down_cooldown_s=0, rise_step_below_deployment=1, rise_room_below_deployment=False), [4] * 14 + RAMP, (4, 1), output_tokens=10
+        planner(base_window_s=300, scale_down_cooldown_s=0, rise_step_below_deployment=1, rise_room_below_deployment=False, rise_ahead_below_deployment=False),
+        [4] * 14 + RAMP, (4, 1), output_tokens=10,
     )
     by_time = {d.time_s: d for d in decisions}
     assert [by_time[t].targets["prefill"] for t in (270, 300, 570, 600)] == [4, 1, 2, 4]

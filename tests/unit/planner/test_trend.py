@@ -27,6 +27,20 @@ def test_a_load_rising_over_each_start_up_is_projected_at_its_mean_rise():
     assert not trend.falling("prefill")
 
 
+def test_a_geometric_trend_is_projected_at_its_mean_growth_and_from_nothing_at_its_rise():
+    # Start-up means 1, 2, 4: twice a start-up, so 1.75 start-ups ahead 4 x 2 ** 1.75 = 13.45
+    # (at the mean rise, 4 + 1.5 x 1.75 = 6.6).
+    trend = LoadTrend(2, 2, 60.0, 30.0, geometric=True)
+    for load in (1, 1, 2, 2, 4, 4):
+        trend.observe((load, 1.0))
+    assert trend.rises() == {"prefill": pytest.approx(4 * 2**1.75)}
+    # A load that grew from none has no growth rate: its rise is projected, as without geometric.
+    from_nothing = LoadTrend(2, 1, 60.0, 30.0, geometric=True)
+    for load in (0, 0, 1, 3):
+        from_nothing.observe((load, 0.0))
+    assert from_nothing.rises() == {"prefill": pytest.approx(2 + 2 * 1.75)}
+
+
 def test_nothing_is_a_rise_before_every_start_up_is_observed_or_when_off():
     assert trend_of([1, 2, 3, 4, 5]).rises() == {}
     assert trend_of([1, 2, 3, 4, 5, 6], num_start_ups=0).rises() == {}
