@@ -262,6 +262,8 @@ class SLAPlanner:
         # rise that does not go on costs nothing a static split would not spend.
         self._rise_ahead.observe((prefill_load, own_decode_load))
         downs = {"prefill": prefill_need_down, "decode": decode_need_down}
+        for pool in rising:  # nor does a pool shrink below a trend's projection while the load rises
+            downs[pool] = max(downs[pool], needs[pool])
         if config.rise_ahead_below_deployment:
             for pool, projected in self._rise_ahead.rises().items():
                 count = self._prefill_count(projected, prefill_cap) if pool == "prefill" else self._decode_count(projected)

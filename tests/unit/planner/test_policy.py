@@ -847,6 +847,16 @@ def test_a_pool_grown_on_a_rise_goes_back_once_the_load_falls_without_waiting_fo
     assert decisions[-1].reasons["prefill"].startswith("back to 4: the rise is over")
 
 
+def test_a_pool_does_not_shrink_below_a_trends_projection_while_the_load_rises():
+    # A 300 s window (k = 3) over a deployment of 6, the pool at 1 after the warm-up, then RAMP.
+    # Twice the step takes the pool to 6 at 540 s; the window alone would take it back to 4 at
+    # 570 s while the trend projects 5, and to 6 again after: the projection holds it at 5.
+    off = {"rise_room_below_deployment": False, "rise_ahead_below_deployment": False}
+    decisions = run(planner(base_window_s=300, scale_down_cooldown_s=0, **off), [4] * 12 + RAMP, (6, 1), output_tokens=10)
+    assert prefill_targets(decisions)[17:] == [6, 5, 5, 5, 6]
+    assert "rising over each of the last 3 start-ups, 5 for the load" in decisions[18].reasons["prefill"]
+
+
 def test_a_step_up_is_left_to_the_window_and_not_projected():
     p = planner()
     # 5 then 30 req/s: the start-up means rise twice (the step's first interval, then its second), then stay.
