@@ -118,11 +118,11 @@ class SLAPlanner:
         derived_s = round(max(4 * config.interval_s, (config.startup_s + config.interval_s) / (1 - self._quantile)), 6)
         self._window_s = config.base_window_s if config.base_window_s is not None else derived_s
         self._warmup_s = min(self._window_s, derived_s)  # no pool shrinks before this much is observed
-        self._window: deque[tuple[float, float, float, dict[str, int]]] = deque()  # (time, aged, requests, counts)
-        # Every interval of the window's span in order, for the rises within a reaction (a start-up
-        # and an interval: from a rise's first interval to the replicas it asks for being warm). A
-        # level let go leaves its intervals here as None, so no rise spans it.
-        self._history: deque[list] = deque()  # [time, aged, requests, counts or None]
+        # Every interval of the window's span in order: [time, aged, requests, counts]. A level let go
+        # leaves its intervals' counts None: the window forgets them (``_remembered``), and no rise
+        # within a reaction (a start-up and an interval: from a rise's first interval to the replicas
+        # it asks for being warm) spans them.
+        self._window: deque[list] = deque()
         self._reaction = max(1, math.ceil((config.startup_s + config.interval_s) / config.interval_s - 1e-9))
         # The window's own clock: the seconds observed that age it. An idle interval (no request at
         # all) does not, until the idle stretch has lasted ``idle_hold_s``.
@@ -472,14 +472,15 @@ class SLAPlanner:
         return counts
 
     def _window_add(self, now_s: float, counts: dict[str, int], weight: int) -> None:
-        """Adds one interval's counts to the window and the history and drops those older than ``window_s``."""
-        window, history = self._window, self._history
-        window.append((now_s, self._aged_s, max(weight, 1e-6), counts))
+        """Adds one interval's counts to the window and drops those older than ``window_s``."""
+        window = self._window
+        window.append([now_s, self._aged_s, max(weight, 1e-6), counts])
         while window[0][1] <= self._aged_s - self._window_s:
             window.popleft()
-        history.append([now_s, self._aged_s, max(weight, 1e-6), counts])
-        while history[0][1] <= self._aged_s - self._window_s:
-            history.popleft()
+
+    def _remembered(self) -> list[list]:
+        """The window's intervals, less those of the levels let go (the newest is always there)."""
+        return [entry for entry in self._window if entry[3] is not None]
 
     def _release_levels(self, now_s: float, counts: dict[str, int]) -> dict[str, str]:
         """Lets go of the levels the pools grew for: a run of intervals whose load (averaged over a
@@ -516,10 +517,7 @@ class SLAPlanner:
             self._before_rise.pop(pool, None)
             # Loads are averaged over a start-up, so a level's edges spread a start-up either side of it.
             edge_s = self.config.startup_s
-            kept = [entry for entry in self._window if not run_s - edge_s <= entry[0] <= ended_s + edge_s]
-            self._window.clear()
-            self._window.extend(kept)
-            for entry in self._history:  # the level's rise was the shift's, over with it
+            for entry in self._window:  # forgotten, and the level's rise with them: it was the shift's
                 if run_s - edge_s <= entry[0] <= ended_s + edge_s:
                     entry[3] = None
             held_s = ended_s - run_s + interval_s
@@ -531,8 +529,8 @@ class SLAPlanner:
         """When the run of load that ``before`` replicas of ``pool`` do not carry, which the window
         ends with, began: the interval after the last two start-ups whose load they carried (``now_s``
         when the window ends with such a stretch; the window's first interval when it holds none)."""
-        newer_s, after_stretch_s, within = now_s, now_s, 0
-        for time_s, _, _, counts in reversed(self._window):
+        newer_s, after_stretch_s, within, remembered = now_s, now_s, 0, self._remembered()
+        for time_s, _, _, counts in reversed(remembered):
             if counts[f"{pool}_down"] <= before:
                 if not within:
                     after_stretch_s = newer_s
@@ -542,21 +540,21 @@ class SLAPlanner:
             else:
                 within = 0
             newer_s = time_s
-        return self._window[0][0]
+        return remembered[0][0]
 
     def _window_quantiles(self) -> dict[str, int]:
         """Each count's quantile over the intervals of the last ``window_s``, each weighted by its
         requests (attainment is counted in requests, and a busy interval holds more of them)."""
-        window = self._window
-        return {key: self._weighted_quantile([(c[key], w) for _, _, w, c in window]) for key in window[-1][3]}
+        remembered = self._remembered()
+        return {key: self._weighted_quantile([(c[key], w) for _, _, w, c in remembered]) for key in remembered[-1][3]}
 
     def _rises(self) -> dict[str, int]:
         """Per pool, the quantile (as the window's, each interval weighted by its requests) of how far
         its count rose from an interval of the window's span within the reaction that followed it (a
         start-up and an interval), counting no rise that spans a level let go. Empty until the
-        history holds one reaction."""
-        history, reaction = list(self._history), self._reaction
-        spans = [history[i:i + reaction + 1] for i in range(len(history) - reaction)]
+        window holds one reaction."""
+        window, reaction = list(self._window), self._reaction
+        spans = [window[i:i + reaction + 1] for i in range(len(window) - reaction)]
         spans = [span for span in spans if all(entry[3] is not None for entry in span)]
         if not spans:
             return {}
