@@ -194,7 +194,8 @@ class Simulation:
                     tokens = self.trace[i].prompt_tokens
                     decode_queued += tokens * min(1.0, (self.start_s[i] - now) / (self.cost * self.perf.prefill_s(tokens)))
         obs = Observation(now, interval, arrived[0], arrived[1], round(streamed), mean(ttfts), p90(ttfts), mean(itls), p90(itls), int(queued + decode_queued), kv,
-                          tuple(zip(PROMPT_LENGTH_BUCKETS, histogram)), running, int(decode_queued))
+                          tuple(zip(PROMPT_LENGTH_BUCKETS, histogram)), running, int(decode_queued),
+                          sum(t > self.config.ttft_slo_s for t in ttfts) + sum(t > self.config.itl_slo_s for t in itls))
         use = {"prefill": busy_s / (max(1, pools["prefill"].ready) * interval), "decode": batch / self.batch_at_slo}
         targets = self.controller(now, obs, pools, use)
         for pool, target in (targets or {}).items():

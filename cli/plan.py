@@ -70,7 +70,7 @@ def run_plan(args: argparse.Namespace) -> int:
     server, _ = start_http_server(args.metrics_port, registry=metrics.registry)
     print(f"splitserve plan: deciding every {config.interval_s:g} s{' (dry run)' if args.dry_run else ''}; metrics on port {server.server_port}", flush=True)
     with client:
-        loop = PlannerLoop(SLAPlanner(config, perf_model), connector, ClusterSource(client.cluster_status), dry_run=args.dry_run, metrics=metrics)
+        loop = PlannerLoop(SLAPlanner(config, perf_model), connector, ClusterSource(client.cluster_status, (config.ttft_slo_s, config.itl_slo_s)), dry_run=args.dry_run, metrics=metrics)
 
         async def main() -> None:
             stop = asyncio.Event()

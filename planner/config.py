@@ -66,6 +66,17 @@ class PlannerConfig:
     (for a start-up and an interval, as a trend bet). The deployment rides out shorter bursts, as a
     static split would: replicas asked for on them are warm after most of them (planner/README). A
     KV pool nearly full still grows the decode pool at once."""
+    error_budget_above_deployment: bool = True
+    """Above the deployment, a shift grows a pool only once the SLO's error budget is spent: the
+    requests that missed an SLO over the last ``error_budget_window_s`` (less those whose prompt no
+    replica prefills in time, counted apart) reach ``1 - attainment_target`` of its requests. Until
+    then the deployment serves the shift as a static split of it would, within what the SLO allows;
+    a drift that a static split of the deployment rides out at the target costs no replica more.
+    Growth the savings below the deployment pay for is not held. Needs observations that count the
+    misses (``Observation.slo_misses``); without them, and off, a shift grows at once."""
+    error_budget_window_s: float = 3600.0
+    """The span the error budget is counted over: an hour, so that a quiet morning's unspent budget
+    does not hold the deployment through an evening's overload."""
     rise_step_below_deployment: float = 2.0
     """Below the deployment, a pool that must grow asks for this many times the step from its target
     to what it needs (at most the deployment): replicas asked for now are warm a start-up later, and
@@ -141,7 +152,7 @@ class PlannerConfig:
     bursty replays in bench.planner lost up to 7 points of SLO attainment to late replicas)."""
 
     def __post_init__(self) -> None:
-        for name in ("ttft_slo_s", "itl_slo_s", "interval_s"):
+        for name in ("ttft_slo_s", "itl_slo_s", "interval_s", "error_budget_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be above 0 seconds, got {getattr(self, name)}.")
         if not 0 < self.attainment_target < 1:

@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from planner.connector import POOLS, Connector, ConnectorError
 from planner.observation import Decision, Observation
 from planner.policy import SLAPlanner
-from planner.scrape import Scrape, interval, scrape
+from planner.scrape import Scrape, count_above, interval, scrape
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,11 @@ class ClusterSource:
     """Observations of a cluster through its router's gRPC admin API (``status()``: a callable
     returning splitserve.v1.ClusterStatus, e.g. ``SplitServeClient.cluster_status``)."""
 
-    def __init__(self, status) -> None:
+    def __init__(self, status, slos: tuple[float, float] | None = None) -> None:
         self._status = status
+        self._slos = slos
+        """(TTFT, ITL) SLOs in seconds: the requests that missed them are counted from the routers'
+        histograms (``Observation.slo_misses``); None: not counted."""
         self._last: Scrape | None = None
 
     async def observe(self, now_s: float) -> Observation | None:
@@ -57,6 +60,13 @@ class ClusterSource:
         if previous is None:
             return None
         stats = interval(previous, current)
+        slo_misses = None
+        if self._slos is not None:  # from the histograms: exact when an SLO is a bucket bound
+            ttft_slo_s, itl_slo_s = self._slos
+            late = count_above(ttft_slo_s, previous.buckets.get("ttft", {}), current.buckets.get("ttft", {}))
+            slow = count_above(itl_slo_s, previous.buckets.get("request_itl", {}), current.buckets.get("request_itl", {}))
+            if late is not None and slow is not None:
+                slo_misses = round(late + slow)
         decode = [r for r in status.replicas if r.pool == "decode" and r.num_kv_blocks]
         # Prompt tokens waiting for a prefill anywhere: on the prefill replicas, and on decode
         # replicas that prefill their own (the prefill pool at zero, or a fallback).
@@ -80,6 +90,7 @@ class ClusterSource:
             prompt_length_counts=stats.prompt_length_counts,
             decode_running=sum(r.num_running for r in status.replicas if r.pool == "decode"),
             decode_queued_prefill_tokens=decode_queue,
+            slo_misses=slo_misses,
         )
 
 
@@ -116,6 +127,11 @@ class PlannerMetrics:
         )
         self.saved = Gauge(
             "splitserve_planner_saved_replica_seconds", "Replica-seconds spent below the deployment the planner started over, less trend bets held: what a bet is paid from.", registry=r
+        )
+        self.error_budget = Gauge(
+            "splitserve_planner_error_budget_requests",
+            "Requests that may still miss an SLO over the error budget's window before a shift grows a pool above its deployment (below 0: overspent).",
+            registry=r,
         )
         self.connector_errors = Counter("splitserve_planner_connector_errors", "Actions the cluster refused or failed.", registry=r)
         self.decisions = Counter("splitserve_planner_decisions", "Intervals decided.", registry=r)
@@ -212,6 +228,8 @@ class PlannerLoop:
         for pool in POOLS:
             m.rise_room.labels(pool).set(decision.rise_room.get(pool, 0))
         m.saved.set(decision.saved_replica_s)
+        if decision.error_budget is not None:
+            m.error_budget.set(decision.error_budget)
         logger.info("planner: %s", json.dumps({
             "observation": _loggable(observation),
             "pools": {p: dataclasses.asdict(v) for p, v in pools.items()},
@@ -220,7 +238,8 @@ class PlannerLoop:
             "reasons": dict(decision.reasons), "infeasible": list(decision.infeasible),
             "infeasible_requests": decision.infeasible_requests, "released_levels": list(decision.released_levels),
             "unfunded_trends": list(decision.unfunded_trends), "held_at_deployment": list(decision.held_at_deployment),
-            "rise_room": dict(decision.rise_room), "saved_replica_s": round(decision.saved_replica_s, 1), "dry_run": self.dry_run,
+            "rise_room": dict(decision.rise_room), "saved_replica_s": round(decision.saved_replica_s, 1),
+            "error_budget": None if decision.error_budget is None else round(decision.error_budget, 1), "dry_run": self.dry_run,
         }))
 
 

@@ -46,9 +46,14 @@ class Observation:
     decode_queued_prefill_tokens: int = 0
     """The part of ``queued_prefill_tokens`` on decode replicas: their batches stall while they
     prefill it."""
+    slo_misses: int | None = None
+    """Requests that missed an SLO in the interval: their first token came later than the TTFT SLO,
+    or they finished at a mean inter-token latency over the ITL SLO (one that missed both counts
+    twice). None: not counted (the planner's error budget then holds nothing)."""
 
     def __post_init__(self) -> None:
-        if self.duration_s <= 0 or min(self.num_requests, self.num_prompt_tokens, self.num_output_tokens, self.queued_prefill_tokens, self.decode_queued_prefill_tokens) < 0:
+        counts = (self.num_requests, self.num_prompt_tokens, self.num_output_tokens, self.queued_prefill_tokens, self.decode_queued_prefill_tokens, self.slo_misses or 0)
+        if self.duration_s <= 0 or min(counts) < 0:
             raise ValueError("an observation needs duration_s above 0 and no negative count.")
 
 
@@ -90,3 +95,7 @@ class Decision:
     saved_replica_s: float = 0.0
     """Replica-seconds the pools have spent below the deployment the planner was turned on over (their
     targets at its first decision), less those trend bets held: what the next bet is paid from."""
+    error_budget: float | None = None
+    """Requests that may still miss an SLO over the error budget's window before it is spent
+    (``1 - attainment_target`` of its requests, less those that missed; below 0: overspent). None:
+    the observations do not count misses, or ``error_budget_above_deployment`` is off."""

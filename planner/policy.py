@@ -153,6 +153,9 @@ class SLAPlanner:
         if self._level_s is None:
             self._level_s = (derived_start_ups + 3) * intervals_per_start_up * config.interval_s
         self._z = NormalDist().inv_cdf(config.attainment_target)
+        # The SLO's error budget: (time, requests, misses) of each interval of the budget's window
+        # whose observation counted the requests that missed an SLO.
+        self._misses: deque[tuple[float, int, int]] = deque()
         self._feasible_work = 1.0  # the share of the last interval's prefill seconds that were feasible prompts'
 
     def decide(self, observation: Observation, pools: Mapping[str, PoolReplicas]) -> Decision:
@@ -170,6 +173,10 @@ class SLAPlanner:
         self.predictor.observe(observed.request_rate, observed.prompt_tokens_per_s, observed.output_tokens_per_s)
         forecast = self.predictor.forecast()
         infeasible_requests = self._measure_prompts(obs)
+        if obs.slo_misses is not None:  # a prompt no replica prefills in time is counted apart, not spent
+            self._misses.append((obs.time_s, obs.num_requests, max(0, obs.slo_misses - infeasible_requests)))
+        while self._misses and self._misses[0][0] <= obs.time_s - config.error_budget_window_s:
+            self._misses.popleft()
         self._correct(obs, pools, observed.output_tokens_per_s)
 
         # This interval's load, as counts, joins the window; the pools are sized for the window's quantile.
@@ -373,6 +380,7 @@ class SLAPlanner:
         return Decision(
             obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons,
             tuple(infeasible), infeasible_requests, tuple(released), tuple(unfunded), tuple(sorted(held)), room, self._saved_s,
+            self._error_budget(),
         )
 
     def _ride_out_bursts(
@@ -391,9 +399,15 @@ class SLAPlanner:
             floor = max(deployed, pools[pool].target)
             if needs[pool] <= floor:
                 continue
-            recent = self._recent
+            recent, unspent = self._recent, ""
             if len(recent) == recent.maxlen and now[pool] > deployed and all(counts[pool] > deployed for counts in recent):
-                continue  # a shift: grows as asked
+                budget = self._error_budget()
+                if budget is None or budget <= 0:
+                    continue  # a shift: grows as asked
+                unspent = (  # a shift the deployment serves within the SLO's attainment target, as a static split of it would
+                    f"; a shift, but the SLO's error budget is not spent: {budget:.0f} more requests of the last"
+                    f" {config.error_budget_window_s:g} s may miss ({1 - config.attainment_target:.2g} of them)"
+                )
             high = config.max_prefill if pool == "prefill" else config.max_decode
             if floor >= high:
                 continue  # nothing to add: settling holds it at max, and says so
@@ -404,11 +418,18 @@ class SLAPlanner:
                 continue
             whys[pool] = (
                 f"{whys[pool]}; held at {floor} for {needs[pool]}: above the deployment's {deployed} a pool grows for load"
-                f" that needed more over the last two start-ups, or on savings ({self._saved_s:.0f} replica-seconds, {cost_s:.0f} needed)"
+                f" that needed more over the last two start-ups, or on savings ({self._saved_s:.0f} replica-seconds, {cost_s:.0f} needed){unspent}"
             )
             needs[pool] = floor
             held.add(pool)
         return needs, whys, held
+
+    def _error_budget(self) -> float | None:
+        """Requests that may still miss an SLO over the budget's window before it is spent (below 0:
+        overspent); None when it holds nothing (off, or no observation counted the misses)."""
+        if not self.config.error_budget_above_deployment or not self._misses:
+            return None
+        return (1 - self.config.attainment_target) * sum(n for _, n, _ in self._misses) - sum(m for _, _, m in self._misses)
 
     def _account(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> None:
         """Adds the interval just observed to the replica-seconds saved: each pool's count below the

@@ -1,7 +1,7 @@
 """What the live planner reads each interval: the routers' Prometheus series, as interval deltas.
 
-Every router exports request counts, prompt and output tokens, and TTFT, inter-token latency and
-prompt-length histograms (router/frontend/metrics.py). The planner scrapes each router's ``/metrics`` (the
+Every router exports request counts, prompt and output tokens, and TTFT, inter-token latency (each
+gap, and each request's mean) and prompt-length histograms (router/frontend/metrics.py). The planner scrapes each router's ``/metrics`` (the
 URLs the controller's cluster status lists), sums the routers, and turns two scrapes into one
 interval: counts by difference, percentiles from the difference of the histogram buckets (as
 PromQL's ``histogram_quantile`` does, linear within a bucket), prompt lengths as per-bucket counts.
@@ -22,6 +22,7 @@ _COUNTERS = {
 _HISTOGRAMS = {
     "splitserve_time_to_first_token_seconds": "ttft",
     "splitserve_inter_token_latency_seconds": "itl",
+    "splitserve_request_inter_token_latency_seconds": "request_itl",
     "splitserve_prompt_length_tokens": "prompt_length",
 }
 
@@ -118,6 +119,25 @@ def quantile(q: float, before: dict[float, float], after: dict[float, float]) ->
             return lower_bound + (bound - lower_bound) * ((rank - lower_count) / width if width else 1.0)
         lower_bound, lower_count = bound, count
     return lower_bound
+
+
+def count_above(bound: float, before: dict[float, float], after: dict[float, float]) -> float | None:
+    """How many observations between two cumulative bucket snapshots were above ``bound``: exact
+    when ``bound`` is a bucket's bound, else linear within its bucket (as ``quantile`` reads one);
+    None when ``after`` has no buckets (the series is not exported)."""
+    bounds, counts = _cumulative_deltas(before, after)
+    if not counts:
+        return None
+    lower_bound, lower_count = 0.0, 0.0
+    for upper, count in zip(bounds, counts):
+        if bound <= upper:
+            if upper == float("inf"):
+                at_or_below = lower_count  # beyond the last finite bucket nothing is known: counted above
+            else:
+                at_or_below = lower_count + (count - lower_count) * (bound - lower_bound) / (upper - lower_bound)
+            return max(0.0, counts[-1] - at_or_below)
+        lower_bound, lower_count = upper, count
+    return 0.0
 
 
 def bucket_counts(before: dict[float, float], after: dict[float, float]) -> tuple[tuple[float, int], ...]:

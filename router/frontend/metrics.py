@@ -27,6 +27,10 @@ class RouterMetrics:
         self._requests = Counter("splitserve_requests", "Generate calls by final gRPC status.", ["router", "status"], registry=self.registry)
         self.ttft = histogram("splitserve_time_to_first_token_seconds", "Call start to first token.")
         self.inter_token = histogram("splitserve_inter_token_latency_seconds", "Time between tokens of one stream.")
+        self.request_inter_token = histogram(
+            "splitserve_request_inter_token_latency_seconds",
+            "Each finished stream's mean time between tokens, first token to last (what an ITL SLO judges a request by).",
+        )
         self.e2e = histogram("splitserve_e2e_latency_seconds", "Call start to last response.")
         self.path_first_token = histogram(
             "splitserve_serving_path_first_token_seconds",

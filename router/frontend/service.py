@@ -232,6 +232,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                         self.metrics.path_first_token.observe(max(0.0, stream.ttft_s - event.response.timings.worker_first_token_s))
                     yield event.response
             self.metrics.e2e.observe(time.perf_counter() - stream.start_s)
+            if len(stream.token_ids) >= 2 and not stream.client_request_id and stream.last_s is not None:
+                self.metrics.request_inter_token.observe((stream.last_s - stream.start_s - stream.ttft_s) / (len(stream.token_ids) - 1))
         except RequestIdInUse as e:
             raise CallRejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         finally:

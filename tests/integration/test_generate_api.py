@@ -279,6 +279,7 @@ def test_prometheus_metrics_from_router_and_worker(client, cluster):
     assert "splitserve_time_to_first_token_seconds_bucket" in router_text
     assert "splitserve_inter_token_latency_seconds_count" in router_text
     assert "splitserve_e2e_latency_seconds_count" in router_text
+    assert _sample(router_text, "splitserve_request_inter_token_latency_seconds_count") >= 1  # the 2-token answer's mean
     assert _sample(router_text, "splitserve_serving_path_first_token_seconds_count") >= 1
     assert 'splitserve_requests_total{router="router-0",status="INVALID_ARGUMENT"}' in router_text
     controller_text = urllib.request.urlopen(ray.get(cluster.controller.metrics_address.remote())).read().decode()

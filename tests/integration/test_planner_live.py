@@ -37,6 +37,9 @@ CONFIG = PlannerConfig(
     ttft_slo_s=2.0, itl_slo_s=0.5, interval_s=2.0, min_prefill=1, max_prefill=2, min_decode=1, max_decode=2,
     scale_down_cooldown_s=4.0, startup_s=2.0,
     base_window_s=10.0,  # the derived window ((2 + 2) / 0.05 = 80 s) would hold each burst's replicas over a minute
+    # The tiny model meets these SLOs with room to spare, so the SLO's error budget would hold each
+    # burst at the deployment; what is tested here is the loop, the connector and the drain.
+    error_budget_above_deployment=False,
 )
 
 
@@ -88,7 +91,7 @@ def test_bursts_scale_each_pool_up_and_back_down(ray_session, tiny_llama_dir):
     )
     with running_cluster(config) as cluster, SplitServeClient(cluster.router_status.grpc_address) as client:
         connector = RayConnector(drain_timeout_s=60)
-        loop = PlannerLoop(SLAPlanner(CONFIG, PROFILE), connector, ClusterSource(client.cluster_status))
+        loop = PlannerLoop(SLAPlanner(CONFIG, PROFILE), connector, ClusterSource(client.cluster_status, (CONFIG.ttft_slo_s, CONFIG.itl_slo_s)))
         timeline: list = [time.monotonic()]
         asyncio.run(loop.step())  # the baseline scrape
 
@@ -101,16 +104,21 @@ def test_bursts_scale_each_pool_up_and_back_down(ray_session, tiny_llama_dir):
 
         # Two clients: their chat-templated prompts (~150 tokens, 0.5 s each by the profile) stay under
         # a third of one prefill replica, while their answers need more decode replicas than max.
+        counting = ClusterSource(client.cluster_status, (CONFIG.ttft_slo_s, CONFIG.itl_slo_s))
+        asyncio.run(counting.observe(time.monotonic()))  # a baseline for the misses counted over the answers' burst
         answers = Load(client, random_prompts([8] * 2, seed=12), max_tokens=100)
         quiet = len(loop.decisions)
         _step_until(loop, connector, lambda p: p["decode"].ready == 2, 90, timeline)
         grew = [d.reasons["prefill"] for d in loop.decisions[quiet:] if d.targets["prefill"] != 1]
         assert grew == []  # long answers alone never grew prefill
         answers.finish()
+        counted = asyncio.run(counting.observe(time.monotonic()))
         _step_until(loop, connector, lambda p: p["decode"].target == 1 and p["decode"].ready == 1 and not p["decode"].draining, 90, timeline)
         status = client.cluster_status()
 
     print("\nplanner timeline (s, targets, ready):", *timeline[1:], sep="\n  ")
     assert prompts.errors == [] and answers.errors == [] and prompts.done and answers.done
+    # The routers' TTFT and per-request ITL histograms count the requests that missed an SLO, live.
+    assert counted.num_requests >= answers.done - 2 and counted.slo_misses is not None and 0 <= counted.slo_misses <= counted.num_requests
     assert all(r.num_free_kv_blocks == r.num_kv_blocks for r in status.replicas)
     assert {p.pool: p.num_restarts for p in status.pools} == {"prefill": 0, "decode": 0}

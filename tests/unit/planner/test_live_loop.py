@@ -4,6 +4,7 @@ import asyncio
 import json
 import logging
 
+import pytest
 from prometheus_client import start_http_server
 
 from planner.config import PlannerConfig
@@ -21,14 +22,15 @@ PROFILE = PerfModel(prefill=[(1, 0.01), (1000, 1.0)], decode=[(1, 0.02), (64, 0.
 class FakeSource:
     """Stands in for the cluster's metrics: a fixed load every interval."""
 
-    def __init__(self, prompt_tokens_per_s: float, prompt_length_counts: tuple[tuple[float, int], ...] = ()) -> None:
+    def __init__(self, prompt_tokens_per_s: float, prompt_length_counts: tuple[tuple[float, int], ...] = (), slo_misses: int | None = None) -> None:
         self.rate = prompt_tokens_per_s
         self.prompt_length_counts = prompt_length_counts
+        self.slo_misses = slo_misses
 
     async def observe(self, now_s: float) -> Observation:
         return Observation(
             time_s=now_s, duration_s=10.0, num_requests=round(self.rate / 100), num_prompt_tokens=round(self.rate * 10), num_output_tokens=10,
-            prompt_length_counts=self.prompt_length_counts,
+            prompt_length_counts=self.prompt_length_counts, slo_misses=self.slo_misses,
         )
 
 
@@ -219,6 +221,21 @@ def test_room_kept_below_the_deployment_for_a_rise_is_a_gauge_and_logged(caplog)
     assert loop.metrics.rise_room.labels("decode")._value.get() == 0
 
 
+def test_the_error_budget_is_a_gauge_and_logged(caplog):
+    """1,000 prompt tokens/s is 10 requests an interval; 1 of them misses an SLO in each: the
+    budget (0.05 of the requests, less those that missed) is overspent by half a request each."""
+    loop = _loop(FakeSource(1000.0, slo_misses=1), FakeConnector())
+    with caplog.at_level(logging.INFO, logger="planner.live"):
+        for t in range(0, 40, 10):
+            decision = asyncio.run(loop.step(float(t)))
+    assert decision.error_budget == pytest.approx(-2.0) and loop.metrics.error_budget._value.get() == pytest.approx(-2.0)
+    assert [line["error_budget"] for line in _logged(caplog)] == [-0.5, -1.0, -1.5, -2.0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="planner.live"):
+        asyncio.run(_loop(FakeSource(1000.0), FakeConnector()).step(0.0))  # nothing counts the misses
+    assert _logged(caplog)[-1]["error_budget"] is None
+
+
 def test_the_cluster_source_reads_prompt_lengths_from_the_routers_metrics_and_running_sequences_from_the_status():
     metrics = RouterMetrics("router-0")
     server, thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
@@ -239,3 +256,25 @@ def test_the_cluster_source_reads_prompt_lengths_from_the_routers_metrics_and_ru
     assert [bound for bound, _ in observation.prompt_length_counts] == list(PROMPT_LENGTH_BUCKETS)
     assert observation.decode_running == 12  # the decode replicas' running sequences, not prefill's
     assert observation.queued_prefill_tokens == 9400  # prompts waiting for a prefill anywhere, a decode replica's own too
+
+
+def test_the_cluster_source_counts_the_requests_that_missed_an_slo_from_the_routers_histograms():
+    metrics = RouterMetrics("router-0")
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+    try:
+        status = pb.ClusterStatus(routers=[pb.RouterStatus(router_id="router-0", metrics_url=f"http://127.0.0.1:{server.server_port}/metrics")])
+        counting, blind = ClusterSource(lambda: status, (2.5, 0.1)), ClusterSource(lambda: status)
+        assert asyncio.run(counting.observe(0.0)) is None and asyncio.run(blind.observe(0.0)) is None
+        metrics.ttft.observe(3.0)  # one first token beyond 2.5 s, two within
+        metrics.ttft.observe(0.4)
+        metrics.ttft.observe(2.4)
+        metrics.request_inter_token.observe(0.2)  # one request's mean over 0.1 s, one within
+        metrics.request_inter_token.observe(0.04)
+        counted, not_counted = asyncio.run(counting.observe(30.0)), asyncio.run(blind.observe(30.0))
+        metrics.ttft.observe(0.2)
+        assert asyncio.run(counting.observe(60.0)).slo_misses == 0  # the next interval: only its own
+    finally:
+        server.shutdown()
+        thread.join()
+    assert counted.slo_misses == 2
+    assert not_counted.slo_misses is None  # no SLOs given: unknown, not zero

@@ -502,6 +502,36 @@ def test_above_the_deployment_a_burst_is_ridden_out_and_a_shift_grows_the_pool()
     assert prefill_targets(run(planner(**RIDE_OUT), [5] * 4 + [30] * 8, (1, 1))) == [1] * 7 + [4] * 5
 
 
+def test_above_the_deployment_a_shift_grows_the_pool_only_once_the_slos_error_budget_is_spent():
+    # Deployed at 1 + 1: the shift above grows prefill to 4 after two start-ups (the 8th interval),
+    # when nothing counts the requests that missed an SLO. Counted, and none missing, the deployment
+    # serves it within the attainment target: held at 1 throughout, and the reason says why.
+    shift = [5] * 4 + [30] * 8
+    misses = lambda per_overloaded: [0] * 4 + [per_overloaded] * 8  # noqa: E731
+    counted = lambda p, m: decide_each(p, [observe(30.0 * (i + 1), rate, slo_misses=n) for i, (rate, n) in enumerate(zip(shift, m))], (1, 1))  # noqa: E731
+    decisions = counted(planner(**RIDE_OUT), misses(0))
+    assert set(prefill_targets(decisions)) == {1}
+    assert decisions[7].reasons["prefill"].endswith("a shift, but the SLO's error budget is not spent: 210 more requests of the last 3600 s may miss (0.05 of them)")
+    assert decisions[-1].error_budget == pytest.approx(0.05 * (4 * 150 + 8 * 900))
+    # 60 of each overloaded interval's 900 requests miss: 30 + 45 k - 60 k requests are left after
+    # k of them, spent in the 2nd; the shift grows the pool when it is one (the 8th interval).
+    decisions = counted(planner(**RIDE_OUT), misses(60))
+    assert prefill_targets(decisions) == [1] * 7 + [4] * 5 and decisions[7].error_budget == pytest.approx(30 - 15 * 4)
+    # 36 of them: 30 + 9 k, never spent within the hour, the shift held through.
+    assert set(prefill_targets(counted(planner(**RIDE_OUT), misses(36)))) == {1}
+    # A prompt no replica prefills within the TTFT SLO (here 10 of 150, past 32k tokens) misses it
+    # whatever the pool does: counted apart, its miss spends nothing.
+    lengths = ((1024.0, 140), (2.0 ** 15, 0), (math.inf, 10))
+    assert planner(**RIDE_OUT).decide(observe(30.0, 5, slo_misses=10, prompt_length_counts=lengths), pools(1, 1)).error_budget == pytest.approx(7.5)
+    assert planner(**RIDE_OUT).decide(observe(30.0, 5, slo_misses=10), pools(1, 1)).error_budget == pytest.approx(7.5 - 10)
+    # Off, or with no count of misses, the shift grows as before.
+    assert prefill_targets(counted(planner(**RIDE_OUT, error_budget_above_deployment=False), misses(0))) == [1] * 7 + [4] * 5
+    assert prefill_targets(run(planner(**RIDE_OUT), shift, (1, 1))) == [1] * 7 + [4] * 5
+    # The budget counts its window alone: with 120 s, the quiet intervals' share is gone by the 8th.
+    decisions = counted(planner(**RIDE_OUT, error_budget_window_s=120.0), misses(60))
+    assert decisions[7].error_budget == pytest.approx(0.05 * 4 * 900 - 4 * 60)
+
+
 def test_replicas_saved_below_the_deployment_pay_for_growth_above_it():
     # Deployed at 4 with nothing saved: 6 replicas of prompt load (7 replicas) are held at 4.
     decisions = run(planner(**RIDE_OUT), [60] * 3, (4, 1))

@@ -3,7 +3,7 @@
 import pytest
 from prometheus_client import generate_latest
 
-from planner.scrape import Scrape, interval, parse, quantile
+from planner.scrape import Scrape, count_above, interval, parse, quantile
 from router.frontend.metrics import PROMPT_LENGTH_BUCKETS, RouterMetrics
 
 
@@ -41,6 +41,26 @@ def test_quantile_interpolates_within_the_bucket_like_histogram_quantile():
     assert quantile(0.75, before, after) == pytest.approx(0.55)  # halfway through (0.1, 1.0]
     assert quantile(0.9, {}, {}) is None
     assert quantile(0.99, before, {0.1: 0.0, 1.0: 0.0, float("inf"): 5.0}) == 1.0  # past the last bound
+
+
+def test_count_above_is_exact_at_a_bound_and_linear_within_a_bucket():
+    before = {0.1: 2.0, 1.0: 2.0, float("inf"): 2.0}
+    after = {0.1: 12.0, 1.0: 22.0, float("inf"): 26.0}  # 10 at or below 0.1, 10 in (0.1, 1.0], 4 above 1.0
+    assert count_above(1.0, before, after) == pytest.approx(4)
+    assert count_above(0.1, before, after) == pytest.approx(14)
+    assert count_above(0.55, before, after) == pytest.approx(9)  # half of (0.1, 1.0]'s 10, and the 4
+    assert count_above(0.05, before, after) == pytest.approx(19)  # half of [0, 0.1]'s 10 too
+    assert count_above(5.0, before, after) == pytest.approx(4)  # past the last finite bound: all above it
+    assert count_above(1.0, {}, {}) is None  # the series is not exported
+
+
+def test_a_requests_mean_inter_token_latency_is_read_from_the_routers_histogram():
+    metrics = RouterMetrics("router-0")
+    before = parse(_exposition(metrics), 0.0)
+    for mean_s in (0.02, 0.04, 0.3):
+        metrics.request_inter_token.observe(mean_s)
+    after = parse(_exposition(metrics), 30.0)
+    assert count_above(0.1, before.buckets["request_itl"], after.buckets["request_itl"]) == 1
 
 
 def test_a_restarted_router_never_gives_negative_counts():
