@@ -344,6 +344,11 @@ class SLAPlanner:
         if obs.kv_usage is not None and obs.kv_usage > config.kv_usage_high and decode.ready + 1 > decode_need:
             if self._only_infeasible(observed):  # a replica more holds more of them, and serves nobody in time
                 decode_why = f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, filled by prompts no replica prefills within the TTFT SLO: not grown for"
+            elif not config.burst_growth_above_deployment and decode.ready + 1 > max(self._deployed["decode"], decode.target) and (self._error_budget() or 0) > 0:
+                # Above the deployment a full KV pool queues requests as a static split of it would, and
+                # their misses are what the error budget counts.
+                decode_why = f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, but above the deployment's {self._deployed['decode']}{self._unspent()}"
+                held.add("decode")
             else:
                 decode_need, decode_why = decode.ready + 1, f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}"
 
@@ -404,10 +409,7 @@ class SLAPlanner:
                 budget = self._error_budget()
                 if budget is None or budget <= 0:
                     continue  # a shift: grows as asked
-                unspent = (  # a shift the deployment serves within the SLO's attainment target, as a static split of it would
-                    f"; a shift, but the SLO's error budget is not spent: {budget:.0f} more requests of the last"
-                    f" {config.error_budget_window_s:g} s may miss ({1 - config.attainment_target:.2g} of them)"
-                )
+                unspent = f"; a shift, but{self._unspent()}"  # the deployment serves it within the SLO, as a static split of it would
             high = config.max_prefill if pool == "prefill" else config.max_decode
             if floor >= high:
                 continue  # nothing to add: settling holds it at max, and says so
@@ -430,6 +432,13 @@ class SLAPlanner:
         if not self.config.error_budget_above_deployment or not self._misses:
             return None
         return (1 - self.config.attainment_target) * sum(n for _, n, _ in self._misses) - sum(m for _, _, m in self._misses)
+
+    def _unspent(self) -> str:
+        """The reason's clause for a pool held while the error budget is not spent."""
+        return (
+            f" the SLO's error budget is not spent: {self._error_budget():.0f} more requests of the last"
+            f" {self.config.error_budget_window_s:g} s may miss ({1 - self.config.attainment_target:.2g} of them)"
+        )
 
     def _account(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> None:
         """Adds the interval just observed to the replica-seconds saved: each pool's count below the

@@ -532,6 +532,23 @@ def test_above_the_deployment_a_shift_grows_the_pool_only_once_the_slos_error_bu
     assert decisions[7].error_budget == pytest.approx(0.05 * 4 * 900 - 4 * 60)
 
 
+def test_above_the_deployment_a_full_kv_pool_grows_decode_only_once_the_error_budget_is_spent():
+    # Deployed at 1 + 1, 5 req/s (150 an interval): KV use over 0.9 asks for a second decode
+    # replica. With none of the requests missing an SLO, the deployment's 1 holds; once more than
+    # 0.05 of them have missed (8 of 150 in the first interval), it grows at once.
+    full = lambda misses: observe(30.0, 5, kv_usage=0.95, slo_misses=misses)  # noqa: E731
+    held = planner(**RIDE_OUT).decide(full(0), pools(1, 1))
+    assert held.targets["decode"] == 1 and held.held_at_deployment == ("decode",)
+    assert held.reasons["decode"].endswith(
+        "KV use 0.95 is over 0.9, but above the deployment's 1 the SLO's error budget is not spent: 8 more requests of the last 3600 s may miss (0.05 of them)"
+    )
+    grown = planner(**RIDE_OUT).decide(full(8), pools(1, 1))
+    assert grown.targets["decode"] == 2 and grown.reasons["decode"].endswith("KV use 0.95 is over 0.9")
+    # With nothing counting the misses, or the budget off, it grows as before.
+    assert planner(**RIDE_OUT).decide(observe(30.0, 5, kv_usage=0.95), pools(1, 1)).targets["decode"] == 2
+    assert planner(**RIDE_OUT, error_budget_above_deployment=False).decide(full(0), pools(1, 1)).targets["decode"] == 2
+
+
 def test_replicas_saved_below_the_deployment_pay_for_growth_above_it():
     # Deployed at 4 with nothing saved: 6 replicas of prompt load (7 replicas) are held at 4.
     decisions = run(planner(**RIDE_OUT), [60] * 3, (4, 1))
