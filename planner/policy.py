@@ -40,7 +40,10 @@ Above the deployment the planner rides a burst out as a static split of that siz
 each interval of the last two start-ups and still does in this one alone (a shift, which replicas
 asked for now still catch; a shorter burst is mostly over by the time they are warm), or when the
 replica-seconds saved below the deployment pay for the replicas added, for a start-up and an
-interval (the payment is spent). A KV pool nearly full still grows the decode pool at once.
+interval (the payment is spent). A shift, and a KV pool nearly full, grow a pool past the
+deployment only once the SLO's error budget is spent (``error_budget_above_deployment``): the
+requests that missed an SLO over the last ``error_budget_window_s`` reach ``1 - attainment_target``
+of them. Until then the deployment serves them as a static split of it would, within the SLO.
 A level the pool grew for (or was held through at the deployment) that held longer than a burst
 (``release_level_after_s``: the trend test's span and two start-ups more) is a shift in load, not a
 burst to remember: once the load has been within the count the pool had before for two start-ups,
