@@ -103,7 +103,8 @@ def test_the_outside_set_keeps_its_shapes_and_replays_apart_from_the_development
     code = outside["code_like"]()  # 1-2 minute bursts of 10-17 req/s between quiet spells of 1 req/s
     per_minute = [_rate(code, m * 60, m * 60 + 60) for m in range(60)]
     assert max(per_minute) > 9 and sorted(per_minute)[20] < 2 and max(a.prompt_tokens for a in code) <= 7400
-    noisy = [_rate(outside["noisy_steady"](), m * 60, m * 60 + 60) for m in range(90)]
+    noisy_trace = outside["noisy_steady"]()
+    noisy = [_rate(noisy_trace, m * 60, m * 60 + 60) for m in range(90)]
     assert 3 < sum(noisy) / 90 < 5.5 and min(noisy) < 2.5 < 6 < max(noisy)
     sparse = outside["code_sparse"]()  # the code trace's figures: about 2.6 req/s over 57 minutes
     assert 2.0 < len(sparse) / 3420 < 3.5 and max(_rate(sparse, m * 60, m * 60 + 60) for m in range(57)) > 9
