@@ -180,6 +180,7 @@ class SLAPlanner:
             self._misses.append((obs.time_s, obs.num_requests, max(0, obs.slo_misses - infeasible_requests)))
         while self._misses and self._misses[0][0] <= obs.time_s - config.error_budget_window_s:
             self._misses.popleft()
+        budget = self._error_budget()
         self._correct(obs, pools, observed.output_tokens_per_s)
 
         # This interval's load, as counts, joins the window; the pools are sized for the window's quantile.
@@ -341,16 +342,16 @@ class SLAPlanner:
         held = set()
         if not config.burst_growth_above_deployment:
             now = self._interval_counts(prefill_load, prefill_cap, decode_load, observed)  # this interval alone, not averaged
-            needs, whys, held = self._ride_out_bursts(asked, {"prefill": prefill_why, "decode": decode_why}, now, pools)
+            needs, whys, held = self._ride_out_bursts(asked, {"prefill": prefill_why, "decode": decode_why}, now, pools, budget)
             prefill_need, decode_need, prefill_why, decode_why = needs["prefill"], needs["decode"], whys["prefill"], whys["decode"]
         decode = pools["decode"]
         if obs.kv_usage is not None and obs.kv_usage > config.kv_usage_high and decode.ready + 1 > decode_need:
             if self._only_infeasible(observed):  # a replica more holds more of them, and serves nobody in time
                 decode_why = f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, filled by prompts no replica prefills within the TTFT SLO: not grown for"
-            elif not config.burst_growth_above_deployment and decode.ready + 1 > max(self._deployed["decode"], decode.target) and (self._error_budget() or 0) > 0:
+            elif not config.burst_growth_above_deployment and decode.ready + 1 > max(self._deployed["decode"], decode.target) and (budget or 0) > 0:
                 # Above the deployment a full KV pool queues requests as a static split of it would, and
                 # their misses are what the error budget counts.
-                decode_why = f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, but above the deployment's {self._deployed['decode']}{self._unspent()}"
+                decode_why = f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, but above the deployment's {self._deployed['decode']}{self._unspent(budget)}"
                 held.add("decode")
             else:
                 decode_need, decode_why = decode.ready + 1, f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}"
@@ -387,19 +388,19 @@ class SLAPlanner:
             reasons["prefill"] += f" ({infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
         return Decision(
             obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons,
-            tuple(infeasible), infeasible_requests, tuple(released), tuple(unfunded), tuple(sorted(held)), room, self._saved_s,
-            self._error_budget(),
+            tuple(infeasible), infeasible_requests, tuple(released), tuple(unfunded), tuple(sorted(held)), room, self._saved_s, budget,
         )
 
     def _ride_out_bursts(
-        self, needs: dict[str, int], whys: dict[str, str], now: dict[str, int], pools: Mapping[str, PoolReplicas]
+        self, needs: dict[str, int], whys: dict[str, str], now: dict[str, int], pools: Mapping[str, PoolReplicas], budget: float | None
     ) -> tuple[dict[str, int], dict[str, str], set[str]]:
         """Holds each pool at the deployment (or above it, where it already is) unless its load has
         needed more than the deployment in each interval of the last two start-ups and still does in
         this one alone (``now``, not averaged over a start-up: a burst's averaged tail is over), a
-        shift that replicas asked for now still catch; or unless the replica-seconds saved below the
-        deployment pay for the replicas it adds, for a start-up and an interval. Returns the needs,
-        the reasons and the pools held."""
+        shift that replicas asked for now still catch, and the SLO's error budget (``budget``, as
+        ``_error_budget``) is spent; or unless the replica-seconds saved below the deployment pay for
+        the replicas it adds, for a start-up and an interval. Returns the needs, the reasons and the
+        pools held."""
         config = self.config
         needs, whys, held = dict(needs), dict(whys), set()
         for pool in POOLS:
@@ -409,10 +410,9 @@ class SLAPlanner:
                 continue
             recent, unspent = self._recent, ""
             if len(recent) == recent.maxlen and now[pool] > deployed and all(counts[pool] > deployed for counts in recent):
-                budget = self._error_budget()
                 if budget is None or budget <= 0:
                     continue  # a shift: grows as asked
-                unspent = f"; a shift, but{self._unspent()}"  # the deployment serves it within the SLO, as a static split of it would
+                unspent = f"; a shift, but{self._unspent(budget)}"  # the deployment serves it within the SLO, as a static split of it would
             high = config.max_prefill if pool == "prefill" else config.max_decode
             if floor >= high:
                 continue  # nothing to add: settling holds it at max, and says so
@@ -436,10 +436,10 @@ class SLAPlanner:
             return None
         return (1 - self.config.attainment_target) * sum(n for _, n, _ in self._misses) - sum(m for _, _, m in self._misses)
 
-    def _unspent(self) -> str:
-        """The reason's clause for a pool held while the error budget is not spent."""
+    def _unspent(self, budget: float) -> str:
+        """The reason's clause for a pool held while the error budget (``budget`` requests) is not spent."""
         return (
-            f" the SLO's error budget is not spent: {self._error_budget():.0f} more requests of the last"
+            f" the SLO's error budget is not spent: {budget:.0f} more requests of the last"
             f" {self.config.error_budget_window_s:g} s may miss ({1 - self.config.attainment_target:.2g} of them)"
         )
 
