@@ -99,6 +99,12 @@ class PlannerConfig:
     nothing a static split of it would not spend, so the trend test's run of start-ups, which
     guards bets beyond it, is not waited for. Off: below the deployment too, only a trend runs
     ahead (planner/README)."""
+    rise_ahead_at_latest_growth: bool = True
+    """With ``rise_ahead_below_deployment``: a load that rose in each of the last two intervals is
+    also projected at their growth an interval, and the pool grows for the larger projection. A
+    surge that accelerates (23k, 25k, then 31k prompt tokens/s, then 44k) outgrows the start-up
+    averages, which see it an interval late; below the deployment an overshoot costs nothing a
+    static split of it would not spend. Off: the start-up averages' growth alone (planner/README)."""
     release_level_after_s: float | None = None
     """A level of load a pool grew for and that held at least this long is a shift, not a burst:
     once the load has stayed within the count the pool had before for two start-ups, the window

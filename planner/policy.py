@@ -140,7 +140,9 @@ class SLAPlanner:
         derived_start_ups = rise_start_ups(max(self._window_s / config.interval_s, 1 / (1 - config.attainment_target)))
         num_start_ups = derived_start_ups if config.rise_start_ups is None else config.rise_start_ups
         self.trend = LoadTrend(intervals_per_start_up, num_start_ups, config.startup_s, config.interval_s)
-        self._rise_ahead = LoadTrend(intervals_per_start_up, 1, config.startup_s, config.interval_s, geometric=True)  # below the deployment
+        self._rise_ahead = LoadTrend(  # below the deployment
+            intervals_per_start_up, 1, config.startup_s, config.interval_s, geometric=True, latest=config.rise_ahead_at_latest_growth
+        )
         self._before_rise: dict[str, int] = {}
         # A trend's projection beyond what the window needs is a bet: paid from the replica-seconds the
         # pools have spent below the deployment the planner was turned on over (their first targets).

@@ -10,7 +10,10 @@ rising outruns it. ``LoadTrend`` keeps each pool's observed load (in replicas) o
 and projects a rising one at the mean rise a start-up, (m4 - m0) / k, to the middle of the first
 interval that replicas asked for now serve; or, ``geometric``, at the mean growth a start-up,
 (m4 / m0) ** (1 / k), as a surge grows (a projection below the deployment, where overshooting
-costs nothing a static split would not spend).
+costs nothing a static split would not spend). A surge that accelerates outgrows its start-up
+averages: ``latest`` also projects a load that rose in each of the last two intervals at their
+growth an interval, (l_i / l_i-2) ** (1 / 2), from the newest interval's middle, and takes the
+larger projection.
 """
 
 from __future__ import annotations
@@ -34,14 +37,19 @@ class LoadTrend:
     """Each pool's observed load of the last ``num_start_ups + 1`` start-ups of
     ``intervals_per_start_up`` intervals each; ``num_start_ups`` 0 never reports a rise."""
 
-    def __init__(self, intervals_per_start_up: int, num_start_ups: int, startup_s: float, interval_s: float, geometric: bool = False) -> None:
+    def __init__(
+        self, intervals_per_start_up: int, num_start_ups: int, startup_s: float, interval_s: float, geometric: bool = False, latest: bool = False
+    ) -> None:
         self.num_start_ups = num_start_ups
         self.geometric = geometric
+        self.latest = latest
         self._block = intervals_per_start_up
         self._loads: deque[tuple[float, float]] = deque(maxlen=intervals_per_start_up * (num_start_ups + 1))
         # From the middle of the newest block to the middle of the first interval replicas asked for now
         # serve (a start-up and half an interval from now), in start-ups.
         self._ahead = (startup_s + interval_s / 2 + intervals_per_start_up * interval_s / 2) / (intervals_per_start_up * interval_s)
+        # From the middle of the newest interval to the same point, in intervals.
+        self._ahead_intervals = (startup_s + interval_s) / interval_s
 
     def observe(self, loads: tuple[float, float]) -> None:
         """Adds one interval's observed load, in replicas, of each pool in ``POOLS`` order."""
@@ -50,7 +58,8 @@ class LoadTrend:
     def rises(self) -> dict[str, float]:
         """Per pool whose load rose over each of the last ``num_start_ups`` start-ups, that load
         projected at its mean rise a start-up (``geometric``: its mean growth, or its rise when it
-        grew from nothing); nothing until that many start-ups are observed."""
+        grew from nothing; with ``latest`` too, at the growth of its last two intervals where each
+        rose, whichever projects more); nothing until that many start-ups are observed."""
         if not self.num_start_ups or len(self._loads) < self._loads.maxlen:
             return {}
         out = {}
@@ -62,6 +71,9 @@ class LoadTrend:
                     out[pool] = means[-1] * (means[-1] / means[0]) ** (self._ahead / steps)
                 else:
                     out[pool] = means[-1] + (means[-1] - means[0]) / steps * self._ahead
+                last = [x[index] for x in list(self._loads)[-3:]]
+                if self.latest and self.geometric and len(last) == 3 and 0 < last[0] < last[1] < last[2]:
+                    out[pool] = max(out[pool], last[2] * (last[2] / last[0]) ** (self._ahead_intervals / 2))
         return out
 
     def falling(self, pool: str) -> bool:

@@ -619,8 +619,32 @@ def test_below_the_deployment_a_rise_over_the_last_start_up_is_met_ahead():
     assert max(prefill_targets(run(planner(**fields), rise, (4, 1)))[25:]) == 4
     # While the load still rises over the last start-up, the pool does not shrink below its
     # projection: the window alone would take the 5 back to 2 at the second 12 req/s, which is
-    # still 1.85 times the start-up before (4); then the rise is over.
-    assert prefill_targets(run(planner(**fields), [5] * 26 + [8, 12, 12, 12], (6, 1)))[26:] == [3, 5, 4, 2]
+    # still 1.85 times the start-up before (4); then the rise is over. (At the growth of the last
+    # two intervals, 5, 8, 12, the first 12 req/s projects the deployment's 6: see the next test.)
+    at_start_ups = planner(**fields, rise_ahead_at_latest_growth=False)
+    assert prefill_targets(run(at_start_ups, [5] * 26 + [8, 12, 12, 12], (6, 1)))[26:] == [3, 5, 4, 2]
+
+
+def test_below_the_deployment_a_surge_that_accelerates_is_met_at_its_latest_growth():
+    # Deployed at 8, the pool at 2 once 6 and 7 req/s have passed. At 11 req/s the start-up's
+    # average (8 and 11: 9.5) is 1.46 times the one before (6.5): 18.5 req/s 1.75 start-ups ahead,
+    # which the 2 it has carry. The last three intervals rose each (7, 8, 11), 1.57 times over two
+    # intervals: 11 x 1.57 ** 1.5 = 21.7 req/s at the same point, three intervals ahead of the
+    # newest one's middle, which needs 3. The pool grows an interval before the start-up's growth
+    # alone would grow it. One step at a time, and no room for rises, to see this rule alone.
+    surge = [5] * 26 + [6, 7, 8, 11, 16, 24]
+    fields = {"base_window_s": 600, "scale_down_cooldown_s": 0, "rise_room_below_deployment": False, "rise_step_below_deployment": 1}
+    decisions = run(planner(**fields), surge, (8, 1))
+    assert prefill_targets(decisions)[27:] == [2, 2, 3, 5, 8]
+    assert decisions[29].reasons["prefill"].endswith(
+        "; rising over the last start-up, 3 for the load a start-up and half an interval ahead (the deployment's 8 at most)"
+    )
+    assert prefill_targets(run(planner(**fields, rise_ahead_at_latest_growth=False), surge, (8, 1)))[27:] == [2, 2, 2, 4, 8]
+    # A load whose last three intervals did not each rise is projected at its start-up's growth alone.
+    wobble = [5] * 26 + [6, 7, 9, 8, 11, 11]
+    assert prefill_targets(run(planner(**fields), wobble, (8, 1))) == prefill_targets(
+        run(planner(**fields, rise_ahead_at_latest_growth=False), wobble, (8, 1))
+    )
 
 
 def spikes(p: SLAPlanner, n: int, deployed: int, every: int = 25) -> list:

@@ -57,3 +57,22 @@ def test_the_blocks_end_at_the_newest_interval_and_a_lower_newest_block_is_falli
     assert trend.rises() == {"prefill": pytest.approx(5.5 + 1.5 * 1.75)}
     trend.observe((3, 1.0))  # means 3.5, 5.5, 4
     assert trend.rises() == {} and trend.falling("prefill") and not trend.falling("decode")
+
+
+def test_latest_projects_a_load_rising_in_each_of_its_last_two_intervals_at_their_growth():
+    # Intervals 4, 5, 6, 9: start-up means 4.5 and 7.5 project 7.5 x (7.5 / 4.5) ** 1.75 = 18.3;
+    # the last three rose each, 5 to 9 over two intervals, which from the newest interval's middle
+    # to a start-up and half an interval ahead (3 intervals) is 9 x (9 / 5) ** 1.5 = 21.7.
+    def rises(loads, latest):
+        trend = LoadTrend(2, 1, 60.0, 30.0, geometric=True, latest=latest)
+        for load in loads:
+            trend.observe((load, 1.0))
+        return trend.rises()
+
+    assert rises([4, 5, 6, 9], latest=True) == {"prefill": pytest.approx(9 * 1.8**1.5)}
+    assert rises([4, 5, 6, 9], latest=False) == {"prefill": pytest.approx(7.5 * (7.5 / 4.5) ** 1.75)}
+    # The larger projection is taken: a start-up's growth above its last two intervals' stands.
+    assert rises([1, 1, 5, 6], latest=True) == rises([1, 1, 5, 6], latest=False) == {"prefill": pytest.approx(5.5 * 5.5**1.75)}
+    # Not rising in each of the last two intervals (6 then 5), or no start-up rise: the start-up's alone.
+    assert rises([4, 6, 5, 9], latest=True) == rises([4, 6, 5, 9], latest=False)
+    assert rises([6, 6, 4, 5], latest=True) == {}
