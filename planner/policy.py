@@ -161,6 +161,7 @@ class SLAPlanner:
         # The SLO's error budget: (time, requests, misses) of each interval of the budget's window
         # whose observation counted the requests that missed an SLO.
         self._misses: deque[tuple[float, int, int]] = deque()
+        self._began_s: float | None = None  # when the first interval observed began
         self._feasible_work = 1.0  # the share of the last interval's prefill seconds that were feasible prompts'
 
     def decide(self, observation: Observation, pools: Mapping[str, PoolReplicas]) -> Decision:
@@ -178,6 +179,8 @@ class SLAPlanner:
         self.predictor.observe(observed.request_rate, observed.prompt_tokens_per_s, observed.output_tokens_per_s)
         forecast = self.predictor.forecast()
         infeasible_requests = self._measure_prompts(obs)
+        if self._began_s is None:
+            self._began_s = obs.time_s - obs.duration_s
         if obs.slo_misses is not None:  # a prompt no replica prefills in time is counted apart, not spent
             self._misses.append((obs.time_s, obs.num_requests, max(0, obs.slo_misses - infeasible_requests)))
         while self._misses and self._misses[0][0] <= obs.time_s - config.error_budget_window_s:
@@ -433,10 +436,17 @@ class SLAPlanner:
 
     def _error_budget(self) -> float | None:
         """Requests that may still miss an SLO over the budget's window before it is spent (below 0:
-        overspent); None when it holds nothing (off, or no observation counted the misses)."""
-        if not self.config.error_budget_above_deployment or not self._misses:
+        overspent); None when it holds nothing (off, or no observation counted the misses). Until a
+        whole window has been watched, its requests are those seen at their rate so far
+        (``error_budget_extrapolated``)."""
+        config = self.config
+        if not config.error_budget_above_deployment or not self._misses:
             return None
-        return (1 - self.config.attainment_target) * sum(n for _, n, _ in self._misses) - sum(m for _, _, m in self._misses)
+        requests = sum(n for _, n, _ in self._misses)
+        watched_s = self._misses[-1][0] - self._began_s
+        if config.error_budget_extrapolated and 0 < watched_s < config.error_budget_window_s:
+            requests *= config.error_budget_window_s / watched_s
+        return (1 - config.attainment_target) * requests - sum(m for _, _, m in self._misses)
 
     def _unspent(self, budget: float) -> str:
         """The reason's clause for a pool held while the error budget (``budget`` requests) is not spent."""

@@ -222,14 +222,15 @@ def test_room_kept_below_the_deployment_for_a_rise_is_a_gauge_and_logged(caplog)
 
 
 def test_the_error_budget_is_a_gauge_and_logged(caplog):
-    """1,000 prompt tokens/s is 10 requests an interval; 1 of them misses an SLO in each: the
-    budget (0.05 of the requests, less those that missed) is overspent by half a request each."""
+    """1,000 prompt tokens/s is 10 requests an interval of 10 s; 1 of them misses an SLO in each:
+    the budget is 0.05 of the hour's requests at the rate seen so far (3,600), less those that
+    missed."""
     loop = _loop(FakeSource(1000.0, slo_misses=1), FakeConnector())
     with caplog.at_level(logging.INFO, logger="planner.live"):
         for t in range(0, 40, 10):
             decision = asyncio.run(loop.step(float(t)))
-    assert decision.error_budget == pytest.approx(-2.0) and loop.metrics.error_budget._value.get() == pytest.approx(-2.0)
-    assert [line["error_budget"] for line in _logged(caplog)] == [-0.5, -1.0, -1.5, -2.0]
+    assert decision.error_budget == pytest.approx(176.0) and loop.metrics.error_budget._value.get() == pytest.approx(176.0)
+    assert [line["error_budget"] for line in _logged(caplog)] == pytest.approx([179.0, 178.0, 177.0, 176.0])
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="planner.live"):
         asyncio.run(_loop(FakeSource(1000.0), FakeConnector()).step(0.0))  # nothing counts the misses

@@ -486,6 +486,8 @@ def test_up_to_the_deployment_the_window_still_remembers_a_burst():
 
 RIDE_OUT = {"burst_growth_above_deployment": False}
 """The default: above the deployment a pool grows only for a shift or on savings."""
+WINDOWED = {**RIDE_OUT, "error_budget_extrapolated": False}
+"""The error budget of the requests seen alone, however little of its window has been watched."""
 
 
 def test_above_the_deployment_a_burst_is_ridden_out_and_a_shift_grows_the_pool():
@@ -509,26 +511,30 @@ def test_above_the_deployment_a_shift_grows_the_pool_only_once_the_slos_error_bu
     shift = [5] * 4 + [30] * 8
     misses = lambda per_overloaded: [0] * 4 + [per_overloaded] * 8  # noqa: E731
     counted = lambda p, m: decide_each(p, [observe(30.0 * (i + 1), rate, slo_misses=n) for i, (rate, n) in enumerate(zip(shift, m))], (1, 1))  # noqa: E731
-    decisions = counted(planner(**RIDE_OUT), misses(0))
+    decisions = counted(planner(**WINDOWED), misses(0))
     assert set(prefill_targets(decisions)) == {1}
     assert decisions[7].reasons["prefill"].endswith("a shift, but the SLO's error budget is not spent: 210 more requests of the last 3600 s may miss (0.05 of them)")
     assert decisions[-1].error_budget == pytest.approx(0.05 * (4 * 150 + 8 * 900))
     # 60 of each overloaded interval's 900 requests miss: 30 + 45 k - 60 k requests are left after
     # k of them, spent in the 2nd; the shift grows the pool when it is one (the 8th interval).
-    decisions = counted(planner(**RIDE_OUT), misses(60))
+    decisions = counted(planner(**WINDOWED), misses(60))
     assert prefill_targets(decisions) == [1] * 7 + [4] * 5 and decisions[7].error_budget == pytest.approx(30 - 15 * 4)
     # 36 of them: 30 + 9 k, never spent within the hour, the shift held through.
-    assert set(prefill_targets(counted(planner(**RIDE_OUT), misses(36)))) == {1}
+    assert set(prefill_targets(counted(planner(**WINDOWED), misses(36)))) == {1}
     # A prompt no replica prefills within the TTFT SLO (here 10 of 150, past 32k tokens) misses it
     # whatever the pool does: counted apart, its miss spends nothing.
     lengths = ((1024.0, 140), (2.0 ** 15, 0), (math.inf, 10))
-    assert planner(**RIDE_OUT).decide(observe(30.0, 5, slo_misses=10, prompt_length_counts=lengths), pools(1, 1)).error_budget == pytest.approx(7.5)
-    assert planner(**RIDE_OUT).decide(observe(30.0, 5, slo_misses=10), pools(1, 1)).error_budget == pytest.approx(7.5 - 10)
+    assert planner(**WINDOWED).decide(observe(30.0, 5, slo_misses=10, prompt_length_counts=lengths), pools(1, 1)).error_budget == pytest.approx(7.5)
+    assert planner(**WINDOWED).decide(observe(30.0, 5, slo_misses=10), pools(1, 1)).error_budget == pytest.approx(7.5 - 10)
     # Off, or with no count of misses, the shift grows as before.
-    assert prefill_targets(counted(planner(**RIDE_OUT, error_budget_above_deployment=False), misses(0))) == [1] * 7 + [4] * 5
-    assert prefill_targets(run(planner(**RIDE_OUT), shift, (1, 1))) == [1] * 7 + [4] * 5
+    assert prefill_targets(counted(planner(**WINDOWED, error_budget_above_deployment=False), misses(0))) == [1] * 7 + [4] * 5
+    assert prefill_targets(run(planner(**WINDOWED), shift, (1, 1))) == [1] * 7 + [4] * 5
+    # The default counts the window at the rate seen so far: 240 s watched of 3600, the 4,200
+    # requests are 63,000 an hour, and 240 misses leave 2,910 of its 3,150: the shift is held.
+    decisions = counted(planner(**RIDE_OUT), misses(60))
+    assert set(prefill_targets(decisions)) == {1} and decisions[7].error_budget == pytest.approx(0.05 * 4200 * 3600 / 240 - 240)
     # The budget counts its window alone: with 120 s, the quiet intervals' share is gone by the 8th.
-    decisions = counted(planner(**RIDE_OUT, error_budget_window_s=120.0), misses(60))
+    decisions = counted(planner(**WINDOWED, error_budget_window_s=120.0), misses(60))
     assert decisions[7].error_budget == pytest.approx(0.05 * 4 * 900 - 4 * 60)
 
 
@@ -537,16 +543,29 @@ def test_above_the_deployment_a_full_kv_pool_grows_decode_only_once_the_error_bu
     # replica. With none of the requests missing an SLO, the deployment's 1 holds; once more than
     # 0.05 of them have missed (8 of 150 in the first interval), it grows at once.
     full = lambda misses: observe(30.0, 5, kv_usage=0.95, slo_misses=misses)  # noqa: E731
-    held = planner(**RIDE_OUT).decide(full(0), pools(1, 1))
+    held = planner(**WINDOWED).decide(full(0), pools(1, 1))
     assert held.targets["decode"] == 1 and held.held_at_deployment == ("decode",)
     assert held.reasons["decode"].endswith(
         "KV use 0.95 is over 0.9, but above the deployment's 1 the SLO's error budget is not spent: 8 more requests of the last 3600 s may miss (0.05 of them)"
     )
-    grown = planner(**RIDE_OUT).decide(full(8), pools(1, 1))
+    grown = planner(**WINDOWED).decide(full(8), pools(1, 1))
     assert grown.targets["decode"] == 2 and grown.reasons["decode"].endswith("KV use 0.95 is over 0.9")
     # With nothing counting the misses, or the budget off, it grows as before.
-    assert planner(**RIDE_OUT).decide(observe(30.0, 5, kv_usage=0.95), pools(1, 1)).targets["decode"] == 2
-    assert planner(**RIDE_OUT, error_budget_above_deployment=False).decide(full(0), pools(1, 1)).targets["decode"] == 2
+    assert planner(**WINDOWED).decide(observe(30.0, 5, kv_usage=0.95), pools(1, 1)).targets["decode"] == 2
+    assert planner(**WINDOWED, error_budget_above_deployment=False).decide(full(0), pools(1, 1)).targets["decode"] == 2
+
+
+def test_until_a_whole_window_is_watched_the_error_budget_counts_it_at_the_rate_seen():
+    # 150 requests an interval of 30 s, 20 of them missing: after k intervals the hour holds 18,000
+    # at that rate, 900 of which may miss; 20 k have. With a window of 300 s watched whole after the
+    # tenth interval, the budget is then that window's own: 0.05 x 1,500 - 200 = -125.
+    def budgets(**fields):
+        p = planner(**RIDE_OUT, **fields)
+        return [p.decide(observe(30.0 * (i + 1), 5, slo_misses=20), pools(1, 1)).error_budget for i in range(12)]
+
+    assert budgets() == pytest.approx([900 - 20 * k for k in range(1, 13)])
+    assert budgets(error_budget_window_s=300.0) == pytest.approx([0.05 * 1500 - 20 * k for k in range(1, 11)] + [-125.0, -125.0])
+    assert budgets(error_budget_extrapolated=False) == pytest.approx([(7.5 - 20) * k for k in range(1, 13)])
 
 
 def test_replicas_saved_below_the_deployment_pay_for_growth_above_it():
