@@ -40,6 +40,8 @@ class LoadTrend:
     def __init__(
         self, intervals_per_start_up: int, num_start_ups: int, startup_s: float, interval_s: float, geometric: bool = False, latest: bool = False
     ) -> None:
+        if latest and not geometric:
+            raise ValueError("latest projects at a growth rate: it needs geometric")
         self.num_start_ups = num_start_ups
         self.geometric = geometric
         self.latest = latest
@@ -71,8 +73,8 @@ class LoadTrend:
                     out[pool] = means[-1] * (means[-1] / means[0]) ** (self._ahead / steps)
                 else:
                     out[pool] = means[-1] + (means[-1] - means[0]) / steps * self._ahead
-                last = [x[index] for x in list(self._loads)[-3:]]
-                if self.latest and self.geometric and len(last) == 3 and 0 < last[0] < last[1] < last[2]:
+                last = [x[index] for x in list(self._loads)[-3:]] if self.latest else []
+                if len(last) == 3 and 0 < last[0] < last[1] < last[2]:
                     out[pool] = max(out[pool], last[2] * (last[2] / last[0]) ** (self._ahead_intervals / 2))
         return out
 

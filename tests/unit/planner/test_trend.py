@@ -76,3 +76,5 @@ def test_latest_projects_a_load_rising_in_each_of_its_last_two_intervals_at_thei
     # Not rising in each of the last two intervals (6 then 5), or no start-up rise: the start-up's alone.
     assert rises([4, 6, 5, 9], latest=True) == rises([4, 6, 5, 9], latest=False)
     assert rises([6, 6, 4, 5], latest=True) == {}
+    with pytest.raises(ValueError, match="needs geometric"):
+        LoadTrend(2, 1, 60.0, 30.0, latest=True)
