@@ -286,7 +286,11 @@ class SLAPlanner:
                 count = min(count, self._deployed[pool])
                 if count > needs[pool]:
                     needs[pool], downs[pool] = count, max(count, downs[pool])  # nor does the pool shrink below it while it rises
-                    whys[pool] = f"{whys[pool]}; rising over the last start-up, {count} for the load a start-up and half an interval ahead (the deployment's {self._deployed[pool]} at most)"
+                    growth = " at the growth of the last two intervals, which rose each" if pool in self._rise_ahead.at_latest else ""
+                    whys[pool] = (
+                        f"{whys[pool]}; rising over the last start-up, {count} for the load a start-up and half an interval ahead{growth}"
+                        f" (the deployment's {self._deployed[pool]} at most)"
+                    )
         prefill_need, decode_need = needs["prefill"], needs["decode"]
         prefill_need_down, decode_need_down = downs["prefill"], downs["decode"]
         prefill_why, decode_why = whys["prefill"], whys["decode"]

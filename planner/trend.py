@@ -45,6 +45,7 @@ class LoadTrend:
         self.num_start_ups = num_start_ups
         self.geometric = geometric
         self.latest = latest
+        self.at_latest: frozenset[str] = frozenset()  # the pools the last ``rises`` projected at their latest growth
         self._block = intervals_per_start_up
         self._loads: deque[tuple[float, float]] = deque(maxlen=intervals_per_start_up * (num_start_ups + 1))
         # From the middle of the newest block to the middle of the first interval replicas asked for now
@@ -61,10 +62,12 @@ class LoadTrend:
         """Per pool whose load rose over each of the last ``num_start_ups`` start-ups, that load
         projected at its mean rise a start-up (``geometric``: its mean growth, or its rise when it
         grew from nothing; with ``latest`` too, at the growth of its last two intervals where each
-        rose, whichever projects more); nothing until that many start-ups are observed."""
+        rose, whichever projects more, naming the pools it did in ``at_latest``); nothing until that
+        many start-ups are observed."""
+        self.at_latest = frozenset()
         if not self.num_start_ups or len(self._loads) < self._loads.maxlen:
             return {}
-        out = {}
+        out, at_latest = {}, set()
         for index, pool in enumerate(POOLS):
             means = self._means(index)
             if all(b > a for a, b in zip(means, means[1:])):
@@ -75,7 +78,11 @@ class LoadTrend:
                     out[pool] = means[-1] + (means[-1] - means[0]) / steps * self._ahead
                 last = [x[index] for x in list(self._loads)[-3:]] if self.latest else []
                 if len(last) == 3 and 0 < last[0] < last[1] < last[2]:
-                    out[pool] = max(out[pool], last[2] * (last[2] / last[0]) ** (self._ahead_intervals / 2))
+                    projected = last[2] * (last[2] / last[0]) ** (self._ahead_intervals / 2)
+                    if projected > out[pool]:
+                        out[pool] = projected
+                        at_latest.add(pool)
+        self.at_latest = frozenset(at_latest)
         return out
 
     def falling(self, pool: str) -> bool:

@@ -656,7 +656,8 @@ def test_below_the_deployment_a_surge_that_accelerates_is_met_at_its_latest_grow
     decisions = run(planner(**fields), surge, (8, 1))
     assert prefill_targets(decisions)[27:] == [2, 2, 3, 5, 8]
     assert decisions[29].reasons["prefill"].endswith(
-        "; rising over the last start-up, 3 for the load a start-up and half an interval ahead (the deployment's 8 at most)"
+        "; rising over the last start-up, 3 for the load a start-up and half an interval ahead at the growth of the last two"
+        " intervals, which rose each (the deployment's 8 at most)"
     )
     assert prefill_targets(run(planner(**fields, rise_ahead_at_latest_growth=False), surge, (8, 1)))[27:] == [2, 2, 2, 4, 8]
     # A load whose last three intervals did not each rise is projected at its start-up's growth alone.

@@ -70,11 +70,20 @@ def test_latest_projects_a_load_rising_in_each_of_its_last_two_intervals_at_thei
         return trend.rises()
 
     assert rises([4, 5, 6, 9], latest=True) == {"prefill": pytest.approx(9 * 1.8**1.5)}
+    trend = LoadTrend(2, 1, 60.0, 30.0, geometric=True, latest=True)
+    for load in (4, 5, 6, 9):
+        trend.observe((load, 1.0))
+    trend.rises()
+    assert trend.at_latest == {"prefill"}
     assert rises([4, 5, 6, 9], latest=False) == {"prefill": pytest.approx(7.5 * (7.5 / 4.5) ** 1.75)}
     # The larger projection is taken: a start-up's growth above its last two intervals' stands.
     assert rises([1, 1, 5, 6], latest=True) == rises([1, 1, 5, 6], latest=False) == {"prefill": pytest.approx(5.5 * 5.5**1.75)}
     # Not rising in each of the last two intervals (6 then 5), or no start-up rise: the start-up's alone.
     assert rises([4, 6, 5, 9], latest=True) == rises([4, 6, 5, 9], latest=False)
+    for load in (1, 1, 5, 6):  # the start-up's growth projects more: not named
+        trend.observe((load, 1.0))
+    trend.rises()
+    assert trend.at_latest == frozenset()
     assert rises([6, 6, 4, 5], latest=True) == {}
     with pytest.raises(ValueError, match="needs geometric"):
         LoadTrend(2, 1, 60.0, 30.0, latest=True)
