@@ -68,6 +68,7 @@ class LoadTrend:
         if not self.num_start_ups or len(self._loads) < self._loads.maxlen:
             return {}
         out, at_latest = {}, set()
+        newest = list(self._loads)[-3:] if self.latest else []  # the last three intervals, both pools
         for index, pool in enumerate(POOLS):
             means = self._means(index)
             if all(b > a for a, b in zip(means, means[1:])):
@@ -76,7 +77,7 @@ class LoadTrend:
                     out[pool] = means[-1] * (means[-1] / means[0]) ** (self._ahead / steps)
                 else:
                     out[pool] = means[-1] + (means[-1] - means[0]) / steps * self._ahead
-                last = [x[index] for x in list(self._loads)[-3:]] if self.latest else []
+                last = [x[index] for x in newest]
                 if len(last) == 3 and 0 < last[0] < last[1] < last[2]:
                     projected = last[2] * (last[2] / last[0]) ** (self._ahead_intervals / 2)
                     if projected > out[pool]:
