@@ -145,6 +145,17 @@ class PlannerConfig:
     prompts, need fewer replicas than two pools do, not only below ``prefill_zero_load``. Cheaper
     on steady traffic, slower to recover from prompt bursts (measured in planner/EXPERIMENTS.md). Either
     way a prefill pool already at zero stays there while the decode replicas carry it all."""
+    aggregated_counts_running: bool = True
+    """Count the decode replicas that serve it all alone (an aggregated cluster, or one entering it)
+    for the sequences running now as well as for the tokens decoded: each must fit a batch at the
+    ITL its prefilling leaves. Long answers fill the batches for minutes before the decoded tokens
+    show it (a crowd whose answers grow 8x missed 2.6% of a run that static served whole).
+    Off: the decoded tokens alone (planner/README)."""
+    aggregated_keeps_rises: bool = True
+    """An aggregated cluster's decode pool grows, beyond what its window's count needs, by as many
+    replicas as the rules beyond the window (a rise met ahead, a trend, an ITL over the SLO for a
+    start-up, a stalled batch) ask of the decode pool over its window's count. Off: the window's
+    count alone sizes it while the cluster stays aggregated (planner/README)."""
     max_decode_batch: int = 256
     """Most sequences one decode replica runs at once (its KV capacity), whatever the ITL allows."""
     kv_usage_high: float = 0.9

@@ -202,7 +202,7 @@ class SLAPlanner:
         self._loads.append((prefill_load, decode_load))
         smooth_prefill = sum(p for p, _ in self._loads) / len(self._loads)
         smooth_decode = sum(d for _, d in self._loads) / len(self._loads)
-        counts = self._interval_counts(smooth_prefill, prefill_cap, smooth_decode, observed)
+        counts = self._interval_counts(smooth_prefill, prefill_cap, smooth_decode, observed, obs.decode_running)
         self._window_add(obs.time_s, counts, obs.num_requests)
         released = {} if idle_held else self._release_levels(obs.time_s, counts)  # nor is it the load back within a level
         self._recent.append(counts)
@@ -337,12 +337,23 @@ class SLAPlanner:
             # pool back instead (a growing prompt load is served best apart from the decode batches).
             # Entering, with aggregate_when_cheaper, needs the scale-down margin's headroom.
             alone, alone_down = base["alone"], base["alone_down"]
-            if (config.aggregate_when_cheaper and alone_down < prefill_need + decode_need) or (aggregated and alone <= min(prefill_need + decode_need, pools["decode"].target)):
+            # What the rules beyond the window ask of the decode pool, added to the replicas that also
+            # prefill, up to what those rules ask or the deployment (the rules' own bounds).
+            beyond = decode_need - base["decode"]
+            decode_rise = config.aggregated_keeps_rises and beyond > 0
+            if decode_rise:
+                alone = max(alone, min(alone + beyond, max(decode_need, self._deployed["decode"])))
+                alone_down = max(alone_down, alone)
+            # A rise of the decode load grows an aggregated cluster's replicas while that is cheaper than two pools.
+            staying = alone <= prefill_need + decode_need if decode_rise else alone <= min(prefill_need + decode_need, pools["decode"].target)
+            if (config.aggregate_when_cheaper and alone_down < prefill_need + decode_need) or (aggregated and staying):
                 decode_need, decode_need_down = alone, alone_down
                 if aggregated or (pools["decode"].ready >= max(alone, config.min_decode) and not pools["decode"].starting):
                     prefill_need = prefill_need_down = 0
                     prefill_why = f"{prefill_why}: the decode replicas prefill it themselves, {alone} of them instead of two pools"
-                    decode_why = f"{observed.output_tokens_per_s:.0f} output tokens/s and every prompt, prefilled on the decode replicas"
+                    added = alone - base["alone"]
+                    grown = f", {added} more for what the decode load alone asks beyond its window ({decode_why})" if added > 0 else ""
+                    decode_why = f"{observed.output_tokens_per_s:.0f} output tokens/s and every prompt, prefilled on the decode replicas{grown}"
                 else:  # the prefill pool serves until every decode replica that takes its load over is ready
                     prefill_need = prefill_need_down = pools["prefill"].target
                     prefill_why = f"{prefill_why}: kept until {alone} decode replicas are ready to prefill it themselves"
@@ -350,7 +361,7 @@ class SLAPlanner:
         asked = {"prefill": prefill_need, "decode": decode_need}
         held = set()
         if not config.burst_growth_above_deployment:
-            now = self._interval_counts(prefill_load, prefill_cap, decode_load, observed)  # this interval alone, not averaged
+            now = self._interval_counts(prefill_load, prefill_cap, decode_load, observed, obs.decode_running)  # this interval alone, not averaged
             needs, whys, held = self._ride_out_bursts(asked, {"prefill": prefill_why, "decode": decode_why}, now, pools, budget)
             prefill_need, decode_need, prefill_why, decode_why = needs["prefill"], needs["decode"], whys["prefill"], whys["decode"]
         decode = pools["decode"]
@@ -508,16 +519,17 @@ class SLAPlanner:
             self._seconds_per_token = perf.prefill_s(self._prompt_tokens) / self._prompt_tokens
         return infeasible
 
-    def _interval_counts(self, prefill_load: float, prefill_cap: float, decode_load: float, observed: LoadForecast) -> dict[str, int]:
+    def _interval_counts(self, prefill_load: float, prefill_cap: float, decode_load: float, observed: LoadForecast, running: int | None = None) -> dict[str, int]:
         """Replicas one interval's load needs per pool, to grow and (at each pool's scale-down margin)
         to shrink to, the decode pool taking the prompts when the prefill pool would be empty; and the
-        decode replicas that would serve it all alone (``alone``, ``alone_down``)."""
+        decode replicas that would serve it all alone (``alone``, ``alone_down``; with ``running``
+        sequences in their batches)."""
         margin, decode_margin = self.config.scale_down_margin, self.config.decode_scale_down_margin
         counts = {"prefill": self._prefill_count(prefill_load, prefill_cap), "prefill_down": self._prefill_count(prefill_load / margin, prefill_cap)}
         counts["decode"] = self._decode_count(decode_load + (prefill_load if counts["prefill"] == 0 else 0.0))
         counts["decode_down"] = self._decode_count((decode_load + (prefill_load if counts["prefill_down"] == 0 else 0.0)) / decode_margin)
-        counts["alone"] = self._aggregated_count(prefill_load, prefill_cap, observed)
-        counts["alone_down"] = self._aggregated_count(prefill_load / margin, prefill_cap, observed, margin)
+        counts["alone"] = self._aggregated_count(prefill_load, prefill_cap, observed, running=running)
+        counts["alone_down"] = self._aggregated_count(prefill_load / margin, prefill_cap, observed, margin, running)
         return counts
 
     def _window_add(self, now_s: float, counts: dict[str, int], weight: int) -> None:
@@ -697,18 +709,21 @@ class SLAPlanner:
                 return count
         return config.max_prefill + 1
 
-    def _aggregated_count(self, prefill_load: float, prefill_cap: float, forecast: LoadForecast, margin: float = 1.0) -> int:
+    def _aggregated_count(self, prefill_load: float, prefill_cap: float, forecast: LoadForecast, margin: float = 1.0, running: int | None = None) -> int:
         """Fewest decode replicas that also prefill every prompt: each spends ``prefill_load / n`` of
         its time prefilling (at most the TTFT's ``prefill_cap``), its batch stalls meanwhile, so the
-        ITL it must keep while decoding shrinks by that share and so does its token rate. More than
-        ``max_decode`` when no count serves both."""
+        ITL it must keep while decoding shrinks by that share and so does its token rate. The
+        ``running`` sequences (when known) must fit their batches at that ITL too: the decoded tokens
+        lag a batch that long answers fill. More than ``max_decode`` when no count serves both."""
         config = self.config
         for n in range(1, config.max_decode + 1):
             stalled = prefill_load / n
             if stalled > prefill_cap or stalled >= 1:
                 continue
             rate = self._decode_rate(config.itl_slo_s * (1 - stalled), n)
-            if rate is not None and forecast.output_tokens_per_s / margin <= n * (1 - stalled) * rate[1]:
+            if rate is None or forecast.output_tokens_per_s / margin > n * (1 - stalled) * rate[1]:
+                continue
+            if not config.aggregated_counts_running or running is None or running / margin <= n * rate[0]:
                 return n
         return config.max_decode + 1
 

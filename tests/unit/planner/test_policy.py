@@ -787,6 +787,42 @@ def test_prefill_goes_to_zero_when_prompts_are_few_and_comes_back_when_the_decod
     assert decision.targets["prefill"] == 2 and decision.reasons["prefill"].startswith("up to 2")
 
 
+def test_an_aggregated_cluster_counts_the_sequences_running_in_its_batches():
+    # 3 req/s of 1000 tokens: one decode replica prefilling them stalls 0.3 of its time and keeps
+    # its ITL under 0.07 s, a batch of 51 less its swing, 39.6: 147 output tokens/s fit, but 60
+    # running sequences do not, so the cluster needs a replica more (and brings the prefill pool back).
+    fields = {"scale_down_cooldown_s": 0, "base_window_s": 30}
+    decision = planner(**fields).decide(observe(30, 3, decode_running=60), pools(0, 1))
+    assert dict(decision.targets) == {"prefill": 1, "decode": 1}
+    assert decision.reasons["decode"] == "holding at 1 for 60 sequences running at a batch of 67 per replica (147 output tokens/s)"
+    decision = planner(aggregated_counts_running=False, **fields).decide(observe(30, 3, decode_running=60), pools(0, 1))
+    assert dict(decision.targets) == {"prefill": 0, "decode": 1}
+    # 30 running fit the one replica's batch of 39.6: it stays aggregated.
+    assert dict(planner(**fields).decide(observe(30, 3, decode_running=30), pools(0, 1)).targets) == {"prefill": 0, "decode": 1}
+
+
+def test_an_aggregated_cluster_grows_its_decode_replicas_for_a_rise_of_its_decode_load():
+    # Deployed at 0 + 3, shrunk to 0 + 1 on 150 output tokens/s; then the answers grow (240, 390,
+    # 600 tokens/s): at 390 the decode pool alone would meet the rise ahead at the deployment's 3.
+    def targets(keeps_rises: bool) -> tuple[list, str]:
+        config = PlannerConfig(interval_s=INTERVAL_S, startup_s=60.0, scale_down_cooldown_s=0, base_window_s=300, aggregated_keeps_rises=keeps_rises)
+        p, now, seen = SLAPlanner(config, PERF), (0, 3), []
+        for i, output_tokens in enumerate([50] * 15 + [80, 130, 200]):
+            decision = p.decide(observe(30 + 30 * i, 3, output_tokens=output_tokens), pools(*now))
+            now = (decision.targets["prefill"], decision.targets["decode"])
+            seen.append(now)
+        return seen[-4:], decision.reasons["decode"]
+
+    seen, why = targets(True)
+    assert seen == [(0, 1), (0, 1), (0, 3), (0, 3)]  # aggregated still: the 3 decode replicas prefill too
+    assert "every prompt, prefilled on the decode replicas, 1 more for what the decode load alone asks beyond its window" in why
+    assert "rising over the last start-up, 3 for the load a start-up and half an interval ahead" in why
+    # Without it the window's count alone sizes the aggregated pool: it lags the rise an interval,
+    # and then the prefill pool comes back beside it.
+    seen, _ = targets(False)
+    assert seen == [(0, 1), (0, 1), (0, 1), (1, 3)]
+
+
 def test_aggregate_when_cheaper_lets_one_decode_replica_prefill_what_two_pools_would_split():
     # 3 req/s of 1000 tokens: 0.3 prefill replicas of prompt load (over prefill_zero_load) and
     # 150 output tokens/s. One decode replica prefilling them stalls 0.3 of its time (0.375 with
