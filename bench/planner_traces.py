@@ -252,6 +252,17 @@ def generate_drifting(seed: int, duration_s: float, rate: float, prompt_median: 
         out.append(Arrival(now, _lognormal(rng, prompt_median(now), 0.8, 16000), _lognormal(rng, output_median(now), 0.8, 4000)))
 
 
+def generate_random_walk(seed: int, duration_s: float, start_rate: float, sigma: float, low: float, high: float, prompt: Callable[[random.Random], int]) -> list[Arrival]:
+    """Poisson arrivals whose rate walks: from ``start_rate``, its log takes a Gaussian step of
+    ``sigma`` every minute, kept within [``low``, ``high``] (a load that drifts, correlated from one
+    minute to the next, unlike noise redrawn each minute)."""
+    rng, rates, log_rate = random.Random(seed), [], math.log(start_rate)
+    for _ in range(int(duration_s // 60) + 1):
+        rates.append(math.exp(log_rate))
+        log_rate = min(max(log_rate + rng.gauss(0.0, sigma), math.log(low)), math.log(high))
+    return generate_poisson(seed + 1, lambda t: rates[int(t // 60)], high, duration_s, prompt)
+
+
 def generate_heavy_tail(seed: int, duration_s: float = 3600.0, rate: float = 3.0, alpha: float = 1.3, low: int = 400) -> list[Arrival]:
     """Steady Poisson arrivals with Pareto(``alpha``) prompts from ``low`` tokens up to 64k."""
     return generate_poisson(seed, lambda t: rate, rate, duration_s, lambda r: int(min(65536, low * r.paretovariate(alpha))))
@@ -355,6 +366,19 @@ def outside_set(startup_s: float = 60.0, seed_offset: int = 0) -> dict[str, Call
         "prompt_drift": lambda: generate_drifting(403 + k, 3600.0, 4.0, lambda t: 600 + 2400 * t / 3600, lambda t: 200),
         # 3 req/s whose answers run 1,500 tokens (median) for five minutes in every fifteen, 150 between.
         "answer_bursts": lambda: generate_drifting(404 + k, 3600.0, 3.0, lambda t: 1000, lambda t: 1500 if t % 900 < 300 else 150),
+        # Added 2026-11-30 (tenth session), drawn before any replay of them.
+        # A launch: 14 req/s halving every 10 minutes, down to 1.5.
+        "decay": lambda: generate_poisson(501 + k, lambda t: max(1.5, 14.0 * 0.5 ** (t / 600)), 14.0, 3600.0, prompt),
+        # A rate that walks for 90 minutes from 4 req/s (log steps of sigma 0.15 a minute, 0.5 to 14).
+        "random_walk": lambda: generate_random_walk(502 + k, 5400.0, 4.0, 0.15, 0.5, 14.0, prompt),
+        # 2 req/s and 8 req/s, half an hour each, twice: a level that comes back once the window has let it go.
+        "square_30": lambda: generate_poisson(503 + k, lambda t: 8.0 if (t // 1800) % 2 else 2.0, 8.0, 7200.0, prompt),
+        # An upstream outage: 4 req/s, none for two minutes in every fifteen, then a retry storm at 12 for one.
+        "retry_storm": lambda: generate_poisson(504 + k, lambda t: 0.0 if 600 <= t % 900 < 720 else (12.0 if 720 <= t % 900 < 780 else 4.0), 12.0, 3600.0, prompt),
+        # A crowd of chatters: 2 req/s whose answers run 1,200 tokens (median) for 12 minutes from minute 35, 150 otherwise.
+        "chatty_crowd": lambda: generate_drifting(505 + k, 3600.0, 2.0, lambda t: 800, lambda t: 1200 if 2100 <= t < 2820 else 150),
+        # Long-context retrieval: prompts of 8k tokens (median, up to 32k) at 1 req/s, then 2 from minute 30.
+        "long_context": lambda: generate_poisson(506 + k, lambda t: 1.0 if t < 1800 else 2.0, 2.0, 3600.0, lambda r: _lognormal(r, 8000, 0.5, 32000)),
     }
 
 

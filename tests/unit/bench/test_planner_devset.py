@@ -117,6 +117,21 @@ def test_the_outside_set_keeps_its_shapes_and_replays_apart_from_the_development
     answers = outside["answer_bursts"]()
     long_, short = (median([a.output_tokens for a in answers if (a.time_s % 900 < 300) == flag]) for flag in (True, False))
     assert long_ > 1000 > 300 > short
+    decay = outside["decay"]()
+    assert _rate(decay, 0, 60) > 12 and 5.5 < _rate(decay, 600, 660) < 8 and _rate(decay, 3000, 3600) < 2
+    walk_trace = outside["random_walk"]()  # a rate walking minute by minute: near from one minute to the next
+    walk = [_rate(walk_trace, m * 60, m * 60 + 60) for m in range(90)]
+    step, apart = (sum(abs(walk[m + lag] - walk[m]) for m in range(90 - lag)) / (90 - lag) for lag in (1, 45))
+    assert step < apart / 2 and max(walk) > 2 * min(walk)
+    square = outside["square_30"]()
+    assert [round(_rate(square, h * 1800, h * 1800 + 1800)) for h in range(4)] == [2, 8, 2, 8]
+    storm = outside["retry_storm"]()
+    assert _rate(storm, 600, 720) == 0 and _rate(storm, 720, 780) > 10 and 3 < _rate(storm, 0, 600) < 5
+    chatty = outside["chatty_crowd"]()
+    crowd, calm = (median([a.output_tokens for a in chatty if (2100 <= a.time_s < 2820) == flag]) for flag in (True, False))
+    assert crowd > 1000 > 300 > calm
+    long_context = outside["long_context"]()
+    assert median([a.prompt_tokens for a in long_context]) > 6000 and _rate(long_context, 1800, 3600) > 1.6 * _rate(long_context, 0, 1800)
     out = tmp_path / "outside.json"
     assert planner_devset.main(["--set", "outside", "--traces", "trickle", "--policies", "splitserve", "--jobs", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
