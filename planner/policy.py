@@ -77,28 +77,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
-from statistics import NormalDist
 
 from planner.config import PlannerConfig
 from planner.connector import POOLS, PoolReplicas
 from planner.observation import Decision, Observation
 from planner.perf_model import PerfModel
 from planner.predictor import LoadForecast, LoadPredictor
-from planner.queueing import erlang_c, pooled_wait_share, wait_tail
-from planner.trend import LoadTrend, rise_start_ups
-
-
-@dataclass
-class _Level:
-    """A pool grown (or that would have grown, but for the deployment) above ``before`` replicas: when
-    the current run of load that count does not carry began (None: between runs), and the intervals
-    in a row since whose load it carries."""
-
-    before: int
-    run_s: float | None
-    within: int = 0
-    held: bool = False  # the deployment held the pool at ``before`` (burst_growth_above_deployment off)
+from planner.sizing import ReplicaSizer
+from planner.trend import LoadTrend
+from planner.window import LoadWindow
 
 
 class SLAPlanner:
@@ -112,33 +99,18 @@ class SLAPlanner:
         self.config = config
         self.perf_model = perf_model
         self.predictor = LoadPredictor(config.predictor_alpha, config.predictor_beta, 1 + config.startup_s / config.interval_s)
-        self.corrections = {pool: 1.0 for pool in POOLS}
+        self.sizer = ReplicaSizer(config, perf_model)  # counts for a load, and the corrections it learns
+        self.window = LoadWindow(config)  # the counts' quantile window and the levels it lets go
         self._last_change_s = {pool: -math.inf for pool in POOLS}
         self._recent_down: dict[str, deque[tuple[float, int]]] = {pool: deque() for pool in POOLS}
-        self._last_ready: dict[str, int] = {}
-        self._prompt_tokens = float(perf_model.prefill[0][0])
-        self._quantile = config.attainment_target if config.base_quantile is None else config.base_quantile
-        derived_s = round(max(4 * config.interval_s, (config.startup_s + config.interval_s) / (1 - self._quantile)), 6)
-        self._window_s = config.base_window_s if config.base_window_s is not None else derived_s
-        self._warmup_s = min(self._window_s, derived_s)  # no pool shrinks before this much is observed
-        # Every interval of the window's span in order: [time, aged, requests, counts]. A level let go
-        # leaves its intervals' counts None: the window forgets them (``_remembered``), and no rise
-        # within a reaction (a start-up and an interval: from a rise's first interval to the replicas
-        # it asks for being warm) spans them.
-        self._window: deque[list] = deque()
-        self._reaction = max(1, math.ceil((config.startup_s + config.interval_s) / config.interval_s - 1e-9))
         # The window's own clock: the seconds observed that age it. An idle interval (no request at
         # all) does not, until the idle stretch has lasted ``idle_hold_s``.
         self._aged_s = 0.0
         self._idle_s = 0.0
-        self._seconds_per_token = perf_model.prefill_s(self._prompt_tokens) / self._prompt_tokens
-        self._spread = 1.0
-        self._measured = False
         intervals_per_start_up = max(1, math.ceil(config.startup_s / config.interval_s - 1e-9))
         self._loads: deque[tuple[float, float]] = deque(maxlen=intervals_per_start_up)
         self._itl_over_intervals = 0  # consecutive intervals whose ITL p90 was over the SLO
-        derived_start_ups = rise_start_ups(max(self._window_s / config.interval_s, 1 / (1 - config.attainment_target)))
-        num_start_ups = derived_start_ups if config.rise_start_ups is None else config.rise_start_ups
+        num_start_ups = self.window.derived_start_ups if config.rise_start_ups is None else config.rise_start_ups
         self.trend = LoadTrend(intervals_per_start_up, num_start_ups, config.startup_s, config.interval_s)
         self._rise_ahead = LoadTrend(  # below the deployment
             intervals_per_start_up, 1, config.startup_s, config.interval_s, geometric=True, latest=config.rise_ahead_at_latest_growth
@@ -148,21 +120,16 @@ class SLAPlanner:
         # pools have spent below the deployment the planner was turned on over (their first targets).
         self._deployed: dict[str, int] = {}
         self._saved_s = 0.0
-        # Pools grown above a count, and the intervals in a row whose load that count carries. A run
-        # that lasted long enough and is followed by two start-ups within the count is a level, let go.
-        self._levels: dict[str, list[_Level]] = {pool: [] for pool in POOLS}  # outermost first
-        self._steady = {pool: 0 for pool in POOLS}  # intervals in a row whose load the pool's target carries
-        self._within_needed = 2 * intervals_per_start_up
-        self._recent: deque[dict[str, int]] = deque(maxlen=self._within_needed)  # the last two start-ups' counts
-        self._level_s = config.release_level_after_s
-        if self._level_s is None:
-            self._level_s = (derived_start_ups + 3) * intervals_per_start_up * config.interval_s
-        self._z = NormalDist().inv_cdf(config.attainment_target)
+        self._recent: deque[dict[str, int]] = deque(maxlen=self.window.within_needed)  # the last two start-ups' counts
         # The SLO's error budget: (time, requests, misses) of each interval of the budget's window
         # whose observation counted the requests that missed an SLO.
         self._misses: deque[tuple[float, int, int]] = deque()
         self._began_s: float | None = None  # when the first interval observed began
-        self._feasible_work = 1.0  # the share of the last interval's prefill seconds that were feasible prompts'
+
+    @property
+    def corrections(self) -> dict[str, float]:
+        """Observed over predicted latency per pool (clamped, smoothed): the sizer's dict itself, not a copy."""
+        return self.sizer.corrections
 
     def decide(self, observation: Observation, pools: Mapping[str, PoolReplicas]) -> Decision:
         """Targets for every pool in ``POOLS`` (``pools`` must hold them all)."""
@@ -178,7 +145,7 @@ class SLAPlanner:
         observed = LoadForecast(obs.num_requests / obs.duration_s, obs.num_prompt_tokens / obs.duration_s, decoded / obs.duration_s)
         self.predictor.observe(observed.request_rate, observed.prompt_tokens_per_s, observed.output_tokens_per_s)
         forecast = self.predictor.forecast()
-        infeasible_requests = self._measure_prompts(obs)
+        infeasible_requests = self.sizer.measure_prompts(obs)
         if self._began_s is None:
             self._began_s = obs.time_s - obs.duration_s
         if obs.slo_misses is not None:  # a prompt no replica prefills in time is counted apart, not spent
@@ -186,27 +153,29 @@ class SLAPlanner:
         while self._misses and self._misses[0][0] <= obs.time_s - config.error_budget_window_s:
             self._misses.popleft()
         budget = self._error_budget()
-        self._correct(obs, pools, observed.output_tokens_per_s)
+        self.sizer.correct(obs, pools, observed.output_tokens_per_s)
 
         # This interval's load, as counts, joins the window; the pools are sized for the window's quantile.
-        prefill_load, prefill_cap, prefill_why = self._prefill_load(observed)
-        decode_load, decode_why = self._decode_load(observed, obs.decode_running)
+        prefill_load, prefill_cap, prefill_why = self.sizer.prefill_load(observed)
+        decode_load, decode_why = self.sizer.decode_load(observed, obs.decode_running)
         # Sequences in batches that stall while their replicas prefill a queue of their own prompts
         # (the prefill pool empty, or behind) have piled up behind the stall: the pool grows for
         # them now, but the window, which remembers load for half an hour, takes the tokens decoded.
         stalled_need = None
         if obs.decode_running and obs.decode_queued_prefill_tokens:
-            tokens_load, _ = self._decode_load(observed)
+            tokens_load, _ = self.sizer.decode_load(observed)
             if tokens_load < decode_load:
                 stalled_need, decode_load = decode_load, tokens_load
         self._loads.append((prefill_load, decode_load))
         smooth_prefill = sum(p for p, _ in self._loads) / len(self._loads)
         smooth_decode = sum(d for _, d in self._loads) / len(self._loads)
-        counts = self._interval_counts(smooth_prefill, prefill_cap, smooth_decode, observed, obs.decode_running)
-        self._window_add(obs.time_s, counts, obs.num_requests)
-        released = {} if idle_held else self._release_levels(obs.time_s, counts)  # nor is it the load back within a level
+        counts = self.sizer.interval_counts(smooth_prefill, prefill_cap, smooth_decode, observed, obs.decode_running)
+        self.window.add(obs.time_s, self._aged_s, counts, obs.num_requests)
+        released = {} if idle_held else self.window.release_levels(obs.time_s, counts)  # nor is it the load back within a level
+        for pool in released:  # a level let go was a trend's rise too: what the pool had before it is forgotten
+            self._before_rise.pop(pool, None)
         self._recent.append(counts)
-        base = self._window_quantiles()
+        base = self.window.quantiles()
         # Above the deployment (the pools' first targets: what the SRE chose for this traffic), the
         # window's memory of a burst is a guess that it recurs: a pool holds there only what the
         # last two start-ups needed, and goes back to the deployment once a burst is over.
@@ -222,7 +191,7 @@ class SLAPlanner:
         # Below the deployment, room for the rises the load itself has shown within a reaction.
         windowed, room = {pool: base[pool] for pool in POOLS}, {}
         if config.rise_room_below_deployment:
-            for pool, rise in self._rises().items():
+            for pool, rise in self.window.rises().items():
                 roomed = min(self._deployed[pool], counts[pool] + rise)
                 if roomed > base[pool]:
                     room[pool] = rise
@@ -233,7 +202,7 @@ class SLAPlanner:
         if "decode" in released:
             decode_why = f"{decode_why}; {released['decode']}"
         if windowed["prefill"] > counts["prefill"]:
-            prefill_why = f"{prefill_why}; the window's {self._quantile:g} quantile needs {windowed['prefill']}"
+            prefill_why = f"{prefill_why}; the window's {self.window.quantile:g} quantile needs {windowed['prefill']}"
         for pool, deployed in cut.items():
             clause = f"; above the deployment's {deployed}, only what the last two start-ups needed"
             prefill_why, decode_why = (prefill_why + clause, decode_why) if pool == "prefill" else (prefill_why, decode_why + clause)
@@ -241,29 +210,29 @@ class SLAPlanner:
             if rise:
                 clause = f"; {base[pool]} for the {counts[pool]} the load needs now and a rise of {rise} the window saw within a start-up and an interval"
             else:  # the load now needs more than the window's quantile, which leaves this interval out
-                clause = f"; {base[pool]} for the load now, over what the window's {self._quantile:g} quantile needs"
+                clause = f"; {base[pool]} for the load now, over what the window's {self.window.quantile:g} quantile needs"
             clause = f"{clause} (the deployment's {self._deployed[pool]} at most)"
             prefill_why, decode_why = (prefill_why + clause, decode_why) if pool == "prefill" else (prefill_why, decode_why + clause)
         if idle_held:
             idle = f"; no request for {self._idle_s:.0f} s: the window keeps the traffic before it for up to {config.idle_hold_s:g} s idle"
             prefill_why, decode_why = prefill_why + idle, decode_why + idle
         if windowed["decode"] > counts["decode"]:
-            decode_why = f"{decode_why}; the window's {self._quantile:g} quantile needs {windowed['decode']}"
+            decode_why = f"{decode_why}; the window's {self.window.quantile:g} quantile needs {windowed['decode']}"
         # Beyond the window: a load that has risen over each of the last k start-ups is a trend, and the
         # pool grows now to the load projected to when replicas asked for now are warm. That is a bet
         # unless the load already needs more than the deployment had: it is paid from savings.
         # A pool growing into a rise is not one balanced batch (its sequences stay where they
         # joined while new replicas start empty), so a trend is projected at each replica's own swing.
-        own_decode_load, _ = self._decode_load(observed, None if stalled_need is not None else obs.decode_running, pooled=False)
+        own_decode_load, _ = self.sizer.decode_load(observed, None if stalled_need is not None else obs.decode_running, pooled=False)
         self.trend.observe((prefill_load, own_decode_load))
         self._account(obs, pools)
         rising, unfunded = {}, []
         needs, whys = {"prefill": prefill_need, "decode": decode_need}, {"prefill": prefill_why, "decode": decode_why}
         for pool, projected in self.trend.rises().items():
             if pool == "prefill":
-                count = min(self._prefill_count(projected, prefill_cap), config.max_prefill)
+                count = min(self.sizer.prefill_count(projected, prefill_cap), config.max_prefill)
             else:
-                count = min(self._decode_count(projected), config.max_decode)
+                count = min(self.sizer.decode_count(projected), config.max_decode)
             if count <= needs[pool]:
                 continue
             clause = f"rising over each of the last {self.trend.num_start_ups} start-ups, {count} for the load a start-up and half an interval ahead"
@@ -282,7 +251,7 @@ class SLAPlanner:
             downs[pool] = max(downs[pool], needs[pool])
         if config.rise_ahead_below_deployment:
             for pool, projected in self._rise_ahead.rises().items():
-                count = self._prefill_count(projected, prefill_cap) if pool == "prefill" else self._decode_count(projected)
+                count = self.sizer.prefill_count(projected, prefill_cap) if pool == "prefill" else self.sizer.decode_count(projected)
                 count = min(count, self._deployed[pool])
                 if count > needs[pool]:
                     needs[pool], downs[pool] = count, max(count, downs[pool])  # nor does the pool shrink below it while it rises
@@ -297,11 +266,11 @@ class SLAPlanner:
         # Beyond the window: a backlog that already makes a new prompt wait past the SLO means the
         # load is over capacity now; the pool grows to this interval's load plus the replicas that
         # clear the backlog within a start-up and an interval.
-        backlog_s = obs.queued_prefill_tokens * self._seconds_per_token
-        slack_s = config.ttft_slo_s - self._corrected_prefill_s()
+        backlog_s = obs.queued_prefill_tokens * self.sizer.seconds_per_token
+        slack_s = config.ttft_slo_s - self.sizer.corrected_prefill_s()
         prefill_behind = backlog_s > slack_s * max(1, pools["prefill"].ready)
         if prefill_need > 0 and prefill_behind:
-            clearing = self._prefill_count(max(prefill_load, smooth_prefill) + backlog_s / (config.startup_s + config.interval_s), prefill_cap)
+            clearing = self.sizer.prefill_count(max(prefill_load, smooth_prefill) + backlog_s / (config.startup_s + config.interval_s), prefill_cap)
             if clearing > prefill_need:
                 prefill_need, prefill_why = clearing, f"{prefill_why}; {obs.queued_prefill_tokens} tokens queued"
         # The decode pool's backlog is its batch: an ITL over the SLO in each interval of the last
@@ -311,7 +280,7 @@ class SLAPlanner:
         itl_over = obs.itl_s_p90 is not None and obs.itl_s_p90 > config.itl_slo_s
         self._itl_over_intervals = self._itl_over_intervals + 1 if itl_over else 0
         if self._itl_over_intervals >= self._loads.maxlen:
-            now_need = self._decode_count(decode_load + (prefill_load if prefill_need == 0 else 0.0))
+            now_need = self.sizer.decode_count(decode_load + (prefill_load if prefill_need == 0 else 0.0))
             if now_need > decode_need:
                 decode_need, decode_why = now_need, f"{decode_why}; the ITL p90 {obs.itl_s_p90:.3f} s is over the SLO, {self._itl_over_intervals} intervals running"
         # Prompts queued behind that backlog are sequences on their way to the decode pool, which sees
@@ -320,12 +289,12 @@ class SLAPlanner:
         coming = obs.queued_prefill_tokens - obs.decode_queued_prefill_tokens
         if prefill_behind and obs.decode_running is not None and obs.num_prompt_tokens > 0 and coming > 0:
             coming_requests = round(coming * obs.num_requests / obs.num_prompt_tokens)
-            ahead_load, _ = self._decode_load(LoadForecast(0.0, 0.0, 0.0), obs.decode_running + coming_requests)
-            now_need = self._decode_count(ahead_load)
+            ahead_load, _ = self.sizer.decode_load(LoadForecast(0.0, 0.0, 0.0), obs.decode_running + coming_requests)
+            now_need = self.sizer.decode_count(ahead_load)
             if now_need > decode_need:
                 decode_need, decode_why = now_need, f"{decode_why}; {obs.decode_running} sequences running and {coming_requests} prompts queued for prefill behind its backlog"
         if stalled_need is not None:
-            now_need = self._decode_count(stalled_need)
+            now_need = self.sizer.decode_count(stalled_need)
             if now_need > decode_need:
                 decode_need, decode_why = now_need, f"{decode_why}; {obs.decode_running} sequences in a stalled batch"
         aggregated = pools["prefill"].target == 0
@@ -361,12 +330,12 @@ class SLAPlanner:
         asked = {"prefill": prefill_need, "decode": decode_need}
         held = set()
         if not config.burst_growth_above_deployment:
-            now = self._interval_counts(prefill_load, prefill_cap, decode_load, observed, obs.decode_running)  # this interval alone, not averaged
+            now = self.sizer.interval_counts(prefill_load, prefill_cap, decode_load, observed, obs.decode_running)  # this interval alone, not averaged
             needs, whys, held = self._ride_out_bursts(asked, {"prefill": prefill_why, "decode": decode_why}, now, pools, budget)
             prefill_need, decode_need, prefill_why, decode_why = needs["prefill"], needs["decode"], whys["prefill"], whys["decode"]
         decode = pools["decode"]
         if obs.kv_usage is not None and obs.kv_usage > config.kv_usage_high and decode.ready + 1 > decode_need:
-            if self._only_infeasible(observed):  # a replica more holds more of them, and serves nobody in time
+            if self.sizer.only_infeasible(observed):  # a replica more holds more of them, and serves nobody in time
                 decode_why = f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, filled by prompts no replica prefills within the TTFT SLO: not grown for"
             elif not config.burst_growth_above_deployment and decode.ready + 1 > max(self._deployed["decode"], decode.target) and (budget or 0) > 0:
                 # Above the deployment a full KV pool queues requests as a static split of it would, and
@@ -392,18 +361,7 @@ class SLAPlanner:
                 if back < targets[pool]:
                     targets[pool], reasons[pool] = back, f"back to {back}: the rise is over ({why})"
                     self._last_change_s[pool] = obs.time_s
-            # A pool whose load its target has carried for two start-ups has settled there: a rise
-            # from it is a level of its own (the one it grew for before, if any, is its new normal).
-            settled = self._steady[pool] >= self._within_needed  # before this interval
-            self._steady[pool] = self._steady[pool] + 1 if counts[f"{pool}_down"] <= pools[pool].target else 0
-            levels = self._levels[pool]
-            # A run of load the deployment held the pool through is a level as much as one it grew for.
-            held_here = pool in held and targets[pool] == pools[pool].target
-            if (targets[pool] > pools[pool].target or held_here) and (not levels or settled):
-                # The run began where the load last left what the pool had: the window lets a rise in late.
-                levels.append(_Level(pools[pool].target, self._run_began_s(pool, pools[pool].target, obs.time_s), held=held_here))
-            while levels and (targets[pool] < levels[-1].before or (targets[pool] == levels[-1].before and not levels[-1].held)):
-                levels.pop()
+            self.window.track_level(pool, pools[pool].target, targets[pool], counts[f"{pool}_down"], pool in held, obs.time_s)
         if infeasible_requests:
             reasons["prefill"] += f" ({infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
         return Decision(
@@ -480,288 +438,6 @@ class SLAPlanner:
             if pool in self._before_rise:
                 self._saved_s -= max(0, pools[pool].target - self._before_rise[pool]) * obs.duration_s
 
-    def _measure_prompts(self, obs: Observation) -> int:
-        """Learns from the interval's prompts and returns its infeasible requests: those whose prompt
-        alone takes one replica longer than the TTFT SLO (corrected), known per histogram bucket (one
-        whose lower bound is already too long). With the histogram it also tracks the prefill seconds a
-        prompt token costs (prefill is convex in length) and the spread of the feasible prompts'
-        prefill times, which lengthens queues: M/G/c waits are about (1 + cv^2) / 2 of M/M/c's."""
-        perf, alpha = self.perf_model, (self.config.predictor_alpha if self._measured else 1.0)  # the first interval sets them
-        if not obs.num_requests:
-            return 0
-        self._measured = True
-        longest = perf.longest_prompt(self.config.ttft_slo_s / self.corrections["prefill"])
-        infeasible, infeasible_s, seconds, tokens, lower = 0, 0.0, 0.0, 0.0, 0.0
-        feasible = [0, 0.0, 0.0, 0.0]  # requests, tokens, seconds, seconds squared
-        for upper, count in obs.prompt_length_counts:
-            if count:
-                middle = math.sqrt(max(lower, upper / 2) * upper) if math.isfinite(upper) else lower * math.sqrt(2)
-                service_s = perf.prefill_s(middle)
-                seconds, tokens = seconds + count * service_s, tokens + count * middle
-                if lower >= longest:
-                    infeasible, infeasible_s = infeasible + count, infeasible_s + count * service_s
-                else:
-                    feasible = [feasible[0] + count, feasible[1] + count * middle, feasible[2] + count * service_s, feasible[3] + count * service_s**2]
-            lower = upper
-        self._feasible_work = 1.0 - infeasible_s / seconds if seconds else 1.0
-        if tokens:  # bucket middles, scaled to the interval's true token count
-            self._seconds_per_token += alpha * (seconds / tokens - self._seconds_per_token)
-            feasible_tokens = feasible[1] * obs.num_prompt_tokens / tokens
-        else:
-            feasible_tokens = obs.num_prompt_tokens
-        if feasible[0] and feasible[2]:
-            mean_s = feasible[2] / feasible[0]
-            self._spread += alpha * ((1 + max(0.0, feasible[3] / feasible[0] / mean_s**2 - 1)) / 2 - self._spread)
-        count = obs.num_requests - infeasible
-        if count:
-            self._prompt_tokens += alpha * (max(1.0, feasible_tokens / count) - self._prompt_tokens)
-        if not tokens:
-            self._seconds_per_token = perf.prefill_s(self._prompt_tokens) / self._prompt_tokens
-        return infeasible
-
-    def _interval_counts(self, prefill_load: float, prefill_cap: float, decode_load: float, observed: LoadForecast, running: int | None = None) -> dict[str, int]:
-        """Replicas one interval's load needs per pool, to grow and (at each pool's scale-down margin)
-        to shrink to, the decode pool taking the prompts when the prefill pool would be empty; and the
-        decode replicas that would serve it all alone (``alone``, ``alone_down``; with ``running``
-        sequences in their batches)."""
-        margin, decode_margin = self.config.scale_down_margin, self.config.decode_scale_down_margin
-        counts = {"prefill": self._prefill_count(prefill_load, prefill_cap), "prefill_down": self._prefill_count(prefill_load / margin, prefill_cap)}
-        counts["decode"] = self._decode_count(decode_load + (prefill_load if counts["prefill"] == 0 else 0.0))
-        counts["decode_down"] = self._decode_count((decode_load + (prefill_load if counts["prefill_down"] == 0 else 0.0)) / decode_margin)
-        counts["alone"] = self._aggregated_count(prefill_load, prefill_cap, observed, running=running)
-        counts["alone_down"] = self._aggregated_count(prefill_load / margin, prefill_cap, observed, margin, running)
-        return counts
-
-    def _window_add(self, now_s: float, counts: dict[str, int], weight: int) -> None:
-        """Adds one interval's counts to the window and drops those older than ``window_s``."""
-        window = self._window
-        window.append([now_s, self._aged_s, max(weight, 1e-6), counts])
-        while window[0][1] <= self._aged_s - self._window_s:
-            window.popleft()
-
-    def _remembered(self) -> list[list]:
-        """The window's intervals, less those of the levels let go (the newest is always there)."""
-        return [entry for entry in self._window if entry[3] is not None]
-
-    def _release_levels(self, now_s: float, counts: dict[str, int]) -> dict[str, str]:
-        """Lets go of the levels the pools grew for: a run of intervals whose load (averaged over a
-        start-up, at the scale-down margin) the count the pool had before does not carry, that lasted
-        at least ``release_level_after_s`` and has been followed by two start-ups that count carries.
-        The window forgets the run's intervals and a start-up either side of it (loads are averaged
-        over a start-up), for both pools (the level was the load's, and the other pool's counts in it
-        were the level's too), so each pool shrinks to what the load outside the level needs, as the
-        settling rules allow. Returns a clause per pool let go. A shorter run is a burst: the window
-        remembers it, so one recurring finds its replicas warm, while a recurring level is caught
-        again as it was the first time."""
-        released, interval_s = {}, self.config.interval_s
-        for pool, levels in self._levels.items():
-            let_go = None
-            for index, level in enumerate(levels):
-                if counts[f"{pool}_down"] <= level.before:
-                    level.within += 1
-                else:
-                    level.within = 0
-                    if level.run_s is None:
-                        level.run_s = now_s
-                if level.run_s is None or level.within < self._within_needed:
-                    continue
-                if now_s - level.within * interval_s - level.run_s + interval_s < self._level_s:
-                    level.run_s = None  # a burst: the window remembers it
-                elif let_go is None:
-                    let_go = index  # the outermost over; those inside it are over too
-            if let_go is None:
-                continue
-            level = levels[let_go]
-            del levels[let_go:]
-            before, run_s = level.before, level.run_s
-            ended_s = now_s - level.within * interval_s
-            self._before_rise.pop(pool, None)
-            # Loads are averaged over a start-up, so a level's edges spread a start-up either side of it.
-            edge_s = self.config.startup_s
-            for entry in self._window:  # forgotten, and the level's rise with them: it was the shift's
-                if run_s - edge_s <= entry[0] <= ended_s + edge_s:
-                    entry[3] = None
-            held_s = ended_s - run_s + interval_s
-            held = f"{held_s / 60:.0f} minutes" if held_s >= 120 else f"{held_s:.0f} s"
-            released[pool] = f"the level of {held} is over, {before} carried the last {level.within} intervals"
-        return released
-
-    def _run_began_s(self, pool: str, before: int, now_s: float) -> float:
-        """When the run of load that ``before`` replicas of ``pool`` do not carry, which the window
-        ends with, began: the interval after the last two start-ups whose load they carried (``now_s``
-        when the window ends with such a stretch; the window's first interval when it holds none)."""
-        newer_s, after_stretch_s, within, remembered = now_s, now_s, 0, self._remembered()
-        for time_s, _, _, counts in reversed(remembered):
-            if counts[f"{pool}_down"] <= before:
-                if not within:
-                    after_stretch_s = newer_s
-                within += 1
-                if within >= self._within_needed:
-                    return after_stretch_s
-            else:
-                within = 0
-            newer_s = time_s
-        return remembered[0][0]
-
-    def _window_quantiles(self) -> dict[str, int]:
-        """Each count's quantile over the intervals of the last ``window_s``, each weighted by its
-        requests (attainment is counted in requests, and a busy interval holds more of them)."""
-        remembered = self._remembered()
-        return {key: self._weighted_quantile([(c[key], w) for _, _, w, c in remembered]) for key in remembered[-1][3]}
-
-    def _rises(self) -> dict[str, int]:
-        """Per pool, the quantile (as the window's, each interval weighted by its requests) of how far
-        its count rose from an interval of the window's span within the reaction that followed it (a
-        start-up and an interval), counting no rise that spans a level let go. Empty until the
-        window holds one reaction."""
-        window, reaction = list(self._window), self._reaction
-        spans = [window[i:i + reaction + 1] for i in range(len(window) - reaction)]
-        spans = [span for span in spans if all(entry[3] is not None for entry in span)]
-        if not spans:
-            return {}
-        return {
-            pool: self._weighted_quantile([(max(0, max(e[3][pool] for e in span[1:]) - span[0][3][pool]), span[0][2]) for span in spans])
-            for pool in POOLS
-        }
-
-    def _weighted_quantile(self, values: list[tuple[int, float]]) -> int:
-        """The ``base_quantile`` of (value, weight) pairs (not empty)."""
-        total, seen = sum(w for _, w in values), 0.0
-        for value, w in sorted(values):
-            seen += w
-            if seen >= self._quantile * total - 1e-9:
-                return value
-        return max(value for value, _ in values)
-
-    def _correct(self, obs: Observation, pools: Mapping[str, PoolReplicas], decoded_per_s: float) -> None:
-        """Updates the correction factors from the interval's mean latencies, sized on ready replicas
-        (``decoded_per_s``: the tokens the decode pool made, each request's first left out)."""
-        config, perf = self.config, self.perf_model
-        ratios = {}
-        # An interval in which a pool's ready count changed mixes two sizes: it corrects nothing.
-        steady = {pool: pools[pool].ready == self._last_ready.get(pool) for pool in POOLS}
-        self._last_ready = {pool: pools[pool].ready for pool in POOLS}
-        prefill_ready = pools["prefill"].ready
-        prompted = bool(obs.num_requests and obs.num_prompt_tokens)
-        if prompted:  # the interval's mean prompt and what one replica takes to prefill it
-            prompt_tokens = obs.num_prompt_tokens / obs.num_requests
-            service_s = self._seconds_per_token * prompt_tokens  # the interval's mean prefill, convexity included
-        if steady["prefill"] and obs.ttft_s_mean and prefill_ready and prompted:
-            rho = obs.num_prompt_tokens / obs.duration_s * service_s / prompt_tokens / prefill_ready
-            if rho < 0.7:  # beyond, the queueing term dominates and says little about the model
-                ratios["prefill"] = obs.ttft_s_mean / (service_s * (1 + self._spread * pooled_wait_share(rho, prefill_ready)))
-        decode_ready = pools["decode"].ready
-        if steady["decode"] and obs.itl_s_mean and decode_ready and decoded_per_s:
-            batch = decoded_per_s * obs.itl_s_mean / decode_ready
-            stalled = 0.0
-            if not prefill_ready and prompted:  # the decode replicas prefilled: their batches stalled meanwhile
-                stalled = min(0.9, obs.num_requests / obs.duration_s * service_s / decode_ready)
-            ratios["decode"] = obs.itl_s_mean * (1 - stalled) / perf.itl_s(batch)
-        for pool, ratio in ratios.items():
-            ratio = min(config.correction_max, max(config.correction_min, ratio))
-            self.corrections[pool] += config.correction_smoothing * (ratio - self.corrections[pool])
-
-    def _corrected_prefill_s(self) -> float:
-        """What one replica takes to prefill the mean feasible prompt, corrected by observed TTFT."""
-        return self.corrections["prefill"] * self._seconds_per_token * self._prompt_tokens
-
-    def _prefill_load(self, load: LoadForecast) -> tuple[float, float, str]:
-        """(load in prefill replicas, highest load per replica alone that meets the TTFT SLO or 0, why)."""
-        config = self.config
-        prompt_tokens = self._prompt_tokens
-        service_s = self._seconds_per_token * prompt_tokens
-        wait_scale_s = self._corrected_prefill_s()
-        replicas = load.prompt_tokens_per_s * self._seconds_per_token
-        why = f"{load.prompt_tokens_per_s:.0f} prompt tokens/s, {prompt_tokens:.0f} a prompt at {service_s:.3f} s each"
-        # Prompts no replica prefills within the SLO hold replicas the others would wait for, so their
-        # work counts while there are others to keep waiting: with next to none, it is left out.
-        if self._only_infeasible(load):
-            feasible = replicas * self._feasible_work
-            why = f"{why}; {replicas - feasible:.1f} replicas of it prompts no replica prefills within the TTFT SLO, left out: the others are {feasible:.2f}"
-            replicas = feasible
-        if wait_scale_s >= config.ttft_slo_s:
-            return replicas, 0.0, why
-        low, high, tail = 0.0, 1.0, 1 - config.attainment_target
-        for _ in range(40):
-            mid = (low + high) / 2
-            low, high = (mid, high) if wait_tail(mid, wait_scale_s, config.ttft_slo_s - wait_scale_s) <= tail else (low, mid)
-        return replicas, low, why
-
-    def _only_infeasible(self, load: LoadForecast) -> bool:
-        """Whether next to all of the interval's prompt work is prompts no replica prefills within the
-        TTFT SLO: theirs over ``prefill_zero_load`` replicas, the others' under it (nobody to protect)."""
-        replicas = load.prompt_tokens_per_s * self._seconds_per_token
-        return replicas * self._feasible_work < self.config.prefill_zero_load < replicas
-
-    def _prefill_count(self, load: float, per_replica: float) -> int:
-        """Fewest prefill replicas sharing one queue (the router sends each prompt to the least queued)
-        whose Erlang-C wait tail keeps ``1 - attainment_target`` of the prompts over the TTFT SLO;
-        ``per_replica`` is 0 when the mean prompt alone is slower than the SLO."""
-        config = self.config
-        if per_replica == 0:
-            return config.max_prefill + 1
-        if load < config.prefill_zero_load:
-            return 0
-        service_s = self._corrected_prefill_s()
-        slack = (config.ttft_slo_s - service_s) / service_s
-        for count in range(max(1, math.ceil(load - 1e-9)), config.max_prefill + 2):
-            if count > load and erlang_c(count, load) * math.exp(-(count - load) * slack / self._spread) <= 1 - config.attainment_target:
-                return count
-        return config.max_prefill + 1
-
-    def _aggregated_count(self, prefill_load: float, prefill_cap: float, forecast: LoadForecast, margin: float = 1.0, running: int | None = None) -> int:
-        """Fewest decode replicas that also prefill every prompt: each spends ``prefill_load / n`` of
-        its time prefilling (at most the TTFT's ``prefill_cap``), its batch stalls meanwhile, so the
-        ITL it must keep while decoding shrinks by that share and so does its token rate. The
-        ``running`` sequences (when known) must fit their batches at that ITL too: the decoded tokens
-        lag a batch that long answers fill. More than ``max_decode`` when no count serves both."""
-        config = self.config
-        for n in range(1, config.max_decode + 1):
-            stalled = prefill_load / n
-            if stalled > prefill_cap or stalled >= 1:
-                continue
-            rate = self._decode_rate(config.itl_slo_s * (1 - stalled), n)
-            if rate is None or forecast.output_tokens_per_s / margin > n * (1 - stalled) * rate[1]:
-                continue
-            if not config.aggregated_counts_running or running is None or running / margin <= n * rate[0]:
-                return n
-        return config.max_decode + 1
-
-    def _decode_rate(self, itl_s: float, replicas: int = 1) -> tuple[float, float] | None:
-        """(batch, tokens/s) of one of ``replicas`` decode replicas whose corrected ITL stays under
-        ``itl_s``: the largest such batch less its share of the pool's Poisson swing, z * sqrt(batch
-        / replicas) (the router joins each sequence to the smallest batch, so the pool's running
-        sequences swing as one Poisson count). None when even one sequence is slower."""
-        perf, correction = self.perf_model, self.corrections["decode"]
-        batch_at_slo = perf.largest_batch(itl_s / correction, self.config.max_decode_batch)
-        if batch_at_slo == 0:
-            return None
-        z = self._z / math.sqrt(replicas) if self.config.decode_swing_pooled else self._z
-        batch = max(1.0, ((-z + math.sqrt(z**2 + 4 * batch_at_slo)) / 2) ** 2)
-        return batch, batch / (correction * perf.itl_s(batch))
-
-    def _decode_count(self, load: float) -> int:
-        return self.config.max_decode + 1 if math.isinf(load) else max(1, math.ceil(load - 1e-9))
-
-    def _decode_load(self, forecast: LoadForecast, running: int | None = None, pooled: bool = True) -> tuple[float, str]:
-        """(load in decode replicas, why); infinite when no batch meets the ITL SLO. The decoded
-        tokens lag the sequences that have joined a batch (a long answer streams for minutes), so the
-        sequences running now, at one replica's batch, count when they are more. ``pooled``: each
-        replica keeps room for its share of the pool's swing (``decode_swing_pooled``), not its own."""
-        for replicas in range(1, self.config.max_decode + 1):
-            # Each replica's share of the swing shrinks as the pool grows: the load is the one the
-            # fewest replicas that carry it see, at most that many replicas.
-            rate = self._decode_rate(self.config.itl_slo_s, replicas)
-            if rate is None:  # whatever the pool's size
-                return math.inf, f"one sequence alone takes {self.corrections['decode'] * self.perf_model.itl_s(1):.3f} s per token"
-            batch, tokens_per_s = rate
-            load, why = forecast.output_tokens_per_s / tokens_per_s, f"{forecast.output_tokens_per_s:.0f} output tokens/s at {tokens_per_s:.0f} per replica (batch {batch:.0f})"
-            if running is not None and running / batch > load:
-                load, why = running / batch, f"{running} sequences running at a batch of {batch:.0f} per replica ({forecast.output_tokens_per_s:.0f} output tokens/s)"
-            if load <= replicas or not (pooled and self.config.decode_swing_pooled):
-                break
-        return load, why
-
     def _stabilised(self, pool: str, need_down: int, now_s: float) -> int:
         """The most ``need_down`` asked for over the last ``scale_down_window_s`` (this one included)."""
         recent = self._recent_down[pool]
@@ -777,7 +453,7 @@ class SLAPlanner:
         current = replicas.target
         target, flagged = current, False
         this_interval, need_down = need_down, self._stabilised(pool, need_down, now_s)
-        warming = self._aged_s < self._warmup_s and need_down < current
+        warming = self._aged_s < self.window.warmup_s and need_down < current
         deployed = self._deployed[pool]
         if warming and not config.burst_memory_above_deployment and current > deployed:
             need_down, warming = max(need_down, deployed), False  # the warm-up holds the deployment, not growth above it
@@ -792,7 +468,7 @@ class SLAPlanner:
             if ahead > need:
                 target, reason = ahead, f"up to {ahead}, {config.rise_step_below_deployment:g} times the step to {need} (the deployment's {deployed} at most), for {why}"
         elif warming:
-            reason = f"holding at {current}: {self._aged_s:.0f} s of the {self._warmup_s:.0f} s window observed, too few to shrink on"
+            reason = f"holding at {current}: {self._aged_s:.0f} s of the {self.window.warmup_s:.0f} s window observed, too few to shrink on"
         elif need_down < current and replicas.starting:
             reason = f"holding at {current}: {replicas.starting} replicas still starting"
         elif need_down < current and missing_slo:

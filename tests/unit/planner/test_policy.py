@@ -101,13 +101,13 @@ def test_the_decode_pool_keeps_room_for_its_sequences_swing_together_not_each_it
     """5,550 decoded tokens/s (5 req/s of 1,111 tokens): 7.1 replicas at the 780 tokens/s of a
     replica keeping room for its own swing, but 6.95 in a pool of 7 (799 each), which the router
     balances as one batch (each sequence joins the smallest): 7 replicas, not 8."""
-    batch, rate = planner()._decode_rate(0.1, 7)
+    batch, rate = planner().sizer.decode_rate(0.1, 7)
     assert batch + 1.6448536 * math.sqrt(batch / 7) == pytest.approx(81, abs=1e-4)
     targets = {}
     for pooled in (True, False):
         decision = planner(decode_swing_pooled=pooled, **ALONE).decide(observe(30, 5, output_tokens=1111), pools(1, 1))
         targets[pooled] = decision.targets["decode"]
-    assert targets == {True: 7, False: 8} and 5550 / rate < 7 < 5550 / planner()._decode_rate(0.1)[1]
+    assert targets == {True: 7, False: 8} and 5550 / rate < 7 < 5550 / planner().sizer.decode_rate(0.1)[1]
     assert decision.reasons["decode"].startswith("up to 8 for 5550 output tokens/s at 780 per replica (batch 67)")
 
 
@@ -297,9 +297,9 @@ def test_a_level_on_top_of_a_level_is_let_go_first_and_the_one_below_after_it():
 
 
 def test_release_level_after_s_is_derived_from_the_trend_test_or_set():
-    assert planner()._level_s == (4 + 3) * 60.0  # the default window: k = 4, two intervals a start-up
-    assert planner(base_window_s=600.0)._level_s == (3 + 3) * 60.0
-    assert planner(release_level_after_s=90.0)._level_s == 90.0
+    assert planner().window.level_s == (4 + 3) * 60.0  # the default window: k = 4, two intervals a start-up
+    assert planner(base_window_s=600.0).window.level_s == (3 + 3) * 60.0
+    assert planner(release_level_after_s=90.0).window.level_s == 90.0
     with pytest.raises(ValueError, match="release_level_after_s must be 0 or more"):
         PlannerConfig(release_level_after_s=-1.0)
     with pytest.raises(ValueError, match="release_level_after_s must be 0 or more"):
@@ -763,7 +763,7 @@ def test_prompts_of_the_same_mean_with_a_heavier_tail_need_at_least_as_many_pref
         p = planner(**ALONE)
         for t in (30, 60, 90, 120):
             decision = p.decide(Observation(t, INTERVAL_S, 1800, 1800 * 1000, 1800 * 10, prompt_length_counts=buckets), pools(1, 1))
-        return decision.needed["prefill"], p._spread
+        return decision.needed["prefill"], p.sizer.spread
 
     uniform = prefill_at_high_load(((512.0, 0), (2048.0, 1800), (math.inf, 0)))
     tailed = prefill_at_high_load(((128.0, 0), (512.0, 1620), (16384.0, 180), (math.inf, 0)))
@@ -878,7 +878,7 @@ def test_the_forecast_is_reported_but_does_not_size_the_pools():
     rising = run(p, [5, 10, 20, 40], (1, 1), output_tokens=10)
     # The trend forecasts more than 40 req/s; the pool is sized for 4 replicas of load averaged with 2.
     assert rising[-1].forecast.prompt_tokens_per_s > 40_000
-    assert rising[-1].needed["prefill"] == p._prefill_count(3.0, 0.85)
+    assert rising[-1].needed["prefill"] == p.sizer.prefill_count(3.0, 0.85)
 
 
 def test_the_same_inputs_give_the_same_decisions():
@@ -905,7 +905,7 @@ RAMP = list(range(4, 44, 4))
 
 def test_a_load_rising_over_each_of_four_start_ups_grows_the_pool_to_its_projection_at_once():
     p = planner()
-    assert p._window_s == 1800 and p.trend.num_start_ups == 4
+    assert p.window.window_s == 1800 and p.trend.num_start_ups == 4
     decisions = run(p, RAMP, (1, 1), output_tokens=10)
     # The load already needs more than the deployment's 1: the projection is no bet, it needs no savings.
     assert decisions[-1].saved_replica_s == 0 and decisions[-1].unfunded_trends == ()
@@ -915,7 +915,7 @@ def test_a_load_rising_over_each_of_four_start_ups_grows_the_pool_to_its_project
     # At 300 s: 3.8 + 0.8 a start-up x (75 s + 30 s from the newest start-up's middle) / 60 s = 5.2
     # replicas of load a start-up and half an interval ahead; the window's 3.8 alone would need 4.
     last = decisions[-1]
-    assert p._prefill_count(3.8, 0.85) == 4 and last.targets["prefill"] == p._prefill_count(5.2, 0.85) == 6
+    assert p.sizer.prefill_count(3.8, 0.85) == 4 and last.targets["prefill"] == p.sizer.prefill_count(5.2, 0.85) == 6
     assert last.reasons["prefill"].endswith("rising over each of the last 4 start-ups, 6 for the load a start-up and half an interval ahead")
 
 
@@ -927,7 +927,7 @@ def test_a_decode_trend_is_projected_at_each_replicas_own_swing():
     p = planner()
     run(p, [5] * 10, (1, 1), output_tokens=1, prompt_tokens=10)
     decisions = [p.decide(observe(330 + 30 * i, 5, output_tokens=1 + 160 * (i + 1), prompt_tokens=10), pools(1, 1)) for i in range(10)]
-    own = [(1200 + 1600 * i) / p._decode_rate(0.1)[1] for i in range(5)]
+    own = [(1200 + 1600 * i) / p.sizer.decode_rate(0.1)[1] for i in range(5)]
     assert decisions[-1].targets["decode"] == math.ceil(own[-1] + (own[-1] - own[0]) / 4 * 1.75) == 14
     assert decisions[-1].reasons["decode"].endswith("rising over each of the last 4 start-ups, 14 for the load a start-up and half an interval ahead")
 
