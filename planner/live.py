@@ -14,7 +14,7 @@ Every decision is logged with its inputs as one JSON line and exported as ``spli
 metrics. A connector that fails is logged and counted, and the planner waits a doubling backoff
 before it acts again; it never stops. A pool whose SLO no allowed count meets is reported once per
 interval (a warning and ``splitserve_planner_infeasible_total``) while the planner holds it at max.
-A level of load let go (planner/policy.py) counts in ``splitserve_planner_levels_released_total``; a
+A level of load let go (planner/window.py) counts in ``splitserve_planner_levels_released_total``; a
 trend not bet on in ``splitserve_planner_trends_not_bet_total``, a burst ridden out at the deployment
 in ``splitserve_planner_bursts_ridden_out_total``, the room kept below it for the load's own rises
 is ``splitserve_planner_rise_room_replicas``, and the replica-seconds bets and growth above the

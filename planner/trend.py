@@ -1,6 +1,6 @@
 """Trends in the observed load: start-up averages that rise over each of the last k start-ups.
 
-The window of ``policy.SLAPlanner`` catches a rise a start-up and an interval late; a load that keeps
+The planner's window (``window.LoadWindow``) catches a rise a start-up and an interval late; a load that keeps
 rising outruns it. ``LoadTrend`` keeps each pool's observed load (in replicas) of the last
 (k + 1) start-ups, averages it per start-up, newest block ending at the newest interval:
 
