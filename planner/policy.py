@@ -82,6 +82,7 @@ from planner.config import PlannerConfig
 from planner.connector import POOLS, PoolReplicas
 from planner.observation import Decision, Observation
 from planner.perf_model import PerfModel
+from planner.budget import ErrorBudget
 from planner.predictor import LoadForecast, LoadPredictor
 from planner.sizing import ReplicaSizer
 from planner.trend import LoadTrend
@@ -121,10 +122,7 @@ class SLAPlanner:
         self._deployed: dict[str, int] = {}
         self._saved_s = 0.0
         self._recent: deque[dict[str, int]] = deque(maxlen=self.window.within_needed)  # the last two start-ups' counts
-        # The SLO's error budget: (time, requests, misses) of each interval of the budget's window
-        # whose observation counted the requests that missed an SLO.
-        self._misses: deque[tuple[float, int, int]] = deque()
-        self._began_s: float | None = None  # when the first interval observed began
+        self.error_budget = ErrorBudget(config)  # what may still miss an SLO before growth above the deployment
 
     @property
     def corrections(self) -> dict[str, float]:
@@ -146,13 +144,10 @@ class SLAPlanner:
         self.predictor.observe(observed.request_rate, observed.prompt_tokens_per_s, observed.output_tokens_per_s)
         forecast = self.predictor.forecast()
         infeasible_requests = self.sizer.measure_prompts(obs)
-        if self._began_s is None:
-            self._began_s = obs.time_s - obs.duration_s
-        if obs.slo_misses is not None:  # a prompt no replica prefills in time is counted apart, not spent
-            self._misses.append((obs.time_s, obs.num_requests, max(0, obs.slo_misses - infeasible_requests)))
-        while self._misses and self._misses[0][0] <= obs.time_s - config.error_budget_window_s:
-            self._misses.popleft()
-        budget = self._error_budget()
+        # A prompt no replica prefills in time is counted apart, not spent.
+        misses = None if obs.slo_misses is None else max(0, obs.slo_misses - infeasible_requests)
+        self.error_budget.observe(obs.time_s, obs.duration_s, obs.num_requests, misses)
+        budget = self.error_budget.remaining()
         self.sizer.correct(obs, pools, observed.output_tokens_per_s)
 
         # This interval's load, as counts, joins the window; the pools are sized for the window's quantile.
@@ -340,7 +335,7 @@ class SLAPlanner:
             elif not config.burst_growth_above_deployment and decode.ready + 1 > max(self._deployed["decode"], decode.target) and (budget or 0) > 0:
                 # Above the deployment a full KV pool queues requests as a static split of it would, and
                 # their misses are what the error budget counts.
-                decode_why = f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, but above the deployment's {self._deployed['decode']}{self._unspent(budget)}"
+                decode_why = f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, but above the deployment's {self._deployed['decode']}{self.error_budget.unspent_clause(budget)}"
                 held.add("decode")
             else:
                 decode_need, decode_why = decode.ready + 1, f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}"
@@ -376,7 +371,7 @@ class SLAPlanner:
         needed more than the deployment in each interval of the last two start-ups and still does in
         this one alone (``now``, not averaged over a start-up: a burst's averaged tail is over), a
         shift that replicas asked for now still catch, and the SLO's error budget (``budget``, as
-        ``_error_budget``) is spent; or unless the replica-seconds saved below the deployment pay for
+        ``ErrorBudget.remaining``) is spent; or unless the replica-seconds saved below the deployment pay for
         the replicas it adds, for a start-up and an interval. Returns the needs, the reasons and the
         pools held."""
         config = self.config
@@ -390,7 +385,7 @@ class SLAPlanner:
             if len(recent) == recent.maxlen and now[pool] > deployed and all(counts[pool] > deployed for counts in recent):
                 if budget is None or budget <= 0:
                     continue  # a shift: grows as asked
-                unspent = f"; a shift, but{self._unspent(budget)}"  # the deployment serves it within the SLO, as a static split of it would
+                unspent = f"; a shift, but{self.error_budget.unspent_clause(budget)}"  # the deployment serves it within the SLO, as a static split of it would
             high = config.max_prefill if pool == "prefill" else config.max_decode
             if floor >= high:
                 continue  # nothing to add: settling holds it at max, and says so
@@ -406,27 +401,6 @@ class SLAPlanner:
             needs[pool] = floor
             held.add(pool)
         return needs, whys, held
-
-    def _error_budget(self) -> float | None:
-        """Requests that may still miss an SLO over the budget's window before it is spent (below 0:
-        overspent); None when it holds nothing (off, or no observation counted the misses). Until a
-        whole window has been watched, its requests are those seen at their rate so far
-        (``error_budget_extrapolated``)."""
-        config = self.config
-        if not config.error_budget_above_deployment or not self._misses:
-            return None
-        requests = sum(n for _, n, _ in self._misses)
-        watched_s = self._misses[-1][0] - self._began_s
-        if config.error_budget_extrapolated and 0 < watched_s < config.error_budget_window_s:
-            requests *= config.error_budget_window_s / watched_s
-        return (1 - config.attainment_target) * requests - sum(m for _, _, m in self._misses)
-
-    def _unspent(self, budget: float) -> str:
-        """The reason's clause for a pool held while the error budget (``budget`` requests) is not spent."""
-        return (
-            f" the SLO's error budget is not spent: {budget:.0f} more requests of the last"
-            f" {self.config.error_budget_window_s:g} s may miss ({1 - self.config.attainment_target:.2g} of them)"
-        )
 
     def _account(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> None:
         """Adds the interval just observed to the replica-seconds saved: each pool's count below the
