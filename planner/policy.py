@@ -77,6 +77,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from planner.config import PlannerConfig
 from planner.connector import POOLS, PoolReplicas
@@ -87,6 +88,38 @@ from planner.predictor import LoadForecast, LoadPredictor
 from planner.sizing import ReplicaSizer
 from planner.trend import LoadTrend
 from planner.window import LoadWindow
+
+
+@dataclass
+class _Interval:
+    """One interval as ``SLAPlanner.decide``'s steps read it: the observation, the pools as they are,
+    what ``_observe`` took in and the load ``_size_load`` sized (set once, read after)."""
+
+    obs: Observation
+    pools: Mapping[str, PoolReplicas]
+    observed: LoadForecast  # the interval's own rates (decoded tokens: less each request's first)
+    forecast: LoadForecast
+    infeasible_requests: int
+    budget: float | None  # the SLO's error budget left, as ``ErrorBudget.remaining``
+    idle_held: bool  # idle within ``idle_hold_s``: the window neither ages nor lets a level go
+    prefill_load: float = field(init=False)  # in replicas, this interval alone
+    prefill_cap: float = field(init=False)
+    smooth_prefill: float = field(init=False)  # averaged over the last start-up
+    decode_load: float = field(init=False)  # the decoded tokens' when a stalled batch is apart
+    stalled_need: float | None = field(init=False)  # the sequences piled up behind stalled batches
+    own_decode_load: float = field(init=False)  # at each replica's own swing, as a trend is projected
+    counts: dict[str, int] = field(init=False)  # what the averaged load needs, as the window takes it
+    whys: dict[str, str] = field(init=False)  # the sizer's account of each pool's load
+
+
+@dataclass
+class _Needs:
+    """Per pool, what ``SLAPlanner.decide``'s steps so far ask: the count to grow to (``up``), to
+    shrink to (``down``), and why (each step appends its clauses)."""
+
+    up: dict[str, int]
+    down: dict[str, int]
+    why: dict[str, str]
 
 
 class SLAPlanner:
@@ -130,8 +163,47 @@ class SLAPlanner:
         return self.sizer.corrections
 
     def decide(self, observation: Observation, pools: Mapping[str, PoolReplicas]) -> Decision:
-        """Targets for every pool in ``POOLS`` (``pools`` must hold them all)."""
-        obs, config = observation, self.config
+        """Targets for every pool in ``POOLS`` (``pools`` must hold them all).
+
+        Each step below adjusts, per pool, the need to grow to, the need to shrink to and why
+        (``_Needs``), as the steps before it left them: the window's quantile, cut above the deployment
+        and with room below it; the rules beyond the window (trends, rises met ahead); the backlogs;
+        aggregation; the rules above the deployment (bursts ridden out, the KV rule); then settling
+        turns the needs into targets. The steps also keep the planner's state (the window, the trends,
+        the savings, the levels), each reading what those before it left, so their order is the decision's."""
+        interval = self._observe(observation, pools)
+        # This interval's load, as counts, joins the window; the pools are sized for the window's quantile.
+        self._size_load(interval)
+        released = self._add_to_window(interval)
+        base = self.window.quantiles()
+        cut = self._cut_above_deployment(base)
+        windowed = {pool: base[pool] for pool in POOLS}  # the window's quantile, before the room below
+        room = self._keep_room_for_rises(base, interval.counts)
+        needs = self._window_needs(interval, base, released, windowed, cut, room)
+        # Beyond the window: trends bet on, and rises below the deployment met ahead.
+        rising, unfunded = self._bet_on_trends(interval, needs)
+        self._meet_rises_ahead(interval, needs)
+        # Backlogs: what is over capacity now, which the window (of averaged loads) sees too late.
+        prefill_behind = self._clear_prefill_backlog(interval, needs)
+        self._grow_for_itl_over_slo(interval, needs)
+        self._grow_for_prompts_behind_backlog(interval, needs, prefill_behind)
+        self._grow_for_stalled_batch(interval, needs)
+        self._aggregate(interval, needs, base)
+        # Above the deployment, a burst is ridden out as a static split would ride it out.
+        held = self._ride_out_bursts(interval, needs)
+        self._grow_for_full_kv(interval, needs, held)
+        targets, reasons, infeasible = self._settle_pools(interval, needs, rising, held)
+        return Decision(
+            observation.time_s, targets, dict(needs.up), interval.forecast, dict(self.corrections), reasons, tuple(infeasible),
+            interval.infeasible_requests, tuple(released), tuple(unfunded), tuple(sorted(held)), room, self._saved_s, interval.budget,
+        )
+
+    def _observe(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> _Interval:
+        """Takes the interval in: the deployment (the pools' targets at the first decision), the
+        window's own clock (an idle stretch within ``idle_hold_s`` does not age it), the predictor,
+        the prompts' statistics, the SLO's error budget and the corrections. Returns the interval,
+        its load not yet sized (``_size_load``)."""
+        config = self.config
         for pool in POOLS:  # the deployment the planner was turned on over: each pool's target at its first decision
             self._deployed.setdefault(pool, pools[pool].target)
         self._idle_s = 0.0 if obs.num_requests else self._idle_s + obs.duration_s
@@ -149,8 +221,12 @@ class SLAPlanner:
         self.error_budget.observe(obs.time_s, obs.duration_s, obs.num_requests, misses)
         budget = self.error_budget.remaining()
         self.sizer.correct(obs, pools, observed.output_tokens_per_s)
+        return _Interval(obs, pools, observed, forecast, infeasible_requests, budget, idle_held)
 
-        # This interval's load, as counts, joins the window; the pools are sized for the window's quantile.
+    def _size_load(self, interval: _Interval) -> None:
+        """Sizes the interval's load per pool (the sizer's loads and why), averages it over the last
+        start-up (a shorter burst counts at its share) and sets the counts that average needs."""
+        obs, observed = interval.obs, interval.observed
         prefill_load, prefill_cap, prefill_why = self.sizer.prefill_load(observed)
         decode_load, decode_why = self.sizer.decode_load(observed, obs.decode_running)
         # Sequences in batches that stall while their replicas prefill a queue of their own prompts
@@ -164,18 +240,34 @@ class SLAPlanner:
         self._loads.append((prefill_load, decode_load))
         smooth_prefill = sum(p for p, _ in self._loads) / len(self._loads)
         smooth_decode = sum(d for _, d in self._loads) / len(self._loads)
-        counts = self.sizer.interval_counts(smooth_prefill, prefill_cap, smooth_decode, observed, obs.decode_running)
+        interval.counts = self.sizer.interval_counts(smooth_prefill, prefill_cap, smooth_decode, observed, obs.decode_running)
+        interval.prefill_load, interval.prefill_cap, interval.smooth_prefill = prefill_load, prefill_cap, smooth_prefill
+        interval.decode_load, interval.stalled_need = decode_load, stalled_need
+        interval.whys = {"prefill": prefill_why, "decode": decode_why}
+        # A pool growing into a rise is not one balanced batch (its sequences stay where they
+        # joined while new replicas start empty), so a trend is projected at each replica's own swing.
+        interval.own_decode_load, _ = self.sizer.decode_load(observed, None if stalled_need is not None else obs.decode_running, pooled=False)
+
+    def _add_to_window(self, interval: _Interval) -> dict[str, str]:
+        """Adds the interval's counts to the window and to the last two start-ups' counts, and lets go
+        of the levels that are over. Returns a clause per pool let go."""
+        obs, counts = interval.obs, interval.counts
         self.window.add(obs.time_s, self._aged_s, counts, obs.num_requests)
-        released = {} if idle_held else self.window.release_levels(obs.time_s, counts)  # nor is it the load back within a level
+        released = {} if interval.idle_held else self.window.release_levels(obs.time_s, counts)  # nor is it the load back within a level
         for pool in released:  # a level let go was a trend's rise too: what the pool had before it is forgotten
             self._before_rise.pop(pool, None)
         self._recent.append(counts)
-        base = self.window.quantiles()
+        return released
+
+    def _cut_above_deployment(self, base: dict[str, int]) -> dict[str, int]:
+        """Lowers the window's needs (``base``, to grow and to shrink) above the deployment to what the
+        last two start-ups needed, at least the deployment (``burst_memory_above_deployment`` off).
+        Returns the deployment of each pool cut."""
         # Above the deployment (the pools' first targets: what the SRE chose for this traffic), the
         # window's memory of a burst is a guess that it recurs: a pool holds there only what the
         # last two start-ups needed, and goes back to the deployment once a burst is over.
         cut = {}
-        if not config.burst_memory_above_deployment:
+        if not self.config.burst_memory_above_deployment:
             for pool in POOLS:
                 deployed = self._deployed[pool]
                 for key in (pool, f"{pool}_down"):
@@ -183,115 +275,167 @@ class SLAPlanner:
                         recent_most = max(min(base[key], max(c[key] for c in self._recent)), deployed)
                         if recent_most < base[key]:
                             cut[pool], base[key] = deployed, recent_most
+        return cut
+
+    def _keep_room_for_rises(self, base: dict[str, int], counts: dict[str, int]) -> dict[str, int]:
+        """Raises the window's needs (``base``) below the deployment to the count the load needs now
+        plus the rise the window saw within a start-up and an interval, at most the deployment
+        (``rise_room_below_deployment``). Returns the rise kept per pool raised."""
         # Below the deployment, room for the rises the load itself has shown within a reaction.
-        windowed, room = {pool: base[pool] for pool in POOLS}, {}
-        if config.rise_room_below_deployment:
+        room = {}
+        if self.config.rise_room_below_deployment:
             for pool, rise in self.window.rises().items():
                 roomed = min(self._deployed[pool], counts[pool] + rise)
                 if roomed > base[pool]:
                     room[pool] = rise
                     base[pool], base[f"{pool}_down"] = roomed, max(roomed, base[f"{pool}_down"])
-        prefill_need, prefill_need_down, decode_need, decode_need_down = (base[k] for k in ("prefill", "prefill_down", "decode", "decode_down"))
-        if "prefill" in released:
-            prefill_why = f"{prefill_why}; {released['prefill']}"
-        if "decode" in released:
-            decode_why = f"{decode_why}; {released['decode']}"
+        return room
+
+    def _window_needs(
+        self, interval: _Interval, base: dict[str, int], released: dict[str, str], windowed: dict[str, int], cut: dict[str, int], room: dict[str, int]
+    ) -> _Needs:
+        """The needs the window gives (``base``: its quantile, cut above the deployment and with room
+        below it) and why: the sizer's account of the load, then the level let go, the window's
+        quantile when it needs more than the load now (``windowed``), the cut, the room and an idle
+        stretch the window is held through (the prefill pool's quantile comes before the cut, the
+        decode pool's last)."""
+        counts = interval.counts
+        needs = _Needs({pool: base[pool] for pool in POOLS}, {pool: base[f"{pool}_down"] for pool in POOLS}, dict(interval.whys))
+        for pool in POOLS:
+            if pool in released:
+                needs.why[pool] += f"; {released[pool]}"
         if windowed["prefill"] > counts["prefill"]:
-            prefill_why = f"{prefill_why}; the window's {self.window.quantile:g} quantile needs {windowed['prefill']}"
+            needs.why["prefill"] += f"; the window's {self.window.quantile:g} quantile needs {windowed['prefill']}"
         for pool, deployed in cut.items():
-            clause = f"; above the deployment's {deployed}, only what the last two start-ups needed"
-            prefill_why, decode_why = (prefill_why + clause, decode_why) if pool == "prefill" else (prefill_why, decode_why + clause)
+            needs.why[pool] += f"; above the deployment's {deployed}, only what the last two start-ups needed"
         for pool, rise in room.items():
             if rise:
                 clause = f"; {base[pool]} for the {counts[pool]} the load needs now and a rise of {rise} the window saw within a start-up and an interval"
             else:  # the load now needs more than the window's quantile, which leaves this interval out
                 clause = f"; {base[pool]} for the load now, over what the window's {self.window.quantile:g} quantile needs"
-            clause = f"{clause} (the deployment's {self._deployed[pool]} at most)"
-            prefill_why, decode_why = (prefill_why + clause, decode_why) if pool == "prefill" else (prefill_why, decode_why + clause)
-        if idle_held:
-            idle = f"; no request for {self._idle_s:.0f} s: the window keeps the traffic before it for up to {config.idle_hold_s:g} s idle"
-            prefill_why, decode_why = prefill_why + idle, decode_why + idle
+            needs.why[pool] += f"{clause} (the deployment's {self._deployed[pool]} at most)"
+        if interval.idle_held:
+            idle = f"; no request for {self._idle_s:.0f} s: the window keeps the traffic before it for up to {self.config.idle_hold_s:g} s idle"
+            for pool in POOLS:
+                needs.why[pool] += idle
         if windowed["decode"] > counts["decode"]:
-            decode_why = f"{decode_why}; the window's {self.window.quantile:g} quantile needs {windowed['decode']}"
+            needs.why["decode"] += f"; the window's {self.window.quantile:g} quantile needs {windowed['decode']}"
+        return needs
+
+    def _bet_on_trends(self, interval: _Interval, needs: _Needs) -> tuple[dict[str, int], list[str]]:
+        """Grows each pool whose load is a trend to the load projected to when replicas asked for now
+        are warm, a bet paid from the replica-seconds saved below the deployment unless the load
+        already needs more than it (``trend_bets_from_savings``); the pool does not shrink below the
+        projection while the load rises. Returns what each pool grown needed before (``rising``) and
+        the pools whose trend was not bet on (``unfunded``)."""
         # Beyond the window: a load that has risen over each of the last k start-ups is a trend, and the
         # pool grows now to the load projected to when replicas asked for now are warm. That is a bet
         # unless the load already needs more than the deployment had: it is paid from savings.
-        # A pool growing into a rise is not one balanced batch (its sequences stay where they
-        # joined while new replicas start empty), so a trend is projected at each replica's own swing.
-        own_decode_load, _ = self.sizer.decode_load(observed, None if stalled_need is not None else obs.decode_running, pooled=False)
-        self.trend.observe((prefill_load, own_decode_load))
-        self._account(obs, pools)
+        config, pools, counts = self.config, interval.pools, interval.counts
+        self.trend.observe((interval.prefill_load, interval.own_decode_load))
+        self._account(interval.obs, pools)
         rising, unfunded = {}, []
-        needs, whys = {"prefill": prefill_need, "decode": decode_need}, {"prefill": prefill_why, "decode": decode_why}
         for pool, projected in self.trend.rises().items():
             if pool == "prefill":
-                count = min(self.sizer.prefill_count(projected, prefill_cap), config.max_prefill)
+                count = min(self.sizer.prefill_count(projected, interval.prefill_cap), config.max_prefill)
             else:
                 count = min(self.sizer.decode_count(projected), config.max_decode)
-            if count <= needs[pool]:
+            if count <= needs.up[pool]:
                 continue
             clause = f"rising over each of the last {self.trend.num_start_ups} start-ups, {count} for the load a start-up and half an interval ahead"
-            cost_s = (count - max(needs[pool], pools[pool].target)) * (config.startup_s + config.interval_s)
+            cost_s = (count - max(needs.up[pool], pools[pool].target)) * (config.startup_s + config.interval_s)
             if config.trend_bets_from_savings and counts[pool] <= self._deployed[pool] and self._saved_s < cost_s:
                 unfunded.append(pool)
                 clause = f"{clause}, not bet on: {self._saved_s:.0f} replica-seconds saved below the deployment's {self._deployed[pool]}, {cost_s:.0f} needed"
             else:
-                rising[pool], needs[pool] = needs[pool], count
-            whys[pool] = f"{whys[pool]}; {clause}"
+                rising[pool], needs.up[pool] = needs.up[pool], count
+            needs.why[pool] += f"; {clause}"
+        for pool in rising:  # nor does a pool shrink below a trend's projection while the load rises
+            needs.down[pool] = max(needs.down[pool], needs.up[pool])
+        return rising, unfunded
+
+    def _meet_rises_ahead(self, interval: _Interval, needs: _Needs) -> None:
+        """Grows each pool whose load rose over the last start-up to that load grown on at its rate to
+        when replicas asked for now are warm, at most the deployment (``rise_ahead_below_deployment``),
+        and does not let it shrink below that while the load rises."""
         # Below the deployment a rise over the last start-up is met ahead at once: up to the deployment a
         # rise that does not go on costs nothing a static split would not spend.
-        self._rise_ahead.observe((prefill_load, own_decode_load))
-        downs = {"prefill": prefill_need_down, "decode": decode_need_down}
-        for pool in rising:  # nor does a pool shrink below a trend's projection while the load rises
-            downs[pool] = max(downs[pool], needs[pool])
-        if config.rise_ahead_below_deployment:
+        self._rise_ahead.observe((interval.prefill_load, interval.own_decode_load))
+        if self.config.rise_ahead_below_deployment:
             for pool, projected in self._rise_ahead.rises().items():
-                count = self.sizer.prefill_count(projected, prefill_cap) if pool == "prefill" else self.sizer.decode_count(projected)
+                count = self.sizer.prefill_count(projected, interval.prefill_cap) if pool == "prefill" else self.sizer.decode_count(projected)
                 count = min(count, self._deployed[pool])
-                if count > needs[pool]:
-                    needs[pool], downs[pool] = count, max(count, downs[pool])  # nor does the pool shrink below it while it rises
+                if count > needs.up[pool]:
+                    needs.up[pool], needs.down[pool] = count, max(count, needs.down[pool])  # nor does the pool shrink below it while it rises
                     growth = " at the growth of the last two intervals, which rose each" if pool in self._rise_ahead.at_latest else ""
-                    whys[pool] = (
-                        f"{whys[pool]}; rising over the last start-up, {count} for the load a start-up and half an interval ahead{growth}"
+                    needs.why[pool] += (
+                        f"; rising over the last start-up, {count} for the load a start-up and half an interval ahead{growth}"
                         f" (the deployment's {self._deployed[pool]} at most)"
                     )
-        prefill_need, decode_need = needs["prefill"], needs["decode"]
-        prefill_need_down, decode_need_down = downs["prefill"], downs["decode"]
-        prefill_why, decode_why = whys["prefill"], whys["decode"]
+
+    def _clear_prefill_backlog(self, interval: _Interval, needs: _Needs) -> bool:
+        """Grows the prefill pool to clear a backlog that already makes a new prompt wait past the
+        SLO. Returns whether the prefill pool is behind so."""
         # Beyond the window: a backlog that already makes a new prompt wait past the SLO means the
         # load is over capacity now; the pool grows to this interval's load plus the replicas that
         # clear the backlog within a start-up and an interval.
+        obs, config = interval.obs, self.config
         backlog_s = obs.queued_prefill_tokens * self.sizer.seconds_per_token
         slack_s = config.ttft_slo_s - self.sizer.corrected_prefill_s()
-        prefill_behind = backlog_s > slack_s * max(1, pools["prefill"].ready)
-        if prefill_need > 0 and prefill_behind:
-            clearing = self.sizer.prefill_count(max(prefill_load, smooth_prefill) + backlog_s / (config.startup_s + config.interval_s), prefill_cap)
-            if clearing > prefill_need:
-                prefill_need, prefill_why = clearing, f"{prefill_why}; {obs.queued_prefill_tokens} tokens queued"
+        prefill_behind = backlog_s > slack_s * max(1, interval.pools["prefill"].ready)
+        if needs.up["prefill"] > 0 and prefill_behind:
+            clearing_load = max(interval.prefill_load, interval.smooth_prefill) + backlog_s / (config.startup_s + config.interval_s)
+            clearing = self.sizer.prefill_count(clearing_load, interval.prefill_cap)
+            if clearing > needs.up["prefill"]:
+                needs.up["prefill"] = clearing
+                needs.why["prefill"] += f"; {obs.queued_prefill_tokens} tokens queued"
+        return prefill_behind
+
+    def _grow_for_itl_over_slo(self, interval: _Interval, needs: _Needs) -> None:
+        """Grows the decode pool to this interval's load once its ITL has been over the SLO for a start-up."""
         # The decode pool's backlog is its batch: an ITL over the SLO in each interval of the last
         # start-up means it is over capacity for longer than a replica takes to start, and it grows
         # to this interval's load rather than the start-up's average. A shorter spell is a burst the
         # pool rides out: replicas asked for on it would be warm after it.
-        itl_over = obs.itl_s_p90 is not None and obs.itl_s_p90 > config.itl_slo_s
+        obs = interval.obs
+        itl_over = obs.itl_s_p90 is not None and obs.itl_s_p90 > self.config.itl_slo_s
         self._itl_over_intervals = self._itl_over_intervals + 1 if itl_over else 0
         if self._itl_over_intervals >= self._loads.maxlen:
-            now_need = self.sizer.decode_count(decode_load + (prefill_load if prefill_need == 0 else 0.0))
-            if now_need > decode_need:
-                decode_need, decode_why = now_need, f"{decode_why}; the ITL p90 {obs.itl_s_p90:.3f} s is over the SLO, {self._itl_over_intervals} intervals running"
+            now_need = self.sizer.decode_count(interval.decode_load + (interval.prefill_load if needs.up["prefill"] == 0 else 0.0))
+            if now_need > needs.up["decode"]:
+                needs.up["decode"] = now_need
+                needs.why["decode"] += f"; the ITL p90 {obs.itl_s_p90:.3f} s is over the SLO, {self._itl_over_intervals} intervals running"
+
+    def _grow_for_prompts_behind_backlog(self, interval: _Interval, needs: _Needs, prefill_behind: bool) -> None:
+        """Grows the decode pool for the running sequences and the prompts queued behind a prefill backlog."""
         # Prompts queued behind that backlog are sequences on their way to the decode pool, which sees
         # them only once prefilled: it grows now for them and the running ones, so that its replicas
         # are warm when the backlog clears (prompts queued on decode replicas are the stalled batch's).
+        obs = interval.obs
         coming = obs.queued_prefill_tokens - obs.decode_queued_prefill_tokens
         if prefill_behind and obs.decode_running is not None and obs.num_prompt_tokens > 0 and coming > 0:
             coming_requests = round(coming * obs.num_requests / obs.num_prompt_tokens)
             ahead_load, _ = self.sizer.decode_load(LoadForecast(0.0, 0.0, 0.0), obs.decode_running + coming_requests)
             now_need = self.sizer.decode_count(ahead_load)
-            if now_need > decode_need:
-                decode_need, decode_why = now_need, f"{decode_why}; {obs.decode_running} sequences running and {coming_requests} prompts queued for prefill behind its backlog"
-        if stalled_need is not None:
-            now_need = self.sizer.decode_count(stalled_need)
-            if now_need > decode_need:
-                decode_need, decode_why = now_need, f"{decode_why}; {obs.decode_running} sequences in a stalled batch"
+            if now_need > needs.up["decode"]:
+                needs.up["decode"] = now_need
+                needs.why["decode"] += f"; {obs.decode_running} sequences running and {coming_requests} prompts queued for prefill behind its backlog"
+
+    def _grow_for_stalled_batch(self, interval: _Interval, needs: _Needs) -> None:
+        """Grows the decode pool for the sequences piled up behind batches stalled by their replicas'
+        own prefills (``_size_load`` left them out of the window)."""
+        if interval.stalled_need is not None:
+            now_need = self.sizer.decode_count(interval.stalled_need)
+            if now_need > needs.up["decode"]:
+                needs.up["decode"] = now_need
+                needs.why["decode"] += f"; {interval.obs.decode_running} sequences in a stalled batch"
+
+    def _aggregate(self, interval: _Interval, needs: _Needs, base: dict[str, int]) -> None:
+        """Takes the prefill pool to zero where the decode replicas, each prefilling its share, serve
+        the load with fewer replicas than two pools (``aggregate_when_cheaper``), or keeps it there
+        while they still do; ``base`` is the window's needs, with ``alone`` and ``alone_down``."""
+        config, pools = self.config, interval.pools
+        prefill_need, decode_need = needs.up["prefill"], needs.up["decode"]
         aggregated = pools["prefill"].target == 0
         if (config.aggregate_when_cheaper or aggregated) and config.min_prefill == 0 and prefill_need > 0:
             # Conditional disaggregation: the decode replicas alone, each prefilling its share of
@@ -311,39 +455,87 @@ class SLAPlanner:
             # A rise of the decode load grows an aggregated cluster's replicas while that is cheaper than two pools.
             staying = alone <= prefill_need + decode_need if decode_rise else alone <= min(prefill_need + decode_need, pools["decode"].target)
             if (config.aggregate_when_cheaper and alone_down < prefill_need + decode_need) or (aggregated and staying):
-                decode_need, decode_need_down = alone, alone_down
+                needs.up["decode"], needs.down["decode"] = alone, alone_down
                 if aggregated or (pools["decode"].ready >= max(alone, config.min_decode) and not pools["decode"].starting):
-                    prefill_need = prefill_need_down = 0
-                    prefill_why = f"{prefill_why}: the decode replicas prefill it themselves, {alone} of them instead of two pools"
+                    needs.up["prefill"] = needs.down["prefill"] = 0
+                    needs.why["prefill"] += f": the decode replicas prefill it themselves, {alone} of them instead of two pools"
                     added = alone - base["alone"]
-                    grown = f", {added} more for what the decode load alone asks beyond its window ({decode_why})" if added > 0 else ""
-                    decode_why = f"{observed.output_tokens_per_s:.0f} output tokens/s and every prompt, prefilled on the decode replicas{grown}"
+                    grown = f", {added} more for what the decode load alone asks beyond its window ({needs.why['decode']})" if added > 0 else ""
+                    needs.why["decode"] = f"{interval.observed.output_tokens_per_s:.0f} output tokens/s and every prompt, prefilled on the decode replicas{grown}"
                 else:  # the prefill pool serves until every decode replica that takes its load over is ready
-                    prefill_need = prefill_need_down = pools["prefill"].target
-                    prefill_why = f"{prefill_why}: kept until {alone} decode replicas are ready to prefill it themselves"
-        # Above the deployment, a burst is ridden out as a static split would ride it out.
-        asked = {"prefill": prefill_need, "decode": decode_need}
-        held = set()
-        if not config.burst_growth_above_deployment:
-            now = self.sizer.interval_counts(prefill_load, prefill_cap, decode_load, observed, obs.decode_running)  # this interval alone, not averaged
-            needs, whys, held = self._ride_out_bursts(asked, {"prefill": prefill_why, "decode": decode_why}, now, pools, budget)
-            prefill_need, decode_need, prefill_why, decode_why = needs["prefill"], needs["decode"], whys["prefill"], whys["decode"]
-        decode = pools["decode"]
-        if obs.kv_usage is not None and obs.kv_usage > config.kv_usage_high and decode.ready + 1 > decode_need:
-            if self.sizer.only_infeasible(observed):  # a replica more holds more of them, and serves nobody in time
-                decode_why = f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, filled by prompts no replica prefills within the TTFT SLO: not grown for"
-            elif not config.burst_growth_above_deployment and decode.ready + 1 > max(self._deployed["decode"], decode.target) and (budget or 0) > 0:
+                    needs.up["prefill"] = needs.down["prefill"] = pools["prefill"].target
+                    needs.why["prefill"] += f": kept until {alone} decode replicas are ready to prefill it themselves"
+
+    def _ride_out_bursts(self, interval: _Interval, needs: _Needs) -> set[str]:
+        """With ``burst_growth_above_deployment`` off, holds each pool at the deployment (or above it,
+        where it already is) unless its load has needed more than the deployment in each interval of
+        the last two start-ups and still does in this one alone (not averaged over a start-up: a
+        burst's averaged tail is over), a shift that replicas asked for now still catch, and the SLO's
+        error budget (``ErrorBudget.remaining``) is spent; or unless the replica-seconds saved below
+        the deployment pay for the replicas it adds, for a start-up and an interval. Returns the pools held."""
+        config, pools, budget = self.config, interval.pools, interval.budget
+        held: set[str] = set()
+        if config.burst_growth_above_deployment:
+            return held
+        obs = interval.obs
+        now = self.sizer.interval_counts(interval.prefill_load, interval.prefill_cap, interval.decode_load, interval.observed, obs.decode_running)  # this interval alone, not averaged
+        for pool in POOLS:
+            deployed = self._deployed[pool]
+            floor = max(deployed, pools[pool].target)
+            if needs.up[pool] <= floor:
+                continue
+            recent, unspent = self._recent, ""
+            if len(recent) == recent.maxlen and now[pool] > deployed and all(counts[pool] > deployed for counts in recent):
+                if budget is None or budget <= 0:
+                    continue  # a shift: grows as asked
+                unspent = f"; a shift, but{self.error_budget.unspent_clause(budget)}"  # the deployment serves it within the SLO, as a static split of it would
+            high = config.max_prefill if pool == "prefill" else config.max_decode
+            if floor >= high:
+                continue  # nothing to add: settling holds it at max, and says so
+            cost_s = (min(needs.up[pool], high) - floor) * (config.startup_s + config.interval_s)  # max is all it can add
+            if self._saved_s >= cost_s:
+                needs.why[pool] += f"; above the deployment's {deployed}, {cost_s:.0f} of the {self._saved_s:.0f} replica-seconds saved below it paid"
+                self._saved_s -= cost_s
+                continue
+            needs.why[pool] += (
+                f"; held at {floor} for {needs.up[pool]}: above the deployment's {deployed} a pool grows for load"
+                f" that needed more over the last two start-ups, or on savings ({self._saved_s:.0f} replica-seconds, {cost_s:.0f} needed){unspent}"
+            )
+            needs.up[pool] = floor
+            held.add(pool)
+        return held
+
+    def _grow_for_full_kv(self, interval: _Interval, needs: _Needs, held: set[str]) -> None:
+        """Grows the decode pool by a replica while its KV use is over ``kv_usage_high``, unless the KV
+        is filled by prompts no replica prefills in time, or the pool would grow above the deployment
+        with the error budget unspent (then it is held: added to ``held``)."""
+        obs, config, decode = interval.obs, self.config, interval.pools["decode"]
+        if obs.kv_usage is not None and obs.kv_usage > config.kv_usage_high and decode.ready + 1 > needs.up["decode"]:
+            if self.sizer.only_infeasible(interval.observed):  # a replica more holds more of them, and serves nobody in time
+                needs.why["decode"] += f"; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, filled by prompts no replica prefills within the TTFT SLO: not grown for"
+            elif not config.burst_growth_above_deployment and decode.ready + 1 > max(self._deployed["decode"], decode.target) and (interval.budget or 0) > 0:
                 # Above the deployment a full KV pool queues requests as a static split of it would, and
                 # their misses are what the error budget counts.
-                decode_why = f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, but above the deployment's {self._deployed['decode']}{self.error_budget.unspent_clause(budget)}"
+                needs.why["decode"] += (
+                    f"; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, but above the deployment's {self._deployed['decode']}"
+                    f"{self.error_budget.unspent_clause(interval.budget)}"
+                )
                 held.add("decode")
             else:
-                decode_need, decode_why = decode.ready + 1, f"{decode_why}; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}"
+                needs.up["decode"] = decode.ready + 1
+                needs.why["decode"] += f"; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}"
 
+    def _settle_pools(
+        self, interval: _Interval, needs: _Needs, rising: dict[str, int], held: set[str]
+    ) -> tuple[dict[str, int], dict[str, str], list[str]]:
+        """(targets, reasons, infeasible pools): each pool settled (``_settle``), then taken back once a
+        trend it grew on falls, and its level tracked for the window to let go."""
+        obs, pools, config = interval.obs, interval.pools, self.config
         targets, reasons, infeasible = {}, {}, []
         missing = {"prefill": (obs.ttft_s_p90 or 0.0) > config.ttft_slo_s, "decode": (obs.itl_s_p90 or 0.0) > config.itl_slo_s}
-        for pool, need, need_down, why in (("prefill", prefill_need, prefill_need_down, prefill_why), ("decode", decode_need, decode_need_down, decode_why)):
-            targets[pool], reasons[pool], flagged = self._settle(pool, need, need_down, pools[pool], obs.time_s, why, missing[pool])
+        for pool in POOLS:
+            need, why = needs.up[pool], needs.why[pool]
+            targets[pool], reasons[pool], flagged = self._settle(pool, need, needs.down[pool], pools[pool], obs.time_s, why, missing[pool])
             if flagged:
                 infeasible.append(pool)
             # Replicas grown on a trend go once the load falls: back to what the pool had before the
@@ -356,51 +548,10 @@ class SLAPlanner:
                 if back < targets[pool]:
                     targets[pool], reasons[pool] = back, f"back to {back}: the rise is over ({why})"
                     self._last_change_s[pool] = obs.time_s
-            self.window.track_level(pool, pools[pool].target, targets[pool], counts[f"{pool}_down"], pool in held, obs.time_s)
-        if infeasible_requests:
-            reasons["prefill"] += f" ({infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
-        return Decision(
-            obs.time_s, targets, {"prefill": prefill_need, "decode": decode_need}, forecast, dict(self.corrections), reasons,
-            tuple(infeasible), infeasible_requests, tuple(released), tuple(unfunded), tuple(sorted(held)), room, self._saved_s, budget,
-        )
-
-    def _ride_out_bursts(
-        self, needs: dict[str, int], whys: dict[str, str], now: dict[str, int], pools: Mapping[str, PoolReplicas], budget: float | None
-    ) -> tuple[dict[str, int], dict[str, str], set[str]]:
-        """Holds each pool at the deployment (or above it, where it already is) unless its load has
-        needed more than the deployment in each interval of the last two start-ups and still does in
-        this one alone (``now``, not averaged over a start-up: a burst's averaged tail is over), a
-        shift that replicas asked for now still catch, and the SLO's error budget (``budget``, as
-        ``ErrorBudget.remaining``) is spent; or unless the replica-seconds saved below the deployment pay for
-        the replicas it adds, for a start-up and an interval. Returns the needs, the reasons and the
-        pools held."""
-        config = self.config
-        needs, whys, held = dict(needs), dict(whys), set()
-        for pool in POOLS:
-            deployed = self._deployed[pool]
-            floor = max(deployed, pools[pool].target)
-            if needs[pool] <= floor:
-                continue
-            recent, unspent = self._recent, ""
-            if len(recent) == recent.maxlen and now[pool] > deployed and all(counts[pool] > deployed for counts in recent):
-                if budget is None or budget <= 0:
-                    continue  # a shift: grows as asked
-                unspent = f"; a shift, but{self.error_budget.unspent_clause(budget)}"  # the deployment serves it within the SLO, as a static split of it would
-            high = config.max_prefill if pool == "prefill" else config.max_decode
-            if floor >= high:
-                continue  # nothing to add: settling holds it at max, and says so
-            cost_s = (min(needs[pool], high) - floor) * (config.startup_s + config.interval_s)  # max is all it can add
-            if self._saved_s >= cost_s:
-                whys[pool] = f"{whys[pool]}; above the deployment's {deployed}, {cost_s:.0f} of the {self._saved_s:.0f} replica-seconds saved below it paid"
-                self._saved_s -= cost_s
-                continue
-            whys[pool] = (
-                f"{whys[pool]}; held at {floor} for {needs[pool]}: above the deployment's {deployed} a pool grows for load"
-                f" that needed more over the last two start-ups, or on savings ({self._saved_s:.0f} replica-seconds, {cost_s:.0f} needed){unspent}"
-            )
-            needs[pool] = floor
-            held.add(pool)
-        return needs, whys, held
+            self.window.track_level(pool, pools[pool].target, targets[pool], interval.counts[f"{pool}_down"], pool in held, obs.time_s)
+        if interval.infeasible_requests:
+            reasons["prefill"] += f" ({interval.infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
+        return targets, reasons, infeasible
 
     def _account(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> None:
         """Adds the interval just observed to the replica-seconds saved: each pool's count below the
