@@ -79,11 +79,11 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from planner.budget import ErrorBudget
 from planner.config import PlannerConfig
 from planner.connector import POOLS, PoolReplicas
 from planner.observation import Decision, Observation
 from planner.perf_model import PerfModel
-from planner.budget import ErrorBudget
 from planner.predictor import LoadForecast, LoadPredictor
 from planner.sizing import ReplicaSizer
 from planner.trend import LoadTrend
