@@ -13,7 +13,7 @@ interval that replicas asked for now serve; or, ``geometric``, at the mean growt
 costs nothing a static split would not spend). A surge that accelerates outgrows its start-up
 averages: ``latest`` also projects a load that rose in each of the last two intervals at their
 growth an interval, (l_i / l_i-2) ** (1 / 2), from the newest interval's middle, and takes the
-larger projection.
+larger projection. A rise whose newest interval, l_i, is back at or below m0 is over.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class LoadTrend:
         self._loads.append(loads)
 
     def rises(self) -> dict[str, float]:
-        """Per pool whose load rose over each of the last ``num_start_ups`` start-ups, that load
+        """Per pool whose load rose over each of the last ``num_start_ups`` start-ups, and whose newest
+        interval is still above the oldest start-up's mean (the rise is not over), that load
         projected at its mean rise a start-up (``geometric``: its mean growth, or its rise when it
         grew from nothing; with ``latest`` too, at the growth of its last two intervals where each
         rose, whichever projects more, naming the pools it did in ``at_latest``); nothing until that
@@ -71,7 +72,10 @@ class LoadTrend:
         newest = list(self._loads)[-3:] if self.latest else []  # the last three intervals, both pools
         for index, pool in enumerate(POOLS):
             means = self._means(index)
-            if all(b > a for a, b in zip(means, means[1:])):
+            # A rise whose newest interval is back at or below where it rose from is over: a burst
+            # between idle intervals makes rising start-up means out of one busy interval, and its
+            # growth from a near-empty start-up projects many times the load that was ever there.
+            if all(b > a for a, b in zip(means, means[1:])) and self._loads[-1][index] > means[0]:
                 steps = len(means) - 1
                 if self.geometric and means[0] > 0:
                     out[pool] = means[-1] * (means[-1] / means[0]) ** (self._ahead / steps)

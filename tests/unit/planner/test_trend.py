@@ -41,6 +41,24 @@ def test_a_geometric_trend_is_projected_at_its_mean_growth_and_from_nothing_at_i
     assert from_nothing.rises() == {"prefill": pytest.approx(2 + 2 * 1.75)}
 
 
+def test_a_rise_whose_newest_interval_is_back_where_it_rose_from_is_over():
+    # A burst of one busy interval between idle ones (as Azure's code trace has): start-up means
+    # 0.005 and 0.125 grow 25x, which would project 0.125 x 25 ** 1.75 = 35 replicas on an empty
+    # interval. Its newest interval, 0, is below the first mean: no rise.
+    burst = LoadTrend(2, 1, 60.0, 30.0, geometric=True)
+    for load in (0.0, 0.01, 0.25, 0.0):
+        burst.observe((load, 0.0))
+    assert burst.rises() == {}
+    # Still above where it rose from, the same rise is projected as before.
+    going_on = LoadTrend(2, 1, 60.0, 30.0, geometric=True)
+    for load in (0.0, 0.01, 0.25, 0.02):
+        going_on.observe((load, 0.0))
+    assert going_on.rises() == {"prefill": pytest.approx(0.135 * (0.135 / 0.005) ** 1.75)}
+    # The arithmetic trend keeps the same test: means 1 and 3, newest back at 1.
+    assert trend_of([1, 1, 5, 1], num_start_ups=1).rises() == {}
+    assert trend_of([1, 1, 5, 1.5], num_start_ups=1).rises() == {"prefill": pytest.approx(3.25 + 2.25 * 1.75)}
+
+
 def test_nothing_is_a_rise_before_every_start_up_is_observed_or_when_off():
     assert trend_of([1, 2, 3, 4, 5]).rises() == {}
     assert trend_of([1, 2, 3, 4, 5, 6], num_start_ups=0).rises() == {}
