@@ -16,6 +16,7 @@ answers, a trickle, periodic bursts).
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
@@ -72,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--traces {' '.join(stray)}: not in --set {args.trace_set} ({', '.join(in_set)})")
     policies = tuple(dict.fromkeys(["static", *args.policies]))  # every other policy starts from static's split
     progress("planner_devset", f"{len(args.traces)} traces x {', '.join(policies)} on {args.jobs} processes")
-    with ProcessPoolExecutor(args.jobs) as pool:
+    # Spawned, not forked: a caller's threads (a Ray driver's, gRPC's) do not survive a fork, and a
+    # forked worker of a process that runs them can abort mid-replay.
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {name: pool.submit(replay_trace, name, config, policies, args.seed_offset, args.trace_set) for name in args.traces}
         traces = {}
         for name, future in futures.items():
