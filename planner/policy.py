@@ -141,7 +141,7 @@ class SLAPlanner:
         # all) does not, until the idle stretch has lasted ``idle_hold_s``.
         self._aged_s = 0.0
         self._idle_s = 0.0
-        intervals_per_start_up = max(1, math.ceil(config.startup_s / config.interval_s - 1e-9))
+        intervals_per_start_up = self.window.intervals_per_start_up
         self._loads: deque[tuple[float, float]] = deque(maxlen=intervals_per_start_up)
         self._itl_over_intervals = 0  # consecutive intervals whose ITL p90 was over the SLO
         num_start_ups = self.window.derived_start_ups if config.rise_start_ups is None else config.rise_start_ups

@@ -55,7 +55,7 @@ class LoadWindow:
         # it asks for being warm) spans them.
         self._intervals: deque[list] = deque()
         self._reaction = max(1, math.ceil((config.startup_s + config.interval_s) / config.interval_s - 1e-9))
-        intervals_per_start_up = max(1, math.ceil(config.startup_s / config.interval_s - 1e-9))
+        self.intervals_per_start_up = max(1, math.ceil(config.startup_s / config.interval_s - 1e-9))
         # The start-ups a rise must last to be a trend the window cannot catch (``rise_start_ups``
         # overrides it for the trend rule, not for how long a level must hold).
         self.derived_start_ups = rise_start_ups(max(self.window_s / config.interval_s, 1 / (1 - config.attainment_target)))
@@ -63,10 +63,10 @@ class LoadWindow:
         # that lasted long enough and is followed by two start-ups within the count is a level, let go.
         self._levels: dict[str, list[_Level]] = {pool: [] for pool in POOLS}  # outermost first
         self._steady = {pool: 0 for pool in POOLS}  # intervals in a row whose load the pool's target carries
-        self.within_needed = 2 * intervals_per_start_up
+        self.within_needed = 2 * self.intervals_per_start_up
         self.level_s = config.release_level_after_s
         if self.level_s is None:
-            self.level_s = (self.derived_start_ups + 3) * intervals_per_start_up * config.interval_s
+            self.level_s = (self.derived_start_ups + 3) * self.intervals_per_start_up * config.interval_s
 
     def add(self, now_s: float, aged_s: float, counts: dict[str, int], weight: int) -> None:
         """Adds one interval's counts (``weight``: its requests) to the window and drops those older
