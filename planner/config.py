@@ -112,6 +112,14 @@ class PlannerConfig:
     surge that accelerates (23k, 25k, then 31k prompt tokens/s, then 44k) outgrows the start-up
     averages, which see it an interval late; below the deployment an overshoot costs nothing a
     static split of it would not spend. Off: the start-up averages' growth alone (planner/README)."""
+    lengthening_ahead_below_deployment: bool = True
+    """Below the deployment, meet lengthening answers ahead: a decode pool whose running sequences grew
+    past their Poisson swing in one interval while the time a sequence runs (Little's law: the
+    running count over the request rate) is longer than in any interval of the window (the answers
+    lengthened, not the rate rose) grows at once to that count grown on at its last interval's
+    growth to the middle of the first interval replicas asked for now serve, at most the deployment.
+    The decoded tokens lag such a rise by as long as the answers stream. Off: the running count
+    counts as it stands (planner/README)."""
     release_level_after_s: float | None = None
     """A level of load a pool grew for and that held at least this long is a shift, not a burst:
     once the load has stayed within the count the pool had before for two start-ups, the window

@@ -156,6 +156,9 @@ class SLAPlanner:
         self._saved_s = 0.0
         self._recent: deque[dict[str, int]] = deque(maxlen=self.window.within_needed)  # the last two start-ups' counts
         self.error_budget = ErrorBudget(config)  # what may still miss an SLO before growth above the deployment
+        # The seconds a sequence ran (running over request rate, Little's law) in each interval of the window.
+        self._run_times: deque[float] = deque(maxlen=max(1, round(self.window.window_s / config.interval_s)))
+        self._last_running: int | None = None
 
     @property
     def corrections(self) -> dict[str, float]:
@@ -167,10 +170,11 @@ class SLAPlanner:
 
         Each step below adjusts, per pool, the need to grow to, the need to shrink to and why
         (``_Needs``), as the steps before it left them: the window's quantile, cut above the deployment
-        and with room below it; the rules beyond the window (trends, rises met ahead); the backlogs;
-        aggregation; the rules above the deployment (bursts ridden out, the KV rule); then settling
-        turns the needs into targets. The steps also keep the planner's state (the window, the trends,
-        the savings, the levels), each reading what those before it left, so their order is the decision's."""
+        and with room below it; the rules beyond the window (trends, rises and lengthening answers met
+        ahead); the backlogs; aggregation; the rules above the deployment (bursts ridden out, the KV
+        rule); then settling turns the needs into targets. The steps also keep the planner's state (the
+        window, the trends, the savings, the levels), each reading what those before it left, so their
+        order is the decision's."""
         interval = self._observe(observation, pools)
         # This interval's load, as counts, joins the window; the pools are sized for the window's quantile.
         self._size_load(interval)
@@ -180,9 +184,10 @@ class SLAPlanner:
         windowed = {pool: base[pool] for pool in POOLS}  # the window's quantile, before the room below
         room = self._keep_room_for_rises(base, interval.counts)
         needs = self._window_needs(interval, base, released, windowed, cut, room)
-        # Beyond the window: trends bet on, and rises below the deployment met ahead.
+        # Beyond the window: trends bet on, and rises and lengthening answers below the deployment met ahead.
         rising, unfunded = self._bet_on_trends(interval, needs)
         self._meet_rises_ahead(interval, needs)
+        self._meet_lengthening_answers(interval, needs)
         # Backlogs: what is over capacity now, which the window (of averaged loads) sees too late.
         prefill_behind = self._clear_prefill_backlog(interval, needs)
         self._grow_for_itl_over_slo(interval, needs)
@@ -372,6 +377,33 @@ class SLAPlanner:
                         f"; rising over the last start-up, {count} for the load a start-up and half an interval ahead{growth}"
                         f" (the deployment's {self._deployed[pool]} at most)"
                     )
+
+    def _meet_lengthening_answers(self, interval: _Interval, needs: _Needs) -> None:
+        """Grows the decode pool ahead for answers that lengthen (``lengthening_ahead_below_deployment``):
+        a running count grown past its Poisson swing while a sequence runs longer than in any interval
+        of the window grows on at its last interval's growth, at most the deployment."""
+        config, obs, rate = self.config, interval.obs, interval.observed.request_rate
+        running, last = obs.decode_running, self._last_running
+        self._last_running = running
+        if running is None or not rate:
+            return
+        run_s, longest_s = running / rate, max(self._run_times, default=math.inf)
+        self._run_times.append(run_s)
+        # More running than the rate keeps at the window's longest run time, and a growth, each past its Poisson swing.
+        growth, kept = running - (last or 0), rate * longest_s
+        z = self.sizer.z
+        if not config.lengthening_ahead_below_deployment or last is None or running <= kept + z * math.sqrt(kept) or growth <= z * math.sqrt(max(1, last)):
+            return
+        ahead = running + growth * (config.startup_s + config.interval_s / 2) / config.interval_s
+        load, _ = self.sizer.decode_load(LoadForecast(0.0, 0.0, 0.0), math.ceil(ahead), pooled=False)
+        count = min(self.sizer.decode_count(load), self._deployed["decode"])
+        if count > needs.up["decode"]:
+            needs.up["decode"], needs.down["decode"] = count, max(count, needs.down["decode"])
+            needs.why["decode"] += (
+                f"; answers lengthening ({running} sequences running, {growth} more, {run_s:.1f} s each at the request rate,"
+                f" longer than the window's {longest_s:.1f}), {count} for {ahead:.0f} running a start-up and half an interval ahead"
+                f" (the deployment's {self._deployed['decode']} at most)"
+            )
 
     def _clear_prefill_backlog(self, interval: _Interval, needs: _Needs) -> bool:
         """Grows the prefill pool to clear a backlog that already makes a new prompt wait past the

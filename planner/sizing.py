@@ -43,7 +43,7 @@ class ReplicaSizer:
         self.seconds_per_token = perf_model.prefill_s(self._prompt_tokens) / self._prompt_tokens
         self.spread = 1.0
         self._measured = False
-        self._z = NormalDist().inv_cdf(config.attainment_target)
+        self.z = NormalDist().inv_cdf(config.attainment_target)  # the normal quantile at the attainment target
         self._feasible_work = 1.0  # the share of the last interval's prefill seconds that were feasible prompts'
 
     def measure_prompts(self, obs: Observation) -> int:
@@ -170,7 +170,7 @@ class ReplicaSizer:
         batch_at_slo = perf.largest_batch(itl_s / correction, self.config.max_decode_batch)
         if batch_at_slo == 0:
             return None
-        z = self._z / math.sqrt(replicas) if self.config.decode_swing_pooled else self._z
+        z = self.z / math.sqrt(replicas) if self.config.decode_swing_pooled else self.z
         batch = max(1.0, ((-z + math.sqrt(z**2 + 4 * batch_at_slo)) / 2) ** 2)
         return batch, batch / (correction * perf.itl_s(batch))
 

@@ -823,6 +823,33 @@ def test_an_aggregated_cluster_grows_its_decode_replicas_for_a_rise_of_its_decod
     assert seen == [(0, 1), (0, 1), (0, 1), (1, 3)]
 
 
+def test_answers_that_lengthen_grow_the_decode_pool_ahead_of_their_running_count():
+    # Deployed at 0 + 3 and shrunk to 0 + 1 on 2 req/s whose 6 running sequences each run 3 s
+    # (Little's law: 6 / 2). Then 24 run at the same rate: 12 s each, past the 6 the rate keeps at
+    # the window's longest 3 s (and its swing, 1.645 * sqrt(6)). The count grown on at its last
+    # growth, 18 an interval, to a start-up and half an interval ahead is 24 + 18 * 2.5 = 69: two
+    # batches of 67.5, and the pool grows (twice the step, at most the deployment) now.
+    def last(running: list[int], rates: list[float], flag: bool = True) -> tuple[tuple[int, int], str]:
+        config = PlannerConfig(interval_s=INTERVAL_S, startup_s=60.0, scale_down_cooldown_s=0, base_window_s=300, lengthening_ahead_below_deployment=flag)
+        p, now = SLAPlanner(config, PERF), (0, 3)
+        for i, (count, rate) in enumerate(zip([6] * 14 + running, [2.0] * 14 + rates)):
+            decision = p.decide(observe(30 + 30 * i, rate, decode_running=count), pools(*now))
+            now = (decision.targets["prefill"], decision.targets["decode"])
+        return now, decision.reasons["decode"]
+
+    now, why = last([24], [2.0])
+    assert now == (0, 3)
+    assert (
+        "answers lengthening (24 sequences running, 18 more, 12.0 s each at the request rate, longer than the window's 3.0),"
+        " 2 for 69 running a start-up and half an interval ahead (the deployment's 3 at most)" in why
+    )
+    # Off, the 24 fit the one replica's batch and the decoded tokens have not moved yet: it holds.
+    assert last([24], [2.0], flag=False)[0] == (0, 1)
+    # Within the count's swing (9 of at most 10), or risen with the rate (12 at 4 req/s: 3 s each), it is not lengthening.
+    assert "answers lengthening" not in last([9], [2.0])[1]
+    assert "answers lengthening" not in last([12], [4.0])[1]
+
+
 def test_aggregate_when_cheaper_lets_one_decode_replica_prefill_what_two_pools_would_split():
     # 3 req/s of 1000 tokens: 0.3 prefill replicas of prompt load (over prefill_zero_load) and
     # 150 output tokens/s. One decode replica prefilling them stalls 0.3 of its time (0.375 with
