@@ -263,6 +263,23 @@ def generate_random_walk(seed: int, duration_s: float, start_rate: float, sigma:
     return generate_poisson(seed + 1, lambda t: rates[int(t // 60)], high, duration_s, prompt)
 
 
+def generate_gamma(seed: int, duration_s: float, rate: float, shape: float, prompt: Callable[[random.Random], int], output_median: float = 200.0) -> list[Arrival]:
+    """Arrivals at a mean ``rate`` whose gaps are Gamma(``shape``) (coefficient of variation
+    1 / sqrt(shape); Poisson at 1): below 1, requests come in clumps seconds long at a steady mean,
+    as BurstGPT's gaps do."""
+    rng, out, now = random.Random(seed), [], 0.0
+    while True:
+        now += rng.gammavariate(shape, 1.0 / (shape * rate))
+        if now >= duration_s:
+            return out
+        out.append(Arrival(now, prompt(rng), _lognormal(rng, output_median, 0.8, 4000)))
+
+
+def merge(*traces: list[Arrival]) -> list[Arrival]:
+    """The arrivals of several traces (tenants sharing a cluster) in one, in time order."""
+    return sorted((a for trace in traces for a in trace), key=lambda a: a.time_s)
+
+
 def generate_heavy_tail(seed: int, duration_s: float = 3600.0, rate: float = 3.0, alpha: float = 1.3, low: int = 400) -> list[Arrival]:
     """Steady Poisson arrivals with Pareto(``alpha``) prompts from ``low`` tokens up to 64k."""
     return generate_poisson(seed, lambda t: rate, rate, duration_s, lambda r: int(min(65536, low * r.paretovariate(alpha))))
@@ -379,6 +396,24 @@ def outside_set(startup_s: float = 60.0, seed_offset: int = 0) -> dict[str, Call
         "chatty_crowd": lambda: generate_drifting(505 + k, 3600.0, 2.0, lambda t: 800, lambda t: 1200 if 2100 <= t < 2820 else 150),
         # Long-context retrieval: prompts of 8k tokens (median, up to 32k) at 1 req/s, then 2 from minute 30.
         "long_context": lambda: generate_poisson(506 + k, lambda t: 1.0 if t < 1800 else 2.0, 2.0, 3600.0, lambda r: _lognormal(r, 8000, 0.5, 32000)),
+        # Added 2026-11-30 (eleventh session), drawn before any replay of them.
+        # 4 req/s on average, in clumps: Gamma gaps of shape 0.25 (a coefficient of variation of 2).
+        "clumped": lambda: generate_gamma(601 + k, 3600.0, 4.0, 0.25, prompt),
+        # Two tenants: chat all hour (3 req/s, 300-token prompts, 400-token answers) and, from minute
+        # 35 for 15 minutes, a document job (2 req/s of 4k-token prompts, 50-token answers).
+        "tenant_mix": lambda: merge(
+            generate_poisson(602 + k, lambda t: 3.0, 3.0, 3600.0, lambda r: _lognormal(r, 300, 0.6, 4000), output_median=400.0),
+            generate_poisson(612 + k, lambda t: 2.0 if 2100 <= t < 3000 else 0.0, 2.0, 3600.0, lambda r: _lognormal(r, 4000, 0.4, 16000), output_median=50.0),
+        ),
+        # A rate swinging between 2 and 8 req/s with a 20-minute period, for 90 minutes.
+        "sine_20": lambda: generate_poisson(603 + k, lambda t: 5.0 - 3.0 * math.cos(2 * math.pi * t / 1200), 8.0, 5400.0, prompt),
+        # 3 req/s for 45 minutes, then 6 to the end of 90.
+        "late_step": lambda: generate_poisson(604 + k, lambda t: 3.0 if t < 2700 else 6.0, 6.0, 5400.0, prompt),
+        # 3 req/s, and every 10 minutes a batch job's 30 requests of 12k-token prompts within a minute.
+        "doc_batches": lambda: merge(
+            generate_poisson(605 + k, lambda t: 3.0, 3.0, 3600.0, prompt),
+            generate_poisson(615 + k, lambda t: 0.5 if t % 600 >= 540 else 0.0, 0.5, 3600.0, lambda r: _lognormal(r, 12000, 0.2, 16000), output_median=100.0),
+        ),
     }
 
 

@@ -132,6 +132,22 @@ def test_the_outside_set_keeps_its_shapes_and_replays_apart_from_the_development
     assert crowd > 1000 > 300 > calm
     long_context = outside["long_context"]()
     assert median([a.prompt_tokens for a in long_context]) > 6000 and _rate(long_context, 1800, 3600) > 1.6 * _rate(long_context, 0, 1800)
+    clumped = outside["clumped"]()  # a steady mean in clumps: counts of 10 s spread far wider than Poisson's
+    tens = [_rate(clumped, t, t + 10) * 10 for t in range(0, 3600, 10)]
+    mean = sum(tens) / len(tens)
+    assert 3.5 < mean / 10 < 4.5 and sum((x - mean) ** 2 for x in tens) / len(tens) > 2 * mean
+    tenants = outside["tenant_mix"]()  # the document job's 4k-token prompts come only in its 15 minutes
+    documents = [a for a in tenants if a.prompt_tokens > 2000]
+    assert len(documents) > 1000 and all(2100 <= a.time_s < 3000 for a in documents if a.output_tokens < 100 and a.prompt_tokens > 2500)
+    assert 4.5 < _rate(tenants, 2100, 3000) < 5.5 and 2.5 < _rate(tenants, 0, 2100) < 3.5
+    sine = outside["sine_20"]()
+    assert _rate(sine, 0, 120) < 3 < 7 < _rate(sine, 540, 660) and _rate(sine, 1140, 1260) < 3
+    late = outside["late_step"]()
+    assert 2.5 < _rate(late, 0, 2700) < 3.5 and 5.5 < _rate(late, 2700, 5400) < 6.5
+    batches = outside["doc_batches"]()  # 12k-token prompts in the last minute of every ten (the chat's tail seldom reaches 9k)
+    in_batch = [a.time_s % 600 >= 540 for a in batches if a.prompt_tokens > 9000]
+    per_minute_in, per_minute_out = sum(in_batch) / 6, (len(in_batch) - sum(in_batch)) / 54
+    assert 150 < sum(in_batch) < 250 and per_minute_in > 10 * per_minute_out
     out = tmp_path / "outside.json"
     assert planner_devset.main(["--set", "outside", "--traces", "trickle", "--policies", "splitserve", "--jobs", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
