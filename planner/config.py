@@ -113,10 +113,11 @@ class PlannerConfig:
     averages, which see it an interval late; below the deployment an overshoot costs nothing a
     static split of it would not spend. Off: the start-up averages' growth alone (planner/README)."""
     lengthening_ahead_below_deployment: bool = True
-    """Below the deployment, meet lengthening answers ahead: a decode pool whose running sequences grew
-    past their Poisson swing in one interval while the time a sequence runs (Little's law: the
-    running count over the request rate) is longer than in any interval of the window (the answers
-    lengthened, not the rate rose) grows at once to that count grown on at its last interval's
+    """Below the deployment, meet lengthening answers ahead. Little's law: the running count over the
+    request rate is how long a sequence runs. A running count above what the interval's rate keeps
+    at the longest run time of the window's intervals, past that count's Poisson swing, and grown
+    past its own swing since the interval before, is answers lengthening (a rising rate keeps the
+    run time): the decode pool grows at once to the running count grown on at its last interval's
     growth to the middle of the first interval replicas asked for now serve, at most the deployment.
     The decoded tokens lag such a rise by as long as the answers stream. Off: the running count
     counts as it stands (planner/README)."""

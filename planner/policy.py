@@ -156,7 +156,7 @@ class SLAPlanner:
         self._saved_s = 0.0
         self._recent: deque[dict[str, int]] = deque(maxlen=self.window.within_needed)  # the last two start-ups' counts
         self.error_budget = ErrorBudget(config)  # what may still miss an SLO before growth above the deployment
-        # The seconds a sequence ran (running over request rate, Little's law) in each interval of the window.
+        # The seconds a sequence ran (running over request rate, Little's law) in the window's last intervals with requests.
         self._run_times: deque[float] = deque(maxlen=max(1, round(self.window.window_s / config.interval_s)))
         self._last_running: int | None = None
 
