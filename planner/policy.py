@@ -32,6 +32,9 @@ would not. A level let go takes its rise with it.
 Below the deployment a load that rose over the last start-up is met ahead at once
 (``rise_ahead_below_deployment``): the pool grows to the load grown on at that rate to when
 replicas asked for now are warm, at most the deployment, and holds that while the load rises.
+So are answers that lengthen (``lengthening_ahead_below_deployment``): a running count above what the
+request rate keeps at the window's longest run time (Little's law), past its Poisson swing, grows
+the decode pool for that count grown on at its last growth, before the decoded tokens show it.
 Below the deployment a pool that must grow asks for twice the step from its target to what it
 needs (``rise_step_below_deployment``), at most the deployment: a rise mostly goes on for the
 start-up its replicas take, and up to the deployment they cost nothing a static split would not.
