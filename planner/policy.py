@@ -162,6 +162,7 @@ class SLAPlanner:
         # The seconds a sequence ran (running over request rate, Little's law) in the window's last intervals with requests.
         self._run_times: deque[float] = deque(maxlen=max(1, round(self.window.window_s / config.interval_s)))
         self._last_running: int | None = None
+        self._deployment_needed = {pool: False for pool in POOLS}  # an interval's load has needed the deployment's count
 
     @property
     def corrections(self) -> dict[str, float]:
@@ -265,6 +266,8 @@ class SLAPlanner:
         for pool in released:  # a level let go was a trend's rise too: what the pool had before it is forgotten
             self._before_rise.pop(pool, None)
         self._recent.append(counts)
+        for pool in POOLS:
+            self._deployment_needed[pool] = self._deployment_needed[pool] or counts[pool] >= self._deployed[pool]
         return released
 
     def _cut_above_deployment(self, base: dict[str, int]) -> dict[str, int]:
@@ -606,6 +609,12 @@ class SLAPlanner:
             recent.popleft()
         return max(n for _, n in recent)
 
+    def _holds_deployment(self, pool: str) -> bool:
+        """Whether ``hold_deployment_until_needed_s`` keeps ``pool`` at its deployment: on, not yet
+        needed by any interval's load, and within that many seconds observed."""
+        hold_s = self.config.hold_deployment_until_needed_s
+        return hold_s > 0 and not self._deployment_needed[pool] and self._aged_s < hold_s
+
     def _settle(self, pool: str, need: int, need_down: int, replicas: PoolReplicas, now_s: float, why: str, missing_slo: bool) -> tuple[int, str, bool]:
         """(target, reason, infeasible) for one pool, from what it needs to grow and to shrink."""
         config = self.config
@@ -633,6 +642,10 @@ class SLAPlanner:
             reason = f"holding at {current}: {replicas.starting} replicas still starting"
         elif need_down < current and missing_slo:
             reason = f"holding at {current}: the SLO was missed last interval"
+        elif need_down < current and need_down < deployed and self._holds_deployment(pool):
+            floor = min(current, deployed)
+            held = f"no interval's load has needed the deployment's {deployed} yet ({self._aged_s:.0f} of {config.hold_deployment_until_needed_s:g} s observed)"
+            target, reason = floor, (f"holding at {current}: {held}" if floor == current else f"down to {floor} for {why}; {held}")
         elif need_down < current and now_s - self._last_change_s[pool] < config.scale_down_cooldown_s and (
             config.burst_memory_above_deployment or need_down < deployed
         ):  # above the deployment (held only for recent load) replicas go without a cooldown

@@ -850,6 +850,31 @@ def test_answers_that_lengthen_grow_the_decode_pool_ahead_of_their_running_count
     assert "answers lengthening" not in last([12], [4.0])[1]
 
 
+def test_hold_deployment_until_needed_keeps_the_deployment_until_the_load_has_needed_it():
+    # Deployed at 2 + 2 over 3 req/s (1 + 1 carry it), a 300 s window: the warm-up's end shrinks both pools.
+    def targets(hold_s: float, rates: list[float]) -> tuple[list, dict]:
+        config = PlannerConfig(interval_s=INTERVAL_S, startup_s=60.0, base_window_s=300, scale_down_cooldown_s=0, hold_deployment_until_needed_s=hold_s)
+        p, now, seen = SLAPlanner(config, PERF), (2, 2), []
+        for i, rate in enumerate(rates):
+            decision = p.decide(observe(30 + 30 * i, rate), pools(*now))
+            now = (decision.targets["prefill"], decision.targets["decode"])
+            seen.append(now)
+        return seen, decision.reasons
+
+    seen, _ = targets(0.0, [3] * 16)
+    assert seen[8:10] == [(2, 2), (1, 1)]
+    # On, the deployment stays while no interval's load has needed it, and says why.
+    seen, why = targets(3600.0, [3] * 16)
+    assert set(seen) == {(2, 2)}
+    assert why["prefill"] == "holding at 2: no interval's load has needed the deployment's 2 yet (480 of 3600 s observed)"
+    # Once 18 req/s have needed 2 + 2 (1.8 prefill replicas of prompts, 900 output tokens/s), the window decides again.
+    seen, _ = targets(3600.0, [3] * 4 + [18] * 3 + [3] * 16)
+    assert seen[-1] == (1, 1) and (2, 2) in seen[7:15]
+    # And after the seconds it is given, unneeded, the deployment goes.
+    seen, _ = targets(600.0, [3] * 24)
+    assert seen[17:20] == [(2, 2), (2, 2), (1, 1)]
+
+
 def test_aggregate_when_cheaper_lets_one_decode_replica_prefill_what_two_pools_would_split():
     # 3 req/s of 1000 tokens: 0.3 prefill replicas of prompt load (over prefill_zero_load) and
     # 150 output tokens/s. One decode replica prefilling them stalls 0.3 of its time (0.375 with
