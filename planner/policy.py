@@ -124,6 +124,15 @@ class _Needs:
     down: dict[str, int]
     why: dict[str, str]
 
+    def grow(self, pool: str, count: int, clause: str, hold: bool = False) -> None:
+        """Raises ``pool``'s need to grow to ``count`` when that is more, and says why (``clause``);
+        ``hold``: nor may the pool shrink below ``count`` (a rise met ahead, while it rises)."""
+        if count > self.up[pool]:
+            self.up[pool] = count
+            if hold:
+                self.down[pool] = max(count, self.down[pool])
+            self.why[pool] += f"; {clause}"
+
 
 class SLAPlanner:
     """Decides pool targets from observations; deterministic, no I/O, no clock of its own.
@@ -347,10 +356,7 @@ class SLAPlanner:
         self._account(interval.obs, pools)
         rising, unfunded = {}, []
         for pool, projected in self.trend.rises().items():
-            if pool == "prefill":
-                count = min(self.sizer.prefill_count(projected, interval.prefill_cap), config.max_prefill)
-            else:
-                count = min(self.sizer.decode_count(projected), config.max_decode)
+            count = min(self.sizer.count(pool, projected, interval.prefill_cap), config.max_prefill if pool == "prefill" else config.max_decode)
             if count <= needs.up[pool]:
                 continue
             clause = f"rising over each of the last {self.trend.num_start_ups} start-ups, {count} for the load a start-up and half an interval ahead"
@@ -374,20 +380,16 @@ class SLAPlanner:
         self._rise_ahead.observe((interval.prefill_load, interval.own_decode_load))
         if self.config.rise_ahead_below_deployment:
             for pool, projected in self._rise_ahead.rises().items():
-                count = self.sizer.prefill_count(projected, interval.prefill_cap) if pool == "prefill" else self.sizer.decode_count(projected)
-                count = min(count, self._deployed[pool])
-                if count > needs.up[pool]:
-                    needs.up[pool], needs.down[pool] = count, max(count, needs.down[pool])  # nor does the pool shrink below it while it rises
-                    growth = " at the growth of the last two intervals, which rose each" if pool in self._rise_ahead.at_latest else ""
-                    needs.why[pool] += (
-                        f"; rising over the last start-up, {count} for the load a start-up and half an interval ahead{growth}"
-                        f" (the deployment's {self._deployed[pool]} at most)"
-                    )
+                count = min(self.sizer.count(pool, projected, interval.prefill_cap), self._deployed[pool])
+                growth = " at the growth of the last two intervals, which rose each" if pool in self._rise_ahead.at_latest else ""
+                clause = f"rising over the last start-up, {count} for the load a start-up and half an interval ahead{growth} (the deployment's {self._deployed[pool]} at most)"
+                needs.grow(pool, count, clause, hold=True)  # nor does the pool shrink below it while it rises
 
     def _meet_lengthening_answers(self, interval: _Interval, needs: _Needs) -> None:
         """Grows the decode pool ahead for answers that lengthen (``lengthening_ahead_below_deployment``):
-        a running count grown past its Poisson swing while a sequence runs longer than in any interval
-        of the window grows on at its last interval's growth, at most the deployment."""
+        a running count over what the request rate keeps at the window's longest run time (Little's
+        law), and grown since the interval before, each past its Poisson swing, grows on at its last
+        interval's growth, at most the deployment."""
         config, obs, rate = self.config, interval.obs, interval.observed.request_rate
         running, last = obs.decode_running, self._last_running
         self._last_running = running
@@ -403,13 +405,12 @@ class SLAPlanner:
         ahead = running + growth * (config.startup_s + config.interval_s / 2) / config.interval_s
         load, _ = self.sizer.decode_load(LoadForecast(0.0, 0.0, 0.0), math.ceil(ahead), pooled=False)
         count = min(self.sizer.decode_count(load), self._deployed["decode"])
-        if count > needs.up["decode"]:
-            needs.up["decode"], needs.down["decode"] = count, max(count, needs.down["decode"])
-            needs.why["decode"] += (
-                f"; answers lengthening ({running} sequences running, {growth} more, {run_s:.1f} s each at the request rate,"
-                f" longer than the window's {longest_s:.1f}), {count} for {ahead:.0f} running a start-up and half an interval ahead"
-                f" (the deployment's {self._deployed['decode']} at most)"
-            )
+        clause = (
+            f"answers lengthening ({running} sequences running, {growth} more, {run_s:.1f} s each at the request rate,"
+            f" longer than the window's {longest_s:.1f}), {count} for {ahead:.0f} running a start-up and half an interval ahead"
+            f" (the deployment's {self._deployed['decode']} at most)"
+        )
+        needs.grow("decode", count, clause, hold=True)
 
     def _clear_prefill_backlog(self, interval: _Interval, needs: _Needs) -> bool:
         """Grows the prefill pool to clear a backlog that already makes a new prompt wait past the
@@ -423,10 +424,7 @@ class SLAPlanner:
         prefill_behind = backlog_s > slack_s * max(1, interval.pools["prefill"].ready)
         if needs.up["prefill"] > 0 and prefill_behind:
             clearing_load = max(interval.prefill_load, interval.smooth_prefill) + backlog_s / (config.startup_s + config.interval_s)
-            clearing = self.sizer.prefill_count(clearing_load, interval.prefill_cap)
-            if clearing > needs.up["prefill"]:
-                needs.up["prefill"] = clearing
-                needs.why["prefill"] += f"; {obs.queued_prefill_tokens} tokens queued"
+            needs.grow("prefill", self.sizer.prefill_count(clearing_load, interval.prefill_cap), f"{obs.queued_prefill_tokens} tokens queued")
         return prefill_behind
 
     def _grow_for_itl_over_slo(self, interval: _Interval, needs: _Needs) -> None:
@@ -440,9 +438,7 @@ class SLAPlanner:
         self._itl_over_intervals = self._itl_over_intervals + 1 if itl_over else 0
         if self._itl_over_intervals >= self._loads.maxlen:
             now_need = self.sizer.decode_count(interval.decode_load + (interval.prefill_load if needs.up["prefill"] == 0 else 0.0))
-            if now_need > needs.up["decode"]:
-                needs.up["decode"] = now_need
-                needs.why["decode"] += f"; the ITL p90 {obs.itl_s_p90:.3f} s is over the SLO, {self._itl_over_intervals} intervals running"
+            needs.grow("decode", now_need, f"the ITL p90 {obs.itl_s_p90:.3f} s is over the SLO, {self._itl_over_intervals} intervals running")
 
     def _grow_for_prompts_behind_backlog(self, interval: _Interval, needs: _Needs, prefill_behind: bool) -> None:
         """Grows the decode pool for the running sequences and the prompts queued behind a prefill backlog."""
@@ -454,19 +450,14 @@ class SLAPlanner:
         if prefill_behind and obs.decode_running is not None and obs.num_prompt_tokens > 0 and coming > 0:
             coming_requests = round(coming * obs.num_requests / obs.num_prompt_tokens)
             ahead_load, _ = self.sizer.decode_load(LoadForecast(0.0, 0.0, 0.0), obs.decode_running + coming_requests)
-            now_need = self.sizer.decode_count(ahead_load)
-            if now_need > needs.up["decode"]:
-                needs.up["decode"] = now_need
-                needs.why["decode"] += f"; {obs.decode_running} sequences running and {coming_requests} prompts queued for prefill behind its backlog"
+            clause = f"{obs.decode_running} sequences running and {coming_requests} prompts queued for prefill behind its backlog"
+            needs.grow("decode", self.sizer.decode_count(ahead_load), clause)
 
     def _grow_for_stalled_batch(self, interval: _Interval, needs: _Needs) -> None:
         """Grows the decode pool for the sequences piled up behind batches stalled by their replicas'
         own prefills (``_size_load`` left them out of the window)."""
         if interval.stalled_need is not None:
-            now_need = self.sizer.decode_count(interval.stalled_need)
-            if now_need > needs.up["decode"]:
-                needs.up["decode"] = now_need
-                needs.why["decode"] += f"; {interval.obs.decode_running} sequences in a stalled batch"
+            needs.grow("decode", self.sizer.decode_count(interval.stalled_need), f"{interval.obs.decode_running} sequences in a stalled batch")
 
     def _aggregate(self, interval: _Interval, needs: _Needs, base: dict[str, int]) -> None:
         """Takes the prefill pool to zero where the decode replicas, each prefilling its share, serve

@@ -161,6 +161,10 @@ class ReplicaSizer:
                 return count
         return config.max_prefill + 1
 
+    def count(self, pool: str, load: float, prefill_cap: float) -> int:
+        """Replicas of ``pool`` for ``load`` (in replicas): ``prefill_count`` or ``decode_count``."""
+        return self.prefill_count(load, prefill_cap) if pool == "prefill" else self.decode_count(load)
+
     def decode_rate(self, itl_s: float, replicas: int = 1) -> tuple[float, float] | None:
         """(batch, tokens/s) of one of ``replicas`` decode replicas whose corrected ITL stays under
         ``itl_s``: the largest such batch less its share of the pool's Poisson swing, z * sqrt(batch
