@@ -414,7 +414,68 @@ def outside_set(startup_s: float = 60.0, seed_offset: int = 0) -> dict[str, Call
             generate_poisson(605 + k, lambda t: 3.0, 3.0, 3600.0, prompt),
             generate_poisson(615 + k, lambda t: 0.5 if t % 600 >= 540 else 0.0, 0.5, 3600.0, lambda r: _lognormal(r, 12000, 0.2, 16000), output_median=100.0),
         ),
+        # Added 2026-11-30 (twelfth session), drawn before any replay of them.
+        # A rate switching between 2 and 7 req/s at random, staying 6 minutes on average, for 90 minutes.
+        "switching": lambda: generate_switching(701 + k, 5400.0, (2.0, 7.0), 360.0, prompt),
+        # Self-exciting arrivals: 1.5 req/s of users, each request drawing 0.6 more within ~20 s (3.75 req/s).
+        "hawkes": lambda: generate_hawkes(702 + k, 3600.0, 1.5, 0.6, 20.0, prompt),
+        # Agents: 0.12 sessions/s of 4-12 turns 3-20 s apart, each prompt the context so far (1.5k tokens first).
+        "agent_sessions": lambda: generate_sessions(703 + k, 3600.0, 0.12, (4, 12), (3.0, 20.0), 1500.0, 300.0),
+        # 8 req/s falling to 2 at minute 30 and back to 8 at 60: the warm-up's peak, come back.
+        "v_shape": lambda: generate_poisson(704 + k, lambda t: 2.0 + 6.0 * abs(t - 1800.0) / 1800.0, 8.0, 3600.0, prompt),
+        # Many small requests: 15 req/s (±3 over 40 minutes) of 150-token prompts and 120-token answers.
+        "small_fast": lambda: generate_poisson(705 + k, lambda t: 15.0 + 3.0 * math.sin(2 * math.pi * t / 2400), 18.0, 3600.0, lambda r: _lognormal(r, 150, 0.6, 2000), output_median=120.0),
     }
+
+
+def generate_switching(seed: int, duration_s: float, rates: tuple[float, ...], sojourn_s: float, prompt: Callable[[random.Random], int]) -> list[Arrival]:
+    """A Markov-modulated Poisson process: the rate is one of ``rates`` and moves to another of them,
+    at random, after exponential sojourns of mean ``sojourn_s`` (steps at times no schedule gives)."""
+    rng, changes, now = random.Random(seed), [], 0.0
+    state = rng.randrange(len(rates))
+    while now < duration_s:
+        changes.append((now, rates[state]))
+        now += rng.expovariate(1.0 / sojourn_s)
+        state = rng.choice([i for i in range(len(rates)) if i != state])
+    rate = lambda t: next(r for start, r in reversed(changes) if start <= t)  # noqa: E731
+    return generate_poisson(seed + 1, rate, max(rates), duration_s, prompt)
+
+
+def generate_hawkes(seed: int, duration_s: float, background: float, branching: float, decay_s: float, prompt: Callable[[random.Random], int]) -> list[Arrival]:
+    """Self-exciting arrivals (a Hawkes process, drawn as clusters): requests at ``background`` req/s,
+    each of which brings a Poisson(``branching``) number more at exponential delays of mean ``decay_s``,
+    and so on; the mean rate is ``background / (1 - branching)``."""
+    rng, times, now = random.Random(seed), [], 0.0
+    while (now := now + rng.expovariate(background)) < duration_s:
+        times.append(now)
+    parents = list(times)
+    while parents:
+        parent = parents.pop()
+        children, limit, product = 0, math.exp(-branching), rng.random()
+        while product > limit:  # Knuth's Poisson draw
+            children, product = children + 1, product * rng.random()
+        for _ in range(children):
+            if (child := parent + rng.expovariate(1.0 / decay_s)) < duration_s:
+                times.append(child)
+                parents.append(child)
+    return [Arrival(t, prompt(rng), _lognormal(rng, 200.0, 0.8, 4000)) for t in sorted(times)]
+
+
+def generate_sessions(seed: int, duration_s: float, session_rate: float, turns: tuple[int, int], think_s: tuple[float, float], first_prompt: float, output_median: float) -> list[Arrival]:
+    """Multi-turn sessions (agents, chats) starting at ``session_rate`` per second: ``turns`` turns
+    (uniform) ``think_s`` apart (uniform), each prompt the whole context so far (the last prompt, its
+    answer and ~300 new tokens; the first lognormal around ``first_prompt``), at most 16k tokens."""
+    rng, out, start = random.Random(seed), [], 0.0
+    while (start := start + rng.expovariate(session_rate)) < duration_s:
+        now, context = start, _lognormal(rng, first_prompt, 0.5, 16000)
+        for _ in range(rng.randint(*turns)):
+            if now >= duration_s:
+                break
+            answer = _lognormal(rng, output_median, 0.8, 4000)
+            out.append(Arrival(now, context, answer))
+            context = min(16000, context + answer + _lognormal(rng, 300, 0.8, 4000))
+            now += rng.uniform(*think_s)
+    return sorted(out)
 
 
 def noisy_steady(seed: int, duration_s: float = 5400.0, rate: float = 4.0, sigma: float = 0.35) -> list[Arrival]:

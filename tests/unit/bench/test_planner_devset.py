@@ -148,6 +148,20 @@ def test_the_outside_set_keeps_its_shapes_and_replays_apart_from_the_development
     in_batch = [a.time_s % 600 >= 540 for a in batches if a.prompt_tokens > 9000]
     per_minute_in, per_minute_out = sum(in_batch) / 6, (len(in_batch) - sum(in_batch)) / 54
     assert 150 < sum(in_batch) < 250 and per_minute_in > 10 * per_minute_out
+    switching_trace = outside["switching"]()  # two rates, few minutes between them
+    switching = [_rate(switching_trace, m * 60, m * 60 + 60) for m in range(90)]
+    highs, lows = sum(r > 5 for r in switching), sum(r < 3.5 for r in switching)
+    assert highs > 15 and lows > 15 and highs + lows > 80
+    hawkes = outside["hawkes"]()  # 1.5 / (1 - 0.6) req/s, in clusters: 10 s counts spread wider than Poisson's
+    tens = [_rate(hawkes, t, t + 10) * 10 for t in range(0, 3600, 10)]
+    mean = sum(tens) / len(tens)
+    assert 3.2 < mean / 10 < 4.3 and sum((x - mean) ** 2 for x in tens) / len(tens) > 1.3 * mean
+    agents = outside["agent_sessions"]()  # each turn's prompt carries the context so far
+    assert median([a.prompt_tokens for a in agents]) > 3000 and sum(a.prompt_tokens > 8000 for a in agents) > len(agents) / 10
+    v_shape = outside["v_shape"]()
+    assert _rate(v_shape, 0, 120) > 7 and _rate(v_shape, 1740, 1860) < 3 and _rate(v_shape, 3480, 3600) > 7
+    small = outside["small_fast"]()
+    assert 14 < _rate(small, 0, 3600) < 17 and median([a.prompt_tokens for a in small]) < 200 and median([a.output_tokens for a in small]) < 150
     out = tmp_path / "outside.json"
     assert planner_devset.main(["--set", "outside", "--traces", "trickle", "--policies", "splitserve", "--jobs", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
