@@ -487,3 +487,15 @@ def noisy_steady(seed: int, duration_s: float = 5400.0, rate: float = 4.0, sigma
 
 SETS = {"dev": dev_set, "outside": outside_set}
 """``bench.planner_devset --set``: the development set, or the shapes kept apart as a check."""
+RECORDED = frozenset({"conv", "conv_x2", "conv_half"})
+"""The traces read from a recording: every seed draws the same one."""
+
+
+def draw(trace_set: str, name: str, startup_s: float = 60.0, seed_offset: int = 0, scale: int = 1) -> list[Arrival]:
+    """Trace ``name`` of ``SETS[trace_set]``; at ``scale`` K the K draws of seed offsets
+    ``seed_offset + 1000 i`` superposed: the same shape at K times the load, from K times the users."""
+    if scale < 1:
+        raise BenchError(f"scale must be at least 1, got {scale}")
+    if scale > 1 and name in RECORDED:
+        raise BenchError(f"{name} is a recorded trace: every seed draws the same one, so it cannot be scaled by superposing draws")
+    return merge(*(SETS[trace_set](startup_s, seed_offset + 1000 * i)[name]() for i in range(scale)))

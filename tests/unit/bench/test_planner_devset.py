@@ -82,6 +82,25 @@ def test_a_seed_offset_draws_held_out_traces_of_the_same_shapes():
     assert held_out["conv_x2"]() == dev["conv_x2"]()  # recorded, not generated
 
 
+def test_a_scale_superposes_independent_draws_of_the_same_shape(tmp_path, capsys):
+    one = planner_traces.draw("outside", "late_step", seed_offset=10)
+    assert one == planner_traces.outside_set(seed_offset=10)["late_step"]()
+    three = planner_traces.draw("outside", "late_step", seed_offset=10, scale=3)
+    assert set(one) < set(three) and set(planner_traces.outside_set(seed_offset=1010)["late_step"]()) < set(three)
+    assert 8 < _rate(three, 0, 2700) < 10 and 17 < _rate(three, 2700, 5400) < 19  # 3 and 6 req/s, three times
+    assert [a.time_s for a in three] == sorted(a.time_s for a in three)
+    with pytest.raises(planner_traces.BenchError, match="conv_x2 is a recorded trace"):
+        planner_traces.draw("dev", "conv_x2", scale=2)
+    out = tmp_path / "scaled.json"
+    assert planner_devset.main(["--set", "outside", "--traces", "trickle", "--scale", "2", "--policies", "static", "--jobs", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["scale"] == 2 and report["traces"]["trickle"]["trace_stats"]["num_requests"] == len(planner_traces.draw("outside", "trickle", scale=2))
+    for argv, message in ((["--traces", "conv", "--scale", "2"], "--traces conv: recorded traces"), (["--scale", "0"], "--scale must be at least 1")):
+        with pytest.raises(SystemExit):
+            planner_devset.main([*argv, "--json", str(out)])
+        assert message in capsys.readouterr().err
+
+
 def test_the_devset_replays_held_out_traces_when_asked(tmp_path, capsys):
     out = tmp_path / "held_out.json"
     argv = ["--traces", "bursts_short", "--policies", "splitserve", "--seed-offset", "10", "--jobs", "1", "--max-prefill", "6", "--max-decode", "6", "--json", str(out)]
