@@ -128,7 +128,8 @@ class PlannerConfig:
     It meets a first-time step that comes soon after the warm-up (planner/EXPERIMENTS.md: the
     eleventh session's replays went from 162 to 166 of 171 met) but gives up what the planner saves
     on quiet load before a first peak (mean replica-hours over static 0.9765 to 0.9883; Azure's
-    code trace 0.95x to 1.00x). 0 (the default): off, the window alone decides."""
+    code trace 0.95x to 1.00x). 0 (the default, as KEDA's ``initialCooldownPeriod``): off, the window
+    alone decides."""
     release_level_after_s: float | None = None
     """A level of load a pool grew for and that held at least this long is a shift, not a burst:
     once the load has stayed within the count the pool had before for two start-ups, the window
