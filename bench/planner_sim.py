@@ -5,8 +5,11 @@
   stalling its whole batch (conditional disaggregation, the prefill pool at zero); the prompts it
   has not prefilled yet are its queue (queued prompt tokens, as the engine reports them), not
   running sequences;
-- decode: each request joins the ready decode replica with the smallest batch, and every
-  sequence on a replica advances one token per ``itl_s(batch)``;
+- decode: each request joins the ready decode replica with the smallest batch among those whose KV
+  (``kv_tokens`` a replica; a sequence holds its prompt and its whole answer) has room for it, and
+  every sequence on a replica advances one token per ``itl_s(batch)``; a request no replica has
+  room for waits, first come first served, and its wait counts in its ITL (the answer stalls after
+  its first token); a replica with nothing running takes any request;
 - a replica asked for is ready ``startup_s`` later and costs from the moment it is asked for;
   one removed drains (takes nothing new, finishes what it has) and costs until it is empty.
 
@@ -49,7 +52,7 @@ class Simulation:
         self.trace, self.perf, self.config, self.controller = trace, perf, config, controller
         self.startup_s, self.cost, self.kv_tokens = config.startup_s, cost_scale, kv_tokens
         self.end_s = trace[-1].time_s
-        self.events, self.seq, self.pending = [], 0, []
+        self.events, self.seq, self.pending = [], 0, deque()  # pending: prefilled, waiting for a decode replica with room
         self.replicas = {pool: [_Replica(pool, 0.0, 0.0) for _ in range(n)] for pool, n in zip(POOLS, initial)}
         n = len(trace)
         self.first_s, self.start_s, self.finish_s = [math.nan] * n, [math.nan] * n, [math.nan] * n
@@ -70,12 +73,10 @@ class Simulation:
         while self.events:
             now, _, kind, x = heapq.heappop(self.events)
             if kind == 0 and not x.removed and x.pool == "decode":
-                for i in self.pending:
-                    self._join(x, i, now, now)
-                self.pending.clear()
+                self._admit(now)
             elif kind == 1:
-                replica = self._decode_replica(now)
-                self.pending.append(x) if replica is None else self._join(replica, x, now, now)
+                self.pending.append(x)
+                self._admit(now)
             elif kind == 2 and x[1] == x[0].version:
                 self._finish(x[0], now)
             elif kind == 3:
@@ -91,9 +92,21 @@ class Simulation:
     def _ready(self, pool, now):
         return [r for r in self.replicas[pool] if not r.removed and r.ready_s <= now]
 
-    def _decode_replica(self, now):
-        ready = self._ready("decode", now)
+    def _decode_replica(self, now, kv_tokens: int = 0):
+        """The ready decode replica with the smallest batch whose KV has room for ``kv_tokens`` more
+        (one with nothing running always has), or None."""
+        ready = [r for r in self._ready("decode", now) if not r.heap or r.kv + kv_tokens <= self.kv_tokens]
         return min(ready, key=lambda r: len(r.heap)) if ready else None
+
+    def _admit(self, now: float) -> None:
+        """Prefilled requests join decode replicas in arrival order while the first has room on one."""
+        while self.pending:
+            i = self.pending[0]
+            replica = self._decode_replica(now, self.trace[i].prompt_tokens + self.trace[i].output_tokens)
+            if replica is None:
+                return
+            self.pending.popleft()
+            self._join(replica, i, now, self.first_s[i])
 
     def _arrive(self, i, now) -> None:
         a, ready = self.trace[i], self._ready("prefill", now)
@@ -146,6 +159,7 @@ class Simulation:
             r.kv -= self.trace[i].prompt_tokens + self.trace[i].output_tokens
             self.itls.append((now - self.start_s[i]) / self.trace[i].output_tokens)
         self._schedule(r, now)
+        self._admit(now)
 
     def _pools(self, now) -> dict[str, PoolReplicas]:
         out = {}

@@ -178,6 +178,13 @@ class PlannerConfig:
     """Most sequences one decode replica runs at once (its KV capacity), whatever the ITL allows."""
     kv_usage_high: float = 0.9
     """Decode KV use above which the decode pool grows by one whatever the model says."""
+    kv_holds_decode: bool = True
+    """Nor does the decode pool shrink to fewer replicas than would hold the KV in use, grown by its
+    swing (z at the attainment target over the root of the running count), under
+    ``kv_usage_high``: long prompts fill a replica's KV before its batch reaches what the ITL allows,
+    and a pool sized on output tokens alone gives back the replica the KV rule grew and takes it again
+    an interval later (outside long_context at 4x its load: 33 decode direction changes in an hour).
+    Off: the KV rule grows, and the load's count shrinks (planner/README)."""
     correction_min: float = 0.5
     """Lowest observed/predicted latency ratio the planner believes."""
     correction_max: float = 2.0

@@ -537,8 +537,19 @@ class SLAPlanner:
     def _grow_for_full_kv(self, interval: _Interval, needs: _Needs, held: set[str]) -> None:
         """Grows the decode pool by a replica while its KV use is over ``kv_usage_high``, unless the KV
         is filled by prompts no replica prefills in time, or the pool would grow above the deployment
-        with the error budget unspent (then it is held: added to ``held``)."""
+        with the error budget unspent (then it is held: added to ``held``). With ``kv_holds_decode``
+        the pool does not shrink below the replicas that hold the KV in use under ``kv_usage_high``."""
         obs, config, decode = interval.obs, self.config, interval.pools["decode"]
+        if config.kv_holds_decode and obs.kv_usage is not None and decode.ready and not self.sizer.only_infeasible(interval.observed):
+            # The KV in use swings as the running count does: z at the attainment target times its root.
+            swing = 1 + self.sizer.z / math.sqrt(obs.decode_running) if obs.decode_running else 1.0
+            holding = min(decode.ready, math.ceil(obs.kv_usage * swing * decode.ready / config.kv_usage_high - 1e-9))
+            if holding > needs.down["decode"]:
+                needs.down["decode"] = holding
+                needs.why["decode"] += (
+                    f"; not below {holding}: the KV in use ({obs.kv_usage:.2f} of {decode.ready} replicas', {swing - 1:.0%} more"
+                    f" at its swing) would fill fewer past {config.kv_usage_high:g}"
+                )
         if obs.kv_usage is not None and obs.kv_usage > config.kv_usage_high and decode.ready + 1 > needs.up["decode"]:
             if self.sizer.only_infeasible(interval.observed):  # a replica more holds more of them, and serves nobody in time
                 needs.why["decode"] += f"; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, filled by prompts no replica prefills within the TTFT SLO: not grown for"

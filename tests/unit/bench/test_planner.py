@@ -263,3 +263,26 @@ def test_the_replay_counts_the_sequences_of_a_draining_decode_replica():
     Simulation(trace, perf, config, controller, (1, 2)).run()
     assert seen[0] == (2, 2, 0)
     assert seen[1] == (2, 1, 1)  # one ready, one draining: both answers still decoding
+
+
+def test_a_decode_replica_takes_no_more_than_its_kv_holds_and_a_request_waiting_for_room_stalls():
+    """Two 6k-token prompts (1,500-token answers) prefilled at once on a decode replica whose KV holds 8k tokens: the
+    second waits for the first to finish, its first token out of its prefill, its answer stalled,
+    so its ITL counts the wait; the KV in use never passes what the replica holds. A third, bigger
+    than any replica's KV, still runs on an empty one."""
+    from bench.planner_sim import Simulation
+
+    config = bench_planner.PlannerConfig()
+    perf = bench_planner.load_splitwise_csv(bench_planner.DEFAULT_PERF, "llama2-70b", "h100-80gb", 4)
+    trace = [bench_planner.Arrival(1.0, 6000, 1500), bench_planner.Arrival(1.0, 6000, 1500), bench_planner.Arrival(300.0, 9000, 100), bench_planner.Arrival(500.0, 100, 1)]
+    seen = []
+    sim = Simulation(trace, perf, config, lambda now, obs, pools, use: seen.append(obs), (2, 1), kv_tokens=8000)
+    sim.run()
+    assert sim.start_s[1] == sim.first_s[1] and sim.finish_s[1] >= sim.finish_s[0]  # it joined only once the first left
+    own_s = sim.finish_s[0] - sim.start_s[0]
+    assert (sim.finish_s[1] - sim.start_s[1]) > own_s + (sim.finish_s[0] - sim.first_s[1]) * 0.99
+    assert all(o.kv_usage is None or o.kv_usage <= 1 for o in seen) and seen[0].decode_running == 1
+    assert sim.finish_s[2] > 300  # too big for any replica's KV, run alone
+    roomy = Simulation(trace, perf, config, lambda *_: None, (2, 1))  # the default KV holds both at once
+    roomy.run()
+    assert roomy.finish_s[1] < sim.finish_s[1]

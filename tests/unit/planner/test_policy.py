@@ -1066,3 +1066,19 @@ def test_sequences_running_count_as_decode_load_before_their_tokens_have_streame
     decision = with_running.decide(observe(210, 5, decode_running=300), pools(1, 1))
     assert decision.targets["decode"] == 3
     assert decision.reasons["decode"].startswith("up to 3 for 300 sequences running at a batch of 75 per replica")
+
+
+def test_decode_does_not_shrink_below_the_replicas_that_hold_its_kv_in_use():
+    # 5 req/s of 50-token answers and the 60 sequences running need one decode replica, but these
+    # fill 0.6 of the KV of the 3 there are: grown by its swing (1.645 / sqrt(60), 21%), 2 would
+    # fill past 0.9.
+    def decide(kv_usage, **fields):
+        p = planner(**ALONE, scale_down_cooldown_s=0, **fields)
+        return p.decide(observe(30.0, 5, kv_usage=kv_usage, decode_running=60), pools(1, 3))
+
+    held = decide(0.6)
+    assert held.targets["decode"] == 3
+    assert "not below 3: the KV in use (0.60 of 3 replicas', 21% more at its swing) would fill fewer past 0.9" in held.reasons["decode"]
+    assert decide(0.4).targets["decode"] == 2  # 0.4 * 1.21 * 3 / 0.9 = 1.6 replicas of KV
+    assert decide(0.6, kv_holds_decode=False).targets["decode"] == 1
+    assert decide(None).targets["decode"] == 1
