@@ -166,6 +166,7 @@ class SLAPlanner:
         # pools have spent below the deployment the planner was turned on over (their first targets).
         self._deployed: dict[str, int] = {}
         self._saved_s = 0.0
+        self._paid_above: set[str] = set()  # pools above the deployment on savings, paying each interval
         self._recent: deque[dict[str, int]] = deque(maxlen=self.window.within_needed)  # the last two start-ups' counts
         self.error_budget = ErrorBudget(config)  # what may still miss an SLO before growth above the deployment
         # The seconds a sequence ran (running over request rate, Little's law) in the window's last intervals with requests.
@@ -509,22 +510,33 @@ class SLAPlanner:
         obs = interval.obs
         now = self.sizer.interval_counts(interval.prefill_load, interval.prefill_cap, interval.decode_load, interval.observed, obs.decode_running)  # this interval alone, not averaged
         for pool in POOLS:
-            deployed = self._deployed[pool]
-            floor = max(deployed, pools[pool].target)
+            deployed, current = self._deployed[pool], pools[pool].target
+            floor = max(deployed, current)
+            recent, unspent = self._recent, ""
+            shift = len(recent) == recent.maxlen and now[pool] > deployed and all(counts[pool] > deployed for counts in recent)
+            if shift and (budget is None or budget <= 0):
+                self._paid_above.discard(pool)  # a shift: grows as asked, and stays on its own account
+                continue
+            if shift:
+                unspent = f"; a shift, but{self.error_budget.unspent_clause(budget)}"  # the deployment serves it within the SLO, as a static split of it would
+            if pool in self._paid_above and current > deployed and self._saved_s < (current - deployed) * config.interval_s:
+                # The savings that paid for the replicas above the deployment are spent.
+                needs.up[pool], needs.down[pool] = deployed, min(needs.down[pool], deployed)
+                needs.why[pool] += f"; back to the deployment's {deployed}: the {self._saved_s:.0f} replica-seconds saved below it no longer pay for {current - deployed} above it{unspent}"
+                held.add(pool)
+                continue
             if needs.up[pool] <= floor:
                 continue
-            recent, unspent = self._recent, ""
-            if len(recent) == recent.maxlen and now[pool] > deployed and all(counts[pool] > deployed for counts in recent):
-                if budget is None or budget <= 0:
-                    continue  # a shift: grows as asked
-                unspent = f"; a shift, but{self.error_budget.unspent_clause(budget)}"  # the deployment serves it within the SLO, as a static split of it would
             high = config.max_prefill if pool == "prefill" else config.max_decode
             if floor >= high:
                 continue  # nothing to add: settling holds it at max, and says so
             cost_s = (min(needs.up[pool], high) - floor) * (config.startup_s + config.interval_s)  # max is all it can add
             if self._saved_s >= cost_s:
                 needs.why[pool] += f"; above the deployment's {deployed}, {cost_s:.0f} of the {self._saved_s:.0f} replica-seconds saved below it paid"
-                self._saved_s -= cost_s
+                if config.savings_pay_while_above:
+                    self._paid_above.add(pool)  # paid for as long as they are kept, by _account
+                else:
+                    self._saved_s -= cost_s
                 continue
             needs.why[pool] += (
                 f"; held at {floor} for {needs.up[pool]}: above the deployment's {deployed} a pool grows for load"
@@ -538,12 +550,15 @@ class SLAPlanner:
         """Grows the decode pool by a replica while its KV use is over ``kv_usage_high``, unless the KV
         is filled by prompts no replica prefills in time, or the pool would grow above the deployment
         with the error budget unspent (then it is held: added to ``held``). With ``kv_holds_decode``
-        the pool does not shrink below the replicas that hold the KV in use under ``kv_usage_high``."""
+        the pool does not shrink below the replicas that hold the KV in use under ``kv_usage_high``
+        (nor is it held above the deployment for it where the rule would not grow there)."""
         obs, config, decode = interval.obs, self.config, interval.pools["decode"]
         if config.kv_holds_decode and obs.kv_usage is not None and decode.ready and not self.sizer.only_infeasible(interval.observed):
             # The KV in use swings as the running count does: z at the attainment target times its root.
             swing = 1 + self.sizer.z / math.sqrt(obs.decode_running) if obs.decode_running else 1.0
             holding = min(decode.ready, math.ceil(obs.kv_usage * swing * decode.ready / config.kv_usage_high - 1e-9))
+            if not config.burst_growth_above_deployment and (interval.budget or 0) > 0:
+                holding = min(holding, max(self._deployed["decode"], needs.down["decode"]))  # as the rule below grows
             if holding > needs.down["decode"]:
                 needs.down["decode"] = holding
                 needs.why["decode"] += (
@@ -598,10 +613,13 @@ class SLAPlanner:
         deployment (its target at the first decision), less the replicas a trend bet holds above what
         the pool had before the rise."""
         for pool in POOLS:
-            deployed = self._deployed[pool]
-            self._saved_s += max(0, deployed - pools[pool].target) * obs.duration_s
-            if pool in self._before_rise:
-                self._saved_s -= max(0, pools[pool].target - self._before_rise[pool]) * obs.duration_s
+            deployed, target = self._deployed[pool], pools[pool].target
+            self._saved_s += max(0, deployed - target) * obs.duration_s
+            bet = max(0, target - self._before_rise[pool]) if pool in self._before_rise else 0
+            if pool in self._paid_above and target <= deployed:
+                self._paid_above.discard(pool)
+            above = target - deployed if pool in self._paid_above else 0  # the bet's replicas, when more, hold these
+            self._saved_s -= max(bet, above) * obs.duration_s
 
     def _stabilised(self, pool: str, need_down: int, now_s: float) -> int:
         """The most ``need_down`` asked for over the last ``scale_down_window_s`` (this one included)."""

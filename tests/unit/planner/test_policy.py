@@ -573,26 +573,43 @@ def test_replicas_saved_below_the_deployment_pay_for_growth_above_it():
     decisions = run(planner(**RIDE_OUT), [60] * 3, (4, 1))
     assert prefill_targets(decisions) == [4, 4, 4] and "held at 4 for 7" in decisions[0].reasons["prefill"]
     # After seven quiet intervals at 1, 3 replicas below the deployment (630 replica-seconds), the
-    # burst's first interval pays 180 for two decode replicas above its deployment of 1; the next
-    # pays 270 for prefill's 3 replicas above 4, for a start-up and an interval, and 90 for one more
-    # decode replica: the pools grow at once.
+    # burst's first interval affords two decode replicas above its deployment of 1 (180 for a
+    # start-up and an interval); the next, prefill's 3 above 4 (270), and one more decode replica:
+    # the pools grow at once. Each interval then pays for the replicas kept above the deployment:
+    # 630 + 90 saved - 2 * 30 above; then 4 * 30 + 3 * 30 - 90 saved.
     decisions = run(planner(**RIDE_OUT, base_window_s=600, scale_down_cooldown_s=0), [5] * 26 + [60] * 3, (4, 1))
     assert prefill_targets(decisions)[18:] == [4, 1, 1, 1, 1, 1, 1, 1, 4, 7, 7]
     assert [d.targets["decode"] for d in decisions[25:]] == [1, 3, 4, 4]
     assert decisions[26].reasons["decode"].endswith("above the deployment's 1, 180 of the 630 replica-seconds saved below it paid")
-    assert decisions[27].reasons["prefill"].endswith("above the deployment's 4, 270 of the 450 replica-seconds saved below it paid")
-    assert [d.saved_replica_s for d in decisions[25:]] == [540, 450, 90, 90]
+    assert decisions[27].reasons["prefill"].endswith("above the deployment's 4, 270 of the 570 replica-seconds saved below it paid")
+    assert [d.saved_replica_s for d in decisions[25:]] == [540, 630, 570, 390]
+
+
+def test_replicas_above_the_deployment_on_savings_go_back_once_the_savings_are_spent():
+    # As above, but the load stays at 60 and every interval counts its SLO misses (none), so the
+    # error budget is never spent and no shift pays for itself: once the savings can no longer pay
+    # an interval of the 3 prefill and 3 decode replicas above the deployment, both pools go back.
+    steps = [5] * 26 + [60] * 14
+    decisions = run(planner(**RIDE_OUT, base_window_s=600, scale_down_cooldown_s=0), steps, (4, 1), slo_misses=0)
+    assert prefill_targets(decisions)[26:] == [4, 7, 7, 7] + [4] * 10
+    assert [d.targets["decode"] for d in decisions[26:]] == [3, 4, 4, 4] + [1] * 10
+    assert [d.saved_replica_s for d in decisions[27:31]] == [570, 390, 210, 30]
+    assert "back to the deployment's 4: the 30 replica-seconds saved below it no longer pay for 3 above it; a shift, but the SLO's error budget is not spent" in decisions[30].reasons["prefill"]
+    assert decisions[30].held_at_deployment == ("decode", "prefill")
+    # Paid once, for a start-up and an interval, they stayed.
+    once = run(planner(**RIDE_OUT, base_window_s=600, scale_down_cooldown_s=0, savings_pay_while_above=False), steps, (4, 1), slo_misses=0)
+    assert prefill_targets(once)[27:] == [7] * 13 and [d.saved_replica_s for d in once[27:29]] == [90, 90]
 
 
 def test_a_deployment_at_max_holds_there_and_is_flagged_whatever_the_savings():
     decisions = run(planner(**RIDE_OUT, max_prefill=2), [30] * 4, (2, 1))  # 3 replicas of prompt load need 4
     assert prefill_targets(decisions) == [2] * 4 and all(d.infeasible == ("prefill",) for d in decisions)
     assert all("held at" not in d.reasons["prefill"] and "paid" not in d.reasons["prefill"] for d in decisions)
-    # Deployed at 2 under a max of 3, with 120 replica-seconds saved: 4 needed, but only the one
-    # replica max allows is paid for (90, not 180).
+    # Deployed at 2 under a max of 3, with 180 replica-seconds saved: 4 needed, but only the one
+    # replica max allows is afforded (90, not 180).
     decisions = run(planner(**RIDE_OUT, max_prefill=3, base_window_s=600, scale_down_cooldown_s=0), [5] * 26 + [30] * 2, (2, 1))
-    assert prefill_targets(decisions)[24:] == [1, 1, 2, 3] and decisions[26].saved_replica_s == 120
-    assert decisions[27].reasons["prefill"].endswith("above the deployment's 2, 90 of the 120 replica-seconds saved below it paid: holding at max 3")
+    assert prefill_targets(decisions)[24:] == [1, 1, 2, 3] and decisions[26].saved_replica_s == 210
+    assert decisions[27].reasons["prefill"].endswith("above the deployment's 2, 90 of the 180 replica-seconds saved below it paid: holding at max 3")
 
 
 def test_a_level_the_deployment_held_a_pool_through_is_let_go_once_over():
