@@ -9,7 +9,8 @@
   (``kv_tokens`` a replica; a sequence holds its prompt and its whole answer) has room for it, and
   every sequence on a replica advances one token per ``itl_s(batch)``; a request no replica has
   room for waits, first come first served, and its wait counts in its ITL (the answer stalls after
-  its first token); a replica with nothing running takes any request;
+  its first token); a replica with nothing running takes any request (a decode replica prefilling
+  its own prompts, the prefill pool at zero, takes them whatever its KV);
 - a replica asked for is ready ``startup_s`` later and costs from the moment it is asked for;
   one removed drains (takes nothing new, finishes what it has) and costs until it is empty.
 
@@ -92,10 +93,10 @@ class Simulation:
     def _ready(self, pool, now):
         return [r for r in self.replicas[pool] if not r.removed and r.ready_s <= now]
 
-    def _decode_replica(self, now, kv_tokens: int = 0):
-        """The ready decode replica with the smallest batch whose KV has room for ``kv_tokens`` more
-        (one with nothing running always has), or None."""
-        ready = [r for r in self._ready("decode", now) if not r.heap or r.kv + kv_tokens <= self.kv_tokens]
+    def _decode_replica(self, now, kv_tokens: int | None = None):
+        """The ready decode replica with the smallest batch, among those whose KV has room for
+        ``kv_tokens`` more when that is given (one with nothing running always has), or None."""
+        ready = [r for r in self._ready("decode", now) if kv_tokens is None or not r.heap or r.kv + kv_tokens <= self.kv_tokens]
         return min(ready, key=lambda r: len(r.heap)) if ready else None
 
     def _admit(self, now: float) -> None:

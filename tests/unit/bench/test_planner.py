@@ -286,3 +286,22 @@ def test_a_decode_replica_takes_no_more_than_its_kv_holds_and_a_request_waiting_
     roomy = Simulation(trace, perf, config, lambda *_: None, (2, 1))  # the default KV holds both at once
     roomy.run()
     assert roomy.finish_s[1] < sim.finish_s[1]
+
+
+def test_decode_replicas_prefilling_their_own_prompts_share_them_whatever_their_kv():
+    """With no prefill pool, six 6k-token prompts at once spread three and three over two decode
+    replicas whose KV holds 8k tokens each: the local path takes them as the engine's own queue."""
+    from bench.planner_sim import Simulation
+
+    config = bench_planner.PlannerConfig()
+    perf = bench_planner.load_splitwise_csv(bench_planner.DEFAULT_PERF, "llama2-70b", "h100-80gb", 4)
+    trace = [bench_planner.Arrival(1.0, 6000, 1500) for _ in range(6)] + [bench_planner.Arrival(600.0, 100, 1)]
+    batches = []
+
+    def controller(now, obs, pools, use):
+        batches.append(sorted(len(r.heap) for r in sim.replicas["decode"]))
+        return {"prefill": 0, "decode": 2}
+
+    sim = Simulation(trace, perf, config, controller, (0, 2), kv_tokens=8000)
+    sim.run()
+    assert batches[0] == [3, 3]
