@@ -502,7 +502,10 @@ class SLAPlanner:
         the last two start-ups and still does in this one alone (not averaged over a start-up: a
         burst's averaged tail is over), a shift that replicas asked for now still catch, and the SLO's
         error budget (``ErrorBudget.remaining``) is spent; or unless the replica-seconds saved below
-        the deployment pay for the replicas it adds, for a start-up and an interval. Returns the pools held."""
+        the deployment pay for the replicas it adds, for a start-up and an interval. With
+        ``savings_pay_while_above`` those replicas are then charged each interval they are kept
+        (``_account``), and a pool goes back to the deployment once the savings no longer pay an
+        interval of them. Returns the pools held."""
         config, pools, budget = self.config, interval.pools, interval.budget
         held: set[str] = set()
         if config.burst_growth_above_deployment:
@@ -611,14 +614,15 @@ class SLAPlanner:
     def _account(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> None:
         """Adds the interval just observed to the replica-seconds saved: each pool's count below the
         deployment (its target at the first decision), less the replicas a trend bet holds above what
-        the pool had before the rise."""
+        the pool had before the rise or, for a pool above the deployment on savings, those above the
+        deployment: the larger of the two, since each counts the same replicas from its own start."""
         for pool in POOLS:
             deployed, target = self._deployed[pool], pools[pool].target
             self._saved_s += max(0, deployed - target) * obs.duration_s
             bet = max(0, target - self._before_rise[pool]) if pool in self._before_rise else 0
             if pool in self._paid_above and target <= deployed:
                 self._paid_above.discard(pool)
-            above = target - deployed if pool in self._paid_above else 0  # the bet's replicas, when more, hold these
+            above = target - deployed if pool in self._paid_above else 0
             self._saved_s -= max(bet, above) * obs.duration_s
 
     def _stabilised(self, pool: str, need_down: int, now_s: float) -> int:
