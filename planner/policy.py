@@ -556,12 +556,16 @@ class SLAPlanner:
         the pool does not shrink below the replicas that hold the KV in use under ``kv_usage_high``
         (nor is it held above the deployment for it where the rule would not grow there)."""
         obs, config, decode = interval.obs, self.config, interval.pools["decode"]
-        if config.kv_holds_decode and obs.kv_usage is not None and decode.ready and not self.sizer.only_infeasible(interval.observed):
+        infeasible = self.sizer.only_infeasible(interval.observed)  # the KV is theirs: a replica more serves nobody in time
+        # Above the deployment a full KV pool queues requests as a static split of it would, and their
+        # misses are what the error budget counts: neither rule takes decode past it while it is unspent.
+        budget_unspent = not config.burst_growth_above_deployment and (interval.budget or 0) > 0
+        if config.kv_holds_decode and obs.kv_usage is not None and decode.ready and not infeasible:
             # The KV in use swings as the running count does: z at the attainment target times its root.
             swing = 1 + self.sizer.z / math.sqrt(obs.decode_running) if obs.decode_running else 1.0
             holding = min(decode.ready, math.ceil(obs.kv_usage * swing * decode.ready / config.kv_usage_high - 1e-9))
-            if not config.burst_growth_above_deployment and (interval.budget or 0) > 0:
-                holding = min(holding, max(self._deployed["decode"], needs.down["decode"]))  # as the rule below grows
+            if budget_unspent:
+                holding = min(holding, max(self._deployed["decode"], needs.down["decode"]))
             if holding > needs.down["decode"]:
                 needs.down["decode"] = holding
                 needs.why["decode"] += (
@@ -569,11 +573,9 @@ class SLAPlanner:
                     f" at its swing) would fill fewer past {config.kv_usage_high:g}"
                 )
         if obs.kv_usage is not None and obs.kv_usage > config.kv_usage_high and decode.ready + 1 > needs.up["decode"]:
-            if self.sizer.only_infeasible(interval.observed):  # a replica more holds more of them, and serves nobody in time
+            if infeasible:
                 needs.why["decode"] += f"; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, filled by prompts no replica prefills within the TTFT SLO: not grown for"
-            elif not config.burst_growth_above_deployment and decode.ready + 1 > max(self._deployed["decode"], decode.target) and (interval.budget or 0) > 0:
-                # Above the deployment a full KV pool queues requests as a static split of it would, and
-                # their misses are what the error budget counts.
+            elif budget_unspent and decode.ready + 1 > max(self._deployed["decode"], decode.target):
                 needs.why["decode"] += (
                     f"; KV use {obs.kv_usage:.2f} is over {config.kv_usage_high:g}, but above the deployment's {self._deployed['decode']}"
                     f"{self.error_budget.unspent_clause(interval.budget)}"
