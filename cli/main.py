@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 from cli.client_commands import EXIT_UNAVAILABLE, EXIT_USAGE, add_generate, add_status
-from router.control.ray_node import HeadNodeConfig, WorkerNodeConfig, stop_on_signals
+from router.control.ray_node import RAY_START_TIMEOUT_S, HeadNodeConfig, WorkerNodeConfig, stop_on_signals
 
 GCS_REDIS_PASSWORD_ENV = "REDIS_PASSWORD"
 GCS_REDIS_USERNAME_ENV = "REDIS_USERNAME"
@@ -57,6 +57,10 @@ def _add_head(parser: argparse.ArgumentParser) -> None:
         "--ray-start-args", default="",
         help="further `ray start` options as one string, e.g. \"--dashboard-port 8265 --metrics-export-port 8080\"",
     )
+    parser.add_argument(
+        "--start-timeout-s", type=float, default=RAY_START_TIMEOUT_S,
+        help="how long `ray start` may take to bring this node up, retries of a raylet that missed Ray's 30 s registration included (default: %(default)s)",
+    )
     _add_cluster_options(parser)
     parser.set_defaults(run=_run_head)
 
@@ -70,6 +74,10 @@ def _add_joining_node_options(parser: argparse.ArgumentParser, connect_timeout_s
     )
     parser.add_argument("--node-ip-address", default=None, help="IP address this Ray node advertises, e.g. the pod's (default: the one Ray picks)")
     parser.add_argument("--ray-start-args", default="", help="further `ray start` options as one string")
+    parser.add_argument(
+        "--start-timeout-s", type=float, default=RAY_START_TIMEOUT_S,
+        help="how long `ray start` may take to bring this node up, retries of a raylet that missed Ray's 30 s registration included (default: %(default)s)",
+    )
 
 
 def _add_worker(parser: argparse.ArgumentParser) -> None:
@@ -120,8 +128,7 @@ def _run_router(args: argparse.Namespace) -> int:
         config = RouterNodeConfig(
             address=args.address, router_id=args.router_id, num_cpus=args.num_cpus, connect_timeout_s=args.connect_timeout_s,
             controller_timeout_s=args.controller_timeout_s, stop_grace_s=args.stop_grace_s, headless_stop_s=args.headless_stop_s,
-            node_ip_address=args.node_ip_address,
-            ray_start_args=split_ray_start_args(args.ray_start_args),
+            node_ip_address=args.node_ip_address, ray_start_args=split_ray_start_args(args.ray_start_args), start_timeout_s=args.start_timeout_s,
         )
         tls = TLSConfig(cert_file=args.tls_cert, key_file=args.tls_key, client_ca_file=args.tls_client_ca) if args.tls_cert or args.tls_key else None
         router_config = dataclass_from_args(RouterConfig, args, tls=tls, cluster_tls=_cluster_tls(args))
@@ -311,6 +318,7 @@ def _run_head(args: argparse.Namespace) -> int:
     try:
         head = HeadNodeConfig(
             ray_port=args.ray_port, node_ip_address=args.node_ip_address, ray_start_args=split_ray_start_args(args.ray_start_args),
+            start_timeout_s=args.start_timeout_s,
             redis_password=os.environ.get(GCS_REDIS_PASSWORD_ENV) or None, redis_username=os.environ.get(GCS_REDIS_USERNAME_ENV) or None,
         )
         config = _cluster_config(args, num_decode=0, num_prefill=0, follow_nodes=True)
@@ -392,6 +400,7 @@ def _run_worker(args: argparse.Namespace) -> int:
             pool=args.pool, address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
             drain_timeout_s=args.drain_timeout_s, connect_timeout_s=args.connect_timeout_s,
             node_ip_address=args.node_ip_address, ray_start_args=split_ray_start_args(args.ray_start_args),
+            start_timeout_s=args.start_timeout_s,
         )
         cluster_tls = _cluster_tls(args)
     except ValueError as e:

@@ -42,6 +42,10 @@ REGISTRATION_TIMEOUT = "timed out during startup"
 Ray 2.x allows (a fixed wait, no setting): on a node whose cores are busy it passes now and then."""
 RAY_START_ATTEMPTS = 3
 """Tries of ``ray start`` when it fails with ``REGISTRATION_TIMEOUT``; any other failure is final."""
+RAY_START_TIMEOUT_S = 300.0
+"""How long ``ray start`` may take to bring a node up, its tries together. On a node whose cores are
+busy one try can take a minute or more (Ray's 30 s wait for its raylet comes after its daemons have
+started), and a second try then needs as long again; a pod that gives up restarts from nothing."""
 OWN_FLAGS = (
     "--head", "--address", "--port", "--resources", "--block", "--node-name", "--node-ip-address", "--num-cpus", "--num-gpus",
     "--redis-password", "--redis-username",
@@ -77,7 +81,7 @@ class HeadNodeConfig:
     """IP address the node advertises (a pod's IP); None: the one Ray picks."""
     ray_start_args: tuple[str, ...] = ()
     """Further ``ray start`` options (ports, object store size, temp dir, dashboard), passed as given."""
-    start_timeout_s: float = 120.0
+    start_timeout_s: float = RAY_START_TIMEOUT_S
     """How long ``ray start`` may take to bring the node up."""
     redis_password: str | None = field(default=None, repr=False)
     """Password of the Redis that Ray's GCS keeps its state in (GCS fault tolerance: the Redis is
@@ -124,7 +128,7 @@ class WorkerNodeConfig:
     """IP address the node advertises (a pod's IP); None: the one Ray picks."""
     ray_start_args: tuple[str, ...] = ()
     """Further ``ray start`` options, passed as given."""
-    start_timeout_s: float = 120.0
+    start_timeout_s: float = RAY_START_TIMEOUT_S
     """How long ``ray start`` may take to join the node."""
 
     def __post_init__(self) -> None:
@@ -134,9 +138,11 @@ class WorkerNodeConfig:
         for name in ("num_cpus", "num_gpus"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        for name in ("drain_timeout_s", "connect_timeout_s", "start_timeout_s"):
+        for name in ("drain_timeout_s", "connect_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.start_timeout_s <= 0:
+            raise ValueError(f"start_timeout_s: must be > 0, got {self.start_timeout_s}")
         _check_extra_args(self.ray_start_args)
 
     def command(self, node_ip: str, node_name: str) -> list[str]:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from router.config import CONTROLLER_NAME, NAMESPACE
-from router.control.ray_node import RayNode, RayNodeError, _check_extra_args, join_command, node_id_named, parse_address, stop_on_signals, wait_reachable
+from router.control.ray_node import RAY_START_TIMEOUT_S, RayNode, RayNodeError, _check_extra_args, join_command, node_id_named, parse_address, stop_on_signals, wait_reachable
 
 ROUTER_RESOURCE = "splitserve_router"
 """The custom Ray resource a router node offers: no replica slot, so the controller places none here."""
@@ -57,7 +57,7 @@ class RouterNodeConfig:
     """IP address the node advertises (a pod's IP); None: the one Ray picks."""
     ray_start_args: tuple[str, ...] = ()
     """Further ``ray start`` options, passed as given."""
-    start_timeout_s: float = 120.0
+    start_timeout_s: float = RAY_START_TIMEOUT_S
     """How long ``ray start`` may take to join the node."""
 
     def __post_init__(self) -> None:
@@ -66,9 +66,11 @@ class RouterNodeConfig:
             raise ValueError(f"router_id: {self.router_id!r} may hold only letters, digits, '-', '_' and '.'")
         if self.num_cpus is not None and self.num_cpus < 0:
             raise ValueError(f"num_cpus: must be >= 0, got {self.num_cpus}")
-        for name in ("connect_timeout_s", "controller_timeout_s", "stop_grace_s", "headless_stop_s", "start_timeout_s"):
+        for name in ("connect_timeout_s", "controller_timeout_s", "stop_grace_s", "headless_stop_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.start_timeout_s <= 0:
+            raise ValueError(f"start_timeout_s: must be > 0, got {self.start_timeout_s}")
         if self.health_check_interval_s <= 0:
             raise ValueError(f"health_check_interval_s: must be > 0, got {self.health_check_interval_s}")
         _check_extra_args(self.ray_start_args)

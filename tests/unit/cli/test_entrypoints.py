@@ -118,7 +118,7 @@ def _options(command: str) -> set[str]:
 def test_head_takes_every_option_of_up_but_the_pool_sizes_and_the_address():
     up, head = _options("up"), _options("head")
     assert up - head == {"--decode", "--prefill", "--address"}
-    assert head - up == {"--ray-port", "--node-ip-address", "--ray-start-args"}
+    assert head - up == {"--ray-port", "--node-ip-address", "--ray-start-args", "--start-timeout-s"}
     assert "--controller-follow-nodes" not in up | head  # up never follows nodes; head always does
 
 
@@ -136,6 +136,13 @@ def test_an_unreachable_head_exits_with_one_sentence(capsys):
     code = cli.main(["worker", "--pool", "decode", "--address", f"127.0.0.1:{port}", "--connect-timeout-s", "0.3"])
     assert code == cli.EXIT_UNAVAILABLE
     assert capsys.readouterr().err == f"splitserve worker: the Ray head at 127.0.0.1:{port} is not reachable (connection refused) after 0.3 s\n"
+
+
+@pytest.mark.parametrize("role", [["head"], ["worker", "--pool", "decode", "--address", "127.0.0.1:1"], ["router", "--address", "127.0.0.1:1"]])
+def test_each_node_takes_its_ray_start_budget_and_refuses_none(role, capsys):
+    assert "--start-timeout-s" in _options(role[0])
+    assert cli.main([*role, "--start-timeout-s", "0"]) == cli.EXIT_USAGE  # refused before it reaches for a head or starts Ray
+    assert capsys.readouterr().err == f"splitserve {role[0]}: start_timeout_s: must be > 0, got 0.0\n"
 
 
 def test_head_refuses_a_bad_option_before_starting_ray(capsys):
