@@ -58,6 +58,14 @@ class PlannerConfig:
     spent: its replica-hours stay within the deployment's. Off: the start-up and an interval are
     paid once and the replicas stay while the load needs them (prompt_drift at 4x its load: 1.011x
     static's replica-hours, at 0.994 against its 0.965; planner/README)."""
+    savings_count_drains: bool = True
+    """Replicas let go are paid for until they have drained, and the replica-seconds saved below the
+    deployment say so: each decode replica a decision lets go is charged its expected drain (the
+    longest of its running sequences: Little's law's time in decode times the harmonic number of its
+    share of them), and growth above the deployment on savings must also pay for the drain of the
+    replicas it adds, and goes back once the savings no longer do. Off: the account follows the
+    targets alone, and growth on savings can end over the deployment's replica-hours by the drains it
+    did not count (answer_bursts at 4x its load: 1.007x static's; planner/README)."""
     burst_memory_above_deployment: bool = False
     """Let the window's memory of a burst hold a pool above the deployment (its target at the
     planner's first decision, what the SRE chose for this traffic) for the whole window, and the

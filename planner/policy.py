@@ -211,7 +211,9 @@ class SLAPlanner:
         # Above the deployment, a burst is ridden out as a static split would ride it out.
         held = self._ride_out_bursts(interval, needs)
         self._grow_for_full_kv(interval, needs, held)
+        on_savings = self._paid_above | set(self._before_rise)  # as they stand before settling ends a bet
         targets, reasons, infeasible = self._settle_pools(interval, needs, rising, held)
+        self._charge_drains(interval, targets, on_savings)
         return Decision(
             observation.time_s, targets, dict(needs.up), interval.forecast, dict(self.corrections), reasons, tuple(infeasible),
             interval.infeasible_requests, tuple(released), tuple(unfunded), tuple(sorted(held)), room, self._saved_s, interval.budget,
@@ -511,6 +513,7 @@ class SLAPlanner:
         if config.burst_growth_above_deployment:
             return held
         obs = interval.obs
+        drain_s = self._drain_s(obs, pools)
         now = self.sizer.interval_counts(interval.prefill_load, interval.prefill_cap, interval.decode_load, interval.observed, obs.decode_running)  # this interval alone, not averaged
         for pool in POOLS:
             deployed, current = self._deployed[pool], pools[pool].target
@@ -522,10 +525,13 @@ class SLAPlanner:
                 continue
             if shift:
                 unspent = f"; a shift, but{self.error_budget.unspent_clause(budget)}"  # the deployment serves it within the SLO, as a static split of it would
-            if pool in self._paid_above and current > deployed and self._saved_s < (current - deployed) * config.interval_s:
-                # The savings that paid for the replicas above the deployment are spent.
+            if pool in self._paid_above and current > deployed and self._saved_s < (current - deployed) * (config.interval_s + drain_s[pool]):
+                # The savings that paid for the replicas above the deployment are spent (their drain kept back).
                 needs.up[pool], needs.down[pool] = deployed, min(needs.down[pool], deployed)
-                needs.why[pool] += f"; back to the deployment's {deployed}: the {self._saved_s:.0f} replica-seconds saved below it no longer pay for {current - deployed} above it{unspent}"
+                needs.why[pool] += (
+                    f"; back to the deployment's {deployed}: the {self._saved_s:.0f} replica-seconds saved below it no longer pay for {current - deployed} above it"
+                    f"{f' and their {drain_s[pool]:.0f} s drain' if drain_s[pool] else ''}{unspent}"
+                )
                 held.add(pool)
                 continue
             if needs.up[pool] <= floor:
@@ -533,7 +539,7 @@ class SLAPlanner:
             high = config.max_prefill if pool == "prefill" else config.max_decode
             if floor >= high:
                 continue  # nothing to add: settling holds it at max, and says so
-            cost_s = (min(needs.up[pool], high) - floor) * (config.startup_s + config.interval_s)  # max is all it can add
+            cost_s = (min(needs.up[pool], high) - floor) * (config.startup_s + config.interval_s + drain_s[pool])  # max is all it can add
             if self._saved_s >= cost_s:
                 needs.why[pool] += f"; above the deployment's {deployed}, {cost_s:.0f} of the {self._saved_s:.0f} replica-seconds saved below it paid"
                 if config.savings_pay_while_above:
@@ -548,6 +554,31 @@ class SLAPlanner:
             needs.up[pool] = floor
             held.add(pool)
         return held
+
+    def _drain_s(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> dict[str, float]:
+        """Per pool, how long a replica let go takes to drain (``savings_count_drains``; else 0). A
+        decode replica's lasts until the longest of its m running sequences ends: a sequence decodes
+        for W, by Little's law the sequences running over the rate they arrive at, and the longest of
+        m memoryless remainders lasts W times the m-th harmonic number (at most a window's span; 0 when
+        neither is known). A prefill replica's is its share of a backlog, seconds: 0."""
+        decode = 0.0
+        running, replicas = obs.decode_running, pools["decode"].target
+        if self.config.savings_count_drains and running and obs.num_requests and replicas:
+            per_replica = math.ceil(running / replicas)
+            longest = sum(1.0 / i for i in range(1, per_replica + 1))
+            decode = min(running * obs.duration_s / obs.num_requests * longest, self.window.window_s)
+        return {"prefill": 0.0, "decode": decode}
+
+    def _charge_drains(self, interval: _Interval, targets: Mapping[str, int], on_savings: set[str]) -> None:
+        """Charges the replica-seconds saved for the drains of the replicas this decision lets go:
+        they are paid for until they have drained. Above the deployment only the pools there on
+        savings (``on_savings``: paid from them, or a trend bet) are charged; a shift's replicas grew
+        on the SLO's account."""
+        drain_s = self._drain_s(interval.obs, interval.pools)
+        for pool in POOLS:
+            current, deployed = interval.pools[pool].target, self._deployed[pool]
+            top = current if pool in on_savings else min(current, deployed)
+            self._saved_s -= max(0, top - targets[pool]) * drain_s[pool]
 
     def _grow_for_full_kv(self, interval: _Interval, needs: _Needs, held: set[str]) -> None:
         """Grows the decode pool by a replica while its KV use is over ``kv_usage_high``, unless the KV

@@ -601,6 +601,32 @@ def test_replicas_above_the_deployment_on_savings_go_back_once_the_savings_are_s
     assert prefill_targets(once)[27:] == [7] * 13 and [d.saved_replica_s for d in once[27:29]] == [90, 90]
 
 
+def test_replicas_let_go_are_charged_their_drain_to_the_savings():
+    # As above, deployed at 4 + 3, with 60 sequences running throughout. At 5 req/s (150 an
+    # interval) a sequence decodes for 60 * 30 / 150 = 12 s (Little's law), and a decode replica let
+    # go drains when the longest of its 20 ends: 12 s times the 20th harmonic number. The shrink to
+    # 1 + 1 is charged two such drains at once. At 60 req/s a drain is 1 s times the 15th (of 4
+    # replicas) or 20th (of 3) harmonic number, and growth on savings and going back count it.
+    def decide(**fields):
+        steps = [5] * 26 + [60] * 14
+        p = planner(**RIDE_OUT, base_window_s=600, scale_down_cooldown_s=0, **fields)
+        return decide_each(p, [observe(30.0 * (i + 1), r, slo_misses=0, decode_running=60) for i, r in enumerate(steps)], (4, 3))
+
+    harmonic = lambda m: sum(1 / i for i in range(1, m + 1))  # noqa: E731
+    decisions = decide()
+    assert [(d.targets["prefill"], d.targets["decode"]) for d in decisions[18:21]] == [(4, 3), (1, 1), (1, 1)]
+    assert decisions[19].saved_replica_s == pytest.approx(-2 * 12 * harmonic(20))
+    assert decisions[20].saved_replica_s == pytest.approx(-2 * 12 * harmonic(20) + 150)
+    grown = decisions[27].reasons["decode"]
+    assert grown.endswith(f"above the deployment's 3, {90 + harmonic(20):.0f} of the {decisions[26].saved_replica_s:.0f} replica-seconds saved below it paid")
+    back = [d for d in decisions[27:] if d.targets["decode"] == 3][0]
+    assert f"no longer pay for 1 above it and their {harmonic(15):.0f} s drain" in back.reasons["decode"]
+    assert min(d.saved_replica_s for d in decisions[20:]) >= 0  # the drains were paid for
+    # Counting the targets alone, the shrink is free and the account ends overdrawn.
+    uncounted = decide(savings_count_drains=False)
+    assert uncounted[19].saved_replica_s == 0 and uncounted[-1].saved_replica_s < 0
+
+
 def test_a_deployment_at_max_holds_there_and_is_flagged_whatever_the_savings():
     decisions = run(planner(**RIDE_OUT, max_prefill=2), [30] * 4, (2, 1))  # 3 replicas of prompt load need 4
     assert prefill_targets(decisions) == [2] * 4 and all(d.infeasible == ("prefill",) for d in decisions)
