@@ -112,6 +112,12 @@ class PlannerConfig:
     is forgotten with it. Off: the pools are sized for the load that has been, not for how fast it
     has changed; replicas up to the deployment cost nothing a static split of it would not spend
     (planner/README)."""
+    rises_weighted_at_peak: bool = True
+    """Weigh each rise the room is kept for by the requests of the busiest interval it rose to, the
+    requests the room is for. Off: by the requests of the interval it rose from, so a rise out of a
+    quiet spell, the one that catches a pool shrunk there, weighs least; a rise once a window then
+    sits at the quantile's edge (its reaction's intervals are 5% of the window's). Measured in
+    planner/EXPERIMENTS.md (thirteenth session)."""
     rise_ahead_below_deployment: bool = True
     """Below the deployment, meet a rise ahead without waiting for a trend: a load whose average over
     the last start-up is above the one before grows the pool at once to the count for that load

@@ -165,17 +165,20 @@ class LoadWindow:
         return {key: self._weighted_quantile([(c[key], w) for _, _, w, c in remembered]) for key in remembered[-1][3]}
 
     def rises(self) -> dict[str, int]:
-        """Per pool, the quantile (as the window's, each interval weighted by its requests) of how far
-        its count rose from an interval of the window's span within the reaction that followed it (a
-        start-up and an interval), counting no rise that spans a level let go. Empty until the
-        window holds one reaction."""
+        """Per pool, the quantile (as the window's, weighted by requests) of how far its count rose from
+        an interval of the window's span within the reaction that followed it (a start-up and an
+        interval), counting no rise that spans a level let go. Each rise weighs the requests of the
+        busiest interval it rose to (``rises_weighted_at_peak``: those the room is for), else those
+        of the interval it rose from. Empty until the window holds one reaction."""
         window, reaction = list(self._intervals), self._reaction
         spans = [window[i:i + reaction + 1] for i in range(len(window) - reaction)]
         spans = [span for span in spans if all(entry[3] is not None for entry in span)]
         if not spans:
             return {}
+        at_peak = self.config.rises_weighted_at_peak
+        weights = [max(e[2] for e in span[1:]) if at_peak else span[0][2] for span in spans]
         return {
-            pool: self._weighted_quantile([(max(0, max(e[3][pool] for e in span[1:]) - span[0][3][pool]), span[0][2]) for span in spans])
+            pool: self._weighted_quantile([(max(0, max(e[3][pool] for e in span[1:]) - span[0][3][pool]), w) for span, w in zip(spans, weights)])
             for pool in POOLS
         }
 
