@@ -559,8 +559,8 @@ class SLAPlanner:
         """Per pool, how long a replica let go takes to drain (``savings_count_drains``; else 0). A
         decode replica's lasts until the longest of its m running sequences ends: a sequence decodes
         for W, by Little's law the sequences running over the rate they arrive at, and the longest of
-        m memoryless remainders lasts W times the m-th harmonic number (at most a window's span; 0 when
-        neither is known). A prefill replica's is its share of a backlog, seconds: 0."""
+        m memoryless remainders lasts W times the m-th harmonic number (at most a window's span; 0 with
+        no sequence running or none arriving). A prefill replica's is its share of a backlog, seconds: 0."""
         decode = 0.0
         running, replicas = obs.decode_running, pools["decode"].target
         if self.config.savings_count_drains and running and obs.num_requests and replicas:
