@@ -504,10 +504,11 @@ class SLAPlanner:
         the last two start-ups and still does in this one alone (not averaged over a start-up: a
         burst's averaged tail is over), a shift that replicas asked for now still catch, and the SLO's
         error budget (``ErrorBudget.remaining``) is spent; or unless the replica-seconds saved below
-        the deployment pay for the replicas it adds, for a start-up and an interval. With
-        ``savings_pay_while_above`` those replicas are then charged each interval they are kept
-        (``_account``), and a pool goes back to the deployment once the savings no longer pay an
-        interval of them. Returns the pools held."""
+        the deployment pay for the replicas it adds, for a start-up and an interval (and, with
+        ``savings_count_drains``, their drain). With ``savings_pay_while_above`` those replicas are
+        then charged each interval they are kept (``_account``), and a pool goes back to the
+        deployment once the savings no longer pay an interval of them and their drain. Returns the
+        pools held."""
         config, pools, budget = self.config, interval.pools, interval.budget
         held: set[str] = set()
         if config.burst_growth_above_deployment:
