@@ -113,6 +113,7 @@ class _Interval:
     own_decode_load: float = field(init=False)  # at each replica's own swing, as a trend is projected
     counts: dict[str, int] = field(init=False)  # what the averaged load needs, as the window takes it
     whys: dict[str, str] = field(init=False)  # the sizer's account of each pool's load
+    drain_s: dict[str, float] = field(init=False)  # how long a replica let go takes to drain, per pool
 
 
 @dataclass
@@ -265,6 +266,7 @@ class SLAPlanner:
         interval.prefill_load, interval.prefill_cap, interval.smooth_prefill = prefill_load, prefill_cap, smooth_prefill
         interval.decode_load, interval.stalled_need = decode_load, stalled_need
         interval.whys = {"prefill": prefill_why, "decode": decode_why}
+        interval.drain_s = self._drain_s(obs, interval.pools)
         # A pool growing into a rise is not one balanced batch (its sequences stay where they
         # joined while new replicas start empty), so a trend is projected at each replica's own swing.
         interval.own_decode_load, _ = self.sizer.decode_load(observed, None if stalled_need is not None else obs.decode_running, pooled=False)
@@ -513,8 +515,7 @@ class SLAPlanner:
         held: set[str] = set()
         if config.burst_growth_above_deployment:
             return held
-        obs = interval.obs
-        drain_s = self._drain_s(obs, pools)
+        obs, drain_s = interval.obs, interval.drain_s
         now = self.sizer.interval_counts(interval.prefill_load, interval.prefill_cap, interval.decode_load, interval.observed, obs.decode_running)  # this interval alone, not averaged
         for pool in POOLS:
             deployed, current = self._deployed[pool], pools[pool].target
@@ -575,11 +576,10 @@ class SLAPlanner:
         they are paid for until they have drained. Above the deployment only the pools there on
         savings (``on_savings``: paid from them, or a trend bet) are charged; a shift's replicas grew
         on the SLO's account."""
-        drain_s = self._drain_s(interval.obs, interval.pools)
         for pool in POOLS:
             current, deployed = interval.pools[pool].target, self._deployed[pool]
             top = current if pool in on_savings else min(current, deployed)
-            self._saved_s -= max(0, top - targets[pool]) * drain_s[pool]
+            self._saved_s -= max(0, top - targets[pool]) * interval.drain_s[pool]
 
     def _grow_for_full_kv(self, interval: _Interval, needs: _Needs, held: set[str]) -> None:
         """Grows the decode pool by a replica while its KV use is over ``kv_usage_high``, unless the KV
