@@ -57,12 +57,17 @@ def _add_head(parser: argparse.ArgumentParser) -> None:
         "--ray-start-args", default="",
         help="further `ray start` options as one string, e.g. \"--dashboard-port 8265 --metrics-export-port 8080\"",
     )
+    _add_start_timeout(parser)
+    _add_cluster_options(parser)
+    parser.set_defaults(run=_run_head)
+
+
+def _add_start_timeout(parser: argparse.ArgumentParser) -> None:
+    """``--start-timeout-s``, which every role that starts a Ray node takes (head, worker, router)."""
     parser.add_argument(
         "--start-timeout-s", type=float, default=RAY_START_TIMEOUT_S,
         help="how long `ray start` may take to bring this node up, retries of a raylet that missed Ray's 30 s registration included (default: %(default)s)",
     )
-    _add_cluster_options(parser)
-    parser.set_defaults(run=_run_head)
 
 
 def _add_joining_node_options(parser: argparse.ArgumentParser, connect_timeout_s: float) -> None:
@@ -74,10 +79,7 @@ def _add_joining_node_options(parser: argparse.ArgumentParser, connect_timeout_s
     )
     parser.add_argument("--node-ip-address", default=None, help="IP address this Ray node advertises, e.g. the pod's (default: the one Ray picks)")
     parser.add_argument("--ray-start-args", default="", help="further `ray start` options as one string")
-    parser.add_argument(
-        "--start-timeout-s", type=float, default=RAY_START_TIMEOUT_S,
-        help="how long `ray start` may take to bring this node up, retries of a raylet that missed Ray's 30 s registration included (default: %(default)s)",
-    )
+    _add_start_timeout(parser)
 
 
 def _add_worker(parser: argparse.ArgumentParser) -> None:
