@@ -193,10 +193,11 @@ def test_a_ramp_is_met_by_the_trend_rule_before_the_window_alone_would_meet_it()
     replays = {}
     for rise_start_ups in (None, 0):
         # Each rise met at its own step below the deployment of 4 (no room kept for the ramp's own
-        # rises, no rise met ahead of a trend), so that the trend rule alone runs ahead.
+        # rises, no rise met ahead of a trend), so that the trend rule alone runs ahead; no launch
+        # protection, so that the pools are at the base when the ramp begins.
         config = bench_planner.PlannerConfig(
             max_prefill=8, max_decode=8, rise_start_ups=rise_start_ups, rise_step_below_deployment=1, rise_room_below_deployment=False,
-            rise_ahead_below_deployment=False,
+            rise_ahead_below_deployment=False, hold_deployment_until_needed_s=0.0,
         )
         replays[rise_start_ups] = bench_planner.replay(trace, perf, config, "splitserve", static={"split": {"prefill": 4, "decode": 2}})
     (trend, trend_timeline), (window, window_timeline) = replays[None], replays[0]

@@ -50,10 +50,15 @@ def pools(prefill: int, decode: int, prefill_starting: int = 0, decode_starting:
     }
 
 
+MECHANICS = {"interval_s": INTERVAL_S, "startup_s": 60.0, "burst_growth_above_deployment": True, "hold_deployment_until_needed_s": 0.0}
+"""The tests of the planner's mechanics start small, from pools that are not a deployment to ride
+bursts out at or to keep until the load has needed it (launch protection has its own test)."""
+
+
 def planner(**fields) -> SLAPlanner:
-    """A planner whose pools may grow past their first targets for any load: the tests of its
-    mechanics start small, from pools that are not a deployment to ride bursts out at."""
-    return SLAPlanner(PlannerConfig(**{"interval_s": INTERVAL_S, "startup_s": 60.0, "burst_growth_above_deployment": True, **fields}), PERF)
+    """A planner whose pools may grow past their first targets for any load and go below them once
+    the window allows (``MECHANICS``)."""
+    return SLAPlanner(PlannerConfig(**{**MECHANICS, **fields}), PERF)
 
 
 def run(p: SLAPlanner, rates, now: tuple[int, int], start_s: float = 30.0, **kw) -> list:
@@ -848,7 +853,7 @@ def test_an_aggregated_cluster_grows_its_decode_replicas_for_a_rise_of_its_decod
     # Deployed at 0 + 3, shrunk to 0 + 1 on 150 output tokens/s; then the answers grow (240, 390,
     # 600 tokens/s): at 390 the decode pool alone would meet the rise ahead at the deployment's 3.
     def targets(keeps_rises: bool) -> tuple[list, str]:
-        config = PlannerConfig(interval_s=INTERVAL_S, startup_s=60.0, scale_down_cooldown_s=0, base_window_s=300, aggregated_keeps_rises=keeps_rises)
+        config = PlannerConfig(interval_s=INTERVAL_S, startup_s=60.0, scale_down_cooldown_s=0, base_window_s=300, aggregated_keeps_rises=keeps_rises, hold_deployment_until_needed_s=0.0)
         p, now, seen = SLAPlanner(config, PERF), (0, 3), []
         for i, output_tokens in enumerate([50] * 15 + [80, 130, 200]):
             decision = p.decide(observe(30 + 30 * i, 3, output_tokens=output_tokens), pools(*now))
@@ -873,7 +878,7 @@ def test_answers_that_lengthen_grow_the_decode_pool_ahead_of_their_running_count
     # growth, 18 an interval, to a start-up and half an interval ahead is 24 + 18 * 2.5 = 69: two
     # batches of 67.5, and the pool grows (twice the step, at most the deployment) now.
     def last(running: list[int], rates: list[float], flag: bool = True) -> tuple[tuple[int, int], str]:
-        config = PlannerConfig(interval_s=INTERVAL_S, startup_s=60.0, scale_down_cooldown_s=0, base_window_s=300, lengthening_ahead_below_deployment=flag)
+        config = PlannerConfig(interval_s=INTERVAL_S, startup_s=60.0, scale_down_cooldown_s=0, base_window_s=300, lengthening_ahead_below_deployment=flag, hold_deployment_until_needed_s=0.0)
         p, now = SLAPlanner(config, PERF), (0, 3)
         for i, (count, rate) in enumerate(zip([6] * 14 + running, [2.0] * 14 + rates)):
             decision = p.decide(observe(30 + 30 * i, rate, decode_running=count), pools(*now))
@@ -895,8 +900,9 @@ def test_answers_that_lengthen_grow_the_decode_pool_ahead_of_their_running_count
 
 def test_hold_deployment_until_needed_keeps_the_deployment_until_the_load_has_needed_it():
     # Deployed at 2 + 2 over 3 req/s (1 + 1 carry it), a 300 s window: the warm-up's end shrinks both pools.
-    def targets(hold_s: float, rates: list[float]) -> tuple[list, dict]:
-        config = PlannerConfig(interval_s=INTERVAL_S, startup_s=60.0, base_window_s=300, scale_down_cooldown_s=0, hold_deployment_until_needed_s=hold_s)
+    def targets(hold_s: float | None, rates: list[float]) -> tuple[list, dict]:
+        held = {} if hold_s is None else {"hold_deployment_until_needed_s": hold_s}
+        config = PlannerConfig(interval_s=INTERVAL_S, startup_s=60.0, base_window_s=300, scale_down_cooldown_s=0, **held)
         p, now, seen = SLAPlanner(config, PERF), (2, 2), []
         for i, rate in enumerate(rates):
             decision = p.decide(observe(30 + 30 * i, rate), pools(*now))
@@ -906,12 +912,12 @@ def test_hold_deployment_until_needed_keeps_the_deployment_until_the_load_has_ne
 
     seen, _ = targets(0.0, [3] * 16)
     assert seen[8:10] == [(2, 2), (1, 1)]
-    # On, the deployment stays while no interval's load has needed it, and says why.
-    seen, why = targets(3600.0, [3] * 16)
+    # On (by default, for an hour), the deployment stays while no interval's load has needed it, and says why.
+    seen, why = targets(None, [3] * 16)
     assert set(seen) == {(2, 2)}
     assert why["prefill"] == "holding at 2: no interval's load has needed the deployment's 2 yet (480 of 3600 s observed)"
     # Once 18 req/s have needed 2 + 2 (1.8 prefill replicas of prompts, 900 output tokens/s), the window decides again.
-    seen, _ = targets(3600.0, [3] * 4 + [18] * 3 + [3] * 16)
+    seen, _ = targets(None, [3] * 4 + [18] * 3 + [3] * 16)
     assert seen[-1] == (1, 1) and (2, 2) in seen[7:15]
     # And after the seconds it is given, unneeded, the deployment goes.
     seen, _ = targets(600.0, [3] * 24)
