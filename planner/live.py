@@ -17,8 +17,9 @@ interval (a warning and ``splitserve_planner_infeasible_total``) while the plann
 A level of load let go (planner/window.py) counts in ``splitserve_planner_levels_released_total``; a
 trend not bet on in ``splitserve_planner_trends_not_bet_total``, a burst ridden out at the deployment
 in ``splitserve_planner_bursts_ridden_out_total``, the room kept below it for the load's own rises
-is ``splitserve_planner_rise_room_replicas``, and the replica-seconds bets and growth above the
-deployment are paid from are ``splitserve_planner_saved_replica_seconds``.
+is ``splitserve_planner_rise_room_replicas``, the replica-seconds bets and growth above the
+deployment are paid from are ``splitserve_planner_saved_replica_seconds``, and a pool launch
+protection keeps at its deployment is 1 in ``splitserve_planner_launch_protection``.
 """
 
 from __future__ import annotations
@@ -128,6 +129,12 @@ class PlannerMetrics:
         self.saved = Gauge(
             "splitserve_planner_saved_replica_seconds", "Replica-seconds spent below the deployment the planner started over, less trend bets held: what a bet is paid from.", registry=r
         )
+        self.launch_protection = Gauge(
+            "splitserve_planner_launch_protection",
+            "1 while launch protection keeps the pool from going below its deployment (no interval's load has needed it yet), else 0.",
+            ["pool"],
+            registry=r,
+        )
         self.error_budget = Gauge(
             "splitserve_planner_error_budget_requests",
             "Requests that may still miss an SLO over the error budget's window before a shift grows a pool above its deployment (below 0: overspent).",
@@ -227,6 +234,7 @@ class PlannerLoop:
             m.bursts_ridden_out.labels(pool).inc()
         for pool in POOLS:
             m.rise_room.labels(pool).set(decision.rise_room.get(pool, 0))
+            m.launch_protection.labels(pool).set(1 if pool in decision.launch_protected else 0)
         m.saved.set(decision.saved_replica_s)
         if decision.error_budget is not None:
             m.error_budget.set(decision.error_budget)
@@ -239,7 +247,8 @@ class PlannerLoop:
             "infeasible_requests": decision.infeasible_requests, "released_levels": list(decision.released_levels),
             "unfunded_trends": list(decision.unfunded_trends), "held_at_deployment": list(decision.held_at_deployment),
             "rise_room": dict(decision.rise_room), "saved_replica_s": round(decision.saved_replica_s, 1),
-            "error_budget": None if decision.error_budget is None else round(decision.error_budget, 1), "dry_run": self.dry_run,
+            "error_budget": None if decision.error_budget is None else round(decision.error_budget, 1),
+            "launch_protected": list(decision.launch_protected), "dry_run": self.dry_run,
         }))
 
 

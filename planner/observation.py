@@ -99,3 +99,7 @@ class Decision:
     """Requests that may still miss an SLO over the error budget's window before it is spent
     (``1 - attainment_target`` of its requests, less those that missed; below 0: overspent). None:
     the observations do not count misses, or ``error_budget_above_deployment`` is off."""
+    launch_protected: tuple[str, ...] = ()
+    """Pools launch protection keeps from going below their deployment after this interval: no
+    interval's load has needed the deployment's count yet, within ``hold_deployment_until_needed_s``
+    observed."""

@@ -218,6 +218,7 @@ class SLAPlanner:
         return Decision(
             observation.time_s, targets, dict(needs.up), interval.forecast, dict(self.corrections), reasons, tuple(infeasible),
             interval.infeasible_requests, tuple(released), tuple(unfunded), tuple(sorted(held)), room, self._saved_s, interval.budget,
+            tuple(pool for pool in POOLS if self._holds_deployment(pool)),
         )
 
     def _observe(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> _Interval:

@@ -279,3 +279,36 @@ def test_the_cluster_source_counts_the_requests_that_missed_an_slo_from_the_rout
         thread.join()
     assert counted.slo_misses == 2
     assert not_counted.slo_misses is None  # no SLOs given: unknown, not zero
+
+
+def test_launch_protection_is_a_gauge_and_logged_until_the_load_has_needed_the_deployment(caplog):
+    """Ten-second intervals, no start-up (a window and warm-up of 200 s): a deployment of 4 prefill
+    replicas meets 100 prompt tokens/s (2 replicas: each 1,000-token prompt takes half the 2 s
+    SLO). Past the warm-up the pool keeps its 4, the gauge reads 1, until 1,500 tokens/s at 300 s
+    need the 4; then the gauge reads 0 and, once the window has let the 1,500 go, the pool shrinks."""
+    connector = FakeConnector()
+    connector.targets["prefill"] = 4
+    loop = PlannerLoop(
+        SLAPlanner(PlannerConfig(interval_s=10.0, max_prefill=8, startup_s=0.0, scale_down_cooldown_s=0.0), PROFILE), connector,
+        ScheduledSource(lambda t: 1500 if t == 300 else 100), metrics=PlannerMetrics(),
+    )
+    gauge = loop.metrics.launch_protection.labels("prefill")
+    with caplog.at_level(logging.INFO, logger="planner.live"):
+        decisions = {t: asyncio.run(loop.step(float(t))) for t in range(0, 300, 10)}
+        assert {d.targets["prefill"] for d in decisions.values()} == {4}
+        assert "prefill" in decisions[290].launch_protected and gauge._value.get() == 1
+        assert "no interval's load has needed the deployment's 4 yet (300 of 3600 s observed)" in decisions[290].reasons["prefill"]
+        assert "prefill" in _logged(caplog)[-1]["launch_protected"]
+        decisions.update({t: asyncio.run(loop.step(float(t))) for t in range(300, 600, 10)})
+    assert "prefill" not in decisions[300].launch_protected and gauge._value.get() == 0
+    assert "prefill" not in _logged(caplog)[-1]["launch_protected"]
+    assert decisions[490].targets["prefill"] == 4 and decisions[590].targets["prefill"] == 2
+    # Off, the same load shrinks the pool at the warm-up's end and the gauge never reads 1.
+    off = PlannerLoop(
+        SLAPlanner(PlannerConfig(interval_s=10.0, max_prefill=8, startup_s=0.0, scale_down_cooldown_s=0.0, hold_deployment_until_needed_s=0.0), PROFILE),
+        FakeConnector(), FakeSource(100.0), metrics=PlannerMetrics(),
+    )
+    off.connector.targets["prefill"] = 4
+    seen = [asyncio.run(off.step(float(t))) for t in range(0, 300, 10)]
+    assert seen[-1].targets["prefill"] == 2 and all(d.launch_protected == () for d in seen)
+    assert off.metrics.launch_protection.labels("prefill")._value.get() == 0
