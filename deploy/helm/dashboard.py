@@ -75,6 +75,14 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         (_rate("splitserve_worker_requests_failed_total", "pool"), "requests failed alone {{pool}}"),
         (_rate("splitserve_planner_connector_errors_total"), "planner connector errors"),
     ]),
+    ("Planner: what keeps replicas below the deployment", "short", [
+        ("max by (pool) (splitserve_planner_launch_protection)", "launch protection {{pool}} (1: kept at the deployment)"),
+        ("max by (pool) (splitserve_planner_rise_room_replicas)", "room for rises {{pool}}"),
+    ]),
+    ("Planner: savings and error budget", "short", [
+        ("max (splitserve_planner_saved_replica_seconds)", "replica-seconds saved below the deployment"),
+        ("max (splitserve_planner_error_budget_requests)", "requests the SLO may still miss this hour"),
+    ]),
 ]
 """(title, Grafana unit, [(PromQL, legend)]) in reading order, two panels per row."""
 
