@@ -148,8 +148,9 @@ class PlannerConfig:
     deployment taken as the SRE's word on the peak to expect until the load has reached it once.
     Until then the window has seen nothing of how the load rises to it, and a first-time step soon
     after a shrink on flat load is a miss no reaction catches (planner/EXPERIMENTS.md, fourteenth
-    session: the development, outside and 4x replays met the three targets on 216 of 222 with an
-    hour, 209 without; mean replica-hours over static 0.978 without, 0.989 with). As KEDA's
+    session: the development set with its seeds, the outside shapes and those at 4x met the three
+    targets on 216 of 222 replays with an hour, 209 without; mean replica-hours over static of the
+    186 at 1x 0.989 with, 0.978 without). As KEDA's
     ``initialCooldownPeriod`` (whose default is 0). 0: off, the window alone decides from the
     warm-up's end."""
     release_level_after_s: float | None = None
