@@ -24,6 +24,9 @@ above what the load itself needs is a bet: unless that load already needs more t
 the planner started over (the pools' first targets), it is paid from the replica-seconds the pools
 have spent below that deployment (``trend_bets_from_savings``), so the planner is not above its
 deployment on a guess it has not saved for.
+A pool goes below its deployment only once an interval's load has needed the deployment's count,
+or after ``hold_deployment_until_needed_s`` observed (launch protection, an hour by default): until
+the load has reached the deployment the window has seen nothing of how it rises to it.
 Below the deployment each pool also keeps room for the load's own rises (``rise_room_below_deployment``):
 the count it needs now plus the quantile (as the window's) of how far its count rose from an
 interval of the window's span within the start-up and interval after it, at most the deployment;
