@@ -150,9 +150,8 @@ class PlannerConfig:
     after a shrink on flat load is a miss no reaction catches (planner/EXPERIMENTS.md, fourteenth
     session: the development set with its seeds, the outside shapes and those at 4x met the three
     targets on 216 of 222 replays with an hour, 209 without; mean replica-hours over static of the
-    186 at 1x 0.989 with, 0.978 without). As KEDA's
-    ``initialCooldownPeriod`` (whose default is 0). 0: off, the window alone decides from the
-    warm-up's end."""
+    186 at 1x 0.989 with, 0.978 without). As KEDA's ``initialCooldownPeriod`` (whose default is 0).
+    0: off, the window alone decides from the warm-up's end."""
     release_level_after_s: float | None = None
     """A level of load a pool grew for and that held at least this long is a shift, not a burst:
     once the load has stayed within the count the pool had before for two start-ups, the window

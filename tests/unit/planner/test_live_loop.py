@@ -304,11 +304,12 @@ def test_launch_protection_is_a_gauge_and_logged_until_the_load_has_needed_the_d
     assert "prefill" not in _logged(caplog)[-1]["launch_protected"]
     assert decisions[490].targets["prefill"] == 4 and decisions[590].targets["prefill"] == 2
     # Off, the same load shrinks the pool at the warm-up's end and the gauge never reads 1.
+    connector = FakeConnector()
+    connector.targets["prefill"] = 4
     off = PlannerLoop(
         SLAPlanner(PlannerConfig(interval_s=10.0, max_prefill=8, startup_s=0.0, scale_down_cooldown_s=0.0, hold_deployment_until_needed_s=0.0), PROFILE),
-        FakeConnector(), FakeSource(100.0), metrics=PlannerMetrics(),
+        connector, FakeSource(100.0), metrics=PlannerMetrics(),
     )
-    off.connector.targets["prefill"] = 4
     seen = [asyncio.run(off.step(float(t))) for t in range(0, 300, 10)]
     assert seen[-1].targets["prefill"] == 2 and all(d.launch_protected == () for d in seen)
     assert off.metrics.launch_protection.labels("prefill")._value.get() == 0
