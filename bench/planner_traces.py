@@ -425,6 +425,16 @@ def outside_set(startup_s: float = 60.0, seed_offset: int = 0) -> dict[str, Call
         "v_shape": lambda: generate_poisson(704 + k, lambda t: 2.0 + 6.0 * abs(t - 1800.0) / 1800.0, 8.0, 3600.0, prompt),
         # Many small requests: 15 req/s (±3 over 40 minutes) of 150-token prompts and 120-token answers.
         "small_fast": lambda: generate_poisson(705 + k, lambda t: 15.0 + 3.0 * math.sin(2 * math.pi * t / 2400), 18.0, 3600.0, lambda r: _lognormal(r, 150, 0.6, 2000), output_median=120.0),
+        # Added 2026-11-30 (fifteenth session), drawn before any replay of them: levels that last
+        # about the window (half an hour) or longer, and come back.
+        # 2 req/s and 8 req/s, an hour each, twice: a level that comes back an hour after it ended.
+        "square_60": lambda: generate_poisson(801 + k, lambda t: 8.0 if (t // 3600) % 2 else 2.0, 8.0, 14400.0, prompt),
+        # 7 req/s for 40 minutes, then 2 for 20, three times: a long level with short breaks.
+        "long_on": lambda: generate_poisson(802 + k, lambda t: 7.0 if t % 3600 < 2400 else 2.0, 7.0, 10800.0, prompt),
+        # 8 req/s for 20 minutes, then 2 for 40, three times: a level back after the window let it go.
+        "long_off": lambda: generate_poisson(803 + k, lambda t: 8.0 if t % 3600 < 1200 else 2.0, 8.0, 10800.0, prompt),
+        # A rate swinging between 1.5 and 9 req/s with a 90-minute period, for three hours.
+        "sine_90": lambda: generate_poisson(804 + k, lambda t: 5.25 - 3.75 * math.cos(2 * math.pi * t / 5400), 9.0, 10800.0, prompt),
     }
 
 

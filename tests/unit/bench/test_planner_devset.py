@@ -181,6 +181,13 @@ def test_the_outside_set_keeps_its_shapes_and_replays_apart_from_the_development
     assert _rate(v_shape, 0, 120) > 7 and _rate(v_shape, 1740, 1860) < 3 and _rate(v_shape, 3480, 3600) > 7
     small = outside["small_fast"]()
     assert 14 < _rate(small, 0, 3600) < 17 and median([a.prompt_tokens for a in small]) < 200 and median([a.output_tokens for a in small]) < 150
+    square_60 = outside["square_60"]()
+    assert [round(_rate(square_60, h * 3600, h * 3600 + 3600)) for h in range(4)] == [2, 8, 2, 8]
+    for name, high_s, rates in (("long_on", 2400, (7, 2)), ("long_off", 1200, (8, 2))):
+        on_off = outside[name]()  # a level for ``high_s`` in every hour, three hours
+        assert [round(_rate(on_off, h * 3600 + lo, h * 3600 + hi)) for h in range(3) for lo, hi in ((0, high_s), (high_s, 3600))] == list(rates) * 3
+    sine_90 = outside["sine_90"]()
+    assert _rate(sine_90, 0, 300) < 2.5 < 8 < _rate(sine_90, 2550, 2850) and _rate(sine_90, 5250, 5550) < 2.5 and _rate(sine_90, 10500, 10800) < 2.5
     out = tmp_path / "outside.json"
     assert planner_devset.main(["--set", "outside", "--traces", "trickle", "--policies", "splitserve", "--jobs", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
