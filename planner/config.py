@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -142,16 +143,30 @@ class PlannerConfig:
     growth to the middle of the first interval replicas asked for now serve, at most the deployment.
     The decoded tokens lag such a rise by as long as the answers stream. Off: the running count
     counts as it stands (planner/README)."""
-    hold_deployment_until_needed_s: float = 3600.0
+    hold_deployment_until_needed_s: float | None = None
     """Below its deployment a pool shrinks only once an interval's load (averaged over a start-up) has
-    needed the deployment's count, or after this many seconds observed: a launch protection, the
-    deployment taken as the SRE's word on the peak to expect until the load has reached it once.
-    Until then the window has seen nothing of how the load rises to it, and a first-time step soon
-    after a shrink on flat load is a miss no reaction catches (planner/EXPERIMENTS.md, fourteenth
-    session: the development set with its seeds, the outside shapes and those at 4x met the three
-    targets on 216 of 222 replays with an hour, 209 without; mean replica-hours over static of the
-    186 at 1x 0.989 with, 0.978 without). As KEDA's ``initialCooldownPeriod`` (whose default is 0).
-    0: off, the window alone decides from the warm-up's end."""
+    needed the deployment's count, or after this many seconds observed (None: no limit): a launch
+    protection, the deployment taken as the SRE's word on the peak to expect until the load has
+    reached it once. Until then the window has seen nothing of how the load rises to it, and a
+    first-time step soon after a shrink on flat load is a miss no reaction catches
+    (planner/EXPERIMENTS.md, fourteenth session: the development set with its seeds, the outside
+    shapes and those at 4x met the three targets on 216 of 222 replays with an hour, 209 without).
+    Any limit is a first-time step's chance: an hour shrank square_60's pools in the interval its
+    first step came (fifteenth session), so by default the deployment stays until the load needs
+    it; a deployment sized above any load it sees then saves nothing, and its SRE sets a limit. As
+    KEDA's ``initialCooldownPeriod`` (whose default is 0). 0: off, the window alone decides from the
+    warm-up's end."""
+    level_memory_lengths: float = 2.0
+    """Below the deployment, a level of load is kept for this many times as long as it held after it
+    ended, and a reaction more (a start-up and an interval), where that is longer than the window:
+    the pool does not shrink below the level's count before then. The window alone remembers a level
+    for the window after it ends, so a level about as long as the window is let go just as a load
+    with a period of twice the window brings it back, into pools shrunk the interval before; twice its
+    length keeps a level through a quiet spell as long again as the level and the level itself once
+    more (a load on for a third of each period; planner/EXPERIMENTS.md, fifteenth session). A level's
+    run allows gaps shorter than two start-ups (the stretch within a lower count that ends a level the
+    pool grew for). Levels that this keeps no longer than the window are left to the window and to
+    ``release_level_after_s``. 0: off, the window alone."""
     release_level_after_s: float | None = None
     """A level of load a pool grew for and that held at least this long is a shift, not a burst:
     once the load has stayed within the count the pool had before for two start-ups, the window
@@ -232,6 +247,8 @@ class PlannerConfig:
             raise ValueError(f"min_prefill and max_prefill must satisfy 0 <= min <= max and max >= 1, got {self.min_prefill} and {self.max_prefill}.")
         if not 1 <= self.min_decode <= self.max_decode:
             raise ValueError(f"min_decode and max_decode must satisfy 1 <= min <= max, got {self.min_decode} and {self.max_decode}.")
+        if not (self.level_memory_lengths >= 0 and math.isfinite(self.level_memory_lengths)):
+            raise ValueError(f"level_memory_lengths must be 0 (off) or more, got {self.level_memory_lengths}.")
         for name in ("scale_down_cooldown_s", "scale_down_window_s", "idle_hold_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}.")
@@ -246,6 +263,8 @@ class PlannerConfig:
             raise ValueError(f"base_quantile must be in (0, 1], got {self.base_quantile}.")
         if self.rise_start_ups is not None and self.rise_start_ups < 0:
             raise ValueError(f"rise_start_ups must be 0 or more, got {self.rise_start_ups}.")
+        if self.hold_deployment_until_needed_s is not None and not self.hold_deployment_until_needed_s >= 0:
+            raise ValueError(f"hold_deployment_until_needed_s must be 0 (off) or more, got {self.hold_deployment_until_needed_s}.")
         if self.release_level_after_s is not None and not self.release_level_after_s >= 0:
             raise ValueError(f"release_level_after_s must be 0 or more (inf: never), got {self.release_level_after_s}.")
         if self.base_window_s is not None and self.base_window_s < self.interval_s:

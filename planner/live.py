@@ -18,8 +18,9 @@ A level of load let go (planner/window.py) counts in ``splitserve_planner_levels
 trend not bet on in ``splitserve_planner_trends_not_bet_total``, a burst ridden out at the deployment
 in ``splitserve_planner_bursts_ridden_out_total``, the room kept below it for the load's own rises
 is ``splitserve_planner_rise_room_replicas``, the replica-seconds bets and growth above the
-deployment are paid from are ``splitserve_planner_saved_replica_seconds``, and a pool launch
-protection keeps at its deployment is 1 in ``splitserve_planner_launch_protection``.
+deployment are paid from are ``splitserve_planner_saved_replica_seconds``, a pool launch
+protection keeps at its deployment is 1 in ``splitserve_planner_launch_protection``, and the count a
+long level keeps a pool at below it is ``splitserve_planner_long_level_replicas``.
 """
 
 from __future__ import annotations
@@ -129,6 +130,11 @@ class PlannerMetrics:
         self.saved = Gauge(
             "splitserve_planner_saved_replica_seconds", "Replica-seconds spent below the deployment the planner started over, less trend bets held: what a bet is paid from.", registry=r
         )
+        self.long_level = Gauge(
+            "splitserve_planner_long_level_replicas",
+            "The count a long level keeps the pool at (or above) below its deployment this interval: a level that held longer than the window is kept as long after it (0: none kept).",
+            ["pool"], registry=r,
+        )
         self.launch_protection = Gauge(
             "splitserve_planner_launch_protection",
             "1 while launch protection keeps the pool from going below its deployment (no interval's load has needed it yet), else 0.",
@@ -235,6 +241,7 @@ class PlannerLoop:
         for pool in POOLS:
             m.rise_room.labels(pool).set(decision.rise_room.get(pool, 0))
             m.launch_protection.labels(pool).set(1 if pool in decision.launch_protected else 0)
+            m.long_level.labels(pool).set(decision.long_levels.get(pool, 0))
         m.saved.set(decision.saved_replica_s)
         if decision.error_budget is not None:
             m.error_budget.set(decision.error_budget)
@@ -248,7 +255,7 @@ class PlannerLoop:
             "unfunded_trends": list(decision.unfunded_trends), "held_at_deployment": list(decision.held_at_deployment),
             "rise_room": dict(decision.rise_room), "saved_replica_s": round(decision.saved_replica_s, 1),
             "error_budget": None if decision.error_budget is None else round(decision.error_budget, 1),
-            "launch_protected": list(decision.launch_protected), "dry_run": self.dry_run,
+            "launch_protected": list(decision.launch_protected), "long_levels": dict(decision.long_levels), "dry_run": self.dry_run,
         }))
 
 

@@ -103,3 +103,7 @@ class Decision:
     """Pools launch protection keeps from going below their deployment after this interval: no
     interval's load has needed the deployment's count yet, within ``hold_deployment_until_needed_s``
     observed."""
+    long_levels: Mapping[str, int] = field(default_factory=dict)
+    """Per pool that a long level keeps from shrinking further this interval (below the deployment,
+    ``level_memory_lengths``): the count it keeps. A level is kept for twice as long after it ended
+    as it held (by default), where that is longer than the window."""

@@ -25,13 +25,16 @@ the planner started over (the pools' first targets), it is paid from the replica
 have spent below that deployment (``trend_bets_from_savings``), so the planner is not above its
 deployment on a guess it has not saved for.
 A pool goes below its deployment only once an interval's load has needed the deployment's count,
-or after ``hold_deployment_until_needed_s`` observed (launch protection, an hour by default): until
-the load has reached the deployment the window has seen nothing of how it rises to it.
+or after ``hold_deployment_until_needed_s`` observed (launch protection; no limit by default):
+until the load has reached the deployment the window has seen nothing of how it rises to it.
 Below the deployment each pool also keeps room for the load's own rises (``rise_room_below_deployment``):
 the count it needs now plus the quantile (as the window's) of how far its count rose from an
 interval of the window's span within the start-up and interval after it, at most the deployment;
 the quantile leaves a burst out, and replicas up to the deployment cost nothing a static split
 would not. A level let go takes its rise with it.
+Below the deployment a level of load is also kept for twice as long after it ended as it held,
+where that is longer than the window (``level_memory_lengths``): the window alone lets a level go
+a window after it ends, just as a load with a period of twice the window brings it back.
 Below the deployment a load that rose over the last start-up is met ahead at once
 (``rise_ahead_below_deployment``): the pool grows to the load grown on at that rate to when
 replicas asked for now are warm, at most the deployment, and holds that while the load rises.
@@ -201,7 +204,8 @@ class SLAPlanner:
         cut = self._cut_above_deployment(base)
         windowed = {pool: base[pool] for pool in POOLS}  # the window's quantile, before the room below
         room = self._keep_room_for_rises(base, interval.counts)
-        needs = self._window_needs(interval, base, released, windowed, cut, room)
+        kept = self._keep_long_levels(base)
+        needs = self._window_needs(interval, base, released, windowed, cut, room, kept)
         # Beyond the window: trends bet on, and rises and lengthening answers below the deployment met ahead.
         rising, unfunded = self._bet_on_trends(interval, needs)
         self._meet_rises_ahead(interval, needs)
@@ -221,7 +225,7 @@ class SLAPlanner:
         return Decision(
             observation.time_s, targets, dict(needs.up), interval.forecast, dict(self.corrections), reasons, tuple(infeasible),
             interval.infeasible_requests, tuple(released), tuple(unfunded), tuple(sorted(held)), room, self._saved_s, interval.budget,
-            tuple(pool for pool in POOLS if self._holds_deployment(pool)),
+            tuple(pool for pool in POOLS if self._holds_deployment(pool)), {pool: level[0] for pool, level in kept.items()},
         )
 
     def _observe(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> _Interval:
@@ -320,14 +324,35 @@ class SLAPlanner:
                     base[pool], base[f"{pool}_down"] = roomed, max(roomed, base[f"{pool}_down"])
         return room
 
+    def _keep_long_levels(self, base: dict[str, int]) -> dict[str, tuple[int, float, float]]:
+        """Raises the window's needs to shrink to (``base``) below the deployment to the long levels
+        the window would let go before they have been over as long as they held, at most the
+        deployment (``level_memory_lengths``). Returns, per pool raised, the level as
+        ``LoadWindow.long_levels`` gives it."""
+        kept = {}
+        if self.config.level_memory_lengths:
+            for pool, level in self.window.long_levels().items():
+                key, deployed = f"{pool}_down", self._deployed[pool]
+                floor = min(level[0], deployed)
+                if floor > base[key]:
+                    base[key], kept[pool] = floor, (floor, *level[1:])
+        return kept
+
     def _window_needs(
-        self, interval: _Interval, base: dict[str, int], released: dict[str, str], windowed: dict[str, int], cut: dict[str, int], room: dict[str, int]
+        self,
+        interval: _Interval,
+        base: dict[str, int],
+        released: dict[str, str],
+        windowed: dict[str, int],
+        cut: dict[str, int],
+        room: dict[str, int],
+        kept: dict[str, tuple[int, float, float]],
     ) -> _Needs:
         """The needs the window gives (``base``: its quantile, cut above the deployment and with room
         below it) and why: the sizer's account of the load, then the level let go, the window's
-        quantile when it needs more than the load now (``windowed``), the cut, the room and an idle
-        stretch the window is held through (the prefill pool's quantile comes before the cut, the
-        decode pool's last)."""
+        quantile when it needs more than the load now (``windowed``), the cut, the room, the long
+        levels kept and an idle stretch the window is held through (the prefill pool's quantile
+        comes before the cut, the decode pool's last)."""
         counts = interval.counts
         needs = _Needs({pool: base[pool] for pool in POOLS}, {pool: base[f"{pool}_down"] for pool in POOLS}, dict(interval.whys))
         for pool in POOLS:
@@ -343,6 +368,8 @@ class SLAPlanner:
             else:  # the load now needs more than the window's quantile, which leaves this interval out
                 clause = f"; {base[pool]} for the load now, over what the window's {self.window.quantile:g} quantile needs"
             needs.why[pool] += f"{clause} (the deployment's {self._deployed[pool]} at most)"
+        for pool, (count, held_s, ago_s) in kept.items():
+            needs.why[pool] += f"; {count} kept for the level of {held_s / 60:.0f} minutes that needed it until {ago_s / 60:.0f} minutes ago (kept {self.config.level_memory_lengths:g} times as long after it as it held)"
         if interval.idle_held:
             idle = f"; no request for {self._idle_s:.0f} s: the window keeps the traffic before it for up to {self.config.idle_hold_s:g} s idle"
             for pool in POOLS:
@@ -673,9 +700,9 @@ class SLAPlanner:
 
     def _holds_deployment(self, pool: str) -> bool:
         """Whether ``hold_deployment_until_needed_s`` keeps ``pool`` at its deployment: on, not yet
-        needed by any interval's load, and within that many seconds observed."""
+        needed by any interval's load, and within that many seconds observed (None: no limit)."""
         hold_s = self.config.hold_deployment_until_needed_s
-        return hold_s > 0 and not self._deployment_needed[pool] and self._aged_s < hold_s
+        return hold_s != 0 and not self._deployment_needed[pool] and (hold_s is None or self._aged_s < hold_s)
 
     def _settle(self, pool: str, need: int, need_down: int, replicas: PoolReplicas, now_s: float, why: str, missing_slo: bool) -> tuple[int, str, bool]:
         """(target, reason, infeasible) for one pool, from what it needs to grow and to shrink."""
@@ -706,7 +733,8 @@ class SLAPlanner:
             reason = f"holding at {current}: the SLO was missed last interval"
         elif need_down < current and need_down < deployed and self._holds_deployment(pool):
             floor = min(current, deployed)
-            held = f"no interval's load has needed the deployment's {deployed} yet ({self._aged_s:.0f} of {config.hold_deployment_until_needed_s:g} s observed)"
+            limit = "" if config.hold_deployment_until_needed_s is None else f" of {config.hold_deployment_until_needed_s:g}"
+            held = f"no interval's load has needed the deployment's {deployed} yet ({self._aged_s:.0f}{limit} s observed)"
             target, reason = floor, (f"holding at {current}: {held}" if floor == current else f"down to {floor} for {why}; {held}")
         elif need_down < current and now_s - self._last_change_s[pool] < config.scale_down_cooldown_s and (
             config.burst_memory_above_deployment or need_down < deployed

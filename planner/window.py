@@ -67,6 +67,9 @@ class LoadWindow:
         self.level_s = config.release_level_after_s
         if self.level_s is None:
             self.level_s = (self.derived_start_ups + 3) * self.intervals_per_start_up * config.interval_s
+        # Per pool and count, the latest run of intervals whose count needed at least that many, as
+        # [first, last] on the window's clock: a gap of two start-ups ends a run (``long_levels``).
+        self._runs: dict[str, dict[int, list[float]]] = {pool: {} for pool in POOLS}
 
     def add(self, now_s: float, aged_s: float, counts: dict[str, int], weight: int) -> None:
         """Adds one interval's counts (``weight``: its requests) to the window and drops those older
@@ -75,6 +78,15 @@ class LoadWindow:
         window.append([now_s, aged_s, max(weight, 1e-6), counts])
         while window[0][1] <= aged_s - self.window_s:
             window.popleft()
+        gap_s = self.within_needed * self.config.interval_s + 1e-6
+        for pool, runs in self._runs.items():
+            most = self.config.max_prefill if pool == "prefill" else self.config.max_decode
+            for count in range(1, min(counts[f"{pool}_down"], most) + 1):
+                run = runs.get(count)
+                if run is None or aged_s - run[1] > gap_s:
+                    runs[count] = [aged_s, aged_s]
+                else:
+                    run[1] = aged_s
 
     def _remembered(self) -> list[list]:
         """The window's intervals, less those of the levels let go (the newest is always there)."""
@@ -181,6 +193,28 @@ class LoadWindow:
             pool: self._weighted_quantile([(max(0, max(e[3][pool] for e in span[1:]) - span[0][3][pool]), w) for span, w in zip(spans, weights)])
             for pool in POOLS
         }
+
+    def long_levels(self) -> dict[str, tuple[int, float, float]]:
+        """Per pool, the highest count whose latest level is still kept (``level_memory_lengths``
+        times how long it held, and a reaction: a start-up and an interval, after it ended, where
+        that is longer than the window), as (the count, how long it held, how long ago it ended).
+        The window alone lets a level go a window after it ends. Counts are at the scale-down margin
+        (``{pool}_down``), on the window's clock; a level's run allows gaps shorter than two
+        start-ups."""
+        if not self.config.level_memory_lengths or not self._intervals:
+            return {}
+        interval_s, now_s = self.config.interval_s, self._intervals[-1][1]
+        reaction_s = self._reaction * interval_s
+        kept = {}
+        for pool, runs in self._runs.items():
+            for count in sorted(runs, reverse=True):
+                first, last = runs[count]
+                held_s, ago_s = last - first + interval_s, now_s - last
+                kept_s = self.config.level_memory_lengths * held_s + reaction_s
+                if kept_s > self.window_s and ago_s < kept_s:
+                    kept[pool] = (count, held_s, ago_s)
+                    break
+        return kept
 
     def _weighted_quantile(self, values: list[tuple[int, float]]) -> int:
         """The ``base_quantile`` of (value, weight) pairs (not empty)."""

@@ -297,7 +297,7 @@ def test_launch_protection_is_a_gauge_and_logged_until_the_load_has_needed_the_d
         decisions = {t: asyncio.run(loop.step(float(t))) for t in range(0, 300, 10)}
         assert {d.targets["prefill"] for d in decisions.values()} == {4}
         assert "prefill" in decisions[290].launch_protected and gauge._value.get() == 1
-        assert "no interval's load has needed the deployment's 4 yet (300 of 3600 s observed)" in decisions[290].reasons["prefill"]
+        assert "no interval's load has needed the deployment's 4 yet (300 s observed)" in decisions[290].reasons["prefill"]
         assert "prefill" in _logged(caplog)[-1]["launch_protected"]
         decisions.update({t: asyncio.run(loop.step(float(t))) for t in range(300, 600, 10)})
     assert "prefill" not in decisions[300].launch_protected and gauge._value.get() == 0
@@ -313,3 +313,25 @@ def test_launch_protection_is_a_gauge_and_logged_until_the_load_has_needed_the_d
     seen = [asyncio.run(off.step(float(t))) for t in range(0, 300, 10)]
     assert seen[-1].targets["prefill"] == 2 and all(d.launch_protected == () for d in seen)
     assert off.metrics.launch_protection.labels("prefill")._value.get() == 0
+
+
+def test_a_long_level_kept_below_the_deployment_is_a_gauge_and_logged(caplog):
+    """As above (a window of 200 s), 1,500 prompt tokens/s for 200 s from 300 s need the deployment's
+    4; the window alone would let them go 200 s after they end. Kept twice as long after as they
+    held (and an interval), the pool stays at 4 to about 900 s, with the gauge at 4 and the level
+    logged; then it shrinks and the gauge reads 0."""
+    connector = FakeConnector()
+    connector.targets["prefill"] = 4
+    loop = PlannerLoop(
+        SLAPlanner(PlannerConfig(interval_s=10.0, max_prefill=8, startup_s=0.0, scale_down_cooldown_s=0.0), PROFILE), connector,
+        ScheduledSource(lambda t: 1500 if 300 <= t < 500 else 100), metrics=PlannerMetrics(),
+    )
+    gauge = loop.metrics.long_level.labels("prefill")
+    with caplog.at_level(logging.INFO, logger="planner.live"):
+        decisions = {t: asyncio.run(loop.step(float(t))) for t in range(0, 850, 10)}
+        assert {decisions[t].targets["prefill"] for t in range(300, 850, 10)} == {4}
+        assert decisions[840].long_levels == {"prefill": 4} and gauge._value.get() == 4
+        assert _logged(caplog)[-1]["long_levels"] == {"prefill": 4}
+        assert "4 kept for the level of 3 minutes that needed it until 6 minutes ago" in decisions[840].reasons["prefill"]
+        decisions.update({t: asyncio.run(loop.step(float(t))) for t in range(850, 1000, 10)})
+    assert decisions[990].targets["prefill"] == 2 and gauge._value.get() == 0 and _logged(caplog)[-1]["long_levels"] == {}

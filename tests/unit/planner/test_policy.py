@@ -50,9 +50,10 @@ def pools(prefill: int, decode: int, prefill_starting: int = 0, decode_starting:
     }
 
 
-MECHANICS = {"interval_s": INTERVAL_S, "startup_s": 60.0, "burst_growth_above_deployment": True, "hold_deployment_until_needed_s": 0.0}
+MECHANICS = {"interval_s": INTERVAL_S, "startup_s": 60.0, "burst_growth_above_deployment": True, "hold_deployment_until_needed_s": 0.0, "level_memory_lengths": 0.0}
 """The tests of the planner's mechanics start small, from pools that are not a deployment to ride
-bursts out at or to keep until the load has needed it (launch protection has its own test)."""
+bursts out at or to keep until the load has needed it, and with the window alone remembering levels
+(launch protection and the memory of long levels have tests of their own)."""
 
 
 def planner(**fields) -> SLAPlanner:
@@ -912,16 +913,47 @@ def test_hold_deployment_until_needed_keeps_the_deployment_until_the_load_has_ne
 
     seen, _ = targets(0.0, [3] * 16)
     assert seen[8:10] == [(2, 2), (1, 1)]
-    # On (by default, for an hour), the deployment stays while no interval's load has needed it, and says why.
+    # On (by default, with no limit), the deployment stays while no interval's load has needed it, and says why.
     seen, why = targets(None, [3] * 16)
     assert set(seen) == {(2, 2)}
-    assert why["prefill"] == "holding at 2: no interval's load has needed the deployment's 2 yet (480 of 3600 s observed)"
+    assert why["prefill"] == "holding at 2: no interval's load has needed the deployment's 2 yet (480 s observed)"
+    seen, why = targets(3600.0, [3] * 16)
+    assert set(seen) == {(2, 2)} and why["prefill"].endswith("(480 of 3600 s observed)")
     # Once 18 req/s have needed 2 + 2 (1.8 prefill replicas of prompts, 900 output tokens/s), the window decides again.
     seen, _ = targets(None, [3] * 4 + [18] * 3 + [3] * 16)
     assert seen[-1] == (1, 1) and (2, 2) in seen[7:15]
     # And after the seconds it is given, unneeded, the deployment goes.
     seen, _ = targets(600.0, [3] * 24)
     assert seen[17:20] == [(2, 2), (2, 2), (1, 1)]
+
+
+def test_a_long_level_is_kept_below_the_deployment_twice_as_long_after_it_as_it_held():
+    # Deployed at 2 + 2; 3 req/s needs 1 + 1 and 18 req/s needs 2 + 2. A 300 s window remembers a
+    # level for 300 s after it ends; a level of ten intervals (about 4.5 minutes counted, its
+    # start-up averages included) is kept for twice that and a reaction (a start-up and an interval).
+    def after_level(level: int, lengths: float, start: tuple[int, int] = (2, 2)) -> tuple[int, list]:
+        p = planner(base_window_s=300.0, scale_down_cooldown_s=0, level_memory_lengths=lengths)
+        decisions = run(p, [3] * 12 + [18] * level + [3] * 40, start)
+        after = decisions[12 + level:]
+        return next(i for i, d in enumerate(after) if min(d.targets.values()) < 2), after
+
+    assert after_level(10, 0.0)[0] == 9  # the window alone
+    shrunk, after = after_level(10, 2.0)
+    assert shrunk == 20
+    kept = after[shrunk - 1]
+    assert dict(kept.long_levels) == {"prefill": 2, "decode": 2} and dict(kept.targets) == {"prefill": 2, "decode": 2}
+    assert "2 kept for the level of 4 minutes that needed it until 10 minutes ago (kept 2 times as long after it as it held)" in kept.reasons["prefill"]
+    assert after[shrunk].targets["decode"] == 1 and "decode" not in after[shrunk].long_levels
+    # Prefill's run counts longer (at its scale-down margin, its averaged count stays at 2 an interval
+    # or two more), and it goes once its own level is over.
+    prefill_shrunk = next(i for i, d in enumerate(after) if d.targets["prefill"] < 2)
+    assert shrunk < prefill_shrunk <= shrunk + 6 and not after[prefill_shrunk].long_levels
+    # A level kept for less than the window (two intervals: 2 x 60 s + 90 s) is left to the window.
+    assert after_level(2, 2.0)[0] == after_level(2, 0.0)[0] == 9
+    # Above the deployment nothing is kept: deployed at 1 + 1, the pools go back once the window lets the level go.
+    assert [d.targets["prefill"] for d in after_level(10, 2.0, (1, 1))[1][:8]] == [d.targets["prefill"] for d in after_level(10, 0.0, (1, 1))[1][:8]]
+    with pytest.raises(ValueError, match="level_memory_lengths must be 0"):
+        PlannerConfig(level_memory_lengths=-1.0)
 
 
 def test_aggregate_when_cheaper_lets_one_decode_replica_prefill_what_two_pools_would_split():
