@@ -78,6 +78,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Planner: what keeps replicas below the deployment", "short", [
         ("max by (pool) (splitserve_planner_launch_protection)", "launch protection {{pool}} (1: kept at the deployment)"),
         ("max by (pool) (splitserve_planner_rise_room_replicas)", "room for rises {{pool}}"),
+        ("max by (pool) (splitserve_planner_long_level_replicas)", "long level kept {{pool}} (replicas)"),
     ]),
     ("Planner: savings and error budget", "short", [
         ("max (splitserve_planner_saved_replica_seconds)", "replica-seconds saved below the deployment"),
