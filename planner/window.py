@@ -68,8 +68,11 @@ class LoadWindow:
         if self.level_s is None:
             self.level_s = (self.derived_start_ups + 3) * self.intervals_per_start_up * config.interval_s
         # Per pool and count, the latest run of intervals whose count needed at least that many, as
-        # [first, last] on the window's clock: a gap of two start-ups ends a run (``long_levels``).
+        # [first, last] on the window's clock: a gap of two start-ups ends a run (``long_levels``);
+        # and the ended run kept longest, as (kept until, held, ended), so that a blip in the quiet
+        # after a level (a run of its own) does not end the level's memory.
         self._runs: dict[str, dict[int, list[float]]] = {pool: {} for pool in POOLS}
+        self._ended: dict[str, dict[int, tuple[float, float, float]]] = {pool: {} for pool in POOLS}
 
     def add(self, now_s: float, aged_s: float, counts: dict[str, int], weight: int) -> None:
         """Adds one interval's counts (``weight``: its requests) to the window and drops those older
@@ -83,10 +86,15 @@ class LoadWindow:
             most = self.config.max_prefill if pool == "prefill" else self.config.max_decode
             for count in range(1, min(counts[f"{pool}_down"], most) + 1):
                 run = runs.get(count)
-                if run is None or aged_s - run[1] > gap_s:
-                    runs[count] = [aged_s, aged_s]
-                else:
+                if run is not None and aged_s - run[1] <= gap_s:
                     run[1] = aged_s
+                    continue
+                if run is not None:  # over: its memory outlives it (``long_levels``), unless an earlier one's is longer
+                    held_s = run[1] - run[0] + self.config.interval_s
+                    until_s = run[1] + self._kept_s(held_s)
+                    if until_s > self._ended[pool].get(count, (-math.inf,))[0]:
+                        self._ended[pool][count] = (until_s, held_s, run[1])
+                runs[count] = [aged_s, aged_s]
 
     def _remembered(self) -> list[list]:
         """The window's intervals, less those of the levels let go (the newest is always there)."""
@@ -195,26 +203,34 @@ class LoadWindow:
         }
 
     def long_levels(self) -> dict[str, tuple[int, float, float]]:
-        """Per pool, the highest count whose latest level is still kept (``level_memory_lengths``
-        times how long it held, and a reaction: a start-up and an interval, after it ended, where
-        that is longer than the window), as (the count, how long it held, how long ago it ended).
+        """Per pool, the highest count whose latest level, or an earlier one kept longer, is still
+        kept (``level_memory_lengths`` times how long it held, and a reaction: a start-up and an
+        interval, after it ended, where that is longer than the window), as (the count, how long it
+        held, how long ago it ended): a blip in the quiet after a level does not end its memory.
         The window alone lets a level go a window after it ends. Counts are at the scale-down margin
         (``{pool}_down``), on the window's clock; a level's run allows gaps shorter than two
         start-ups."""
         if not self.config.level_memory_lengths or not self._intervals:
             return {}
-        interval_s, now_s = self.config.interval_s, self._intervals[-1][1]
-        reaction_s = self._reaction * interval_s
-        kept = {}
+        now_s, kept = self._intervals[-1][1], {}
         for pool, runs in self._runs.items():
             for count in sorted(runs, reverse=True):
                 first, last = runs[count]
-                held_s, ago_s = last - first + interval_s, now_s - last
-                kept_s = self.config.level_memory_lengths * held_s + reaction_s
-                if kept_s > self.window_s and ago_s < kept_s:
-                    kept[pool] = (count, held_s, ago_s)
+                held_s = last - first + self.config.interval_s
+                levels = [(last + self._kept_s(held_s), held_s, last)]
+                if count in self._ended[pool]:
+                    levels.append(self._ended[pool][count])
+                until_s, held_s, last = max(levels)
+                if now_s < until_s:
+                    kept[pool] = (count, held_s, now_s - last)
                     break
         return kept
+
+    def _kept_s(self, held_s: float) -> float:
+        """How long after it ends a level that held ``held_s`` is kept: ``level_memory_lengths`` times
+        that and a reaction, where that is longer than the window (0: the window alone)."""
+        kept_s = self.config.level_memory_lengths * held_s + self._reaction * self.config.interval_s
+        return kept_s if kept_s > self.window_s else 0.0
 
     def _weighted_quantile(self, values: list[tuple[int, float]]) -> int:
         """The ``base_quantile`` of (value, weight) pairs (not empty)."""

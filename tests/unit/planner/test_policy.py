@@ -931,9 +931,12 @@ def test_a_long_level_is_kept_below_the_deployment_twice_as_long_after_it_as_it_
     # Deployed at 2 + 2; 3 req/s needs 1 + 1 and 18 req/s needs 2 + 2. A 300 s window remembers a
     # level for 300 s after it ends; a level of ten intervals (about 4.5 minutes counted, its
     # start-up averages included) is kept for twice that and a reaction (a start-up and an interval).
-    def after_level(level: int, lengths: float, start: tuple[int, int] = (2, 2)) -> tuple[int, list]:
+    def after_level(level: int, lengths: float, start: tuple[int, int] = (2, 2), blip: int | None = None) -> tuple[int, list]:
         p = planner(base_window_s=300.0, scale_down_cooldown_s=0, level_memory_lengths=lengths)
-        decisions = run(p, [3] * 12 + [18] * level + [3] * 40, start)
+        rates = [3] * 12 + [18] * level + [3] * 40
+        if blip is not None:  # two intervals at 18 req/s, ``blip`` intervals after the level
+            rates[12 + level + blip] = rates[13 + level + blip] = 18
+        decisions = run(p, rates, start)
         after = decisions[12 + level:]
         return next(i for i, d in enumerate(after) if min(d.targets.values()) < 2), after
 
@@ -948,6 +951,9 @@ def test_a_long_level_is_kept_below_the_deployment_twice_as_long_after_it_as_it_
     # or two more), and it goes once its own level is over.
     prefill_shrunk = next(i for i, d in enumerate(after) if d.targets["prefill"] < 2)
     assert shrunk < prefill_shrunk <= shrunk + 6 and not after[prefill_shrunk].long_levels
+    # A blip in the quiet after it is a short run of its own (kept no longer than the window, which
+    # lets it go 10 intervals later): it does not end the level's memory.
+    assert after_level(10, 2.0, blip=5)[0] == 20
     # A level kept for less than the window (two intervals: 2 x 60 s + 90 s) is left to the window.
     assert after_level(2, 2.0)[0] == after_level(2, 0.0)[0] == 9
     # Above the deployment nothing is kept: deployed at 1 + 1, the pools go back once the window lets the level go.
