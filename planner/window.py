@@ -10,7 +10,10 @@ each interval weighted by its requests, and ``rises`` how far a count rose withi
 
 A pool grown above a count (or held there by the deployment) starts a level (``track_level``); a
 level that held longer than a burst and has been followed by two start-ups within that count is a
-shift, not a burst to remember: ``release_levels`` forgets its intervals.
+shift, not a burst to remember: ``release_levels`` forgets its intervals. Apart from the window,
+each count's runs of intervals that needed it are kept: ``long_levels`` gives the counts whose run
+ended less than ``level_memory_lengths`` times its length (and a reaction) ago, where that is
+longer than the window, which the policy keeps below the deployment.
 """
 
 from __future__ import annotations
