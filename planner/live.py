@@ -132,7 +132,7 @@ class PlannerMetrics:
         )
         self.long_level = Gauge(
             "splitserve_planner_long_level_replicas",
-            "The count a long level keeps the pool at (or above) below its deployment this interval: a level that held longer than the window is kept as long after it (0: none kept).",
+            "The count a long level keeps the pool at (or above) below its deployment this interval: a level is kept twice as long after it as it held, where that is longer than the window (0: none kept).",
             ["pool"], registry=r,
         )
         self.launch_protection = Gauge(

@@ -330,12 +330,11 @@ class SLAPlanner:
         deployment (``level_memory_lengths``). Returns, per pool raised, the level as
         ``LoadWindow.long_levels`` gives it."""
         kept = {}
-        if self.config.level_memory_lengths:
-            for pool, level in self.window.long_levels().items():
-                key, deployed = f"{pool}_down", self._deployed[pool]
-                floor = min(level[0], deployed)
-                if floor > base[key]:
-                    base[key], kept[pool] = floor, (floor, *level[1:])
+        for pool, level in self.window.long_levels().items():  # none while off
+            key, deployed = f"{pool}_down", self._deployed[pool]
+            floor = min(level[0], deployed)
+            if floor > base[key]:
+                base[key], kept[pool] = floor, (floor, *level[1:])
         return kept
 
     def _window_needs(

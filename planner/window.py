@@ -84,6 +84,11 @@ class LoadWindow:
         window.append([now_s, aged_s, max(weight, 1e-6), counts])
         while window[0][1] <= aged_s - self.window_s:
             window.popleft()
+        if self.config.level_memory_lengths:
+            self._track_runs(aged_s, counts)
+
+    def _track_runs(self, aged_s: float, counts: dict[str, int]) -> None:
+        """Extends or starts, per pool, the run of each count this interval's load needs (``long_levels``)."""
         gap_s = self.within_needed * self.config.interval_s + 1e-6
         for pool, runs in self._runs.items():
             most = self.config.max_prefill if pool == "prefill" else self.config.max_decode
@@ -92,11 +97,8 @@ class LoadWindow:
                 if run is not None and aged_s - run[1] <= gap_s:
                     run[1] = aged_s
                     continue
-                if run is not None:  # over: its memory outlives it (``long_levels``), unless an earlier one's is longer
-                    held_s = run[1] - run[0] + self.config.interval_s
-                    until_s = run[1] + self._kept_s(held_s)
-                    if until_s > self._ended[pool].get(count, (-math.inf,))[0]:
-                        self._ended[pool][count] = (until_s, held_s, run[1])
+                if run is not None:  # over: its memory outlives it, unless an earlier one's is longer
+                    self._ended[pool][count] = max(self._kept(run), self._ended[pool].get(count, (-math.inf, 0.0, 0.0)))
                 runs[count] = [aged_s, aged_s]
 
     def _remembered(self) -> list[list]:
@@ -218,22 +220,20 @@ class LoadWindow:
         now_s, kept = self._intervals[-1][1], {}
         for pool, runs in self._runs.items():
             for count in sorted(runs, reverse=True):
-                first, last = runs[count]
-                held_s = last - first + self.config.interval_s
-                levels = [(last + self._kept_s(held_s), held_s, last)]
-                if count in self._ended[pool]:
-                    levels.append(self._ended[pool][count])
-                until_s, held_s, last = max(levels)
+                until_s, held_s, last = max(self._kept(runs[count]), self._ended[pool].get(count, (-math.inf, 0.0, 0.0)))
                 if now_s < until_s:
                     kept[pool] = (count, held_s, now_s - last)
                     break
         return kept
 
-    def _kept_s(self, held_s: float) -> float:
-        """How long after it ends a level that held ``held_s`` is kept: ``level_memory_lengths`` times
-        that and a reaction, where that is longer than the window (0: the window alone)."""
+    def _kept(self, run: list[float]) -> tuple[float, float, float]:
+        """(kept until, held, ended) of a run [first, last]: kept ``level_memory_lengths`` times as long
+        as it held and a reaction after it ended, where that is longer than the window (else kept
+        until it ends: the window alone)."""
+        first, last = run
+        held_s = last - first + self.config.interval_s
         kept_s = self.config.level_memory_lengths * held_s + self._reaction * self.config.interval_s
-        return kept_s if kept_s > self.window_s else 0.0
+        return last + (kept_s if kept_s > self.window_s else 0.0), held_s, last
 
     def _weighted_quantile(self, values: list[tuple[int, float]]) -> int:
         """The ``base_quantile`` of (value, weight) pairs (not empty)."""
