@@ -26,7 +26,8 @@ from pathlib import Path
 
 from bench.hindsight import replay_hindsight
 from bench.planner_sim import HPA, Simulation
-from bench.planner_traces import Arrival, dev_set, generate_bursty, read_arrivals, write_csv
+from bench.planner_sets import dev_set
+from bench.planner_traces import Arrival, generate_bursty, read_arrivals, write_csv
 from bench.report import BenchError, arg_parser, emit_report, machine, progress, run
 from cli.args import add_dataclass_args, dataclass_from_args
 from planner.config import PlannerConfig

@@ -1,4 +1,4 @@
-"""The planner's development set replayed at once: every trace of bench/planner_traces.dev_set under every policy.
+"""The planner's development set replayed at once: every trace of bench/planner_sets.dev_set under every policy.
 
     python -m bench.planner_devset [--set dev|outside] [--traces NAME ...] [--policies ...] [--seed-offset K] [--jobs N] --json OUT [--table]
 
@@ -12,7 +12,7 @@ from development (names keep the development set's; the recorded conv traces do 
 ``--scale N`` superposes N draws of each generated trace (seeds shifted by a further 0, 1000, ...):
 the same shapes at N times the load, as from N times the users (the recorded conv traces are left
 out). ``--set outside`` replays instead the shapes kept apart from development as a check
-(bench/planner_traces.outside_set: a load after an idle stretch, a sawtooth, a step down, long
+(bench/planner_sets.outside_set: a load after an idle stretch, a sawtooth, a step down, long
 answers, a trickle, periodic bursts, and more added since).
 """
 
@@ -23,7 +23,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 
 from bench.planner import DEFAULT_PERF, describe, evaluate_goals, parse_with_planner_config, replay
-from bench.planner_traces import RECORDED, SETS, draw
+from bench.planner_sets import RECORDED, SETS, draw
 from bench.report import arg_parser, emit_report, machine, progress, run
 from planner.config import PlannerConfig
 from planner.perf_model import load_splitwise_csv

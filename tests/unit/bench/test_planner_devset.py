@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import planner as planner_bench
-from bench import planner_devset, planner_traces
+from bench import planner_devset, planner_sets, planner_traces
 
 
 def _rate(trace, start_s: float, end_s: float) -> float:
@@ -75,7 +75,7 @@ def test_bench_planner_writes_a_development_trace_and_replays_it(tmp_path):
 
 
 def test_a_seed_offset_draws_held_out_traces_of_the_same_shapes():
-    dev, held_out = planner_traces.dev_set(), planner_traces.dev_set(seed_offset=10)
+    dev, held_out = planner_sets.dev_set(), planner_sets.dev_set(seed_offset=10)
     assert list(held_out) == list(dev)
     assert held_out["bursts_long"]() == planner_traces.generate_bursts(23, 240.0) != dev["bursts_long"]()
     assert held_out["bursty_0"]() == planner_traces.generate_bursty(10)
@@ -83,18 +83,18 @@ def test_a_seed_offset_draws_held_out_traces_of_the_same_shapes():
 
 
 def test_a_scale_superposes_independent_draws_of_the_same_shape(tmp_path, capsys):
-    one = planner_traces.draw("outside", "late_step", seed_offset=10)
-    assert one == planner_traces.outside_set(seed_offset=10)["late_step"]()
-    three = planner_traces.draw("outside", "late_step", seed_offset=10, scale=3)
-    assert set(one) < set(three) and set(planner_traces.outside_set(seed_offset=1010)["late_step"]()) < set(three)
+    one = planner_sets.draw("outside", "late_step", seed_offset=10)
+    assert one == planner_sets.outside_set(seed_offset=10)["late_step"]()
+    three = planner_sets.draw("outside", "late_step", seed_offset=10, scale=3)
+    assert set(one) < set(three) and set(planner_sets.outside_set(seed_offset=1010)["late_step"]()) < set(three)
     assert 8 < _rate(three, 0, 2700) < 10 and 17 < _rate(three, 2700, 5400) < 19  # 3 and 6 req/s, three times
     assert [a.time_s for a in three] == sorted(a.time_s for a in three)
     with pytest.raises(planner_traces.BenchError, match="conv_x2 is a recorded trace"):
-        planner_traces.draw("dev", "conv_x2", scale=2)
+        planner_sets.draw("dev", "conv_x2", scale=2)
     out = tmp_path / "scaled.json"
     assert planner_devset.main(["--set", "outside", "--traces", "trickle", "--scale", "2", "--policies", "static", "--jobs", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["scale"] == 2 and report["traces"]["trickle"]["trace_stats"]["num_requests"] == len(planner_traces.draw("outside", "trickle", scale=2))
+    assert report["scale"] == 2 and report["traces"]["trickle"]["trace_stats"]["num_requests"] == len(planner_sets.draw("outside", "trickle", scale=2))
     for argv, message in ((["--traces", "conv", "--scale", "2"], "--traces conv: recorded traces"), (["--scale", "0"], "--scale must be at least 1")):
         with pytest.raises(SystemExit):
             planner_devset.main([*argv, "--json", str(out)])
@@ -111,8 +111,8 @@ def test_the_devset_replays_held_out_traces_when_asked(tmp_path, capsys):
 
 
 def test_the_outside_set_keeps_its_shapes_and_replays_apart_from_the_development_set(tmp_path, capsys):
-    outside = planner_traces.outside_set()
-    assert not set(outside) & set(planner_traces.dev_set())
+    outside = planner_sets.outside_set()
+    assert not set(outside) & set(planner_sets.dev_set())
     idle = outside["idle_then_load"]()
     assert idle[0].time_s >= 2400 and 5.5 < _rate(idle, 2400, 4200) < 6.5
     saw = outside["sawtooth"]()
