@@ -104,3 +104,9 @@ def test_router_rooms_import_only_their_own_layer_and_below():
 
 def test_router_keeps_at_most_six_modules_at_its_top():
     assert len(list((REPO / "router").glob("*.py"))) <= 6
+
+
+def test_no_bench_file_runs_over_500_lines():
+    """A benchmark that outgrows a file splits into modules (bench/planner_sets.py from planner_traces.py)."""
+    long = {path.name: n for path in sorted((REPO / "bench").glob("*.py")) if (n := len(path.read_text().splitlines())) > 500}
+    assert long == {}
