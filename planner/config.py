@@ -32,6 +32,15 @@ class PlannerConfig:
     """Stabilisation window (Kubernetes HPA's ``behavior.scaleDown.stabilizationWindowSeconds``): a
     pool shrinks only to the most it would have shrunk to in any interval of this many seconds. 0
     uses each interval alone. Longer windows flap less and cost more replica-hours (planner/EXPERIMENTS.md)."""
+    flap_limit_per_hour: int = 6
+    """At or below its deployment a pool changes direction at most this many times in any hour: it
+    does not turn down where that would leave no room within the hour for the turn up that may have
+    to follow, and holds instead, at no more than a static split of the deployment spends (half the
+    issue's bound of 12). A load that sits at a count's edge for hours (a day's sine between 1 and 6
+    req/s, on its way through 2 req/s) otherwise has a rise met ahead on its noise and let go after
+    the cooldown, again and again: 15 changes of direction in one hour (planner/EXPERIMENTS.md,
+    sixteenth session). Growing is never held back, and above the deployment (replicas paid from
+    savings) a pool goes down as before. 0: off."""
     base_quantile: float | None = None
     """The quantile of per-interval need (each interval weighted by its requests) the pools are sized
     for; None: ``attainment_target``."""
@@ -167,6 +176,14 @@ class PlannerConfig:
     run allows gaps shorter than two start-ups (the stretch within a lower count that ends a level the
     pool grew for). Levels that this keeps no longer than the window are left to the window and to
     ``release_level_after_s``. 0: off, the window alone."""
+    level_memory_max_s: float | None = None
+    """The longest a level is kept after it ended (``level_memory_lengths``); None: four times the
+    window (2 hours with the defaults). The memory is for a load that comes back after a quiet spell
+    about as long as itself, a step no reaction catches; a level of hours that ends is most often a
+    day's peak, which comes back as a ramp the window and the trend rule meet, and kept twice its
+    length it would pin the pools at the peak through the trough (a day's sine between 1 and 6
+    req/s: prefill held at the peak's 2 for the 22 hours after a level of 11; planner/EXPERIMENTS.md,
+    sixteenth session)."""
     release_level_after_s: float | None = None
     """A level of load a pool grew for and that held at least this long is a shift, not a burst:
     once the load has stayed within the count the pool had before for two start-ups, the window
@@ -249,6 +266,10 @@ class PlannerConfig:
             raise ValueError(f"min_decode and max_decode must satisfy 1 <= min <= max, got {self.min_decode} and {self.max_decode}.")
         if not (self.level_memory_lengths >= 0 and math.isfinite(self.level_memory_lengths)):
             raise ValueError(f"level_memory_lengths must be 0 (off) or more, got {self.level_memory_lengths}.")
+        if self.flap_limit_per_hour < 0:
+            raise ValueError(f"flap_limit_per_hour must be 0 (off) or more, got {self.flap_limit_per_hour}.")
+        if self.level_memory_max_s is not None and not self.level_memory_max_s >= 0:
+            raise ValueError(f"level_memory_max_s must be 0 or more (None: four windows), got {self.level_memory_max_s}.")
         for name in ("scale_down_cooldown_s", "scale_down_window_s", "idle_hold_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}.")

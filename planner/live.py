@@ -132,8 +132,16 @@ class PlannerMetrics:
         )
         self.long_level = Gauge(
             "splitserve_planner_long_level_replicas",
-            "The count a long level keeps the pool at (or above) below its deployment this interval: a level is kept twice as long after it as it held, where that is longer than the window (0: none kept).",
+            "The count a long level keeps the pool at (or above) below its deployment this interval: a level is kept twice as long after it as it held, where that is longer than the window, and four windows at most (0: none kept).",
             ["pool"], registry=r,
+        )
+        self.direction_changes = Gauge(
+            "splitserve_planner_direction_changes_last_hour",
+            "The pool's changes of direction (up after down, or down after up) within the last hour; at or below its deployment it makes at most flap_limit_per_hour.",
+            ["pool"], registry=r,
+        )
+        self.flap_holds = Counter(
+            "splitserve_planner_flap_holds_total", "Intervals the flap limit held the pool rather than turning it down again.", ["pool"], registry=r
         )
         self.launch_protection = Gauge(
             "splitserve_planner_launch_protection",
@@ -242,6 +250,9 @@ class PlannerLoop:
             m.rise_room.labels(pool).set(decision.rise_room.get(pool, 0))
             m.launch_protection.labels(pool).set(1 if pool in decision.launch_protected else 0)
             m.long_level.labels(pool).set(decision.long_levels.get(pool, 0))
+            m.direction_changes.labels(pool).set(decision.direction_changes.get(pool, 0))
+        for pool in decision.flap_held:
+            m.flap_holds.labels(pool).inc()
         m.saved.set(decision.saved_replica_s)
         if decision.error_budget is not None:
             m.error_budget.set(decision.error_budget)
@@ -255,7 +266,8 @@ class PlannerLoop:
             "unfunded_trends": list(decision.unfunded_trends), "held_at_deployment": list(decision.held_at_deployment),
             "rise_room": dict(decision.rise_room), "saved_replica_s": round(decision.saved_replica_s, 1),
             "error_budget": None if decision.error_budget is None else round(decision.error_budget, 1),
-            "launch_protected": list(decision.launch_protected), "long_levels": dict(decision.long_levels), "dry_run": self.dry_run,
+            "launch_protected": list(decision.launch_protected), "long_levels": dict(decision.long_levels),
+            "direction_changes": dict(decision.direction_changes), "flap_held": list(decision.flap_held), "dry_run": self.dry_run,
         }))
 
 

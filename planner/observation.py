@@ -106,4 +106,9 @@ class Decision:
     long_levels: Mapping[str, int] = field(default_factory=dict)
     """Per pool that a long level keeps from shrinking further this interval (below the deployment,
     ``level_memory_lengths``): the count it keeps. A level is kept for twice as long after it ended
-    as it held (by default), where that is longer than the window."""
+    as it held (by default), where that is longer than the window, and four windows at most."""
+    direction_changes: Mapping[str, int] = field(default_factory=dict)
+    """Per pool, its changes of direction (a change up after one down, or down after one up) within
+    the last hour, this interval's included (``flap_limit_per_hour``)."""
+    flap_held: tuple[str, ...] = ()
+    """Pools ``flap_limit_per_hour`` held this interval rather than turning them down again."""

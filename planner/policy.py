@@ -33,8 +33,10 @@ interval of the window's span within the start-up and interval after it, at most
 the quantile leaves a burst out, and replicas up to the deployment cost nothing a static split
 would not. A level let go takes its rise with it.
 Below the deployment a level of load is also kept for twice as long after it ended as it held,
-where that is longer than the window (``level_memory_lengths``): the window alone lets a level go
-a window after it ends, just as a load with a period of twice the window brings it back.
+where that is longer than the window (``level_memory_lengths``), and four windows at most
+(``level_memory_max_s``): the window alone lets a level go a window after it ends, just as a load
+with a period of twice the window brings it back; a level of hours, a day's peak, is let go in the
+trough.
 Below the deployment a load that rose over the last start-up is met ahead at once
 (``rise_ahead_below_deployment``): the pool grows to the load grown on at that rate to when
 replicas asked for now are warm, at most the deployment, and holds that while the load rises.
@@ -155,6 +157,10 @@ class SLAPlanner:
         self.sizer = ReplicaSizer(config, perf_model)  # counts for a load, and the corrections it learns
         self.window = LoadWindow(config)  # the counts' quantile window and the levels it lets go
         self._last_change_s = {pool: -math.inf for pool in POOLS}
+        # Per pool, (time, up) of its changes of direction within the last hour, and its last change's direction.
+        self._turns: dict[str, deque[tuple[float, bool]]] = {pool: deque() for pool in POOLS}
+        self._last_up: dict[str, bool | None] = {pool: None for pool in POOLS}
+        self._flap_held: set[str] = set()  # this interval's pools the flap limit held
         self._recent_down: dict[str, deque[tuple[float, int]]] = {pool: deque() for pool in POOLS}
         # The window's own clock: the seconds observed that age it. An idle interval (no request at
         # all) does not, until the idle stretch has lasted ``idle_hold_s``.
@@ -197,6 +203,7 @@ class SLAPlanner:
         window, the trends, the savings, the levels), each reading what those before it left, so their
         order is the decision's."""
         interval = self._observe(observation, pools)
+        self._flap_held.clear()
         # This interval's load, as counts, joins the window; the pools are sized for the window's quantile.
         self._size_load(interval)
         released = self._add_to_window(interval)
@@ -226,6 +233,7 @@ class SLAPlanner:
             observation.time_s, targets, dict(needs.up), interval.forecast, dict(self.corrections), reasons, tuple(infeasible),
             interval.infeasible_requests, tuple(released), tuple(unfunded), tuple(sorted(held)), room, self._saved_s, interval.budget,
             tuple(pool for pool in POOLS if self._holds_deployment(pool)), {pool: level[0] for pool, level in kept.items()},
+            {pool: self._turns_within_hour(pool, observation.time_s) for pool in POOLS}, tuple(sorted(self._flap_held)),
         )
 
     def _observe(self, obs: Observation, pools: Mapping[str, PoolReplicas]) -> _Interval:
@@ -368,7 +376,7 @@ class SLAPlanner:
                 clause = f"; {base[pool]} for the load now, over what the window's {self.window.quantile:g} quantile needs"
             needs.why[pool] += f"{clause} (the deployment's {self._deployed[pool]} at most)"
         for pool, (count, held_s, ago_s) in kept.items():
-            needs.why[pool] += f"; {count} kept for the level of {held_s / 60:.0f} minutes that needed it until {ago_s / 60:.0f} minutes ago (kept {self.config.level_memory_lengths:g} times as long after it as it held)"
+            needs.why[pool] += f"; {count} kept for the level of {held_s / 60:.0f} minutes that needed it until {ago_s / 60:.0f} minutes ago (kept {self.config.level_memory_lengths:g} times as long after it as it held, {self.window.level_memory_max_s / 60:g} minutes at most)"
         if interval.idle_held:
             idle = f"; no request for {self._idle_s:.0f} s: the window keeps the traffic before it for up to {self.config.idle_hold_s:g} s idle"
             for pool in POOLS:
@@ -667,9 +675,12 @@ class SLAPlanner:
                     self._before_rise.setdefault(pool, pools[pool].target)
             elif pool in self._before_rise and self.trend.falling(pool):
                 back = max(need, self._before_rise.pop(pool), config.min_prefill if pool == "prefill" else config.min_decode)
-                if back < targets[pool]:
+                if back < targets[pool] and self._flap_limited(pool, targets[pool], obs.time_s):
+                    reasons[pool] += f"; the rise is over, but {self._turns_within_hour(pool, obs.time_s)} changes of direction in the last hour hold it"
+                    self._flap_held.add(pool)
+                elif back < targets[pool]:
                     targets[pool], reasons[pool] = back, f"back to {back}: the rise is over ({why})"
-                    self._last_change_s[pool] = obs.time_s
+                    self._changed(pool, False, obs.time_s)
             self.window.track_level(pool, pools[pool].target, targets[pool], interval.counts[f"{pool}_down"], pool in held, obs.time_s)
         if interval.infeasible_requests:
             reasons["prefill"] += f" ({interval.infeasible_requests} requests had prompts no replica prefills within the TTFT SLO)"
@@ -735,6 +746,10 @@ class SLAPlanner:
             limit = "" if config.hold_deployment_until_needed_s is None else f" of {config.hold_deployment_until_needed_s:g}"
             held = f"no interval's load has needed the deployment's {deployed} yet ({self._aged_s:.0f}{limit} s observed)"
             target, reason = floor, (f"holding at {current}: {held}" if floor == current else f"down to {floor} for {why}; {held}")
+        elif need_down < current and self._flap_limited(pool, current, now_s):
+            turns = self._turns_within_hour(pool, now_s)
+            reason = f"holding at {current}: {turns} changes of direction in the last hour, of the {config.flap_limit_per_hour} it may make"
+            self._flap_held.add(pool)
         elif need_down < current and now_s - self._last_change_s[pool] < config.scale_down_cooldown_s and (
             config.burst_memory_above_deployment or need_down < deployed
         ):  # above the deployment (held only for recent load) replicas go without a cooldown
@@ -748,5 +763,26 @@ class SLAPlanner:
             reason = f"holding at {current} for {why}"
         target = max(low, min(high, target))
         if target != current:
-            self._last_change_s[pool] = now_s
+            self._changed(pool, target > current, now_s)
         return target, reason, flagged
+
+    def _changed(self, pool: str, up: bool, now_s: float) -> None:
+        """Records a change of ``pool``'s target at ``now_s`` (for the cooldown and ``flap_limit_per_hour``)."""
+        self._last_change_s[pool] = now_s
+        if self._last_up[pool] is not None and self._last_up[pool] != up:
+            self._turns[pool].append((now_s, up))
+        self._last_up[pool] = up
+
+    def _flap_limited(self, pool: str, current: int, now_s: float) -> bool:
+        """Whether ``flap_limit_per_hour`` holds ``pool`` at ``current`` rather than turning it down:
+        at or below the deployment, its last change up, and a turn down now would leave no room within
+        the hour for the turn up that may have to follow (growing is never held back)."""
+        limit = self.config.flap_limit_per_hour
+        return bool(limit) and current <= self._deployed[pool] and bool(self._last_up[pool]) and self._turns_within_hour(pool, now_s) + 2 > limit
+
+    def _turns_within_hour(self, pool: str, now_s: float) -> int:
+        """How many times ``pool`` changed direction in the hour before ``now_s``."""
+        turns = self._turns[pool]
+        while turns and turns[0][0] <= now_s - 3600.0:
+            turns.popleft()
+        return len(turns)

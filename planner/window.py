@@ -51,6 +51,7 @@ class LoadWindow:
         self.quantile = config.attainment_target if config.base_quantile is None else config.base_quantile
         derived_s = round(max(4 * config.interval_s, (config.startup_s + config.interval_s) / (1 - self.quantile)), 6)
         self.window_s = config.base_window_s if config.base_window_s is not None else derived_s
+        self.level_memory_max_s = 4 * self.window_s if config.level_memory_max_s is None else config.level_memory_max_s
         self.warmup_s = min(self.window_s, derived_s)  # no pool shrinks before this much is observed
         # Every interval of the window's span in order: [time, aged, requests, counts]. A level let go
         # leaves its intervals' counts None: the window forgets them (``_remembered``), and no rise
@@ -232,7 +233,7 @@ class LoadWindow:
         until it ends: the window alone)."""
         first, last = run
         held_s = last - first + self.config.interval_s
-        kept_s = self.config.level_memory_lengths * held_s + self._reaction * self.config.interval_s
+        kept_s = min(self.config.level_memory_lengths * held_s + self._reaction * self.config.interval_s, self.level_memory_max_s)
         return last + (kept_s if kept_s > self.window_s else 0.0), held_s, last
 
     def _weighted_quantile(self, values: list[tuple[int, float]]) -> int:

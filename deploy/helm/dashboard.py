@@ -79,6 +79,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         ("max by (pool) (splitserve_planner_launch_protection)", "launch protection {{pool}} (1: kept at the deployment)"),
         ("max by (pool) (splitserve_planner_rise_room_replicas)", "room for rises {{pool}}"),
         ("max by (pool) (splitserve_planner_long_level_replicas)", "long level kept {{pool}} (replicas)"),
+        ("max by (pool) (splitserve_planner_direction_changes_last_hour)", "changes of direction in the last hour {{pool}}"),
     ]),
     ("Planner: savings and error budget", "short", [
         ("max (splitserve_planner_saved_replica_seconds)", "replica-seconds saved below the deployment"),

@@ -335,3 +335,22 @@ def test_a_long_level_kept_below_the_deployment_is_a_gauge_and_logged(caplog):
         assert "4 kept for the level of 3 minutes that needed it until 6 minutes ago" in decisions[840].reasons["prefill"]
         decisions.update({t: asyncio.run(loop.step(float(t))) for t in range(850, 1000, 10)})
     assert decisions[990].targets["prefill"] == 2 and gauge._value.get() == 0 and _logged(caplog)[-1]["long_levels"] == {}
+
+
+def test_changes_of_direction_are_a_gauge_and_the_flap_limit_s_holds_are_counted_and_logged(caplog):
+    """A window of one 10-second interval: 1,500 prompt tokens/s need the deployment's 4 prefill
+    replicas and 100 need 2, so a load that alternates turns the pool every interval until the
+    limit (6 an hour) holds it at 4; the gauge counts the turns, the counter the holds."""
+    connector = FakeConnector()
+    connector.targets["prefill"] = 4
+    config = PlannerConfig(interval_s=10.0, max_prefill=8, startup_s=0.0, scale_down_cooldown_s=0.0, base_window_s=10.0, rise_start_ups=0, level_memory_lengths=0.0)
+    loop = PlannerLoop(SLAPlanner(config, PROFILE), connector, ScheduledSource(lambda t: 1500 if t % 20 == 0 else 100), metrics=PlannerMetrics())
+    with caplog.at_level(logging.INFO, logger="planner.live"):
+        decisions = [asyncio.run(loop.step(float(t))) for t in range(0, 300, 10)]
+    targets = [d.targets["prefill"] for d in decisions]
+    assert 2 in targets[:10] and set(targets[-10:]) == {4}
+    held = [d for d in decisions if "prefill" in d.flap_held]
+    assert held and held[0].direction_changes["prefill"] == 5 and "of the 6 it may make" in held[0].reasons["prefill"]
+    assert loop.metrics.direction_changes.labels("prefill")._value.get() == decisions[-1].direction_changes["prefill"] == 5
+    assert loop.metrics.flap_holds.labels("prefill")._value.get() == len(held)
+    assert _logged(caplog)[-1]["direction_changes"]["prefill"] == 5 and _logged(caplog)[-1]["flap_held"] in ([], ["prefill"])

@@ -25,7 +25,7 @@ import math
 import pytest
 
 from planner.config import PlannerConfig
-from planner.connector import PoolReplicas
+from planner.connector import POOLS, PoolReplicas
 from planner.perf_model import PerfModel
 from planner.observation import Observation
 from planner.policy import SLAPlanner
@@ -931,9 +931,9 @@ def test_a_long_level_is_kept_below_the_deployment_twice_as_long_after_it_as_it_
     # Deployed at 2 + 2; 3 req/s needs 1 + 1 and 18 req/s needs 2 + 2. A 300 s window remembers a
     # level for 300 s after it ends; a level of ten intervals (about 4.5 minutes counted, its
     # start-up averages included) is kept for twice that and a reaction (a start-up and an interval).
-    def after_level(level: int, lengths: float, start: tuple[int, int] = (2, 2), blip: int | None = None) -> tuple[int, list]:
-        p = planner(base_window_s=300.0, scale_down_cooldown_s=0, level_memory_lengths=lengths)
-        rates = [3] * 12 + [18] * level + [3] * 40
+    def after_level(level: int, lengths: float, start: tuple[int, int] = (2, 2), blip: int | None = None, max_s: float | None = None) -> tuple[int, list]:
+        p = planner(base_window_s=300.0, scale_down_cooldown_s=0, level_memory_lengths=lengths, level_memory_max_s=max_s)
+        rates = [3] * 12 + [18] * level + [3] * 80
         if blip is not None:  # two intervals at 18 req/s, ``blip`` intervals after the level
             rates[12 + level + blip] = rates[13 + level + blip] = 18
         decisions = run(p, rates, start)
@@ -945,7 +945,7 @@ def test_a_long_level_is_kept_below_the_deployment_twice_as_long_after_it_as_it_
     assert shrunk == 20
     kept = after[shrunk - 1]
     assert dict(kept.long_levels) == {"prefill": 2, "decode": 2} and dict(kept.targets) == {"prefill": 2, "decode": 2}
-    assert "2 kept for the level of 4 minutes that needed it until 10 minutes ago (kept 2 times as long after it as it held)" in kept.reasons["prefill"]
+    assert "2 kept for the level of 4 minutes that needed it until 10 minutes ago (kept 2 times as long after it as it held, 20 minutes at most)" in kept.reasons["prefill"]
     assert after[shrunk].targets["decode"] == 1 and "decode" not in after[shrunk].long_levels
     # Prefill's run counts longer (at its scale-down margin, its averaged count stays at 2 an interval
     # or two more), and it goes once its own level is over.
@@ -960,6 +960,25 @@ def test_a_long_level_is_kept_below_the_deployment_twice_as_long_after_it_as_it_
     assert [d.targets["prefill"] for d in after_level(10, 2.0, (1, 1))[1][:8]] == [d.targets["prefill"] for d in after_level(10, 0.0, (1, 1))[1][:8]]
     with pytest.raises(ValueError, match="level_memory_lengths must be 0"):
         PlannerConfig(level_memory_lengths=-1.0)
+
+
+def test_a_level_is_kept_no_longer_than_four_windows_after_it():
+    # As above (a 300 s window, 2 + 2 for 18 req/s, 1 + 1 for 3), a level of 30 intervals: kept
+    # twice its length and a reaction it would hold the pools about 60 intervals after it; four windows
+    # (1200 s, 40 intervals) is the most a level is kept by default, so that a level of hours (a
+    # day's peak) does not pin the pools at it through the trough.
+    def shrunk_after(max_s: float | None, lengths: float = 2.0) -> tuple[int, list]:
+        p = planner(base_window_s=300.0, scale_down_cooldown_s=0, level_memory_lengths=lengths, level_memory_max_s=max_s)
+        after = run(p, [3] * 12 + [18] * 30 + [3] * 80, (2, 2))[42:]
+        return next(i for i, d in enumerate(after) if min(d.targets.values()) < 2), after
+
+    uncapped, capped = shrunk_after(1e9)[0], shrunk_after(None)
+    assert uncapped >= 60 and 38 <= capped[0] <= 41
+    assert "(kept 2 times as long after it as it held, 20 minutes at most)" in capped[1][capped[0] - 1].reasons["decode"]
+    assert shrunk_after(600.0)[0] in (19, 20, 21)  # ten minutes, as given
+    assert shrunk_after(0.0)[0] == shrunk_after(None, lengths=0.0)[0] < 9  # none: as off (a level this long is let go as a shift)
+    with pytest.raises(ValueError, match="level_memory_max_s must be 0 or more"):
+        PlannerConfig(level_memory_max_s=-1.0)
 
 
 def test_aggregate_when_cheaper_lets_one_decode_replica_prefill_what_two_pools_would_split():
@@ -1169,3 +1188,33 @@ def test_decode_does_not_shrink_below_the_replicas_that_hold_its_kv_in_use():
     assert decide(0.4).targets["decode"] == 2  # 0.4 * 1.21 * 3 / 0.9 = 1.6 replicas of KV
     assert decide(0.6, kv_holds_decode=False).targets["decode"] == 1
     assert decide(None).targets["decode"] == 1
+
+
+def _turns_per_hour(decisions, pool: str) -> int:
+    """The most changes of direction ``pool``'s targets made within any hour of ``decisions``."""
+    steps = [(b.time_s, b.targets[pool] > a.targets[pool]) for a, b in zip(decisions, decisions[1:]) if b.targets[pool] != a.targets[pool]]
+    turns = [t for (_, x), (t, y) in zip(steps, steps[1:]) if x != y]
+    return max((sum(t <= u < t + 3600 for u in turns) for t in turns), default=0)
+
+
+def test_a_pool_at_a_counts_edge_changes_direction_at_most_the_flap_limit_times_an_hour():
+    # Each interval alone decides (ALONE, no cooldown): 18 req/s needs 2 + 2, 3 needs 1 + 1, so a
+    # load that alternates flaps the pools every interval unless the limit holds them.
+    rates = [18, 3] * 120  # two hours
+    free = run(planner(**ALONE, scale_down_cooldown_s=0, flap_limit_per_hour=0), rates, (2, 2))
+    assert _turns_per_hour(free, "prefill") > 100
+    limited = run(planner(**ALONE, scale_down_cooldown_s=0), rates, (2, 2))  # the default: 6
+    for pool in POOLS:
+        assert _turns_per_hour(limited, pool) == 6
+    held = next(d for d in limited if "changes of direction in the last hour" in d.reasons["prefill"])
+    assert held.targets["prefill"] == 2 and held.reasons["prefill"] == "holding at 2: 5 changes of direction in the last hour, of the 6 it may make"
+    # It holds at the deployment, so it spends no more than the static split; once the oldest turns
+    # are an hour old the pool turns down again.
+    assert max(d.targets["prefill"] for d in limited) == 2
+    assert [d.targets["prefill"] for d in limited if 300 < d.time_s < 3600] == [2] * 109
+    assert any(d.targets["prefill"] == 1 for d in limited if d.time_s > 3600)
+    # Above the deployment (replicas paid from savings) a pool goes down as before: deployed at 1 + 1.
+    above = run(planner(**ALONE, **REMEMBER, scale_down_cooldown_s=0), rates, (1, 1))
+    assert _turns_per_hour(above, "prefill") > 100
+    with pytest.raises(ValueError, match="flap_limit_per_hour must be 0"):
+        PlannerConfig(flap_limit_per_hour=-1)
