@@ -110,7 +110,8 @@ def cheapest_static(sim, config) -> tuple[dict, list]:
 
 
 MAX_CHANGES_PER_HOUR = 12
-"""The most direction changes per hour a pool may make (the issue's bound on flapping)."""
+"""The most direction changes per hour a pool may make (the issue's bound on flapping): over the
+trace's mean and in its busiest hour."""
 
 
 def evaluate_goals(results: dict, span_s: float) -> dict:
@@ -119,7 +120,9 @@ def evaluate_goals(results: dict, span_s: float) -> dict:
     if not (ours and static):
         return {}
     hours = ours["replica_hours"] / static["replica_hours"]
-    per_hour = max(ours["direction_changes_per_pool"].values()) / (span_s / 3600)
+    # The mean over the trace, or the busiest hour where that is more (a long trace's mean hides an hour of flapping).
+    mean = max(ours["direction_changes_per_pool"].values()) / (span_s / 3600)
+    per_hour = max([mean, *ours.get("direction_changes_busiest_hour", {}).values()])
     return {
         "attainment_within_0.01_of_static": {"target": f">= {static['slo_attainment'] - 0.01:.4f}", "value": ours["slo_attainment"], "met": ours["slo_attainment"] >= static["slo_attainment"] - 0.01},
         "replica_hours_over_static": {"target": "<= 1.0 (goal 0.8 on bursty traces)", "value": hours, "met": hours <= 1.0},

@@ -29,7 +29,7 @@ from planner.config import PlannerConfig
 from planner.perf_model import load_splitwise_csv
 
 POLICIES = ("splitserve", "static", "hpa", "hindsight")
-SUMMARY_FIELDS = ("slo_attainment", "replica_hours", "direction_changes_per_pool", "infeasible_intervals", "split", "attainment_bar", "target_reached", "best_attainment", "reached_target", "infeasible_requests")
+SUMMARY_FIELDS = ("slo_attainment", "replica_hours", "direction_changes_per_pool", "direction_changes_busiest_hour", "infeasible_intervals", "split", "attainment_bar", "target_reached", "best_attainment", "reached_target", "infeasible_requests")
 
 
 def replay_trace(name: str, config: PlannerConfig, policies: tuple[str, ...], seed_offset: int = 0, trace_set: str = "dev", scale: int = 1) -> dict:

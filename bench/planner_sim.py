@@ -245,6 +245,7 @@ class Simulation:
         hours = {p: sum(min(r.end_s if r.end_s is not None else self.end_s, self.end_s) - min(r.alloc_s, self.end_s) for r in rs) / 3600 for p, rs in self.replicas.items()}
         steps = [[b[c] - a[c] for a, b in zip(self.timeline, self.timeline[1:]) if b[c] != a[c]] for c in (2, 3)]  # per pool
         changes = {p: sum((x > 0) != (y > 0) for x, y in zip(s, s[1:])) for p, s in zip(POOLS, steps)}
+        busiest = {p: _busiest_hour(self.timeline, 2 + k) for k, p in enumerate(POOLS)}
         return {
             "slo_attainment": met / len(trace),
             "replica_hours": hours["prefill"] + hours["decode"],
@@ -252,6 +253,7 @@ class Simulation:
             "decode_replica_hours": hours["decode"],
             "direction_changes": sum(changes.values()),
             "direction_changes_per_pool": changes,
+            "direction_changes_busiest_hour": busiest,
             "ttft_s_p90": percentile(ttft, 90),
             "itl_s_p90": percentile(itl, 90),
             "max_replicas": {p: max(row[2 + k] for row in self.timeline) if self.timeline else len(self.replicas[p]) for k, p in enumerate(POOLS)},
@@ -279,3 +281,16 @@ class HPA:
                 history.popleft()
             targets[pool] = desired if desired >= current else min(current, max(d for _, d in history))
         return targets
+
+
+def _busiest_hour(timeline: list[tuple], column: int) -> int:
+    """The most changes of direction of ``column``'s count (a pool's replicas) within any hour of
+    ``timeline``: what a mean over a long trace hides, a pool flapping for an hour."""
+    steps = [(b[0], b[column] > a[column]) for a, b in zip(timeline, timeline[1:]) if b[column] != a[column]]
+    turns = [t for (_, x), (t, y) in zip(steps, steps[1:]) if x != y]
+    most, first = 0, 0
+    for last, t in enumerate(turns):
+        while turns[first] <= t - 3600.0:
+            first += 1
+        most = max(most, last - first + 1)
+    return most

@@ -8,6 +8,7 @@ import pytest
 
 from bench import hindsight as bench_hindsight
 from bench import planner as bench_planner
+from bench import planner_sim as bench_planner_sim
 from bench.report import run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -46,6 +47,8 @@ def test_every_policy_is_replayed_and_the_books_balance(trace_path, tmp_path, ca
     assert report["trace_stats"]["mostly_infeasible"] is False
     for name in ("splitserve", "hpa"):  # they start from static's split
         assert report["policies"][name]["direction_changes"] == sum(report["policies"][name]["direction_changes_per_pool"].values())
+        busiest, changes = report["policies"][name]["direction_changes_busiest_hour"], report["policies"][name]["direction_changes_per_pool"]
+        assert set(busiest) == {"prefill", "decode"} and all(0 <= busiest[p] <= changes[p] for p in busiest)
     assert png.read_bytes().startswith(PNG_MAGIC)
 
 
@@ -306,3 +309,18 @@ def test_decode_replicas_prefilling_their_own_prompts_share_them_whatever_their_
     sim = Simulation(trace, perf, config, controller, (0, 2), kv_tokens=8000)
     sim.run()
     assert batches[0] == [3, 3]
+
+
+def test_the_busiest_hour_of_flapping_is_reported_and_judged_not_hidden_in_the_mean():
+    """Timeline rows are (time, rate, prefill, decode): prefill turns 13 times within one hour of a
+    ten-hour trace (a mean of 1.3 an hour) and decode never; the goal fails on that hour."""
+    rows = [(0.0, 0.0, 1, 1)] + [(60.0 * (i + 1), 0.0, 2 if i % 2 == 0 else 1, 1) for i in range(14)] + [(36000.0, 0.0, 1, 1)]
+    assert bench_planner_sim._busiest_hour(rows, 2) == 13 and bench_planner_sim._busiest_hour(rows, 3) == 0
+    spread = [(0.0, 0.0, 1, 1)] + [(3000.0 * (i + 1), 0.0, 2 if i % 2 == 0 else 1, 1) for i in range(14)]
+    assert bench_planner_sim._busiest_hour(spread, 2) == 2  # turns 50 minutes apart: two in an hour at most
+    ours = {"slo_attainment": 1.0, "replica_hours": 1.0, "direction_changes_per_pool": {"prefill": 13, "decode": 0}}
+    static = {"slo_attainment": 1.0, "replica_hours": 1.0}
+    assert bench_planner.evaluate_goals({"splitserve": ours, "static": static}, 36000.0)["direction_changes_per_hour_per_pool"]["met"]
+    flapping = {**ours, "direction_changes_busiest_hour": {"prefill": 13, "decode": 0}}
+    goal = bench_planner.evaluate_goals({"splitserve": flapping, "static": static}, 36000.0)["direction_changes_per_hour_per_pool"]
+    assert goal["value"] == 13 and not goal["met"]
