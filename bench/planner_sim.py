@@ -243,17 +243,15 @@ class Simulation:
         assert not any(math.isnan(x) for x in ttft + itl), "every request is served by the end"
         met = sum(t <= config.ttft_slo_s and i <= config.itl_slo_s for t, i in zip(ttft, itl))
         hours = {p: sum(min(r.end_s if r.end_s is not None else self.end_s, self.end_s) - min(r.alloc_s, self.end_s) for r in rs) / 3600 for p, rs in self.replicas.items()}
-        steps = [[b[c] - a[c] for a, b in zip(self.timeline, self.timeline[1:]) if b[c] != a[c]] for c in (2, 3)]  # per pool
-        changes = {p: sum((x > 0) != (y > 0) for x, y in zip(s, s[1:])) for p, s in zip(POOLS, steps)}
-        busiest = {p: _busiest_hour(self.timeline, 2 + k) for k, p in enumerate(POOLS)}
+        turns = {p: _turns(self.timeline, 2 + k) for k, p in enumerate(POOLS)}
         return {
             "slo_attainment": met / len(trace),
             "replica_hours": hours["prefill"] + hours["decode"],
             "prefill_replica_hours": hours["prefill"],
             "decode_replica_hours": hours["decode"],
-            "direction_changes": sum(changes.values()),
-            "direction_changes_per_pool": changes,
-            "direction_changes_busiest_hour": busiest,
+            "direction_changes": sum(len(t) for t in turns.values()),
+            "direction_changes_per_pool": {p: len(t) for p, t in turns.items()},
+            "direction_changes_busiest_hour": {p: _busiest_hour(t) for p, t in turns.items()},
             "ttft_s_p90": percentile(ttft, 90),
             "itl_s_p90": percentile(itl, 90),
             "max_replicas": {p: max(row[2 + k] for row in self.timeline) if self.timeline else len(self.replicas[p]) for k, p in enumerate(POOLS)},
@@ -283,11 +281,16 @@ class HPA:
         return targets
 
 
-def _busiest_hour(timeline: list[tuple], column: int) -> int:
-    """The most changes of direction of ``column``'s count (a pool's replicas) within any hour of
-    ``timeline``: what a mean over a long trace hides, a pool flapping for an hour."""
+def _turns(timeline: list[tuple], column: int) -> list[float]:
+    """The times ``column``'s count (a pool's replicas) changed direction in ``timeline``: a change
+    up after one down, or down after one up."""
     steps = [(b[0], b[column] > a[column]) for a, b in zip(timeline, timeline[1:]) if b[column] != a[column]]
-    turns = [t for (_, x), (t, y) in zip(steps, steps[1:]) if x != y]
+    return [t for (_, x), (t, y) in zip(steps, steps[1:]) if x != y]
+
+
+def _busiest_hour(turns: list[float]) -> int:
+    """The most of ``turns`` (times, in order) within any hour: what a mean over a long trace
+    hides, a pool flapping for an hour."""
     most, first = 0, 0
     for last, t in enumerate(turns):
         while turns[first] <= t - 3600.0:

@@ -315,9 +315,9 @@ def test_the_busiest_hour_of_flapping_is_reported_and_judged_not_hidden_in_the_m
     """Timeline rows are (time, rate, prefill, decode): prefill turns 13 times within one hour of a
     ten-hour trace (a mean of 1.3 an hour) and decode never; the goal fails on that hour."""
     rows = [(0.0, 0.0, 1, 1)] + [(60.0 * (i + 1), 0.0, 2 if i % 2 == 0 else 1, 1) for i in range(14)] + [(36000.0, 0.0, 1, 1)]
-    assert bench_planner_sim._busiest_hour(rows, 2) == 13 and bench_planner_sim._busiest_hour(rows, 3) == 0
+    assert bench_planner_sim._busiest_hour(bench_planner_sim._turns(rows, 2)) == 13 and bench_planner_sim._busiest_hour(bench_planner_sim._turns(rows, 3)) == 0
     spread = [(0.0, 0.0, 1, 1)] + [(3000.0 * (i + 1), 0.0, 2 if i % 2 == 0 else 1, 1) for i in range(14)]
-    assert bench_planner_sim._busiest_hour(spread, 2) == 2  # turns 50 minutes apart: two in an hour at most
+    assert bench_planner_sim._busiest_hour(bench_planner_sim._turns(spread, 2)) == 2  # turns 50 minutes apart: two in an hour at most
     ours = {"slo_attainment": 1.0, "replica_hours": 1.0, "direction_changes_per_pool": {"prefill": 13, "decode": 0}}
     static = {"slo_attainment": 1.0, "replica_hours": 1.0}
     assert bench_planner.evaluate_goals({"splitserve": ours, "static": static}, 36000.0)["direction_changes_per_hour_per_pool"]["met"]
