@@ -31,7 +31,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 
 from bench.planner import DEFAULT_PERF, parse_with_planner_config, replay
-from bench.planner_sets import RECORDED, SETS, draw
+from bench.planner_sets import SETS, chosen, draw
 from bench.planner_sim import Simulation
 from bench.planner_traces import Arrival
 from bench.report import arg_parser, emit_report, machine, progress, run
@@ -147,12 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     stretch_s = config.startup_s + config.interval_s if args.stretch_s is None else args.stretch_s
     if not stretch_s > 0:
         parser.error(f"--stretch-s must be above 0, got {args.stretch_s}")
-    in_set = list(SETS[args.trace_set]())
-    args.traces = args.traces or [name for name in in_set if args.scale == 1 or name not in RECORDED]
-    if stray := [name for name in args.traces if name not in in_set]:
-        parser.error(f"--traces {' '.join(stray)}: not in --set {args.trace_set} ({', '.join(in_set)})")
-    if args.scale > 1 and (recorded := [name for name in args.traces if name in RECORDED]):
-        parser.error(f"--traces {' '.join(recorded)}: recorded traces, which --scale cannot superpose")
+    try:
+        args.traces = chosen(args.trace_set, args.traces, args.scale)
+    except ValueError as e:
+        parser.error(str(e))
     policies = tuple(dict.fromkeys(args.policies))
     progress("planner_adversary", f"{len(args.traces)} traces x {', '.join(policies)}, a {stretch_s:g} s stretch at up to {args.rounds} shrinks, on {args.jobs} processes")
     # Spawned, not forked, as bench.planner_devset's workers.

@@ -23,7 +23,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 
 from bench.planner import DEFAULT_PERF, describe, evaluate_goals, parse_with_planner_config, replay
-from bench.planner_sets import RECORDED, SETS, draw
+from bench.planner_sets import SETS, chosen, draw
 from bench.report import arg_parser, emit_report, machine, progress, run
 from planner.config import PlannerConfig
 from planner.perf_model import load_splitwise_csv
@@ -72,12 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--jobs must be at least 1")
     if args.scale < 1:
         parser.error(f"--scale must be at least 1, got {args.scale}")
-    in_set = list(SETS[args.trace_set]())
-    args.traces = args.traces or [name for name in in_set if args.scale == 1 or name not in RECORDED]
-    if stray := [name for name in args.traces if name not in in_set]:
-        parser.error(f"--traces {' '.join(stray)}: not in --set {args.trace_set} ({', '.join(in_set)})")
-    if args.scale > 1 and (recorded := [name for name in args.traces if name in RECORDED]):
-        parser.error(f"--traces {' '.join(recorded)}: recorded traces, which --scale cannot superpose (every seed draws the same one)")
+    try:
+        args.traces = chosen(args.trace_set, args.traces, args.scale)
+    except ValueError as e:
+        parser.error(str(e))
     policies = tuple(dict.fromkeys(["static", *args.policies]))  # every other policy starts from static's split
     progress("planner_devset", f"{len(args.traces)} traces x {', '.join(policies)} on {args.jobs} processes")
     # Spawned, not forked: a caller's threads (a Ray driver's, gRPC's) do not survive a fork, and a

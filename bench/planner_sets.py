@@ -188,6 +188,19 @@ RECORDED = frozenset({"conv", "conv_x2", "conv_half"})
 """The traces read from a recording: every seed draws the same one."""
 
 
+def chosen(trace_set: str, names: list[str] | None, scale: int = 1) -> list[str]:
+    """The traces of ``SETS[trace_set]`` a bench replays: ``names``, or by default all of them (less
+    the recorded ones at a ``scale`` over 1). Raises ValueError naming any not in the set, or any
+    recorded one asked for at a scale over 1."""
+    in_set = list(SETS[trace_set]())
+    names = names or [name for name in in_set if scale == 1 or name not in RECORDED]
+    if stray := [name for name in names if name not in in_set]:
+        raise ValueError(f"--traces {' '.join(stray)}: not in --set {trace_set} ({', '.join(in_set)})")
+    if scale > 1 and (recorded := [name for name in names if name in RECORDED]):
+        raise ValueError(f"--traces {' '.join(recorded)}: recorded traces, which --scale cannot superpose (every seed draws the same one)")
+    return names
+
+
 def draw(trace_set: str, name: str, startup_s: float = 60.0, seed_offset: int = 0, scale: int = 1) -> list[Arrival]:
     """Trace ``name`` of ``SETS[trace_set]``; at ``scale`` K the K draws of seed offsets
     ``seed_offset + 1000 i`` superposed: the same shape at K times the load, from K times the users."""

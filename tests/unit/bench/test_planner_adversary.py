@@ -66,3 +66,11 @@ def test_bad_options_are_usage_errors_naming_the_option(flag, value, said, capsy
     with pytest.raises(SystemExit) as exit_info:
         planner_adversary.main(["--traces", "flash_crowd", flag, value])
     assert exit_info.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [(["--traces", "conv", "--scale", "2"], "--traces conv: recorded traces, which --scale cannot superpose"),
+                                        (["--set", "outside", "--traces", "flash_crowd"], "--traces flash_crowd: not in --set outside")])
+def test_traces_the_set_cannot_draw_are_usage_errors_naming_them(argv, said, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        planner_adversary.main(argv)
+    assert exit_info.value.code == 2 and said in capsys.readouterr().err
