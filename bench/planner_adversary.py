@@ -47,8 +47,7 @@ def served_within_slo(trace: list[Arrival], perf, config: PlannerConfig, split: 
     """Per request of ``trace``, whether a static split ``split`` (prefill, decode) served it within both SLOs."""
     sim = Simulation(trace, perf, config, lambda *_: None, split)
     sim.run()
-    return [f - a.time_s <= config.ttft_slo_s and (e - s) / a.output_tokens <= config.itl_slo_s
-            for a, f, s, e in zip(trace, sim.first_s, sim.start_s, sim.finish_s)]
+    return sim.within_slo(*sim.latencies())
 
 
 def busiest_served_stretch(trace: list[Arrival], met: list[bool], length_s: float, attainment: float) -> tuple[float, int]:
@@ -87,15 +86,15 @@ def first_shrink(timeline: list[tuple], deployment: dict[str, int], after_s: flo
     return None
 
 
-def attack(trace: list[Arrival], perf, config: PlannerConfig, policy: str, static: dict, stretch_s: float, rounds: int) -> dict:
-    """Splices the deployment's busiest served stretch in at ``policy``'s shrinks (one a round) until
-    its attainment falls below static's less ``TARGET_SLACK`` on the spliced trace, or it shrinks no more."""
+def attack(trace: list[Arrival], perf, config: PlannerConfig, policy: str, static: dict, stretch: dict, rounds: int) -> dict:
+    """Splices the deployment's busiest served stretch (``stretch``: its start, length and requests)
+    in at ``policy``'s shrinks (one a round) until its attainment falls below static's less
+    ``TARGET_SLACK`` on the spliced trace, or it shrinks no more."""
     split = (static["split"]["prefill"], static["split"]["decode"])
+    stretch_start_s, stretch_s = stretch["start_s"], stretch["length_s"]
     ours, timeline = replay(trace, perf, config, policy, static=static)
     entry = {"before": {"static": static["slo_attainment"], policy: ours["slo_attainment"], f"{policy}_replica_hours_over_static": ours["replica_hours"] / static["replica_hours"]}, "splices": []}
-    met = served_within_slo(trace, perf, config, split)
-    stretch_start_s, stretch_requests = busiest_served_stretch(trace, met, stretch_s, config.attainment_target)
-    entry["stretch"] = {"start_s": stretch_start_s, "length_s": stretch_s, "requests": stretch_requests}
+    entry["stretch"] = dict(stretch)
     spliced, after_s, same = trace, -1.0, True
     for _ in range(rounds):
         shrink = first_shrink(timeline, static["split"], after_s)
@@ -126,7 +125,11 @@ def attack_trace(name: str, config: PlannerConfig, policies: tuple[str, ...], se
     perf = load_splitwise_csv(DEFAULT_PERF, "llama2-70b", "h100-80gb", 4)
     trace = draw(trace_set, name, config.startup_s, seed_offset, scale)
     static, _ = replay(trace, perf, config, "static")
-    return {"deployment": static["split"], "policies": {policy: attack(trace, perf, config, policy, static, stretch_s, rounds) for policy in policies}}
+    # The same stretch for every policy: the deployment's, found once.
+    met = served_within_slo(trace, perf, config, (static["split"]["prefill"], static["split"]["decode"]))
+    start_s, requests = busiest_served_stretch(trace, met, stretch_s, config.attainment_target)
+    stretch = {"start_s": start_s, "length_s": stretch_s, "requests": requests}
+    return {"deployment": static["split"], "policies": {policy: attack(trace, perf, config, policy, static, stretch, rounds) for policy in policies}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -236,12 +236,21 @@ class Simulation:
             elif not r.heap:
                 r.end_s = now
 
-    def _result(self) -> dict:
-        config, trace = self.config, self.trace
-        ttft = [f - a.time_s for f, a in zip(self.first_s, trace)]
-        itl = [(f - s) / a.output_tokens for f, s, a in zip(self.finish_s, self.start_s, trace)]
+    def latencies(self) -> tuple[list[float], list[float]]:
+        """Each request's TTFT and mean ITL, in the trace's order (after ``run``)."""
+        ttft = [f - a.time_s for f, a in zip(self.first_s, self.trace)]
+        itl = [(f - s) / a.output_tokens for f, s, a in zip(self.finish_s, self.start_s, self.trace)]
         assert not any(math.isnan(x) for x in ttft + itl), "every request is served by the end"
-        met = sum(t <= config.ttft_slo_s and i <= config.itl_slo_s for t, i in zip(ttft, itl))
+        return ttft, itl
+
+    def within_slo(self, ttft: list[float], itl: list[float]) -> list[bool]:
+        """Per request, whether its TTFT and its mean ITL (``latencies``) are both within their SLOs."""
+        return [t <= self.config.ttft_slo_s and i <= self.config.itl_slo_s for t, i in zip(ttft, itl)]
+
+    def _result(self) -> dict:
+        trace = self.trace
+        ttft, itl = self.latencies()
+        met = sum(self.within_slo(ttft, itl))
         hours = {p: sum(min(r.end_s if r.end_s is not None else self.end_s, self.end_s) - min(r.alloc_s, self.end_s) for r in rs) / 3600 for p, rs in self.replicas.items()}
         turns = {p: _turns(self.timeline, 2 + k) for k, p in enumerate(POOLS)}
         return {
