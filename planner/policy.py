@@ -157,8 +157,8 @@ class SLAPlanner:
         self.sizer = ReplicaSizer(config, perf_model)  # counts for a load, and the corrections it learns
         self.window = LoadWindow(config)  # the counts' quantile window and the levels it lets go
         self._last_change_s = {pool: -math.inf for pool in POOLS}
-        # Per pool, (time, up) of its changes of direction within the last hour, and its last change's direction.
-        self._turns: dict[str, deque[tuple[float, bool]]] = {pool: deque() for pool in POOLS}
+        # Per pool, the times of its changes of direction within the last hour, and its last change's direction.
+        self._turns: dict[str, deque[float]] = {pool: deque() for pool in POOLS}
         self._last_up: dict[str, bool | None] = {pool: None for pool in POOLS}
         self._flap_held: set[str] = set()  # this interval's pools the flap limit held
         self._recent_down: dict[str, deque[tuple[float, int]]] = {pool: deque() for pool in POOLS}
@@ -770,7 +770,7 @@ class SLAPlanner:
         """Records a change of ``pool``'s target at ``now_s`` (for the cooldown and ``flap_limit_per_hour``)."""
         self._last_change_s[pool] = now_s
         if self._last_up[pool] is not None and self._last_up[pool] != up:
-            self._turns[pool].append((now_s, up))
+            self._turns[pool].append(now_s)
         self._last_up[pool] = up
 
     def _flap_limited(self, pool: str, current: int, now_s: float) -> bool:
@@ -783,6 +783,6 @@ class SLAPlanner:
     def _turns_within_hour(self, pool: str, now_s: float) -> int:
         """How many times ``pool`` changed direction in the hour before ``now_s``."""
         turns = self._turns[pool]
-        while turns and turns[0][0] <= now_s - 3600.0:
+        while turns and turns[0] <= now_s - 3600.0:
             turns.popleft()
         return len(turns)
